@@ -1,0 +1,40 @@
+# easgd-lightning: two commands on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+export OMP_NUM_THREADS ?= 1
+export WANDB_MODE ?= offline
+export WANDB_SILENT ?= true
+
+.PHONY: venv demo test test-fast lint bench-cluster bench-compressors clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || { command -v $(PYTHON) >/dev/null 2>&1 || PYTHON=python3; $(PYTHON) -m venv $(VENV) 2>/dev/null || python3 -m venv $(VENV); }
+	$(PY) -m pip install --upgrade pip >/dev/null
+	$(PY) -m pip install -e '.[dev]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/python -m easgd_lightning.cli.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests -m "not slow"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check easgd_lightning tests bench
+
+bench-cluster: $(STAMP)
+	$(PY) bench/cluster.py
+
+bench-compressors: $(STAMP)
+	$(PY) bench/compressors.py
+
+clean:
+	rm -rf outputs multirun runs wandb lightning_logs .pytest_cache

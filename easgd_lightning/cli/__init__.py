@@ -1,0 +1,1 @@
+"""Command-line entry points: ``easgd-train`` (Hydra main) and ``easgd-report``."""

@@ -1,0 +1,82 @@
+"""Merge per-rank reports into ``summary.json`` (DESIGN.md section 4.2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from easgd_lightning.utils.atomic import atomic_write_json
+
+__all__ = ["build_summary", "write_summary"]
+
+
+def _sum_kinds(reports: list[dict]) -> dict:
+    kinds: dict[str, dict[str, Any]] = {}
+    for rep in reports:
+        for kind, tot in rep["comm"].get("by_kind", {}).items():
+            acc = kinds.setdefault(kind, {"bytes_sent": 0, "bytes_recv": 0, "dense_bytes": 0, "time_s": 0.0})
+            for key in acc:
+                acc[key] += tot.get(key, 0)
+    return kinds
+
+
+def build_summary(
+    cfg: dict,
+    reports: list[dict | None],
+    *,
+    status: str = "ok",
+    error: str | None = None,
+) -> dict:
+    """A summary dict from the rank reports (missing or failed ranks are recorded as such)."""
+    world = len(reports)
+    ok = [r for r in reports if r and r.get("status") == "ok"]
+    failed_ranks = [i for i, r in enumerate(reports) if not r or r.get("status") != "ok"]
+
+    def per_rank(key: str, default: Any = 0) -> list:
+        return [(r["comm"][key] if r and r.get("status") == "ok" else default) for r in reports]
+
+    wall = max((r["wall_time_s"] for r in ok), default=0.0)
+    samples = sum(r.get("samples", 0) for r in ok)
+    loss_n = sum(r.get("train_loss_count", 0) for r in ok)
+    train_loss = sum(r.get("train_loss_sum", 0.0) for r in ok) / loss_n if loss_n else None
+    fractions = [r["comm"]["time_s"] / r["wall_time_s"] for r in ok if r["wall_time_s"] > 0]
+    first = next((r for r in ok if r.get("val_acc") is not None), ok[0] if ok else None)
+    strategy = cfg.get("strategy", {}).get("name")
+    compression = cfg.get("compression", {}).get("name")
+    by_kind_per_rank = [(r["comm"].get("by_kind", {}) if r and r.get("status") == "ok" else {}) for r in reports]
+    summary = {
+        "status": status if not failed_ranks or status != "ok" else "failed",
+        "error": error,
+        "strategy": strategy,
+        "compression": compression,
+        "world_size": world,
+        "roles": [(r.get("role", "worker") if r and r.get("status") == "ok" else "failed") for r in reports],
+        "trained_ranks": [i for i, r in enumerate(reports) if r and r.get("status") == "ok" and r.get("role", "worker") == "worker"],
+        "failed_ranks": failed_ranks,
+        "steps_per_rank": [(r["steps"] if r and r.get("status") == "ok" else None) for r in reports],
+        "train_loss": train_loss,
+        "val_loss": first.get("val_loss") if first else None,
+        "val_acc": first.get("val_acc") if first else None,
+        "wall_time_s": wall,
+        "samples_per_s": samples / wall if wall > 0 else 0.0,
+        "comm": {
+            "bytes_sent": per_rank("bytes_sent"),
+            "bytes_recv": per_rank("bytes_recv"),
+            "dense_bytes": per_rank("dense_bytes"),
+            "time_s": per_rank("time_s", 0.0),
+            "time_fraction": sum(fractions) / len(fractions) if fractions else 0.0,
+            "by_kind": _sum_kinds(ok),
+            "by_kind_per_rank": by_kind_per_rank,
+        },
+        "val_history": first.get("val_history", []) if first else [],
+        "extras": [(r.get("extras", {}) if r else {}) for r in reports],
+        "rank_errors": {str(i): r.get("error") for i, r in enumerate(reports) if r and r.get("status") != "ok"},
+        "config": cfg,
+    }
+    return summary
+
+
+def write_summary(out_dir: str | Path, summary: dict) -> Path:
+    path = Path(out_dir) / "summary.json"
+    atomic_write_json(path, summary)
+    return path

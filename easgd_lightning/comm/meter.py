@@ -1,0 +1,132 @@
+"""CommMeter: per-rank accounting of communicated bytes and time.
+
+The meter only observes. Every collective or point-to-point call in the project goes
+through :mod:`easgd_lightning.comm.ops`, which records, per call:
+
+* ``bytes_sent`` / ``bytes_recv`` -- the payload this rank contributed / received. For a
+  collective this is the logical message (what a compressor shrinks), not the
+  algorithm-dependent wire traffic of a ring or tree; for point-to-point it is the tensor.
+* ``dense_bytes`` -- what the same exchange would have cost uncompressed (equal to
+  ``bytes_sent`` unless a compressor reports otherwise).
+* ``time_s`` -- wall time spent inside communication (blocking calls) or from launch to
+  completion (asynchronous calls).
+
+Each record carries a ``kind`` (``data_parallel``, ``elastic``, ``parameter_server``,
+``pipeline``, ``tensor_parallel``, ``embedding``, ...) so summaries can break traffic down.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+__all__ = ["CommMeter", "KindTotals", "get_meter", "reset_meter"]
+
+
+@dataclass
+class KindTotals:
+    """Totals for one kind of traffic."""
+
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    dense_bytes: int = 0
+    time_s: float = 0.0
+    calls: int = 0
+
+    def as_dict(self) -> dict:
+        return {
+            "bytes_sent": self.bytes_sent,
+            "bytes_recv": self.bytes_recv,
+            "dense_bytes": self.dense_bytes,
+            "time_s": self.time_s,
+            "calls": self.calls,
+        }
+
+
+@dataclass
+class CommMeter:
+    """Thread-safe byte and time counters, one instance per process."""
+
+    by_kind: dict[str, KindTotals] = field(default_factory=lambda: defaultdict(KindTotals))
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record(
+        self,
+        kind: str,
+        *,
+        sent: int = 0,
+        recv: int = 0,
+        dense: int | None = None,
+        seconds: float = 0.0,
+    ) -> None:
+        """Add one communication event."""
+        with self._lock:
+            totals = self.by_kind[kind]
+            totals.bytes_sent += int(sent)
+            totals.bytes_recv += int(recv)
+            totals.dense_bytes += int(sent if dense is None else dense)
+            totals.time_s += float(seconds)
+            totals.calls += 1
+
+    def add_time(self, kind: str, seconds: float) -> None:
+        """Add time without bytes (e.g. waiting on an asynchronous result)."""
+        with self._lock:
+            self.by_kind[kind].time_s += float(seconds)
+
+    @contextmanager
+    def timed(self, kind: str) -> Iterator[None]:
+        """Context manager adding the elapsed time of its body to ``kind``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add_time(kind, time.perf_counter() - start)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(t.bytes_sent for t in self.by_kind.values())
+
+    @property
+    def bytes_recv(self) -> int:
+        return sum(t.bytes_recv for t in self.by_kind.values())
+
+    @property
+    def dense_bytes(self) -> int:
+        return sum(t.dense_bytes for t in self.by_kind.values())
+
+    @property
+    def time_s(self) -> float:
+        return sum(t.time_s for t in self.by_kind.values())
+
+    def snapshot(self) -> dict:
+        """A JSON-ready dict of the totals and the per-kind breakdown."""
+        with self._lock:
+            return {
+                "bytes_sent": self.bytes_sent,
+                "bytes_recv": self.bytes_recv,
+                "dense_bytes": self.dense_bytes,
+                "time_s": self.time_s,
+                "by_kind": {k: v.as_dict() for k, v in sorted(self.by_kind.items())},
+            }
+
+    def reset(self) -> None:
+        with self._lock:
+            self.by_kind.clear()
+
+
+_METER = CommMeter()
+
+
+def get_meter() -> CommMeter:
+    """The process-wide meter."""
+    return _METER
+
+
+def reset_meter() -> CommMeter:
+    """Clear the process-wide meter and return it."""
+    _METER.reset()
+    return _METER

@@ -1,0 +1,193 @@
+"""The one wrapper around ``torch.distributed``: every call is metered.
+
+Strategies and hooks never call ``torch.distributed`` communication functions directly;
+they call these. Each function takes a ``kind`` (traffic class for the meter) and, where
+a compressor is involved, ``dense_bytes`` (what the uncompressed exchange would cost).
+"""
+
+from __future__ import annotations
+
+import time
+import torch
+import torch.distributed as dist
+
+from easgd_lightning.comm.meter import get_meter
+
+__all__ = [
+    "nbytes",
+    "all_reduce",
+    "all_reduce_async",
+    "all_gather",
+    "all_gather_varlen",
+    "broadcast",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "barrier",
+    "gather_object",
+    "all_gather_object",
+]
+
+
+def nbytes(*tensors: torch.Tensor) -> int:
+    """Payload size of tensors in bytes."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _finish(kind: str, start: float, sent: int, recv: int, dense: int | None) -> None:
+    get_meter().record(kind, sent=sent, recv=recv, dense=dense, seconds=time.perf_counter() - start)
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    *,
+    kind: str,
+    op: dist.ReduceOp = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    dense_bytes: int | None = None,
+) -> torch.Tensor:
+    """In-place all-reduce of ``tensor``; returns it."""
+    start = time.perf_counter()
+    dist.all_reduce(tensor, op=op, group=group)
+    size = nbytes(tensor)
+    _finish(kind, start, size, size, dense_bytes)
+    return tensor
+
+
+def all_reduce_async(
+    tensor: torch.Tensor,
+    *,
+    kind: str,
+    op: dist.ReduceOp = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    dense_bytes: int | None = None,
+) -> torch.futures.Future:
+    """Non-blocking all-reduce. The returned future resolves to ``[tensor]``.
+
+    Bytes are recorded at launch; the time from launch to completion is recorded when
+    the future completes (communication that overlaps compute is still counted as
+    communication time, but it does not add to the step time).
+    """
+    start = time.perf_counter()
+    size = nbytes(tensor)
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    fut = work.get_future()
+
+    def _done(f: torch.futures.Future):
+        _finish(kind, start, size, size, dense_bytes)
+        return f.value()
+
+    return fut.then(_done)
+
+
+def all_gather(
+    tensor: torch.Tensor,
+    *,
+    kind: str,
+    group: dist.ProcessGroup | None = None,
+    dense_bytes: int | None = None,
+) -> list[torch.Tensor]:
+    """All-gather equally shaped tensors; returns one tensor per rank."""
+    world = dist.get_world_size(group)
+    out = [torch.empty_like(tensor) for _ in range(world)]
+    start = time.perf_counter()
+    dist.all_gather(out, tensor.contiguous(), group=group)
+    size = nbytes(tensor)
+    _finish(kind, start, size, size * (world - 1), dense_bytes)
+    return out
+
+
+def all_gather_varlen(
+    tensor: torch.Tensor,
+    *,
+    kind: str,
+    group: dist.ProcessGroup | None = None,
+    dense_bytes: int | None = None,
+) -> list[torch.Tensor]:
+    """All-gather 1-D tensors whose lengths differ per rank (sizes first, then padded data).
+
+    Empty tensors are handled (gloo cannot gather zero-length buffers, so the padded length
+    is at least one element).
+    """
+    world = dist.get_world_size(group)
+    flat = tensor.reshape(-1)
+    length = torch.tensor([flat.numel()], dtype=torch.int64, device=flat.device)
+    lengths = [torch.empty_like(length) for _ in range(world)]
+    start = time.perf_counter()
+    dist.all_gather(lengths, length, group=group)
+    sizes = [int(n.item()) for n in lengths]
+    padded_len = max(1, max(sizes))
+    padded = torch.zeros(padded_len, dtype=flat.dtype, device=flat.device)
+    padded[: flat.numel()] = flat
+    out = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(out, padded, group=group)
+    sent = nbytes(flat) + nbytes(length)
+    recv = sum(sizes) * flat.element_size() - nbytes(flat) + nbytes(length) * (world - 1)
+    _finish(kind, start, sent, recv, dense_bytes)
+    return [o[:n] for o, n in zip(out, sizes)]
+
+
+def broadcast(
+    tensor: torch.Tensor,
+    src: int,
+    *,
+    kind: str,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """In-place broadcast from global rank ``src``."""
+    start = time.perf_counter()
+    dist.broadcast(tensor, src=src, group=group)
+    size = nbytes(tensor)
+    is_src = dist.get_rank() == src
+    _finish(kind, start, size if is_src else 0, 0 if is_src else size, None if is_src else 0)
+    return tensor
+
+
+def send(tensor: torch.Tensor, dst: int, *, kind: str, dense_bytes: int | None = None, tag: int = 0) -> None:
+    """Blocking point-to-point send."""
+    start = time.perf_counter()
+    dist.send(tensor, dst=dst, tag=tag)
+    _finish(kind, start, nbytes(tensor), 0, dense_bytes)
+
+
+def recv(tensor: torch.Tensor, src: int | None = None, *, kind: str, tag: int = 0) -> int:
+    """Blocking receive into ``tensor``; ``src=None`` receives from any source (gloo).
+
+    Returns the sender's rank.
+    """
+    start = time.perf_counter()
+    sender = dist.recv(tensor, src=src, tag=tag)
+    _finish(kind, start, 0, nbytes(tensor), 0)
+    return int(sender)
+
+
+def isend(tensor: torch.Tensor, dst: int, *, kind: str, dense_bytes: int | None = None, tag: int = 0):
+    """Non-blocking send; bytes are recorded at launch, wait time by the caller."""
+    get_meter().record(kind, sent=nbytes(tensor), dense=dense_bytes)
+    return dist.isend(tensor, dst=dst, tag=tag)
+
+
+def irecv(tensor: torch.Tensor, src: int | None = None, *, kind: str, tag: int = 0):
+    """Non-blocking receive; bytes are recorded at launch, wait time by the caller."""
+    get_meter().record(kind, recv=nbytes(tensor), dense=0)
+    return dist.irecv(tensor, src=src, tag=tag)
+
+
+def barrier(group: dist.ProcessGroup | None = None, *, kind: str = "control") -> None:
+    start = time.perf_counter()
+    dist.barrier(group=group)
+    _finish(kind, start, 0, 0, 0)
+
+
+def all_gather_object(obj, group: dist.ProcessGroup | None = None) -> list:
+    """Gather a picklable object from every rank (control traffic, not metered as payload)."""
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def gather_object(obj, dst: int = 0, group: dist.ProcessGroup | None = None) -> list | None:
+    out: list | None = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst, group=group)
+    return out

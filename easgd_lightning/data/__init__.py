@@ -1,0 +1,6 @@
+"""LightningDataModules by config name (``data=NAME``)."""
+
+from easgd_lightning.data.digits import DigitsDataModule
+from easgd_lightning.data.factory import DATA_NAMES, build_datamodule
+
+__all__ = ["DigitsDataModule", "build_datamodule", "DATA_NAMES"]

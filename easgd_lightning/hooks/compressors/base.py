@@ -1,0 +1,256 @@
+"""The compressor interface shared by every scheme (DESIGN.md 4.3).
+
+A compressor is pure tensor code. It never calls ``torch.distributed``: the communication
+pattern it needs is expressed against a :class:`Collective`, which the attach points
+(DDP hook, elastic exchange, pipeline hook) implement over :mod:`easgd_lightning.comm`.
+
+* ``compress(tensor, state) -> Payload``: ``payload.tensors`` travel on the wire,
+  ``payload.meta`` (shape, numel, dtype, ...) stays local.
+* ``decompress(payload, shape) -> Tensor``.
+* ``aggregation``: ``"allreduce"`` when payloads of different ranks can be summed
+  element-wise and then decompressed (fp16, random-k with a shared seed, PowerSGD
+  factors); ``"allgather"`` for payloads that are not linear (index/value pairs, per-rank
+  scales).
+* ``payload_bytes(payload)``: the bytes that travel.
+* ``aggregate(tensor, state, collective) -> (mean, local)``: the whole exchange: the mean
+  over ranks of everybody's decompressed contribution, and this rank's own decompressed
+  contribution (for error feedback: residual = input - local). The default implements
+  the two aggregation kinds; multi-round schemes (PowerSGD, sketch) override it.
+
+``state`` is a mutable ``dict`` owned by the caller, one per communicated tensor (bucket,
+flat parameter buffer), so a compressor instance can serve many tensors. Error feedback
+is not part of a compressor: see :mod:`easgd_lightning.hooks.memory`.
+
+Every compressor also carries the two attach-point policies configured with it
+(``conf/compression/*.yaml``): ``min_numel`` (tensors with fewer elements travel dense,
+default :data:`DEFAULT_MIN_NUMEL` = 16384 as in DGC) and ``memory`` (whether the attach
+point keeps residual error feedback for it; the default is per compressor,
+``default_memory``). Attach points may store ``state["key_hash"]`` (a stable integer per
+tensor) so seeded compressors draw different patterns for different tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal, Protocol
+
+import torch
+
+__all__ = [
+    "DEFAULT_MIN_NUMEL",
+    "Payload",
+    "Collective",
+    "Compressor",
+    "tensor_bytes",
+    "num_selected",
+    "check_ratio",
+    "check_int",
+    "check_positive",
+    "check_choice",
+    "pack_sparse",
+    "unpack_sparse",
+    "pack_bits",
+    "unpack_bits",
+    "index_dtype_for",
+]
+
+#: Tensors with fewer elements than this travel dense (DGC, Lin et al. 2018, use ~16k).
+DEFAULT_MIN_NUMEL = 16384
+
+Aggregation = Literal["allreduce", "allgather"]
+
+
+def tensor_bytes(*tensors: torch.Tensor) -> int:
+    """Bytes of the given tensors' storage as sent (numel * element size)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
+class Payload:
+    """What a compressor produces: ``tensors`` go on the wire, ``meta`` stays local."""
+
+    tensors: tuple[torch.Tensor, ...]
+    meta: dict = field(default_factory=dict)
+
+
+class Collective(Protocol):
+    """The communication a compressor may ask for; implemented by the attach points."""
+
+    world_size: int
+
+    def all_reduce_sum(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Element-wise sum over ranks of each tensor (same shapes on every rank)."""
+
+    def all_reduce_max(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Element-wise max over ranks of each tensor (same shapes on every rank)."""
+
+    def all_gather(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Every rank's list of tensors (shapes may differ per rank); index [rank][i]."""
+
+
+class Compressor(ABC):
+    """Base class. Subclasses set ``name`` and ``aggregation`` and implement the codec.
+
+    Args:
+        min_numel: tensors with fewer elements travel dense at the attach points
+            (``None``: :data:`DEFAULT_MIN_NUMEL`).
+        memory: keep residual error feedback at the attach points (``None``: the class's
+            ``default_memory``).
+    """
+
+    name: ClassVar[str] = ""
+    aggregation: ClassVar[Aggregation] = "allreduce"
+    default_memory: ClassVar[bool] = False
+
+    def __init__(self, *, min_numel: int | None = None, memory: bool | None = None) -> None:
+        self.min_numel = DEFAULT_MIN_NUMEL if min_numel is None else check_int("min_numel", min_numel, 0)
+        if memory is None:
+            memory = self.default_memory
+        if not isinstance(memory, bool):
+            raise ValueError(f"compression.memory must be true or false, got {memory!r}")
+        self.memory = memory
+
+    @abstractmethod
+    def compress(self, tensor: torch.Tensor, state: dict) -> Payload:
+        """Encode ``tensor`` (any shape). ``state`` persists across calls for this tensor."""
+
+    @abstractmethod
+    def decompress(self, payload: Payload, shape: torch.Size) -> torch.Tensor:
+        """Decode a payload (possibly summed over ranks) into a dense tensor of ``shape``."""
+
+    def payload_bytes(self, payload: Payload) -> int:
+        """Bytes that travel for this payload."""
+        return tensor_bytes(*payload.tensors)
+
+    def aggregate(
+        self, tensor: torch.Tensor, state: dict, collective: Collective
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exchange ``tensor``; return (mean over ranks, this rank's decompressed part)."""
+        shape = tensor.shape
+        payload = self.compress(tensor, state)
+        local = self.decompress(payload, shape)
+        world = collective.world_size
+        if self.aggregation == "allreduce":
+            summed = collective.all_reduce_sum(list(payload.tensors))
+            total = self.decompress(Payload(tuple(summed), payload.meta), shape)
+        else:
+            gathered = collective.all_gather(list(payload.tensors))
+            total = torch.zeros(shape, dtype=tensor.dtype, device=tensor.device)
+            for rank_tensors in gathered:
+                total += self.decompress(Payload(tuple(rank_tensors), payload.meta), shape).to(
+                    tensor.dtype
+                )
+        return total.to(tensor.dtype) / world, local.to(tensor.dtype)
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({params})"
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def num_selected(numel: int, ratio: float) -> int:
+    """k = ceil(ratio * numel) clamped to [1, numel] (0 for an empty tensor)."""
+    if numel <= 0:
+        return 0
+    k = math.ceil(ratio * numel - 1e-9)
+    return max(1, min(numel, k))
+
+
+def check_ratio(key: str, value, *, allow_one: bool = True) -> float:
+    """``compression.<key>`` must be a number in (0, 1]; returns it as float."""
+    hi = "1]" if allow_one else "1)"
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"compression.{key} must be a number in (0, {hi}, got {value!r}") from None
+    if not (0.0 < v <= 1.0) or (not allow_one and v == 1.0) or math.isnan(v):
+        raise ValueError(f"compression.{key} must be in (0, {hi}, got {value!r}")
+    return v
+
+
+def check_int(key: str, value, minimum: int) -> int:
+    """``compression.<key>`` must be an integer >= ``minimum``; returns it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        raise ValueError(f"compression.{key} must be an integer >= {minimum}, got {value!r}")
+    if int(value) < minimum:
+        raise ValueError(f"compression.{key} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_positive(key: str, value, *, allow_zero: bool = False) -> float:
+    """``compression.<key>`` must be a number > 0 (>= 0 with ``allow_zero``)."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        v = float("nan")
+    if math.isnan(v) or isinstance(value, bool) or v < 0 or (v == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"compression.{key} must be a number {bound}, got {value!r}")
+    return v
+
+
+def check_choice(key: str, value, choices) -> str:
+    """``compression.<key>`` must be one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"compression.{key} must be one of {list(choices)}, got {value!r}")
+    return value
+
+
+def index_dtype_for(numel: int) -> torch.dtype:
+    """int32 indices when they fit (honest 4-byte indices), int64 otherwise."""
+    return torch.int32 if numel < 2**31 else torch.int64
+
+
+def pack_sparse(indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One uint8 message: the index bytes then the value bytes (one all-gather, not two).
+
+    ``indices`` and ``values`` are 1-D of equal length; bytes = nnz * (index + value size).
+    """
+    return torch.cat(
+        [indices.contiguous().view(torch.uint8), values.contiguous().view(torch.uint8)]
+    )
+
+
+def unpack_sparse(
+    buf: torch.Tensor, index_dtype: torch.dtype, value_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_sparse`: the count follows from the message length."""
+    isz = torch.empty((), dtype=index_dtype).element_size()
+    vsz = torch.empty((), dtype=value_dtype).element_size()
+    if buf.numel() % (isz + vsz):
+        raise ValueError(f"sparse message of {buf.numel()} bytes is not a multiple of {isz + vsz}")
+    nnz = buf.numel() // (isz + vsz)
+    buf = buf.contiguous()
+    idx = buf[: nnz * isz].view(index_dtype)
+    val = buf[nnz * isz :].view(value_dtype)
+    return idx, val
+
+
+_BIT_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    w = _BIT_WEIGHTS.get(device)
+    if w is None:
+        w = _BIT_WEIGHTS[device] = (2 ** torch.arange(8, device=device)).to(torch.uint8)
+    return w
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Pack a 1-D bool tensor into uint8, 8 entries per byte (little-endian bit order)."""
+    n = bits.numel()
+    pad = (-n) % 8
+    b = bits.reshape(-1).to(torch.uint8)
+    if pad:
+        b = torch.cat([b, b.new_zeros(pad)])
+    return (b.view(-1, 8) * _bit_weights(b.device)).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: the first ``numel`` bits as a bool tensor."""
+    w = _bit_weights(packed.device)
+    return ((packed.view(-1, 1) & w) != 0).view(-1)[:numel]

@@ -1,0 +1,220 @@
+"""``dgc``: Deep Gradient Compression (Lin, Han, Mao, Wang, Dally, ICLR 2018).
+
+Rule, per worker and tensor at step t (p workers, momentum m, density d_t):
+  clip: g <- g * min(1, (C / sqrt(p)) / ||g||)                      (local clipping)
+  u <- m u + g;  v <- v + u          (Nesterov: u <- m (u + g); v <- v + u + g)
+  send {(i, v_i) : |v_i| >= thr_t} ~ d_t n entries; then v, u <- 0 at the sent entries
+  (momentum factor masking). v is DGC's own residual, so ``memory`` must stay off.
+Threshold: top-k of a strided ``sample_ratio`` (1%) sample; if more than 1.3 k pass, exact
+top-k among the survivors; if fewer than 0.8 k, thr <- 0.8 thr, at most 10 rounds.
+Warm-up: densities 0.25, 0.0625, 0.0156, 0.004 (equal shares of ``warmup_steps``, or of
+``warmup_epochs`` * steps per epoch once :meth:`DGCCompressor.set_steps_per_epoch` is
+called), then ``ratio`` = 0.001 (99.9% sparsity). Defaults: momentum 0.9, nesterov false,
+clip_norm null (off), min_numel 16384 (smaller tensors go dense), memory false.
+With ``momentum > 0`` the momentum lives here: give the optimizer momentum 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from easgd_lightning.hooks.compressors.base import (
+    Collective,
+    check_int,
+    check_positive,
+    check_ratio,
+    num_selected,
+)
+from easgd_lightning.hooks.compressors.sparse import SparseCompressor, sparse_payload
+
+__all__ = [
+    "DGCCompressor",
+    "DEFAULT_WARMUP_RATIOS",
+    "dgc_density",
+    "dgc_select",
+    "clip_local",
+    "momentum_correction",
+]
+
+#: DGC's warm-up densities (sparsity 75%, 93.75%, 98.4375%, 99.6%), then ``ratio``.
+DEFAULT_WARMUP_RATIOS = (0.25, 0.0625, 0.0156, 0.004)
+
+
+def dgc_density(step: int, ratio: float, warmup_ratios, warmup_steps: int) -> float:
+    """Density at 0-based ``step``: equal shares of ``warmup_steps`` per warm-up stage."""
+    stages = len(warmup_ratios)
+    if stages == 0 or warmup_steps <= 0 or step >= warmup_steps:
+        return ratio
+    stage = min(stages - 1, step * stages // warmup_steps)
+    return max(ratio, float(warmup_ratios[stage]))
+
+
+def clip_local(g: torch.Tensor, clip_norm: float | None, world_size: int) -> torch.Tensor:
+    """Local gradient clipping: scale g to norm <= clip_norm * p^(-1/2) (DGC section 3.3)."""
+    if clip_norm is None:
+        return g
+    limit = clip_norm / math.sqrt(max(1, world_size))
+    norm = torch.linalg.vector_norm(g)
+    return g * torch.clamp(limit / (norm + 1e-12), max=1.0)
+
+
+def momentum_correction(
+    g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum: float, nesterov: bool
+) -> None:
+    """In place: u <- m u + g; v <- v + u (Nesterov: u <- m (u + g); v <- v + u + g)."""
+    if nesterov:
+        u.add_(g).mul_(momentum)
+        v.add_(u).add_(g)
+    else:
+        u.mul_(momentum).add_(g)
+        v.add_(u)
+
+
+def dgc_select(
+    mag: torch.Tensor,
+    k: int,
+    sample_ratio: float = 0.01,
+    max_rounds: int = 10,
+    upper: float = 1.3,
+    lower: float = 0.8,
+) -> tuple[torch.Tensor, int]:
+    """DGC's sampled threshold; returns (indices, rounds used).
+
+    thr = the ceil(k s / n)-th largest of a strided sample of s = max(1, sample_ratio n)
+    entries (at least min(n, 1000)); if more than ``upper`` k entries pass, exact top-k
+    among them; if fewer than ``lower`` k pass, thr <- ``lower`` * thr and recount.
+    """
+    n = mag.numel()
+    if k >= n:
+        return torch.arange(n, device=mag.device), 0
+    s = min(n, max(1000, int(sample_ratio * n)))
+    stride = max(1, n // s)
+    sample = mag[::stride]
+    ks = max(1, min(sample.numel(), math.ceil(k * sample.numel() / n)))
+    thr = torch.topk(sample, ks, sorted=False).values.min()
+    idx = torch.empty(0, dtype=torch.long, device=mag.device)
+    rounds = 0
+    for rounds in range(1, max_rounds + 1):
+        idx = torch.nonzero(mag >= thr).squeeze(1)
+        nnz = idx.numel()
+        if nnz > upper * k:
+            top = torch.topk(mag[idx], k, sorted=False).indices
+            return idx[top], rounds
+        if nnz >= lower * k or rounds == max_rounds:
+            break
+        thr = thr * lower
+    return idx, rounds
+
+
+class DGCCompressor(SparseCompressor):
+    """Deep Gradient Compression (momentum correction, clipping, masking, warm-up).
+
+    Args:
+        ratio: final density (fraction of entries sent), in (0, 1]; 0.001 = 99.9% sparsity.
+        momentum: momentum m of the corrected accumulation (0 disables it).
+        nesterov: Nesterov form of the momentum correction.
+        clip_norm: local clipping threshold C before the p^(-1/2) scaling (null: off).
+        warmup_ratios: warm-up densities, one stage each.
+        warmup_steps: total steps of the warm-up (equal shares per stage).
+        warmup_epochs: warm-up length in epochs; used instead of ``warmup_steps`` once
+            :meth:`set_steps_per_epoch` is called.
+        sample_ratio: fraction of entries in the threshold sample (DGC: 1%).
+        max_rounds: threshold refinement rounds (DGC: 10).
+        min_numel, memory: attach-point policies; ``memory`` must be false (v is the
+            residual).
+    """
+
+    name = "dgc"
+    default_memory = False
+
+    def __init__(
+        self,
+        ratio: float = 0.001,
+        *,
+        momentum: float = 0.9,
+        nesterov: bool = False,
+        clip_norm: float | None = None,
+        warmup_ratios=DEFAULT_WARMUP_RATIOS,
+        warmup_steps: int = 0,
+        warmup_epochs: float | None = None,
+        sample_ratio: float = 0.01,
+        max_rounds: int = 10,
+        min_numel: int | None = None,
+        memory: bool | None = None,
+    ) -> None:
+        super().__init__(min_numel=min_numel, memory=memory)
+        if self.memory:
+            raise ValueError(
+                "compression.memory must be false for dgc: DGC keeps its own residual "
+                "(the accumulated velocity v)"
+            )
+        self.ratio = check_ratio("ratio", ratio)
+        m = float(momentum)
+        if not 0.0 <= m < 1.0:
+            raise ValueError(f"compression.momentum must be in [0, 1), got {momentum!r}")
+        self.momentum = m
+        if not isinstance(nesterov, bool):
+            raise ValueError(f"compression.nesterov must be true or false, got {nesterov!r}")
+        self.nesterov = nesterov
+        self.clip_norm = None if clip_norm is None else check_positive("clip_norm", clip_norm)
+        self.warmup_ratios = tuple(
+            check_ratio("warmup_ratios[]", r) for r in (warmup_ratios or ())
+        )
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+        self.warmup_epochs = (
+            None if warmup_epochs is None
+            else check_positive("warmup_epochs", warmup_epochs, allow_zero=True)
+        )
+        self.sample_ratio = check_ratio("sample_ratio", sample_ratio)
+        self.max_rounds = check_int("max_rounds", max_rounds, 1)
+        self._steps_per_epoch: int | None = None
+
+    def set_steps_per_epoch(self, steps: int) -> None:
+        """Turn ``warmup_epochs`` into steps (called by a strategy that knows the epoch size)."""
+        self._steps_per_epoch = check_int("steps_per_epoch", steps, 1)
+
+    @property
+    def total_warmup_steps(self) -> int:
+        """Warm-up length in steps (``warmup_epochs`` * steps per epoch when both are known)."""
+        if self.warmup_epochs is not None and self._steps_per_epoch is not None:
+            return int(round(self.warmup_epochs * self._steps_per_epoch))
+        return self.warmup_steps
+
+    def density(self, step: int) -> float:
+        """Density used at 0-based ``step``."""
+        return dgc_density(step, self.ratio, self.warmup_ratios, self.total_warmup_steps)
+
+    def select(self, flat: torch.Tensor, state: dict) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError("DGC selects inside compress (it sparsifies v, not g)")
+
+    def compress(self, tensor: torch.Tensor, state: dict):
+        flat = tensor.reshape(-1)
+        step = int(state.get("step", 0))
+        state["step"] = step + 1
+        g = clip_local(flat, self.clip_norm, int(state.get("world_size", 1)))
+        v = state.get("v")
+        if v is None or v.shape != flat.shape or v.device != flat.device:
+            v = state["v"] = torch.zeros_like(flat)
+            state["u"] = torch.zeros_like(flat)
+        u = state["u"]
+        if self.momentum > 0:
+            momentum_correction(g, u, v, self.momentum, self.nesterov)
+        else:
+            v.add_(g)
+        density = self.density(step)
+        k = num_selected(flat.numel(), density)
+        idx, rounds = dgc_select(v.abs(), k, self.sample_ratio, self.max_rounds)
+        payload = sparse_payload(v, idx, v[idx].clone())
+        # momentum factor masking: the sent entries restart from zero
+        v[idx] = 0
+        u[idx] = 0
+        state["last_nnz"] = int(idx.numel())
+        state["last_density"] = density
+        state["last_rounds"] = rounds
+        return payload
+
+    def aggregate(self, tensor: torch.Tensor, state: dict, collective: Collective):
+        state["world_size"] = collective.world_size
+        return super().aggregate(tensor, state, collective)

@@ -1,0 +1,67 @@
+"""``topk``: gradient dropping with residuals (Aji & Heafield, EMNLP 2017).
+
+Rule: g <- g + e (residual, :mod:`easgd_lightning.hooks.memory`); thr = the (1 - R)
+quantile of |g| estimated on a strided sample of min(sample_size, n) entries; send
+{(i, g_i) : |g_i| > thr}; e <- g - sent. Payload: nnz * (4-byte index + value), all-gathered.
+Defaults: ratio = 0.01 (R = 99% dropped), sample_size = 100000, exact = false (true: exact
+``torch.topk`` of k = ceil(ratio * n)), memory = true. The threshold is per tensor
+(per layer), which the paper finds necessary without layer normalization.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from easgd_lightning.hooks.compressors.base import check_int, check_ratio, num_selected
+from easgd_lightning.hooks.compressors.sparse import SparseCompressor, sample_threshold
+
+__all__ = ["TopKCompressor", "topk_indices"]
+
+
+def topk_indices(
+    flat: torch.Tensor, ratio: float, *, exact: bool = False, sample_size: int = 100_000
+) -> torch.Tensor:
+    """Indices of the ~ratio * n largest |flat| (sampled threshold, or exact top-k)."""
+    n = flat.numel()
+    if n == 0:
+        return torch.empty(0, dtype=torch.long, device=flat.device)
+    k = num_selected(n, ratio)
+    mag = flat.abs()
+    if k >= n:
+        return torch.arange(n, device=flat.device)
+    if exact:
+        return torch.topk(mag, k, sorted=False).indices
+    thr = sample_threshold(mag, ratio, sample_size)
+    return torch.nonzero(mag > thr).squeeze(1)
+
+
+class TopKCompressor(SparseCompressor):
+    """Gradient dropping: send the entries above a sampled magnitude quantile.
+
+    Args:
+        ratio: fraction of entries sent, in (0, 1] (R = 1 - ratio is dropped).
+        sample_size: entries in the strided sample that estimates the threshold.
+        exact: use an exact ``torch.topk`` of k = ceil(ratio * n) instead of the sample.
+        min_numel, memory: attach-point policies (see :class:`Compressor`).
+    """
+
+    name = "topk"
+
+    def __init__(
+        self,
+        ratio: float = 0.01,
+        *,
+        sample_size: int = 100_000,
+        exact: bool = False,
+        min_numel: int | None = None,
+        memory: bool | None = None,
+    ) -> None:
+        super().__init__(min_numel=min_numel, memory=memory)
+        self.ratio = check_ratio("ratio", ratio)
+        self.sample_size = check_int("sample_size", sample_size, 1)
+        if not isinstance(exact, bool):
+            raise ValueError(f"compression.exact must be true or false, got {exact!r}")
+        self.exact = exact
+
+    def select(self, flat: torch.Tensor, state: dict) -> torch.Tensor:
+        return topk_indices(flat, self.ratio, exact=self.exact, sample_size=self.sample_size)

@@ -1,0 +1,429 @@
+"""Optimus-CC: pipeline-aware compression for 3D-parallel training (``optimus_cc``).
+
+Song et al., "Optimus-CC: Efficient Large NLP Model Training with 3D Parallelism Aware
+Communication Compression", ASPLOS 2023. Five techniques, each switchable here:
+
+1. **Compressed backpropagation (CB).** The activation gradient a stage sends to the
+   previous stage, ``M`` of shape ``(micro_batch * seq) x hidden``, travels as a rank-``r``
+   factorisation ``M ~ P Q^T`` computed by one power iteration with a warm-started ``Q``
+   (PowerSGD, Vogels et al., NeurIPS 2019): ``P = M Q; P = orth(P); Q = M^T P``. ``P`` and
+   ``Q`` go point-to-point; the receiver rebuilds ``P Q^T``. Forward activations stay exact.
+2. **Lazy error propagation (LEP).** The sender keeps the residual ``e = M' - P Q^T`` of
+   its message ``M' = M + e_prev`` and adds it to its *next* backward message instead of
+   correcting immediately.
+3. **Epilogue-only compression.** Only the backward sends of the 1F1B cool-down (after
+   the sending stage's last forward pass of the batch) are compressed; those are on the
+   critical path. Stage ``s`` of ``S`` sends micro-batch ``m`` of ``M`` in the cool-down
+   iff ``m >= M - (S - s)`` (:func:`is_epilogue_send`).
+4. **Fused embedding synchronisation (FE).** The tied embedding gradient is summed over
+   the first and last stages of *all* data-parallel replicas in one all-reduce (divided by
+   ``dp``), instead of a data-parallel all-reduce followed by a first/last-stage
+   all-reduce. Result: ``mean_dp(g_first + g_last)`` either way.
+5. **Selective stage compression (SC).** Data-parallel PowerSGD (rank ``dp_rank``, error
+   feedback ``e <- M - P Q^T``) only on chosen stages. ``"auto"`` picks the first
+   ``ceil(S / 2)`` stages: in 1F1B stage ``s`` finishes its backward ``s`` micro-batch
+   backward times before stage 0, so the first stages have the least slack to hide their
+   all-reduce behind (:func:`auto_selective_stages`).
+
+Defaults: ``rank=16`` (paper: 12-16), ``dp_rank=128`` (paper), scaled down automatically
+when a matrix is too small for the low-rank form to save bytes (then it goes dense).
+Tensor-parallel traffic stays exact.
+
+The pure functions here have no process-group calls; :class:`DataParallelPowerSGD`
+communicates only through :mod:`easgd_lightning.comm.ops`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from easgd_lightning.comm import ops
+
+__all__ = [
+    "OptimusCCConfig",
+    "orthonormalize",
+    "effective_rank",
+    "low_rank_saves",
+    "power_iteration",
+    "is_epilogue_send",
+    "auto_selective_stages",
+    "resolve_selective_stages",
+    "ActivationGradCompressor",
+    "DataParallelPowerSGD",
+    "dense_all_reduce_mean_",
+]
+
+_TECHNIQUES = (
+    "compressed_backprop",
+    "lazy_error_propagation",
+    "epilogue_only",
+    "fused_embedding",
+)
+
+
+@dataclass
+class OptimusCCConfig:
+    """Which Optimus-CC techniques are on, and their ranks.
+
+    Attributes:
+        compressed_backprop: CB: low-rank inter-stage activation gradients.
+        lazy_error_propagation: LEP: carry CB's residual into the next backward message.
+        epilogue_only: Compress only the cool-down (epilogue) backward sends.
+        fused_embedding: FE: one all-reduce for the tied embedding over first+last stages
+            of all data-parallel replicas.
+        selective_stages: Stages whose data-parallel gradients use PowerSGD: a list of
+            stage ids, ``"auto"``, ``"all"`` or ``"none"`` (or an empty list).
+        rank: CB rank ``r``.
+        dp_rank: Data-parallel PowerSGD rank.
+        seed: Seed of the warm-start ``Q`` matrices.
+    """
+
+    compressed_backprop: bool = True
+    lazy_error_propagation: bool = True
+    epilogue_only: bool = False
+    fused_embedding: bool = True
+    selective_stages: Any = "auto"
+    rank: int = 16
+    dp_rank: int = 128
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for key in _TECHNIQUES:
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(
+                    f"compression.{key} must be true or false, got {getattr(self, key)!r}"
+                )
+        for key in ("rank", "dp_rank"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"compression.{key} must be a positive integer, got {value!r}")
+        sel = self.selective_stages
+        if isinstance(sel, str):
+            if sel not in ("auto", "all", "none"):
+                raise ValueError(
+                    "compression.selective_stages must be a list of stage ids or one of "
+                    f"'auto', 'all', 'none'; got {sel!r}"
+                )
+        elif sel is None:
+            self.selective_stages = "none"
+        else:
+            try:
+                stages = [int(s) for s in sel]
+            except (TypeError, ValueError):
+                raise ValueError(
+                    "compression.selective_stages must be a list of stage ids or one of "
+                    f"'auto', 'all', 'none'; got {sel!r}"
+                ) from None
+            if any(s < 0 for s in stages):
+                raise ValueError(f"compression.selective_stages has a negative stage: {stages}")
+            self.selective_stages = stages
+
+    @classmethod
+    def from_mapping(cls, params: dict | None) -> "OptimusCCConfig":
+        """Build from a config mapping; unknown keys are an error naming the valid ones."""
+        params = dict(params or {})
+        params.pop("name", None)
+        params.pop("_target_", None)
+        valid = set(cls.__dataclass_fields__)
+        unknown = sorted(set(params) - valid)
+        if unknown:
+            raise ValueError(
+                f"unknown compression key(s) {unknown} for optimus_cc; valid: {sorted(valid)}"
+            )
+        if "selective_stages" in params and not isinstance(params["selective_stages"], str):
+            sel = params["selective_stages"]
+            params["selective_stages"] = None if sel is None else list(sel)
+        return cls(**params)
+
+
+# --------------------------------------------------------------------------- pure math
+
+
+def orthonormalize(matrix: torch.Tensor) -> torch.Tensor:
+    """Orthonormal basis of the columns of ``matrix`` (reduced QR; ``n x r``, ``r <= n``)."""
+    q, _ = torch.linalg.qr(matrix.float(), mode="reduced")
+    return q.to(matrix.dtype)
+
+
+def effective_rank(n: int, m: int, rank: int) -> int:
+    """The rank actually used for an ``n x m`` matrix: ``min(rank, n, m)``."""
+    return max(1, min(rank, n, m))
+
+
+def low_rank_saves(n: int, m: int, rank: int) -> bool:
+    """True when ``P (n x r)`` and ``Q (m x r)`` together are smaller than ``M (n x m)``."""
+    r = effective_rank(n, m, rank)
+    return r * (n + m) < n * m
+
+
+def power_iteration(matrix: torch.Tensor, q_warm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One PowerSGD power iteration: ``P = orth(M Q); Q = M^T P``; ``M ~ P Q^T``.
+
+    Args:
+        matrix: ``M``, shape ``(n, m)``.
+        q_warm: Warm-start ``Q``, shape ``(m, r)`` (the previous call's ``Q``).
+
+    Returns:
+        ``(P, Q)`` with ``P`` ``(n, r)`` orthonormal columns and ``Q`` ``(m, r)``.
+    """
+    p = orthonormalize(matrix @ q_warm)
+    q = matrix.t() @ p
+    return p, q
+
+
+def is_epilogue_send(micro_batch: int, micro_batches: int, stages: int, sender_stage: int) -> bool:
+    """Whether the backward send of ``micro_batch`` by ``sender_stage`` is in the cool-down.
+
+    In the synchronous 1F1B schedule (DeepSpeed's ``TrainSchedule``) stage ``s`` runs its
+    last forward pass before the backward passes of the last ``S - s`` micro-batches; those
+    backward sends happen while the pipeline drains (the epilogue), on the critical path.
+
+    Args:
+        micro_batch: Index of the micro-batch in the batch, ``0 <= m < M``.
+        micro_batches: ``M``.
+        stages: ``S``.
+        sender_stage: ``s >= 1`` (stage 0 sends no gradients).
+    """
+    return micro_batch >= micro_batches - (stages - sender_stage)
+
+
+def auto_selective_stages(stages: int) -> list[int]:
+    """Stages whose data-parallel all-reduce is on the critical path: the first ``ceil(S/2)``.
+
+    In 1F1B stage ``s`` finishes its last backward pass about ``s`` micro-batch backward
+    times before stage 0 does, time in which its gradient all-reduce can hide; stage 0
+    has no slack, the last stages the most.
+    """
+    return list(range(max(1, math.ceil(stages / 2))))
+
+
+def resolve_selective_stages(selective: Any, stages: int) -> list[int]:
+    """Turn ``compression.selective_stages`` into a sorted list of valid stage ids.
+
+    Raises:
+        ValueError: if a listed stage does not exist.
+    """
+    if selective == "auto":
+        return auto_selective_stages(stages)
+    if selective == "all":
+        return list(range(stages))
+    if selective in ("none", None):
+        return []
+    chosen = sorted({int(s) for s in selective})
+    bad = [s for s in chosen if not 0 <= s < stages]
+    if bad:
+        raise ValueError(
+            f"compression.selective_stages lists stage(s) {bad} but the pipeline has stages "
+            f"0..{stages - 1} (strategy.pp={stages})"
+        )
+    return chosen
+
+
+def _as_matrix(tensor: torch.Tensor) -> torch.Tensor:
+    """View an activation or weight tensor as ``(prod(shape[:-1]), shape[-1])``."""
+    return tensor.reshape(-1, tensor.shape[-1])
+
+
+# --------------------------------------------------------------------------- CB + LEP
+
+
+@dataclass
+class ActivationGradCompressor:
+    """Compressed backpropagation on the sending stage (CB, optionally with LEP).
+
+    One instance per sending stage; it keeps the warm-start ``Q`` and the LEP residual.
+
+    Attributes:
+        rank: Rank ``r`` of the factorisation.
+        lazy_error_propagation: Keep the residual and add it to the next message.
+        seed: Seed of the initial ``Q``.
+    """
+
+    rank: int = 16
+    lazy_error_propagation: bool = True
+    seed: int = 0
+    _q: torch.Tensor | None = field(default=None, repr=False)
+    _residual: torch.Tensor | None = field(default=None, repr=False)
+    stats: dict = field(default_factory=lambda: {"compressed": 0, "dense": 0})
+
+    def factor_shapes(self, shape: Sequence[int]) -> tuple[tuple[int, int], tuple[int, int]] | None:
+        """Shapes of ``(P, Q)`` for a gradient of ``shape``, or ``None`` if it goes dense."""
+        n = int(math.prod(shape[:-1])) if len(shape) > 1 else 1
+        m = int(shape[-1])
+        if len(shape) < 2 or not low_rank_saves(n, m, self.rank):
+            return None
+        r = effective_rank(n, m, self.rank)
+        return (n, r), (m, r)
+
+    def prepare(self, grad: torch.Tensor) -> torch.Tensor:
+        """The message to send: the gradient plus the carried residual (LEP)."""
+        if self.lazy_error_propagation and self._residual is not None:
+            return grad + self._residual
+        return grad
+
+    def compress(self, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Factor the message ``grad + residual`` into ``(P, Q)`` and update the residual.
+
+        The caller must have checked :meth:`factor_shapes` is not ``None``.
+        """
+        message = self.prepare(grad)
+        matrix = _as_matrix(message)
+        n, m = matrix.shape
+        r = effective_rank(n, m, self.rank)
+        if self._q is None or self._q.shape != (m, r) or self._q.dtype != matrix.dtype:
+            gen = torch.Generator().manual_seed(self.seed)
+            self._q = torch.randn(m, r, generator=gen, dtype=torch.float32).to(
+                device=matrix.device, dtype=matrix.dtype
+            )
+        p, q = power_iteration(matrix, self._q)
+        self._q = q.detach().clone()
+        if self.lazy_error_propagation:
+            self._residual = (matrix - p @ q.t()).reshape(message.shape).detach()
+        self.stats["compressed"] += 1
+        return p.contiguous(), q.contiguous()
+
+    def dense(self, grad: torch.Tensor) -> torch.Tensor:
+        """A dense message: the gradient plus any carried residual, which is then spent."""
+        message = self.prepare(grad)
+        self._residual = None
+        self.stats["dense"] += 1
+        return message
+
+    @staticmethod
+    def decompress(p: torch.Tensor, q: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+        """The receiver's rebuild ``P Q^T`` in the gradient's shape."""
+        return (p @ q.t()).reshape(tuple(shape))
+
+    def state_dict(self) -> dict:
+        return {"q": self._q, "residual": self._residual, "stats": dict(self.stats)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._q = state.get("q")
+        self._residual = state.get("residual")
+        self.stats.update(state.get("stats", {}))
+
+
+# --------------------------------------------------------------------------- DP PowerSGD
+
+
+class DataParallelPowerSGD:
+    """Data-parallel PowerSGD with error feedback for one stage's gradients (SC).
+
+    For each gradient matrix ``M = G + E`` (``G`` the local gradient, ``E`` the error):
+    ``P = M Q``; all-reduce ``P``; ``P = orth(P)``; ``Q = M^T P``; all-reduce ``Q`` and
+    divide by ``dp``; ``M_hat = P Q^T`` (the mean); ``E <- M - M_hat``; the gradient becomes
+    ``M_hat``. Tensors that are 1-D or too small to save bytes are averaged densely. All
+    ``P`` (then all ``Q``) of a step travel in one flat all-reduce.
+
+    Args:
+        rank: The PowerSGD rank.
+        group: The data-parallel process group.
+        world_size: Its size.
+        seed: Seed of the initial ``Q`` (identical on every replica).
+        kind: Meter kind of the traffic.
+    """
+
+    def __init__(
+        self, rank: int, group: Any, world_size: int, seed: int = 0, kind: str = "data_parallel"
+    ) -> None:
+        self.rank = rank
+        self.group = group
+        self.world_size = world_size
+        self.seed = seed
+        self.kind = kind
+        self._q: dict[int, torch.Tensor] = {}
+        self._error: dict[int, torch.Tensor] = {}
+
+    def _split(self, params: Sequence[torch.nn.Parameter]) -> tuple[list[int], list[int]]:
+        low, dense = [], []
+        for i, p in enumerate(params):
+            g = p.grad
+            if g.dim() >= 2 and low_rank_saves(*_as_matrix(g).shape, self.rank):
+                low.append(i)
+            else:
+                dense.append(i)
+        return low, dense
+
+    def reduce_(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Replace each ``p.grad`` by its (approximate) mean over the data-parallel group."""
+        params = [p for p in params if p.grad is not None]
+        if not params:
+            return
+        low, dense = self._split(params)
+        dense_all_reduce_mean_(
+            [params[i].grad for i in dense], group=self.group, world_size=self.world_size,
+            kind=self.kind,
+        )
+        if not low:
+            return
+        mats, ps = [], []
+        for i in low:
+            g = params[i].grad
+            m = _as_matrix(g)
+            if i in self._error:
+                m = m + self._error[i]
+            n, cols = m.shape
+            r = effective_rank(n, cols, self.rank)
+            q = self._q.get(i)
+            if q is None or q.shape != (cols, r):
+                gen = torch.Generator().manual_seed(self.seed + i)
+                q = torch.randn(cols, r, generator=gen).to(device=m.device, dtype=m.dtype)
+            mats.append(m)
+            ps.append(m @ q)
+        dense_bytes = sum(ops.nbytes(params[i].grad) for i in low)
+        flat_p = torch.cat([p.reshape(-1) for p in ps])
+        ops.all_reduce(flat_p, kind=self.kind, group=self.group, dense_bytes=dense_bytes)
+        ps = _unflatten(flat_p, [p.shape for p in ps])
+        ps = [orthonormalize(p) for p in ps]
+        qs = [m.t() @ p for m, p in zip(mats, ps)]
+        flat_q = torch.cat([q.reshape(-1) for q in qs])
+        ops.all_reduce(flat_q, kind=self.kind, group=self.group, dense_bytes=0)
+        flat_q.div_(self.world_size)
+        qs = _unflatten(flat_q, [q.shape for q in qs])
+        for i, m, p, q in zip(low, mats, ps, qs):
+            approx = p @ q.t()
+            self._error[i] = (m - approx).detach()
+            self._q[i] = q.detach().clone()
+            params[i].grad.copy_(approx.reshape(params[i].grad.shape))
+
+    def state_dict(self) -> dict:
+        return {"q": dict(self._q), "error": dict(self._error)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._q = dict(state.get("q", {}))
+        self._error = dict(state.get("error", {}))
+
+
+def _unflatten(flat: torch.Tensor, shapes: Iterable[torch.Size]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for shape in shapes:
+        n = int(math.prod(shape))
+        out.append(flat[offset : offset + n].view(shape))
+        offset += n
+    return out
+
+
+def dense_all_reduce_mean_(
+    grads: Sequence[torch.Tensor], *, group: Any, world_size: int, kind: str, divide: int | None = None
+) -> None:
+    """Average ``grads`` in place over ``group`` with one flat all-reduce.
+
+    Args:
+        grads: Tensors to reduce (left untouched when empty).
+        group: Process group.
+        world_size: Size of ``group``.
+        kind: Meter kind.
+        divide: Divisor after the sum (default ``world_size``).
+    """
+    grads = [g for g in grads if g is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    ops.all_reduce(flat, kind=kind, group=group)
+    flat.div_(world_size if divide is None else divide)
+    for g, part in zip(grads, _unflatten(flat, [g.shape for g in grads])):
+        g.copy_(part)

@@ -1,0 +1,266 @@
+"""A small GPT decoder (pre-LayerNorm, tied input/output embedding) for 3D parallelism.
+
+The model is a flat list of layers so DeepSpeed's :class:`~deepspeed.pipe.PipelineModule`
+can cut it into stages:
+
+``TokenEmbedding (tied) -> PositionEmbedding -> GPTBlock x n_layer -> FinalNorm ->
+TokenEmbedding.logits (tied)``
+
+Each block is ``h = h + Attn(LN(h)); h = h + MLP(LN(h))`` with causal multi-head
+attention (Radford et al., "Language Models are Unsupervised Multitask Learners", 2019).
+The fused QKV and the first MLP projection are column-parallel, the attention output and
+second MLP projection row-parallel, and the token embedding vocab-parallel
+(:mod:`easgd_lightning.parallel.tensor_parallel`), so a block splits over ``tp`` ranks by
+heads. Between stages travels one float tensor ``(micro_batch, seq_len, d_model)``.
+
+Layer ``i`` is initialised from ``torch.manual_seed(base_seed + i)`` (DeepSpeed's
+``seed_layers``), so :class:`GPT` (single process) and any ``pp x tp`` split of
+:func:`build_gpt_pipeline` start from the same weights.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from easgd_lightning.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelContext,
+    VocabParallelEmbedding,
+)
+
+__all__ = [
+    "GPTConfig",
+    "TokenEmbedding",
+    "PositionEmbedding",
+    "GPTBlock",
+    "FinalNorm",
+    "tied_logits",
+    "gpt_loss",
+    "gpt_layer_specs",
+    "GPT",
+    "build_gpt_pipeline",
+    "TIED_KEY",
+]
+
+TIED_KEY = "embed"
+
+
+@dataclass
+class GPTConfig:
+    """Shape of the decoder.
+
+    Attributes:
+        vocab_size: Token vocabulary (256 for byte-level text); padded up to a multiple of
+            ``tp`` by :meth:`padded_vocab`.
+        seq_len: Tokens per sample (the context length).
+        n_layer: Transformer blocks.
+        n_head: Attention heads; ``tp`` must divide it.
+        d_model: Hidden width; ``n_head`` must divide it.
+        d_ff: MLP width (default ``4 * d_model``).
+        dropout: Dropout on embeddings, attention output and MLP output (0 keeps
+            tensor-parallel ranks trivially consistent).
+        init_std: Standard deviation of the normal weight initialisation.
+    """
+
+    vocab_size: int = 256
+    seq_len: int = 64
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 128
+    d_ff: int | None = None
+    dropout: float = 0.0
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for key in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
+            if int(getattr(self, key)) < 1:
+                raise ValueError(f"model.{key} must be >= 1, got {getattr(self, key)}")
+        if self.d_model % self.n_head != 0:
+            raise ValueError(
+                f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})"
+            )
+        if self.d_ff is None:
+            self.d_ff = 4 * self.d_model
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+    def padded_vocab(self, tp: int = 1) -> int:
+        """Vocabulary rounded up to a multiple of ``tp`` (Megatron pads the same way)."""
+        return int(math.ceil(self.vocab_size / tp) * tp)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict of the fields."""
+        return asdict(self)
+
+
+class TokenEmbedding(VocabParallelEmbedding):
+    """The tied token embedding: lookup at the start, ``logits`` at the end."""
+
+    def __init__(self, cfg: GPTConfig, tp: TensorParallelContext) -> None:
+        super().__init__(cfg.padded_vocab(tp.size), cfg.d_model, tp, init_std=cfg.init_std)
+
+
+class PositionEmbedding(nn.Module):
+    """Adds learned absolute position embeddings (replicated on tensor-parallel ranks)."""
+
+    def __init__(self, cfg: GPTConfig, tp: TensorParallelContext | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(cfg.seq_len, cfg.d_model) * cfg.init_std)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.drop(hidden + self.weight[: hidden.shape[1]])
+
+
+class GPTBlock(nn.Module):
+    """Pre-LN transformer block, split by heads over the tensor-parallel group."""
+
+    def __init__(self, cfg: GPTConfig, tp: TensorParallelContext) -> None:
+        super().__init__()
+        if cfg.n_head % tp.size != 0:
+            raise ValueError(
+                f"model.n_head ({cfg.n_head}) must be divisible by strategy.tp ({tp.size})"
+            )
+        self.n_local_heads = cfg.n_head // tp.size
+        self.head_dim = cfg.d_model // cfg.n_head
+        # Output rows of the fused projection are laid out (head, {q,k,v}, head_dim), so a
+        # contiguous column-parallel slice holds whole heads.
+        std_out = cfg.init_std / math.sqrt(2 * cfg.n_layer)
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.qkv = ColumnParallelLinear(cfg.d_model, 3 * cfg.d_model, tp, init_std=cfg.init_std)
+        self.proj = RowParallelLinear(cfg.d_model, cfg.d_model, tp, init_std=std_out)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.fc1 = ColumnParallelLinear(cfg.d_model, cfg.d_ff, tp, init_std=cfg.init_std)
+        self.fc2 = RowParallelLinear(cfg.d_ff, cfg.d_model, tp, init_std=std_out)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.dropout_p = cfg.dropout
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        b, t, _ = hidden.shape
+        qkv = self.qkv(self.ln1(hidden)).view(b, t, self.n_local_heads, 3, self.head_dim)
+        q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        attn = attn.transpose(1, 2).reshape(b, t, self.n_local_heads * self.head_dim)
+        hidden = hidden + self.drop(self.proj(attn))
+        return hidden + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(hidden)))))
+
+
+class FinalNorm(nn.LayerNorm):
+    """The LayerNorm before the output projection."""
+
+    def __init__(self, cfg: GPTConfig, tp: TensorParallelContext | None = None) -> None:
+        super().__init__(cfg.d_model)
+
+
+def tied_logits(embedding: TokenEmbedding, hidden: torch.Tensor) -> torch.Tensor:
+    """The tied output projection (``forward_fn`` of the second use of the embedding)."""
+    return embedding.logits(hidden)
+
+
+def gpt_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy; padded vocabulary entries never appear as labels."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+
+
+def gpt_layer_specs(cfg: GPTConfig, tp: TensorParallelContext) -> list:
+    """The decoder as DeepSpeed layer specs (built lazily, only on the owning stage)."""
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    return [
+        TiedLayerSpec(TIED_KEY, TokenEmbedding, cfg, tp, tied_weight_attr=["weight"]),
+        LayerSpec(PositionEmbedding, cfg, tp),
+        *[LayerSpec(GPTBlock, cfg, tp) for _ in range(cfg.n_layer)],
+        LayerSpec(FinalNorm, cfg, tp),
+        TiedLayerSpec(
+            TIED_KEY, TokenEmbedding, cfg, tp, forward_fn=tied_logits, tied_weight_attr=["weight"]
+        ),
+    ]
+
+
+class GPT(nn.Module):
+    """The same decoder in one process (reference for tests and ``pp = 1`` runs).
+
+    Layer ``i`` is built after ``torch.manual_seed(base_seed + i)``, exactly as
+    :func:`build_gpt_pipeline` builds it on its stage, so the weights match.
+
+    Args:
+        cfg: Model shape.
+        tp: Tensor-parallel context (default: unsplit).
+        base_seed: Seed of layer 0.
+    """
+
+    def __init__(
+        self, cfg: GPTConfig, tp: TensorParallelContext | None = None, base_seed: int = 1234
+    ) -> None:
+        super().__init__()
+        tp = tp or TensorParallelContext()
+        self.cfg = cfg
+        torch.manual_seed(base_seed)
+        self.embed = TokenEmbedding(cfg, tp)
+        torch.manual_seed(base_seed + 1)
+        self.pos = PositionEmbedding(cfg, tp)
+        blocks = []
+        for i in range(cfg.n_layer):
+            torch.manual_seed(base_seed + 2 + i)
+            blocks.append(GPTBlock(cfg, tp))
+        self.blocks = nn.ModuleList(blocks)
+        torch.manual_seed(base_seed + 2 + cfg.n_layer)
+        self.norm = FinalNorm(cfg, tp)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.pos(self.embed(tokens))
+        for block in self.blocks:
+            hidden = block(hidden)
+        return tied_logits(self.embed, self.norm(hidden))
+
+
+def build_gpt_pipeline(
+    cfg: GPTConfig,
+    topology: Any,
+    *,
+    base_seed: int = 1234,
+    activation_checkpoint_interval: int = 0,
+) -> tuple[Any, TensorParallelContext]:
+    """The decoder as a DeepSpeed ``PipelineModule`` over ``topology``.
+
+    ``torch.distributed`` must be initialised and ``LOCAL_RANK`` set. Blocks are divided
+    evenly over the pipeline stages (the embedding goes with the first stage, the norm
+    and tied output projection with the last).
+
+    Args:
+        cfg: Model shape.
+        topology: A DeepSpeed ``ProcessTopology`` with axes ``pipe``, ``data`` and
+            optionally ``model`` (tensor parallel).
+        base_seed: Seed of layer 0 (layer ``i`` uses ``base_seed + i``).
+        activation_checkpoint_interval: DeepSpeed activation checkpointing (0: off).
+
+    Returns:
+        The pipeline module and the tensor-parallel context its layers share (its group
+        is the grid's slice-parallel group).
+    """
+    import torch.distributed as dist
+    from deepspeed.pipe import PipelineModule
+
+    axes = topology.get_axis_names()
+    tp_size = topology.get_dim("model") if "model" in axes else 1
+    tp_rank = topology.get_coord(dist.get_rank()).model if "model" in axes else 0
+    tp = TensorParallelContext(size=max(tp_size, 1), rank=tp_rank)
+    module = PipelineModule(
+        layers=gpt_layer_specs(cfg, tp),
+        topology=topology,
+        loss_fn=gpt_loss,
+        seed_layers=True,
+        base_seed=base_seed,
+        partition_method="type:GPTBlock",
+        activation_checkpoint_interval=activation_checkpoint_interval,
+    )
+    if tp.enabled:
+        tp.group = module._grid.get_slice_parallel_group()
+    return module, tp

@@ -1,0 +1,308 @@
+"""Shared machinery for strategies that keep a center (consensus) variable.
+
+:class:`CenterStrategy` is a Lightning ``DDPStrategy`` that does *not* wrap the module in
+``DistributedDataParallel`` (no gradient all-reduce): each worker trains its own copy and a
+subclass decides how workers and the center exchange information in ``optimizer_step``.
+
+What the base provides:
+
+* the elastic variable: every parameter plus floating-point buffers, as one flat vector
+  ("single-layer communication", SC17);
+* workers and center start equal (broadcast from rank 0);
+* validation runs on the center (swapped in and out), and after ``fit`` the user's module
+  holds the center on every rank;
+* checkpoints: the module weights saved are the center; ``checkpoint["easgd"]`` holds the
+  center, the step counter and every worker's parameters and optimizer state, so resuming
+  restores each rank exactly;
+* per-rank step counting for ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from lightning_fabric.utilities.types import _PATH
+from pytorch_lightning.strategies import DDPStrategy
+from pytorch_lightning.trainer.states import TrainerFn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from easgd_lightning.comm import ops
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CenterStrategy", "flatten", "unflatten_into", "check_positive_int"]
+
+
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate tensors into one new flat vector."""
+    return torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+
+
+@torch.no_grad()
+def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy consecutive slices of ``flat`` into ``tensors`` (in place)."""
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view_as(t))
+        offset += n
+
+
+def check_positive_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{key} must be a positive integer, got {value!r}")
+    return value
+
+
+class CenterStrategy(DDPStrategy):
+    """Base of the strategies whose deliverable is a center variable.
+
+    Subclasses implement :meth:`_exchange_step` (called around every optimizer step).
+    """
+
+    strategy_name = ""
+    #: traffic class for the meter
+    comm_kind = "elastic"
+    #: fewest processes the strategy needs (elastic averaging needs two workers)
+    min_world_size = 2
+
+    def __init__(self, *, compression: Any = None, **kwargs: Any) -> None:
+        kwargs.setdefault("process_group_backend", None)
+        super().__init__(**kwargs)
+        self._compression = compression
+        self._center: Optional[torch.Tensor] = None
+        self._stash: Optional[torch.Tensor] = None
+        self._local_steps = 0
+        self._resume_state: Optional[dict] = None
+
+    # ------------------------------------------------------------------ set-up
+    @override
+    def configure_ddp(self) -> None:
+        """No DistributedDataParallel wrapper: workers train independent copies."""
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        """Nothing to register: there is no DDP reducer."""
+
+    @override
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"{type(self).__name__} supports exactly one optimizer "
+                f"(configure_optimizers returned {len(self.optimizers)})"
+            )
+        self._validate_world(self.world_size)
+        tensors = self._elastic_tensors()
+        if self._resume_state is None:
+            flat = flatten(tensors)
+            ops.broadcast(flat, src=0, kind="setup")
+            unflatten_into(flat, tensors)
+            self._center = flat.clone()
+        else:
+            state = self._resume_state
+            self._center = state["center"].to(device=self.root_device, dtype=tensors[0].dtype)
+            worker = state["workers"][self.global_rank]
+            unflatten_into(worker["flat"].to(self.root_device), tensors)
+            self._local_steps = int(state["steps"][self.global_rank])
+            self._load_extra_state(state.get("extra", {}))
+            self._load_worker_extra_state(worker.get("extra", {}))
+        self._on_center_ready()
+
+    def _validate_world(self, world_size: int) -> None:
+        """Check options that depend on the world size (e.g. beta = p * alpha < 1)."""
+
+    def _on_center_ready(self) -> None:
+        """Hook for subclasses: called once the center and workers are initialised."""
+
+    def _elastic_tensors(self) -> list[torch.Tensor]:
+        module = self.lightning_module
+        params = [p for p in module.parameters()]
+        buffers = [b for b in module.buffers() if b.is_floating_point()]
+        return params + buffers
+
+    def _worker_flat(self) -> torch.Tensor:
+        """This worker's own variable (even while the center is swapped in)."""
+        return self._stash.clone() if self._stash is not None else flatten(self._elastic_tensors())
+
+    @property
+    def center(self) -> Optional[torch.Tensor]:
+        """The flat center vector as this rank knows it."""
+        return self._center
+
+    @property
+    def local_steps(self) -> int:
+        """Optimizer steps this rank has taken."""
+        return self._local_steps
+
+    def _fetch_center(self) -> None:
+        """Make ``self._center`` current on this rank (no-op when it is replicated)."""
+
+    # ------------------------------------------------------------------ training
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model=None,
+        **kwargs: Any,
+    ) -> Any:
+        self._local_steps += 1
+        return self._exchange_step(
+            lambda: DDPStrategy.optimizer_step(self, optimizer, closure, model, **kwargs),
+            optimizer,
+        )
+
+    def _exchange_step(self, take_step: Callable[[], Any], optimizer: Optimizer) -> Any:
+        """Run ``take_step()`` (the optimizer's own step) and the strategy's exchange."""
+        raise NotImplementedError
+
+    def _optimizer_lr(self, optimizer: Optimizer) -> float:
+        return float(optimizer.param_groups[0]["lr"])
+
+    # ------------------------------------------------------------------ center swaps
+    @contextmanager
+    def center_swapped_in(self) -> Iterator[None]:
+        """Temporarily load the center into the module's tensors."""
+        self._swap_in()
+        try:
+            yield
+        finally:
+            self._swap_out()
+
+    def _swap_in(self) -> None:
+        if self._center is None or self._stash is not None:
+            return
+        self._fetch_center()
+        tensors = self._elastic_tensors()
+        self._stash = flatten(tensors)
+        unflatten_into(self._center, tensors)
+
+    def _swap_out(self) -> None:
+        if self._stash is None:
+            return
+        unflatten_into(self._stash, self._elastic_tensors())
+        self._stash = None
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            self._swap_in()
+
+    @override
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            self._swap_out()
+
+    @override
+    def on_train_end(self) -> None:
+        """The deliverable: the user's module holds the center on every rank."""
+        super().on_train_end()
+        if self._center is not None:
+            self._swap_out()
+            self._fetch_center()
+            unflatten_into(self._center, self._elastic_tensors())
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module weights in a checkpoint are the center's."""
+        if self._center is None:
+            return super().lightning_module_state_dict()
+        self._fetch_center()
+        swapped = self._stash is not None
+        if not swapped:
+            self._swap_in()
+        try:
+            return {k: v.detach().clone() for k, v in self.lightning_module.state_dict().items()}
+        finally:
+            if not swapped:
+                self._swap_out()
+
+    def _extra_state(self) -> dict:
+        """Global subclass state to checkpoint, taken from rank 0 (e.g. a server's state)."""
+        return {}
+
+    def _load_extra_state(self, state: dict) -> None:
+        """Restore what :meth:`_extra_state` saved."""
+
+    def _worker_extra_state(self) -> dict:
+        """Per-rank subclass state to checkpoint (e.g. error-feedback residuals)."""
+        return {}
+
+    def _load_worker_extra_state(self, state: dict) -> None:
+        """Restore what :meth:`_worker_extra_state` saved on this rank."""
+
+    def _gather_worker_states(self) -> list[dict]:
+        mine = {
+            "flat": self._worker_flat().cpu(),
+            "optimizer": self.optimizers[0].state_dict() if self.optimizers else None,
+            "extra": self._worker_extra_state(),
+        }
+        if not dist.is_available() or not dist.is_initialized():
+            return [mine]
+        return ops.all_gather_object(mine)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        """Add every worker's state and the center, then write atomically on rank 0."""
+        if self._center is not None:
+            workers = self._gather_worker_states()
+            steps = (
+                ops.all_gather_object(self._local_steps)
+                if dist.is_initialized()
+                else [self._local_steps]
+            )
+            checkpoint["easgd"] = {
+                "strategy": self.strategy_name,
+                "center": self._center.detach().cpu().clone(),
+                "workers": workers,
+                "steps": steps,
+                "world_size": self.world_size,
+                "extra": self._extra_state(),
+            }
+        if self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        easgd = checkpoint.get("easgd")
+        if easgd is None:
+            return
+        if easgd.get("world_size") != self.world_size:
+            raise ValueError(
+                f"checkpoint was written by {easgd.get('world_size')} workers; this run has "
+                f"{self.world_size} (trainer.devices x trainer.num_nodes must match to resume)"
+            )
+        self._resume_state = easgd
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        easgd = checkpoint.get("easgd")
+        if easgd is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        own = easgd["workers"][self.global_rank]["optimizer"]
+        if own is not None:
+            self.optimizers[0].load_state_dict(own)
+
+    # ------------------------------------------------------------------ reporting
+    def summary_extras(self) -> dict:
+        """Strategy-specific fields for summary.json."""
+        return {}
+
+    @override
+    def teardown(self) -> None:
+        self._stash = None
+        super().teardown()

@@ -1,0 +1,1 @@
+"""Small utilities (atomic writes)."""
