@@ -6,8 +6,8 @@ Without a compressor the hook is a metered dense all-reduce of the bucket (divid
 world size first, as PyTorch's default hook does).
 """
 
-from __future__ import annotations
-
+# NOTE: no ``from __future__ import annotations`` here: DDP's register_comm_hook checks
+# that the hook's ``bucket`` annotation *is* ``dist.GradBucket``, which string annotations fail.
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
