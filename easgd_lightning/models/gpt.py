@@ -44,6 +44,7 @@ __all__ = [
     "tied_logits",
     "gpt_loss",
     "gpt_layer_specs",
+    "seed_layer",
     "GPT",
     "build_gpt_pipeline",
     "TIED_KEY",
@@ -169,6 +170,11 @@ def gpt_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
 
 
+def seed_layer(seed: int) -> None:
+    """Seed torch before building one layer (DeepSpeed's ``seed_fn``; accepts numpy ints)."""
+    torch.manual_seed(int(seed))
+
+
 def gpt_layer_specs(cfg: GPTConfig, tp: TensorParallelContext) -> list:
     """The decoder as DeepSpeed layer specs (built lazily, only on the owning stage)."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
@@ -248,19 +254,26 @@ def build_gpt_pipeline(
     import torch.distributed as dist
     from deepspeed.pipe import PipelineModule
 
+    from easgd_lightning.parallel.engine import init_deepspeed_comm
+
+    init_deepspeed_comm()
     axes = topology.get_axis_names()
     tp_size = topology.get_dim("model") if "model" in axes else 1
     tp_rank = topology.get_coord(dist.get_rank()).model if "model" in axes else 0
     tp = TensorParallelContext(size=max(tp_size, 1), rank=tp_rank)
-    module = PipelineModule(
-        layers=gpt_layer_specs(cfg, tp),
-        topology=topology,
-        loss_fn=gpt_loss,
-        seed_layers=True,
-        base_seed=base_seed,
-        partition_method="type:GPTBlock",
-        activation_checkpoint_interval=activation_checkpoint_interval,
-    )
+    # no_grad: DeepSpeed broadcasts the tied weights in place while building; recorded by
+    # autograd that would turn the tied embedding into a non-leaf tensor.
+    with torch.no_grad():
+        module = PipelineModule(
+            layers=gpt_layer_specs(cfg, tp),
+            topology=topology,
+            loss_fn=gpt_loss,
+            seed_layers=True,
+            seed_fn=seed_layer,
+            base_seed=base_seed,
+            partition_method="type:GPTBlock",
+            activation_checkpoint_interval=activation_checkpoint_interval,
+        )
     if tp.enabled:
         tp.group = module._grid.get_slice_parallel_group()
     return module, tp
