@@ -14,7 +14,13 @@ from lightning_fabric.utilities.types import _PATH
 from easgd_lightning.comm import get_meter
 from easgd_lightning.utils.atomic import atomic_torch_save
 
-__all__ = ["AtomicCheckpointIO", "CommMetricsCallback", "ValHistoryCallback", "FaultInjectionCallback"]
+__all__ = [
+    "AtomicCheckpointIO",
+    "CommMetricsCallback",
+    "ValHistoryCallback",
+    "FaultInjectionCallback",
+    "EpochPrinter",
+]
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -91,3 +97,31 @@ class FaultInjectionCallback(pl.Callback):
             os._exit(17)
         if self.slow_rank is not None and rank == self.slow_rank and self.slow_ms > 0:
             time.sleep(self.slow_ms / 1000.0)
+
+
+class EpochPrinter(pl.Callback):
+    """One plain progress line per validation on global rank 0 (for logs and pipes)."""
+
+    def __init__(self, label: str = "") -> None:
+        self.label = label
+        self.start: float | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.start = time.perf_counter()
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.is_global_zero or trainer.sanity_checking or self.start is None:
+            return
+        if trainer.state.fn != "fit":
+            return
+        m = trainer.callback_metrics
+        acc = f"{float(m['val/acc']):.4f}" if "val/acc" in m else "-"
+        loss = f"{float(m['val/loss']):.4f}" if "val/loss" in m else "-"
+        meter = get_meter()
+        print(
+            f"[{self.label}] epoch {trainer.current_epoch + 1}/{trainer.max_epochs} "
+            f"step {trainer.global_step} t={time.perf_counter() - self.start:.1f}s "
+            f"val/acc={acc} val/loss={loss} sent={meter.bytes_sent / 1e6:.2f}MB "
+            f"comm={meter.time_s:.2f}s",
+            flush=True,
+        )

@@ -90,6 +90,7 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
     from easgd_lightning.callbacks import (
         AtomicCheckpointIO,
         CommMetricsCallback,
+        EpochPrinter,
         FaultInjectionCallback,
         ValHistoryCallback,
     )
@@ -110,6 +111,8 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
         val_history,
         FaultInjectionCallback(**dict(cfg.get("faults") or {})),
     ]
+    if not cfg.trainer.get("enable_progress_bar", True):
+        callbacks.append(EpochPrinter(label=f"{cfg.strategy.name}/{cfg.compression.name}"))
     if cfg.checkpoint.enabled:
         callbacks.append(
             ModelCheckpoint(

@@ -1,0 +1,64 @@
+"""One rank of a deterministic float64 EASGD run (launched torchrun-style by the tests).
+
+Usage: elastic_float64_run.py OUT STRATEGY TAU ALPHA STEPS
+Linear regression, plain SGD (no momentum), per-rank fixed data, ``precision="64-true"``.
+Saves the data, the initial parameters and the final module parameters of this rank.
+"""
+
+import os
+import sys
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import easgd_lightning  # noqa: F401  (registers names)
+from easgd_lightning.strategies import RoundRobinEASGDStrategy, SyncEASGDStrategy
+
+DIM, BATCH, LR = 5, 8, 0.05
+
+
+def rank_data(rank: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randn(steps * BATCH, DIM, generator=g, dtype=torch.float64)
+    w = torch.arange(1, DIM + 1, dtype=torch.float64)
+    y = (x @ w + 0.5 + 0.1 * torch.randn(steps * BATCH, generator=g, dtype=torch.float64)).unsqueeze(1)
+    return x, y
+
+
+class Regression(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.lin = nn.Linear(DIM, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.lin(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def main() -> None:
+    out, strategy_name, tau, alpha, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    x, y = rank_data(rank, steps)
+    model = Regression()
+    init = {k: v.detach().double().clone() for k, v in model.state_dict().items()}
+    cls = {"sync_easgd": SyncEASGDStrategy, "easgd_round_robin": RoundRobinEASGDStrategy}[strategy_name]
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world, strategy=cls(tau=tau, alpha=alpha), precision="64-true",
+        max_steps=steps, use_distributed_sampler=False, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False))
+    final = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    torch.save({"x": x, "y": y, "init": init, "final": final, "steps": trainer.strategy.local_steps,
+                "dtype": str(next(model.parameters()).dtype)}, os.path.join(out, f"rank{rank}.pt"))
+
+
+if __name__ == "__main__":
+    main()
