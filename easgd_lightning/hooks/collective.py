@@ -50,6 +50,33 @@ class ProcessGroupCollective:
             out.append(buf)
         return out
 
+    def all_reduce_bor(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Bitwise OR over ranks of integer tensors (bit-packed bitmaps, S2 Reducer).
+
+        NCCL has no bitwise-OR reduction: there the bits are unpacked to one byte each and
+        max-reduced (honestly metered at 8x the bytes), then packed again.
+        """
+        out = []
+        nccl = dist.get_backend(self.group) == "nccl"
+        for t in tensors:
+            if nccl:
+                bits = ((t.view(-1, 1) >> torch.arange(8, device=t.device, dtype=t.dtype)) & 1)
+                buf = bits.to(torch.uint8).reshape(-1).clone()
+                ops.all_reduce(
+                    buf, kind=self.kind, op=dist.ReduceOp.MAX, group=self.group,
+                    dense_bytes=self._take_dense(),
+                )
+                weights = (2 ** torch.arange(8, device=t.device)).to(t.dtype)
+                out.append((buf.view(-1, 8).to(t.dtype) * weights).sum(dim=1).to(t.dtype))
+            else:
+                buf = t.clone()
+                ops.all_reduce(
+                    buf, kind=self.kind, op=dist.ReduceOp.BOR, group=self.group,
+                    dense_bytes=self._take_dense(),
+                )
+                out.append(buf)
+        return out
+
     def all_gather(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         per_tensor = []
         for t in tensors:

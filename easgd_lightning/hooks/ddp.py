@@ -2,19 +2,45 @@
 
 Lightning's ``DDPStrategy`` only registers comm hooks on CUDA; ``CompressedDDPStrategy``
 calls :func:`register_compression_hook` itself, so the hook runs on CPU/gloo as well.
-Without a compressor the hook is a metered dense all-reduce of the bucket (divide by the
-world size first, as PyTorch's default hook does).
+
+* Without a compressor (or with ``none``) the hook is a metered dense all-reduce of the
+  bucket (divide by the world size first, as PyTorch's default hook does), asynchronous.
+* With a compressor, :func:`compressed_allreduce_hook` runs per bucket: the bucket's
+  per-parameter gradients (views of the bucket buffer) go through the per-tensor policy
+  of :mod:`easgd_lightning.hooks._exchange` (tensors under ``min_numel`` dense in one
+  message, the others error-compensated and compressed; all-reduce for linear payloads,
+  all-gather of (index, value) for sparse ones). The exchange runs synchronously inside
+  the hook, writes the averaged gradients into the bucket and returns a completed
+  future. The first ``warmup_steps`` iterations are dense (DDP rebuilds its buckets after
+  the first iteration, like PyTorch's PowerSGD ``start_powerSGD_iter``); compressor and
+  residual state is keyed by parameter name, so it survives the rebuild.
+
+Metering (kind ``data_parallel``): ``bytes_sent`` is the real payload (indices, values,
+scales, factors, length headers), ``dense_bytes`` the bucket bytes.
 """
 
 # NOTE: no ``from __future__ import annotations`` here: DDP's register_comm_hook checks
 # that the hook's ``bucket`` annotation *is* ``dist.GradBucket``, which string annotations fail.
+import time
+
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from easgd_lightning.comm import ops
+from easgd_lightning.hooks._exchange import ExchangeStats, exchange_tensors
+from easgd_lightning.hooks.collective import ProcessGroupCollective
+from easgd_lightning.hooks.compressors.base import Compressor
+from easgd_lightning.hooks.compressors.none import NoneCompressor
+from easgd_lightning.hooks.memory import Memory, make_memory
 
-__all__ = ["DenseHookState", "dense_allreduce_hook", "register_compression_hook"]
+__all__ = [
+    "DenseHookState",
+    "CompressionHookState",
+    "dense_allreduce_hook",
+    "compressed_allreduce_hook",
+    "register_compression_hook",
+]
 
 
 class DenseHookState:
@@ -28,6 +54,9 @@ class DenseHookState:
         self.kind = kind
         self.calls = 0
 
+    def compression_stats(self) -> dict:
+        return {"compressor": "none", "calls": self.calls}
+
 
 def dense_allreduce_hook(
     state: DenseHookState, bucket: dist.GradBucket
@@ -40,19 +69,201 @@ def dense_allreduce_hook(
     return fut.then(lambda f: f.value()[0])
 
 
+class CompressionHookState:
+    """State of :func:`compressed_allreduce_hook` (PyTorch ``PowerSGDState`` style).
+
+    Args:
+        compressor: the compressor (its ``min_numel`` is the dense-size policy).
+        memory: error-feedback memory (default: :func:`make_memory` of the compressor).
+        group: process group (None: the default group).
+        kind: meter traffic class.
+        warmup_steps: dense iterations before compression starts (>= 0; default 1).
+        param_names: ``id(param) -> name`` used as state keys (from the model).
+        auto_observe: feed the compressor's ``observe_compute_time`` (the gap between
+            the previous iteration's last bucket and this iteration's first bucket) when
+            it has one (``adaptive``).
+    """
+
+    __slots__ = (
+        # hyper-parameters
+        "compressor",
+        "memory",
+        "group",
+        "kind",
+        "warmup_steps",
+        "auto_observe",
+        # internal state
+        "collective",
+        "world_size",
+        "iteration",
+        "param_names",
+        "tensor_states",
+        "_new_iteration",
+        "_last_end",
+        # statistics
+        "calls",
+        "compressed_calls",
+        "dense_calls",
+        "bucket_stats",
+        "totals",
+    )
+
+    def __init__(
+        self,
+        compressor: Compressor,
+        memory: Memory | None = None,
+        *,
+        group: dist.ProcessGroup | None = None,
+        kind: str = "data_parallel",
+        warmup_steps: int = 1,
+        param_names: dict[int, str] | None = None,
+        auto_observe: bool = True,
+    ) -> None:
+        if isinstance(warmup_steps, bool) or int(warmup_steps) != warmup_steps or warmup_steps < 0:
+            raise ValueError(f"hook warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+        self.compressor = compressor
+        self.memory = memory if memory is not None else make_memory(compressor)
+        self.group = group
+        self.kind = kind
+        self.warmup_steps = int(warmup_steps)
+        self.auto_observe = auto_observe
+        self.collective = ProcessGroupCollective(group, kind=kind)
+        self.world_size = self.collective.world_size
+        self.iteration = 0
+        self.param_names = dict(param_names or {})
+        self.tensor_states: dict[str, dict] = {}
+        self._new_iteration = True
+        self._last_end: float | None = None
+        self.calls = 0
+        self.compressed_calls = 0
+        self.dense_calls = 0
+        self.bucket_stats: dict[int, ExchangeStats] = {}
+        self.totals = ExchangeStats()
+
+    def compression_stats(self) -> dict:
+        """Totals: calls, bytes (sent / dense) and times (comm / codec) of this hook."""
+        t = self.totals
+        return {
+            "compressor": self.compressor.name,
+            "calls": self.calls,
+            "compressed_calls": self.compressed_calls,
+            "dense_calls": self.dense_calls,
+            "iterations": self.iteration,
+            "bytes_sent": t.bytes_sent,
+            "dense_bytes": t.dense_bytes,
+            "compression_ratio": (t.dense_bytes / t.bytes_sent) if t.bytes_sent else None,
+            "compressed_tensors": t.compressed_tensors,
+            "dense_tensors": t.dense_tensors,
+            "comm_time_s": t.comm_time_s,
+            "codec_time_s": t.codec_time_s,
+        }
+
+    def state_dict(self) -> dict:
+        """Checkpointable state: iteration counter, per-tensor compressor state, memory."""
+        return {
+            "iteration": self.iteration,
+            "tensor_states": self.tensor_states,
+            "memory": self.memory.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.iteration = int(state.get("iteration", 0))
+        self.tensor_states = dict(state.get("tensor_states", {}))
+        self.memory.load_state_dict(state.get("memory", {}))
+
+    def _key(self, param: torch.Tensor, bucket_index: int, pos: int) -> str:
+        return self.param_names.get(id(param)) or f"bucket{bucket_index}.{pos}"
+
+
+def compressed_allreduce_hook(
+    state: CompressionHookState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket through ``state.compressor`` (synchronous; completed future)."""
+    state.calls += 1
+    now = time.perf_counter()
+    if state._new_iteration:
+        state._new_iteration = False
+        observe = getattr(state.compressor, "observe_compute_time", None)
+        if state.auto_observe and callable(observe) and state._last_end is not None:
+            observe(now - state._last_end)
+    buf = bucket.buffer()
+    if state.iteration < state.warmup_steps:
+        state.dense_calls += 1
+        buf.div_(state.world_size)
+        ops.all_reduce(buf, kind=state.kind, group=state.group)
+    else:
+        state.compressed_calls += 1
+        grads = bucket.gradients()
+        params = bucket.parameters()
+        idx = bucket.index()
+        keys = [state._key(p, idx, i) for i, p in enumerate(params)]
+        means, stats = exchange_tensors(
+            grads, keys, state.compressor, state.memory, state.tensor_states, state.collective
+        )
+        for g, m in zip(grads, means):
+            if g.data_ptr() != m.data_ptr():
+                g.copy_(m)
+        state.bucket_stats.setdefault(idx, ExchangeStats()).add(stats)
+        state.totals.add(stats)
+        if grads and grads[0].data_ptr() != buf.data_ptr():  # not views: write back
+            torch.cat([g.reshape(-1) for g in grads], out=buf)
+    if bucket.is_last():
+        state.iteration += 1
+        state._new_iteration = True
+        state._last_end = time.perf_counter()
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
+
+
+def _param_names(model: torch.nn.Module) -> dict[int, str]:
+    inner = getattr(model, "module", model)
+    return {id(p): name for name, p in inner.named_parameters()}
+
+
 def register_compression_hook(
     model: DistributedDataParallel,
-    compressor=None,
+    compressor: Compressor | None = None,
     *,
     group: dist.ProcessGroup | None = None,
-    **options,
+    memory: Memory | None = None,
+    warmup_steps: int = 1,
+    kind: str = "data_parallel",
+    auto_observe: bool = True,
 ):
-    """Register the hook for ``compressor`` (``None``: metered dense) on ``model``.
+    """Register the hook for ``compressor`` on ``model`` and return its state.
 
-    Returns the hook state (for statistics and checkpointing).
+    ``None`` or a ``none`` compressor registers the metered dense hook
+    (:class:`DenseHookState`); any other compressor registers
+    :func:`compressed_allreduce_hook` with a :class:`CompressionHookState` (statistics via
+    ``state.compression_stats()``, checkpoint via ``state.state_dict()``).
+
+    Args:
+        model: the ``DistributedDataParallel`` module.
+        compressor: from :func:`easgd_lightning.hooks.build_compressor`, or None.
+        group: process group.
+        memory: error-feedback memory (default: from ``compressor.memory``).
+        warmup_steps: dense iterations first (DDP rebuilds buckets after iteration 1).
+        kind: meter traffic class.
+        auto_observe: feed measured compute time to adaptive compressors.
     """
-    if compressor is None:
-        state = DenseHookState(group)
+    if compressor is None or isinstance(compressor, NoneCompressor):
+        state = DenseHookState(group, kind=kind)
         model.register_comm_hook(state, dense_allreduce_hook)
         return state
-    raise NotImplementedError("compressed DDP hooks land with the compression issue")
+    if not isinstance(compressor, Compressor):
+        raise ValueError(
+            f"compression must be a Compressor (see easgd_lightning.hooks.build_compressor), "
+            f"got {type(compressor).__name__}"
+        )
+    state = CompressionHookState(
+        compressor,
+        memory,
+        group=group,
+        kind=kind,
+        warmup_steps=warmup_steps,
+        param_names=_param_names(model),
+        auto_observe=auto_observe,
+    )
+    model.register_comm_hook(state, compressed_allreduce_hook)
+    return state

@@ -2,8 +2,13 @@
 
 ``exchange_sum(diff, ...)`` returns sum_i diff_i over ranks. Uncompressed it is one
 all-reduce of the flat buffer ("single-layer communication", You et al. SC17). With a
-compressor, every rank compresses its (error-compensated) difference and the aggregated,
-decompressed sum is returned; the residual stays in ``memory``.
+compressor, every rank compresses its error-compensated difference
+p_i = d_i + e_i (e_i in ``memory``), the exchange returns sum_i C(p_i) (decompressed) and
+keeps e_i <- p_i - C(p_i). Pass ``shapes`` (the parameters' shapes, in flat order) to
+compress per parameter: tensors under ``compressor.min_numel`` then travel dense in one
+message, and matrix compressors (PowerSGD) see matrices instead of one flat vector.
+Metered under ``kind`` (default ``elastic``): bytes sent = the payload, dense bytes = the
+flat buffer.
 """
 
 from __future__ import annotations
@@ -12,6 +17,10 @@ import torch
 import torch.distributed as dist
 
 from easgd_lightning.comm import ops
+from easgd_lightning.hooks._exchange import exchange_tensors
+from easgd_lightning.hooks.collective import ProcessGroupCollective
+from easgd_lightning.hooks.compressors.none import NoneCompressor
+from easgd_lightning.hooks.memory import make_memory
 
 __all__ = ["exchange_sum"]
 
@@ -25,8 +34,56 @@ def exchange_sum(
     group: dist.ProcessGroup | None = None,
     kind: str = "elastic",
     key: str = "flat",
-) -> torch.Tensor:
-    """Sum ``diff`` over the ranks of ``group`` (in place when uncompressed)."""
-    if compressor is None:
-        return ops.all_reduce(diff, kind=kind, group=group)
-    raise NotImplementedError("compressed elastic exchange lands with the compression issue")
+    shapes: list | None = None,
+    return_local: bool = False,
+):
+    """Sum ``diff`` over the ranks of ``group`` (in place when uncompressed).
+
+    Args:
+        diff: this rank's flat difference.
+        compressor: a compressor or None (``none`` is the dense path too).
+        memory: error-feedback memory; None: one kept in ``state`` per
+            ``compressor.memory`` (:func:`easgd_lightning.hooks.memory.make_memory`).
+        state: a dict that persists across calls (required with a compressor): per-tensor
+            compressor state (and the default memory) live in it.
+        group: process group; kind: meter traffic class; key: state key prefix.
+        shapes: optional parameter shapes partitioning ``diff`` (compress per parameter).
+        return_local: also return this rank's transmitted (decompressed) part, so the
+            caller can apply exactly what was sent.
+
+    Returns:
+        The sum over ranks (a new tensor when compressed), or ``(sum, local)`` with
+        ``return_local``.
+    """
+    if compressor is None or isinstance(compressor, NoneCompressor):
+        local = diff.clone() if return_local else None
+        total = ops.all_reduce(diff, kind=kind, group=group)
+        return (total, local) if return_local else total
+    if state is None:
+        raise ValueError(
+            "exchange_sum with a compressor needs a persistent `state` dict (one per buffer)"
+        )
+    if memory is None:
+        memory = state.get("_memory")
+        if memory is None:
+            memory = state["_memory"] = make_memory(compressor)
+    flat = diff.reshape(-1)
+    if shapes:
+        sizes = [int(torch.Size(s).numel()) for s in shapes]
+        if sum(sizes) != flat.numel():
+            raise ValueError(
+                f"exchange_sum: shapes cover {sum(sizes)} elements, diff has {flat.numel()}"
+            )
+        pieces = [p.view(torch.Size(s)) for p, s in zip(torch.split(flat, sizes), shapes)]
+        keys = [f"{key}.{i}" for i in range(len(pieces))]
+    else:
+        pieces, keys = [flat], [key]
+    collective = ProcessGroupCollective(group, kind=kind)
+    mine: list[torch.Tensor] = []
+    means, _ = exchange_tensors(pieces, keys, compressor, memory, state, collective, mine)
+    world = collective.world_size
+    total = torch.cat([m.reshape(-1) for m in means]).mul_(world).view_as(diff)
+    if not return_local:
+        return total
+    local = torch.cat([m.reshape(-1) for m in mine]).view_as(diff)
+    return total, local

@@ -206,27 +206,36 @@ def index_dtype_for(numel: int) -> torch.dtype:
 
 
 def pack_sparse(indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """One uint8 message: the index bytes then the value bytes (one all-gather, not two).
+    """One uint8 message: the value bytes then the index bytes (one all-gather, not two).
 
     ``indices`` and ``values`` are 1-D of equal length; bytes = nnz * (index + value size).
     """
     return torch.cat(
-        [indices.contiguous().view(torch.uint8), values.contiguous().view(torch.uint8)]
+        [values.contiguous().view(torch.uint8), indices.contiguous().view(torch.uint8)]
     )
+
+
+def _view_bytes(chunk: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    size = torch.empty((), dtype=dtype).element_size()
+    if chunk.storage_offset() % size:
+        chunk = chunk.clone()  # realign (e.g. 2-byte values before 4-byte indices)
+    return chunk.view(dtype)
 
 
 def unpack_sparse(
     buf: torch.Tensor, index_dtype: torch.dtype, value_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`pack_sparse`: the count follows from the message length."""
+    """Inverse of :func:`pack_sparse`; returns (indices, values). nnz = len / (isz + vsz)."""
     isz = torch.empty((), dtype=index_dtype).element_size()
     vsz = torch.empty((), dtype=value_dtype).element_size()
     if buf.numel() % (isz + vsz):
-        raise ValueError(f"sparse message of {buf.numel()} bytes is not a multiple of {isz + vsz}")
+        raise ValueError(
+            f"sparse message of {buf.numel()} bytes is not a multiple of {isz + vsz}"
+        )
     nnz = buf.numel() // (isz + vsz)
     buf = buf.contiguous()
-    idx = buf[: nnz * isz].view(index_dtype)
-    val = buf[nnz * isz :].view(value_dtype)
+    val = _view_bytes(buf[: nnz * vsz], value_dtype)
+    idx = _view_bytes(buf[nnz * vsz :], index_dtype)
     return idx, val
 
 

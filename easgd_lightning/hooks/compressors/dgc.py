@@ -7,9 +7,9 @@ Rule, per worker and tensor at step t (p workers, momentum m, density d_t):
   (momentum factor masking). v is DGC's own residual, so ``memory`` must stay off.
 Threshold: top-k of a strided ``sample_ratio`` (1%) sample; if more than 1.3 k pass, exact
 top-k among the survivors; if fewer than 0.8 k, thr <- 0.8 thr, at most 10 rounds.
-Warm-up: densities 0.25, 0.0625, 0.0156, 0.004 (equal shares of ``warmup_steps``, or of
-``warmup_epochs`` * steps per epoch once :meth:`DGCCompressor.set_steps_per_epoch` is
-called), then ``ratio`` = 0.001 (99.9% sparsity). Defaults: momentum 0.9, nesterov false,
+Warm-up: densities 0.25, 0.0625, 0.0156, 0.004 (equal shares of ``warmup_steps`` = 200,
+or of ``warmup_epochs`` * steps per epoch once :meth:`DGCCompressor.set_steps_per_epoch`
+is called; the paper warms up over 4 epochs), then ``ratio`` = 0.001 (99.9% sparsity). Defaults: momentum 0.9, nesterov false,
 clip_norm null (off), min_numel 16384 (smaller tensors go dense), memory false.
 With ``momentum > 0`` the momentum lives here: give the optimizer momentum 0.
 """
@@ -137,7 +137,7 @@ class DGCCompressor(SparseCompressor):
         nesterov: bool = False,
         clip_norm: float | None = None,
         warmup_ratios=DEFAULT_WARMUP_RATIOS,
-        warmup_steps: int = 0,
+        warmup_steps: int = 200,
         warmup_epochs: float | None = None,
         sample_ratio: float = 0.01,
         max_rounds: int = 10,

@@ -1,0 +1,132 @@
+"""The compressors, one module each, behind one registry (DESIGN.md 4.3).
+
+``build_compressor(name, **params)`` returns a compressor by its config name; the names
+and parameters are those of ``conf/compression/<name>.yaml`` (every yaml key, ``name``
+included, is a keyword of :func:`build_compressor`). Unknown names or parameters and
+out-of-range values raise :class:`ValueError` naming the ``compression.<key>``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+
+from easgd_lightning.hooks.compressors.adaptive import AdaptiveCompressor
+from easgd_lightning.hooks.compressors.base import (
+    DEFAULT_MIN_NUMEL,
+    Collective,
+    Compressor,
+    Payload,
+    tensor_bytes,
+)
+from easgd_lightning.hooks.compressors.dgc import DGCCompressor
+from easgd_lightning.hooks.compressors.fp16 import BF16Compressor, FP16Compressor
+from easgd_lightning.hooks.compressors.none import NoneCompressor
+from easgd_lightning.hooks.compressors.powersgd import PowerSGDCompressor
+from easgd_lightning.hooks.compressors.qsgd import QSGDCompressor
+from easgd_lightning.hooks.compressors.randomk import RandomKCompressor
+from easgd_lightning.hooks.compressors.redsync import RedSyncCompressor
+from easgd_lightning.hooks.compressors.sidco import SIDCoCompressor
+from easgd_lightning.hooks.compressors.signsgd import SignSGDCompressor
+from easgd_lightning.hooks.compressors.sketch import SketchCompressor
+from easgd_lightning.hooks.compressors.topk import TopKCompressor
+
+__all__ = [
+    "COMPRESSORS",
+    "DEFAULT_MIN_NUMEL",
+    "AdaptiveCompressor",
+    "BF16Compressor",
+    "Collective",
+    "Compressor",
+    "DGCCompressor",
+    "FP16Compressor",
+    "NoneCompressor",
+    "Payload",
+    "PowerSGDCompressor",
+    "QSGDCompressor",
+    "RandomKCompressor",
+    "RedSyncCompressor",
+    "SIDCoCompressor",
+    "SignSGDCompressor",
+    "SketchCompressor",
+    "TopKCompressor",
+    "build_compressor",
+    "compressor_names",
+    "register_compressor",
+    "tensor_bytes",
+]
+
+#: config name -> class
+COMPRESSORS: dict[str, type[Compressor]] = {}
+
+
+def register_compressor(cls: type[Compressor]) -> type[Compressor]:
+    """Add ``cls`` under ``cls.name`` (idempotent; usable as a class decorator)."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    existing = COMPRESSORS.get(cls.name)
+    if existing is not None and existing is not cls:
+        raise ValueError(f"compression name {cls.name!r} already registered by {existing.__name__}")
+    COMPRESSORS[cls.name] = cls
+    return cls
+
+
+for _cls in (
+    NoneCompressor,
+    FP16Compressor,
+    BF16Compressor,
+    TopKCompressor,
+    RandomKCompressor,
+    DGCCompressor,
+    RedSyncCompressor,
+    SIDCoCompressor,
+    PowerSGDCompressor,
+    QSGDCompressor,
+    SignSGDCompressor,
+    SketchCompressor,
+    AdaptiveCompressor,
+):
+    register_compressor(_cls)
+
+
+def compressor_names() -> list[str]:
+    """The registered config names."""
+    return sorted(COMPRESSORS)
+
+
+def _plain(value):
+    """OmegaConf containers (ListConfig, DictConfig) to plain Python values."""
+    if isinstance(value, (str, bytes)):
+        return value
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, Sequence):
+        return [_plain(v) for v in value]
+    return value
+
+
+def build_compressor(name: str | None = "none", **params) -> Compressor:
+    """The compressor registered as ``name``, constructed with ``params``.
+
+    Args:
+        name: a config name (see :func:`compressor_names`); ``None`` means ``"none"``.
+        **params: that compressor's parameters plus ``min_numel`` and ``memory``.
+
+    Raises:
+        ValueError: unknown name, unknown parameter, or a value out of range; the
+            message names the ``compression.<key>`` and what is allowed.
+    """
+    if name is None:
+        name = "none"
+    cls = COMPRESSORS.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ValueError(f"compression.name must be one of {compressor_names()}, got {name!r}")
+    sig = inspect.signature(cls.__init__)
+    valid = [p for p in sig.parameters if p != "self"]
+    for key in params:
+        if key not in valid:
+            raise ValueError(
+                f"compression.{key} is not a parameter of compression {name!r}; "
+                f"valid parameters: {['name', *valid]}"
+            )
+    return cls(**{k: _plain(v) for k, v in params.items()})

@@ -1,0 +1,189 @@
+"""``adaptive``: bandwidth-adaptive top-k (the rule we adopt; ALGORITHMS.md section 6).
+
+Rule, per step, from the measured link bandwidth B (bytes/s, counting bytes sent plus
+received by this rank, as the meter does), the step's compute time T, p ranks, N elements
+communicated per step (D = N * elem bytes dense) and e bytes per sparse (index, value):
+  dense all-reduce moves ~2D:          if 2D / B <= budget * T, send dense (fast link);
+  sparse all-gather moves ~p k e:      else k = budget * T * B / (p e), ratio = k / N
+                                       clamped to [min_ratio, max_ratio];
+  dense again if p * ratio * e >= 2 * elem bytes (sparse would not be cheaper).
+Ranks agree on the ratio with a 4-byte max all-reduce (so all take the same path).
+Until both B and T are known (or with ``bandwidth`` / ``compute_time`` fixed in the
+config) it sends dense. The attach points feed measurements through
+:meth:`AdaptiveCompressor.observe_bandwidth` and :meth:`observe_compute_time`
+(exponential moving averages, weight ``smoothing`` on the old value); a strategy may feed
+them too. Sparse steps use gradient dropping (:mod:`.topk`) with residuals.
+Defaults: budget = 1.0, min_ratio = 0.001, max_ratio = 0.25, smoothing = 0.8,
+memory = true.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from easgd_lightning.hooks.compressors.base import (
+    Collective,
+    Payload,
+    check_int,
+    check_positive,
+    check_ratio,
+    index_dtype_for,
+)
+from easgd_lightning.hooks.compressors.sparse import SparseCompressor
+from easgd_lightning.hooks.compressors.topk import topk_indices
+
+__all__ = ["AdaptiveCompressor", "adaptive_ratio"]
+
+
+def adaptive_ratio(
+    *,
+    numel: int,
+    elem_bytes: int,
+    index_bytes: int,
+    world_size: int,
+    bandwidth: float | None,
+    compute_time: float | None,
+    budget: float = 1.0,
+    min_ratio: float = 0.001,
+    max_ratio: float = 0.25,
+) -> float:
+    """The density to use (1.0 = dense), following the module docstring's rule."""
+    if not bandwidth or not compute_time or bandwidth <= 0 or compute_time <= 0 or numel <= 0:
+        return 1.0
+    p = max(1, world_size)
+    dense_bytes = numel * elem_bytes
+    allowed = budget * compute_time
+    if 2.0 * dense_bytes / bandwidth <= allowed:
+        return 1.0
+    e = elem_bytes + index_bytes
+    ratio = allowed * bandwidth / (p * e) / numel
+    ratio = min(max_ratio, max(min_ratio, ratio))
+    if p * ratio * e >= 2.0 * elem_bytes:
+        return 1.0
+    return ratio
+
+
+class AdaptiveCompressor(SparseCompressor):
+    """Top-k whose density follows the measured bandwidth and compute time.
+
+    Args:
+        budget: fraction of the step's compute time communication may take (> 0).
+        min_ratio, max_ratio: bounds on the sparse density, in (0, 1].
+        smoothing: EMA weight on the previous measurement, in [0, 1).
+        bandwidth: fixed link bandwidth in bytes/s (null: measured).
+        compute_time: fixed compute time per step in seconds (null: measured).
+        sample_size, exact: top-k selection options (see :mod:`.topk`).
+        min_numel, memory: attach-point policies (see :class:`Compressor`).
+    """
+
+    name = "adaptive"
+
+    def __init__(
+        self,
+        *,
+        budget: float = 1.0,
+        min_ratio: float = 0.001,
+        max_ratio: float = 0.25,
+        smoothing: float = 0.8,
+        bandwidth: float | None = None,
+        compute_time: float | None = None,
+        sample_size: int = 100_000,
+        exact: bool = False,
+        min_numel: int | None = None,
+        memory: bool | None = None,
+    ) -> None:
+        super().__init__(min_numel=min_numel, memory=memory)
+        self.budget = check_positive("budget", budget)
+        self.min_ratio = check_ratio("min_ratio", min_ratio)
+        self.max_ratio = check_ratio("max_ratio", max_ratio)
+        if self.min_ratio > self.max_ratio:
+            raise ValueError(
+                f"compression.min_ratio ({min_ratio}) must be <= compression.max_ratio ({max_ratio})"
+            )
+        s = float(smoothing)
+        if not 0.0 <= s < 1.0:
+            raise ValueError(f"compression.smoothing must be in [0, 1), got {smoothing!r}")
+        self.smoothing = s
+        self.bandwidth = None if bandwidth is None else check_positive("bandwidth", bandwidth)
+        self.compute_time = (
+            None if compute_time is None else check_positive("compute_time", compute_time)
+        )
+        self.sample_size = check_int("sample_size", sample_size, 1)
+        if not isinstance(exact, bool):
+            raise ValueError(f"compression.exact must be true or false, got {exact!r}")
+        self.exact = exact
+        self._bw: float | None = None
+        self._ct: float | None = None
+        self._numels: dict[int, int] = {}
+        self.last_ratio: float = 1.0
+
+    # ------------------------------------------------------------ measurement hooks
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else self.smoothing * old + (1.0 - self.smoothing) * new
+
+    def observe_bandwidth(self, nbytes: float, seconds: float) -> None:
+        """Feed one exchange: bytes sent + received by this rank and its wall time."""
+        if nbytes > 0 and seconds > 0:
+            self._bw = self._ema(self._bw, nbytes / seconds)
+
+    def observe_compute_time(self, seconds: float) -> None:
+        """Feed the compute time (forward + backward) of one step, in seconds."""
+        if seconds > 0:
+            self._ct = self._ema(self._ct, seconds)
+
+    @property
+    def measured_bandwidth(self) -> float | None:
+        return self.bandwidth if self.bandwidth is not None else self._bw
+
+    @property
+    def measured_compute_time(self) -> float | None:
+        return self.compute_time if self.compute_time is not None else self._ct
+
+    def choose_ratio(self, world_size: int, elem_bytes: int = 4, index_bytes: int = 4) -> float:
+        """This rank's proposal for the density (1.0 = dense)."""
+        total = sum(self._numels.values())
+        return adaptive_ratio(
+            numel=total,
+            elem_bytes=elem_bytes,
+            index_bytes=index_bytes,
+            world_size=world_size,
+            bandwidth=self.measured_bandwidth,
+            compute_time=self.measured_compute_time,
+            budget=self.budget,
+            min_ratio=self.min_ratio,
+            max_ratio=self.max_ratio,
+        )
+
+    # ------------------------------------------------------------ codec
+    def select(self, flat: torch.Tensor, state: dict) -> torch.Tensor:
+        ratio = float(state.get("ratio", self.max_ratio))
+        return topk_indices(flat, ratio, exact=self.exact, sample_size=self.sample_size)
+
+    def compress(self, tensor: torch.Tensor, state: dict) -> Payload:
+        ratio = float(state.get("ratio", 1.0))
+        if ratio >= 1.0:
+            return Payload((tensor.reshape(-1),), {"dense": True})
+        return super().compress(tensor, state)
+
+    def decompress(self, payload: Payload, shape: torch.Size) -> torch.Tensor:
+        if payload.meta.get("dense"):
+            return payload.tensors[0].reshape(shape)
+        return super().decompress(payload, shape)
+
+    def aggregate(
+        self, tensor: torch.Tensor, state: dict, collective: Collective
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Agree on the density (max over ranks), then dense all-reduce or sparse top-k."""
+        world = collective.world_size
+        self._numels[int(state.get("key_hash", 0))] = tensor.numel()
+        index_bytes = torch.empty((), dtype=index_dtype_for(tensor.numel())).element_size()
+        proposal = self.choose_ratio(world, tensor.element_size(), index_bytes)
+        vote = torch.tensor([proposal], dtype=torch.float64, device=tensor.device)
+        (agreed,) = collective.all_reduce_max([vote])
+        ratio = float(agreed[0])
+        state["ratio"] = ratio
+        self.last_ratio = ratio
+        if ratio >= 1.0:
+            (summed,) = collective.all_reduce_sum([tensor.reshape(-1)])
+            return summed.reshape(tensor.shape) / world, tensor.clone()
+        return super().aggregate(tensor, state, collective)

@@ -1,0 +1,241 @@
+"""``sidco``: statistical threshold estimation (Abdelmoniem et al., MLSys 2021).
+
+Rule: u = |g| / ||g||_2 is modelled by a sparsity-inducing law; the threshold with tail
+mass delta is closed-form:
+  exponential: thr = -mean(u) ln(delta)
+  gamma: s = ln mean(u) - mean(ln u), a = (3 - s + sqrt((s - 3)^2 + 24 s)) / (12 s),
+         b = mean(u) / a, thr = b Q^{-1}(a, delta)   (Q: regularized upper gamma)
+  generalized Pareto (moments m, v): k = (m^2/v - 1)/2, sigma = m (m^2/v + 1)/2,
+         thr = sigma (1 - delta^k) / k
+Multi-stage (S stages): stage 1 keeps 0.25, each later stage refits the exceedances
+(survivors minus the previous threshold: peaks over threshold, which the paper's
+Pickands-Balkema-de Haan argument models) with per-stage ratio (delta / 0.25)^(1/(S-1)).
+Every ``adapt_every`` = 5 steps the mean achieved/target count is compared with
+1 +- ``tolerance`` (0.2): above, S <- S + 1; below, S <- S - 1 (1 <= S <= ceil(log delta /
+log 0.5)). Send {(i, g_i) : u_i > thr} with residuals; payloads are all-gathered.
+Defaults: ratio (delta) = 0.001, distribution = exponential, stages = 1 (initial),
+first_stage_ratio = 0.25, memory = true.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from easgd_lightning.hooks.compressors.base import (
+    check_choice,
+    check_int,
+    check_positive,
+    check_ratio,
+    num_selected,
+)
+from easgd_lightning.hooks.compressors.sparse import SparseCompressor
+
+__all__ = [
+    "SIDCoCompressor",
+    "DISTRIBUTIONS",
+    "exponential_threshold",
+    "gamma_fit",
+    "gamma_threshold",
+    "gpareto_fit",
+    "gpareto_threshold",
+    "gammainccinv",
+    "multistage_threshold",
+    "max_stages",
+]
+
+DISTRIBUTIONS = ("exponential", "gamma", "gpareto")
+
+
+def exponential_threshold(x: torch.Tensor, delta: float) -> float:
+    """Exponential MLE (rate 1/mean): P(X > t) = exp(-t / mean) = delta."""
+    return -float(x.double().mean()) * math.log(delta)
+
+
+def gamma_fit(x: torch.Tensor) -> tuple[float, float]:
+    """Gamma (shape a, scale b) by the closed-form MLE approximation (Minka / Thom)."""
+    xd = x.double()
+    mean = float(xd.mean())
+    s = math.log(mean) - float(torch.log(xd).mean())
+    if s <= 1e-12:
+        return float("inf"), 0.0
+    a = (3.0 - s + math.sqrt((s - 3.0) ** 2 + 24.0 * s)) / (12.0 * s)
+    return a, mean / a
+
+
+def gammainccinv(a: float, q: float, iters: int = 100) -> float:
+    """x with Q(a, x) = q (regularized upper incomplete gamma), safeguarded Newton."""
+    if not 0.0 < q < 1.0:
+        return 0.0 if q >= 1.0 else math.inf
+    ta = torch.tensor(a, dtype=torch.float64)
+
+    def qfun(x: float) -> float:
+        return float(torch.special.gammaincc(ta, torch.tensor(x, dtype=torch.float64)))
+
+    lga = math.lgamma(a)
+    lo, hi = 0.0, max(1.0, a)
+    while qfun(hi) > q:
+        lo, hi = hi, hi * 2.0
+        if hi > 1e300:
+            return math.inf
+    x = 0.5 * (lo + hi)
+    for _ in range(iters):
+        f = qfun(x) - q
+        if f > 0:
+            lo = x
+        else:
+            hi = x
+        # dQ/dx = -x^(a-1) e^(-x) / Gamma(a)
+        dens = math.exp((a - 1.0) * math.log(x) - x - lga) if x > 0 else 0.0
+        nxt = x + f / dens if dens > 0 else 0.5 * (lo + hi)
+        if not lo < nxt < hi:
+            nxt = 0.5 * (lo + hi)
+        if abs(nxt - x) <= 1e-14 * max(1.0, abs(x)):
+            return nxt
+        x = nxt
+    return x
+
+
+def gamma_threshold(x: torch.Tensor, delta: float) -> float:
+    """Gamma fit, then thr = b Q^{-1}(a, delta)."""
+    a, b = gamma_fit(x)
+    if not math.isfinite(a):
+        return float(x.double().mean())
+    return b * gammainccinv(a, delta)
+
+
+def gpareto_fit(x: torch.Tensor) -> tuple[float, float]:
+    """Generalized Pareto by moments (Hosking & Wallis 1987): returns (k, sigma).
+
+    With mean m and population variance v: k = (m^2/v - 1)/2, sigma = m (m^2/v + 1)/2;
+    tail P(X > t) = (1 - k t / sigma)^(1/k) (k = -xi in the usual shape convention).
+    """
+    xd = x.double()
+    m = float(xd.mean())
+    v = float(xd.var(correction=0)) if xd.numel() > 1 else 0.0
+    if v <= 0:
+        return math.inf, m
+    r = m * m / v
+    return (r - 1.0) / 2.0, m * (r + 1.0) / 2.0
+
+
+def gpareto_threshold(x: torch.Tensor, delta: float) -> float:
+    """thr = sigma (1 - delta^k) / k (the -sigma ln(delta) limit at k = 0)."""
+    k, sigma = gpareto_fit(x)
+    if not math.isfinite(k):
+        return sigma
+    if abs(k) < 1e-9:
+        return -sigma * math.log(delta)
+    return sigma * (1.0 - delta**k) / k
+
+
+_FITS = {
+    "exponential": exponential_threshold,
+    "gamma": gamma_threshold,
+    "gpareto": gpareto_threshold,
+}
+
+
+def _fit_threshold(x: torch.Tensor, delta: float, distribution: str) -> float:
+    """Threshold on the positive part of ``x`` with the tail mass rescaled for zeros."""
+    pos = x[x > 0]
+    if pos.numel() == 0:
+        return math.inf
+    delta_pos = min(1.0, delta * x.numel() / pos.numel())
+    if delta_pos >= 1.0:
+        return 0.0
+    return _FITS[distribution](pos, delta_pos)
+
+
+def max_stages(delta: float) -> int:
+    """Upper bound on the stage count: ceil(log delta / log 0.5)."""
+    return max(1, math.ceil(math.log(delta) / math.log(0.5)))
+
+
+def multistage_threshold(
+    u: torch.Tensor,
+    delta: float,
+    stages: int,
+    distribution: str = "exponential",
+    first_stage_ratio: float = 0.25,
+) -> float:
+    """SIDCo's S-stage threshold on u (see the module docstring)."""
+    if stages <= 1 or delta >= first_stage_ratio:
+        return _fit_threshold(u, delta, distribution)
+    per_stage = (delta / first_stage_ratio) ** (1.0 / (stages - 1))
+    thr = _fit_threshold(u, first_stage_ratio, distribution)
+    survivors = u[u > thr]
+    for _ in range(stages - 1):
+        if survivors.numel() < 2:
+            break
+        step = _fit_threshold(survivors - thr, per_stage, distribution)
+        if not math.isfinite(step):
+            break
+        thr = thr + step
+        survivors = survivors[survivors > thr]
+    return thr
+
+
+class SIDCoCompressor(SparseCompressor):
+    """SIDCo: closed-form sparsity thresholds from a fitted distribution.
+
+    Args:
+        ratio: target density delta, in (0, 1].
+        distribution: ``exponential``, ``gamma`` or ``gpareto``.
+        stages: initial number of stages (adapted every ``adapt_every`` steps).
+        first_stage_ratio: density kept by the first of several stages (0.25).
+        adapt_every: steps between stage-count adaptations (0: never adapt).
+        tolerance: accepted relative error of the achieved count (0.2).
+        min_numel, memory: attach-point policies (see :class:`Compressor`).
+    """
+
+    name = "sidco"
+
+    def __init__(
+        self,
+        ratio: float = 0.001,
+        *,
+        distribution: str = "exponential",
+        stages: int = 1,
+        first_stage_ratio: float = 0.25,
+        adapt_every: int = 5,
+        tolerance: float = 0.2,
+        min_numel: int | None = None,
+        memory: bool | None = None,
+    ) -> None:
+        super().__init__(min_numel=min_numel, memory=memory)
+        self.ratio = check_ratio("ratio", ratio)
+        self.distribution = check_choice("distribution", distribution, DISTRIBUTIONS)
+        self.stages = check_int("stages", stages, 1)
+        self.first_stage_ratio = check_ratio("first_stage_ratio", first_stage_ratio, allow_one=False)
+        self.adapt_every = check_int("adapt_every", adapt_every, 0)
+        self.tolerance = check_positive("tolerance", tolerance)
+        self.max_stages = max_stages(self.ratio)
+
+    def select(self, flat: torch.Tensor, state: dict) -> torch.Tensor:
+        n = flat.numel()
+        k = num_selected(n, self.ratio)
+        mag = flat.abs()
+        if k >= n:
+            return torch.arange(n, device=flat.device)
+        norm = float(torch.linalg.vector_norm(mag.double()))
+        if norm == 0.0:
+            return torch.empty(0, dtype=torch.long, device=flat.device)
+        stages = int(state.get("stages", min(self.stages, self.max_stages)))
+        u = mag / norm
+        thr = multistage_threshold(u, self.ratio, stages, self.distribution, self.first_stage_ratio)
+        idx = torch.nonzero(u > thr).squeeze(1)
+        # stage adaptation from the achieved / target count
+        hist = state.setdefault("achieved", [])
+        hist.append(idx.numel() / k)
+        if self.adapt_every and len(hist) >= self.adapt_every:
+            mean_ratio = sum(hist) / len(hist)
+            if mean_ratio > 1.0 + self.tolerance:
+                stages = min(self.max_stages, stages + 1)
+            elif mean_ratio < 1.0 - self.tolerance:
+                stages = max(1, stages - 1)
+            hist.clear()
+        state["stages"] = stages
+        state["last_threshold"] = thr * norm
+        return idx

@@ -1,0 +1,491 @@
+"""Each compressor against a reference written here (pure tensor code, no process group)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.special
+import scipy.stats
+import torch
+from omegaconf import OmegaConf
+
+from easgd_lightning.hooks import build_compressor, compressor_names
+from easgd_lightning.hooks.compressors import base
+from easgd_lightning.hooks.compressors.adaptive import adaptive_ratio
+from easgd_lightning.hooks.compressors.dgc import DGCCompressor
+from easgd_lightning.hooks.compressors.powersgd import power_iteration
+from easgd_lightning.hooks.compressors.redsync import threshold_bisect, trimmed_topk
+from easgd_lightning.hooks.compressors.sidco import (
+    exponential_threshold,
+    gamma_threshold,
+    gammainccinv,
+    gpareto_threshold,
+    multistage_threshold,
+)
+from easgd_lightning.hooks.compressors.sketch import build_sketch, peel_decode, sketch_hashes
+
+CONF = Path(__file__).resolve().parents[2] / "conf" / "compression"
+
+
+class SoloCollective:
+    """world_size = 1: each collective returns this rank's own tensors (nothing to exchange)."""
+
+    world_size = 1
+
+    def all_reduce_sum(self, tensors):
+        return [t.clone() for t in tensors]
+
+    def all_reduce_max(self, tensors):
+        return [t.clone() for t in tensors]
+
+    def all_gather(self, tensors):
+        return [[t.clone() for t in tensors]]
+
+
+def roundtrip(comp, x, state=None):
+    state = {} if state is None else state
+    payload = comp.compress(x, state)
+    return payload, comp.decompress(payload, x.shape)
+
+
+def reference_topk_mask(x: np.ndarray, k: int) -> np.ndarray:
+    order = np.argsort(-np.abs(x), kind="stable")
+    mask = np.zeros(x.size, dtype=bool)
+    mask[order[:k]] = True
+    return mask
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------- top-k
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_topk_keeps_exactly_the_k_largest(exact):
+    x = torch.randn(5000, generator=gen(0))
+    comp = build_compressor("topk", ratio=0.01, exact=exact)
+    payload, y = roundtrip(comp, x)
+    k = math.ceil(0.01 * 5000)
+    mask = reference_topk_mask(x.numpy(), k)
+    np.testing.assert_array_equal(y.numpy() != 0, mask)
+    np.testing.assert_array_equal(y.numpy()[mask], x.numpy()[mask])
+    assert comp.payload_bytes(payload) == k * (4 + 4)
+
+
+def test_topk_sampled_threshold_on_a_large_tensor():
+    x = torch.randn(400_000, generator=gen(1))
+    comp = build_compressor("topk", ratio=0.001)
+    payload, y = roundtrip(comp, x)
+    kept = y != 0
+    k = 400
+    assert 0.5 * k <= int(kept.sum()) <= 1.5 * k
+    assert x[kept].abs().min() > x[~kept].abs().max()  # a threshold rule
+    assert comp.payload_bytes(payload) == int(kept.sum()) * 8
+
+
+def test_topk_float64_payload_bytes():
+    x = torch.randn(1000, dtype=torch.float64, generator=gen(2))
+    comp = build_compressor("topk", ratio=0.1)
+    payload, y = roundtrip(comp, x)
+    assert y.dtype == torch.float64
+    assert comp.payload_bytes(payload) == 100 * (4 + 8)
+
+
+# ----------------------------------------------------------------------------- random-k
+
+
+def test_randomk_same_indices_on_every_rank_and_payload():
+    x = torch.randn(1000, generator=gen(3))
+    a, b = build_compressor("randomk", ratio=0.05), build_compressor("randomk", ratio=0.05)
+    pa, ya = roundtrip(a, x)
+    pb, yb = roundtrip(b, torch.randn(1000, generator=gen(4)))
+    torch.testing.assert_close(pa.meta["indices"], pb.meta["indices"])  # shared seed
+    assert a.payload_bytes(pa) == 50 * 4  # values only: indices are regenerated
+    assert int((ya != 0).sum()) == 50
+    torch.testing.assert_close(ya[pa.meta["indices"]], x[pa.meta["indices"]])
+
+
+def test_randomk_unbiased_over_seeds():
+    x = torch.randn(40, generator=gen(5))
+    comp = build_compressor("randomk", ratio=0.25, unbiased=True, memory=False)
+    state: dict = {}
+    total = torch.zeros_like(x)
+    steps = 4000
+    for _ in range(steps):
+        total += roundtrip(comp, x, state)[1]
+    mean = total / steps
+    # std of the mean per entry: |x| sqrt((n/k - 1) / steps) ~ 0.027 |x|
+    assert torch.allclose(mean, x, atol=0.15 * float(x.abs().max()))
+
+
+# ----------------------------------------------------------------------------- QSGD
+
+
+def test_qsgd_unbiased_and_on_the_grid():
+    torch.manual_seed(0)
+    x = torch.randn(1000, generator=gen(6))
+    comp = build_compressor("qsgd", levels=4, bucket_size=100, seed=7)
+    payload, y = roundtrip(comp, x)
+    norms, q = payload.tensors
+    assert q.dtype == torch.int8 and int(q.abs().max()) <= 4
+    bnorm = torch.linalg.vector_norm(x.view(10, 100), dim=1)
+    torch.testing.assert_close(norms, bnorm)
+    levels = (y.view(10, 100) / bnorm.unsqueeze(1) * 4)
+    torch.testing.assert_close(levels, levels.round(), atol=1e-4, rtol=0)
+    total = torch.zeros_like(x)
+    steps = 3000
+    for _ in range(steps):
+        total += roundtrip(comp, x)[1]
+    # z-scores with the exact per-entry variance (norm / s)^2 f (1 - f), f = frac(s|x|/norm)
+    scaled = (x.view(10, 100).abs() * 4 / bnorm.unsqueeze(1)).view(-1)
+    frac = scaled - scaled.floor()
+    var = (bnorm.repeat_interleave(100) / 4) ** 2 * frac * (1 - frac)
+    z = (total / steps - x).abs() / torch.sqrt(var / steps + 1e-12)
+    assert float(z.max()) < 5.0, float(z.max())
+
+
+def test_qsgd_payload_bytes_formula():
+    x = torch.randn(1300, generator=gen(7))
+    for levels, lbytes in ((127, 1), (128, 2), (40000, 4)):
+        comp = build_compressor("qsgd", levels=levels, bucket_size=512)
+        payload, _ = roundtrip(comp, x)
+        assert comp.payload_bytes(payload) == 1300 * lbytes + math.ceil(1300 / 512) * 4
+
+
+# ----------------------------------------------------------------------------- PowerSGD
+
+
+def test_powersgd_full_rank_reconstructs_exactly():
+    m = torch.randn(12, 7, generator=gen(8), dtype=torch.float64)
+    q = torch.randn(7, 7, generator=gen(9), dtype=torch.float64)
+    p, q2 = power_iteration(m, q)
+    torch.testing.assert_close(p @ q2.t(), m)
+
+
+def test_powersgd_rank_r_matrix_through_the_compressor():
+    a = torch.randn(64, 2, generator=gen(10))
+    b = torch.randn(2, 48, generator=gen(11))
+    x = (a @ b).reshape(64, 4, 12)  # a conv-like 3-D tensor of rank 2 as (64, 48)
+    comp = build_compressor("powersgd", rank=2)
+    payload, y = roundtrip(comp, x)
+    torch.testing.assert_close(y, x, atol=1e-4, rtol=1e-4)
+    assert comp.payload_bytes(payload) == (64 + 48) * 2 * 4
+    mean, local = comp.aggregate(x, {}, SoloCollective())
+    torch.testing.assert_close(mean, x, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(local, x, atol=1e-4, rtol=1e-4)
+
+
+def test_powersgd_vectors_travel_dense_and_warm_start_is_kept():
+    comp = build_compressor("powersgd", rank=2)
+    v = torch.randn(100, generator=gen(12))
+    payload, y = roundtrip(comp, v)
+    torch.testing.assert_close(y, v)
+    assert comp.payload_bytes(payload) == 400
+    state: dict = {}
+    x = torch.randn(30, 20, generator=gen(13))
+    comp.compress(x, state)
+    q1 = state["q"].clone()
+    comp.compress(x, state)
+    assert state["q"].shape == (20, 2) and not torch.equal(q1, state["q"])
+
+
+# ----------------------------------------------------------------------------- sign
+
+
+def test_signsgd_keeps_the_scale_and_packs_bits():
+    x = torch.randn(1001, generator=gen(14))
+    x[5] = 0.0
+    comp = build_compressor("signsgd")
+    payload, y = roundtrip(comp, x)
+    scale = x.abs().sum() / x.numel()
+    expected = torch.where(x >= 0, scale, -scale)
+    torch.testing.assert_close(y, expected)
+    assert comp.payload_bytes(payload) == math.ceil(1001 / 8) + 4
+    assert payload.tensors[1].dtype == torch.uint8
+
+
+def test_bit_packing_roundtrip():
+    bits = torch.rand(77, generator=gen(15)) > 0.5
+    packed = base.pack_bits(bits)
+    assert packed.numel() == 10
+    torch.testing.assert_close(base.unpack_bits(packed, 77), bits)
+
+
+# ----------------------------------------------------------------------------- fp16 / bf16
+
+
+@pytest.mark.parametrize("name,dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
+def test_half_precision(name, dtype):
+    x = torch.randn(300, generator=gen(16))
+    comp = build_compressor(name)
+    payload, y = roundtrip(comp, x)
+    assert payload.tensors[0].dtype == dtype
+    torch.testing.assert_close(y, x.to(dtype).float())
+    assert comp.payload_bytes(payload) == 600
+
+
+def test_none_is_identity():
+    x = torch.randn(3, 4, generator=gen(17))
+    comp = build_compressor("none")
+    payload, y = roundtrip(comp, x)
+    torch.testing.assert_close(y, x)
+    assert comp.payload_bytes(payload) == 48
+
+
+# ----------------------------------------------------------------------------- DGC
+
+
+def test_dgc_warmup_schedule_steps_and_epochs():
+    comp = build_compressor("dgc", ratio=0.001, warmup_steps=8)
+    got = [comp.density(s) for s in range(10)]
+    assert got == [0.25, 0.25, 0.0625, 0.0625, 0.0156, 0.0156, 0.004, 0.004, 0.001, 0.001]
+    comp = build_compressor("dgc", warmup_steps=999, warmup_epochs=2)
+    comp.set_steps_per_epoch(2)  # 4 warm-up steps, one per stage
+    assert [comp.density(s) for s in range(5)] == [0.25, 0.0625, 0.0156, 0.004, 0.001]
+    assert build_compressor("dgc", warmup_steps=0).density(0) == 0.001
+
+
+def reference_dgc(gs, m, nesterov, k):
+    """DGC by hand in numpy, with exact top-k selection of v."""
+    u = np.zeros_like(gs[0])
+    v = np.zeros_like(gs[0])
+    sent = []
+    for g in gs:
+        if nesterov:
+            u = (u + g) * m
+            v = v + u + g
+        else:
+            u = m * u + g
+            v = v + u
+        mask = reference_topk_mask(v, k)
+        out = np.where(mask, v, 0.0)
+        v = np.where(mask, 0.0, v)
+        u = np.where(mask, 0.0, u)
+        sent.append(out)
+    return sent, u, v
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_dgc_momentum_correction_and_factor_masking(nesterov):
+    n, ratio = 2000, 0.01
+    gs = [torch.randn(n, generator=gen(20 + i), dtype=torch.float64) for i in range(4)]
+    comp = DGCCompressor(ratio=ratio, momentum=0.9, nesterov=nesterov, warmup_steps=0)
+    state: dict = {}
+    ys = [roundtrip(comp, g, state)[1] for g in gs]
+    # the selection is a threshold: at most 1.3k, at least 0.8k entries
+    ref, u, v = reference_dgc([g.numpy() for g in gs], 0.9, nesterov, 20)
+    for y, r in zip(ys, ref):
+        nnz = int((y != 0).sum())
+        assert 0.8 * 20 <= nnz <= 1.3 * 20
+    # with the exact-count case the result must match the exact top-k reference
+    comp2 = DGCCompressor(ratio=ratio, momentum=0.9, nesterov=nesterov, warmup_steps=0, sample_ratio=1.0)
+    state2: dict = {}
+    ys2 = [roundtrip(comp2, g, state2)[1] for g in gs]
+    for y, r in zip(ys2, ref):
+        np.testing.assert_allclose(y.numpy(), r, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(state2["u"].numpy(), u, atol=1e-12)
+    np.testing.assert_allclose(state2["v"].numpy(), v, atol=1e-12)
+    # masking: sent coordinates restart from zero in both u and v
+    last = ys2[-1] != 0
+    assert torch.all(state2["u"][last] == 0) and torch.all(state2["v"][last] == 0)
+
+
+def test_dgc_local_clipping_scaled_by_sqrt_p():
+    g = torch.full((100,), 1.0)  # norm 10
+    comp = DGCCompressor(ratio=1.0, momentum=0.0, clip_norm=2.0, warmup_steps=0)
+    state = {"world_size": 4}
+    _, y = roundtrip(comp, g, state)
+    assert math.isclose(float(torch.linalg.vector_norm(y)), 2.0 / math.sqrt(4), rel_tol=1e-6)
+
+
+def test_dgc_rejects_memory():
+    with pytest.raises(ValueError, match="compression.memory"):
+        build_compressor("dgc", memory=True)
+
+
+# ----------------------------------------------------------------------------- RedSync
+
+
+def test_redsync_trimmed_topk_is_exact():
+    x = torch.randn(3000, generator=gen(30))
+    k = 30
+    idx = trimmed_topk(x.abs(), k)
+    mask = np.zeros(3000, dtype=bool)
+    mask[idx.numpy()] = True
+    np.testing.assert_array_equal(mask, reference_topk_mask(x.numpy(), k))
+
+
+def test_redsync_bisection_lands_in_k_to_2k():
+    x = torch.randn(50_000, generator=gen(31))
+    k = 50
+    idx, thr = threshold_bisect(x.abs(), k)
+    assert k <= idx.numel() <= 2 * k
+    mask = torch.zeros(50_000, dtype=torch.bool)
+    mask[idx] = True
+    assert x[mask].abs().min() > x[~mask].abs().max()
+    comp = build_compressor("redsync", ratio=0.001, method="bisect", reuse_steps=3)
+    state: dict = {}
+    payload, y = roundtrip(comp, x, state)
+    assert comp.payload_bytes(payload) == int((y != 0).sum()) * 8
+    roundtrip(comp, x, state)
+    assert state["thr_age"] == 2  # reused
+
+
+# ----------------------------------------------------------------------------- SIDCo
+
+
+def test_gammainccinv_matches_scipy():
+    for a in (0.3, 0.7, 1.0, 2.5, 8.0):
+        for q in (0.25, 0.01, 0.001, 1e-5):
+            ours = gammainccinv(a, q)
+            assert math.isclose(ours, scipy.special.gammainccinv(a, q), rel_tol=1e-8), (a, q)
+
+
+def test_sidco_thresholds_match_scipy_closed_forms():
+    rng = np.random.default_rng(0)
+    x = np.abs(rng.standard_t(3, size=20_000)) + 1e-6
+    t = torch.from_numpy(x)
+    delta = 0.001
+    mean = x.mean()
+    # exponential: scale = mean
+    assert math.isclose(exponential_threshold(t, delta), scipy.stats.expon(scale=mean).isf(delta), rel_tol=1e-9)
+    # gamma: the closed-form shape estimate, scipy's inverse survival function
+    s = math.log(mean) - np.log(x).mean()
+    a = (3 - s + math.sqrt((s - 3) ** 2 + 24 * s)) / (12 * s)
+    expected = scipy.stats.gamma(a, scale=mean / a).isf(delta)
+    assert math.isclose(gamma_threshold(t, delta), expected, rel_tol=1e-7)
+    # generalized Pareto by moments; scipy's shape c = -k
+    v = x.var()
+    k = (mean**2 / v - 1) / 2
+    sigma = mean * (mean**2 / v + 1) / 2
+    expected = scipy.stats.genpareto(c=-k, scale=sigma).isf(delta)
+    assert math.isclose(gpareto_threshold(t, delta), expected, rel_tol=1e-9)
+
+
+def test_sidco_selects_about_delta_on_exponential_data():
+    rng = np.random.default_rng(1)
+    g = torch.from_numpy(rng.laplace(size=200_000)).float()
+    comp = build_compressor("sidco", ratio=0.01, distribution="exponential")
+    _, y = roundtrip(comp, g)
+    nnz = int((y != 0).sum())
+    assert 0.8 * 2000 <= nnz <= 1.2 * 2000
+    u = g.abs() / torch.linalg.vector_norm(g)
+    two = multistage_threshold(u, 0.01, 2, "exponential")
+    assert 0.7 * 2000 <= int((u > two).sum()) <= 1.3 * 2000
+
+
+def test_sidco_stage_adaptation():
+    rng = np.random.default_rng(2)
+    # heavy tail: a single exponential fit lets too many through -> more stages
+    g = torch.from_numpy(rng.standard_t(1.5, size=50_000)).float()
+    comp = build_compressor("sidco", ratio=0.001, stages=1, adapt_every=5)
+    state: dict = {}
+    for _ in range(5):
+        roundtrip(comp, g, state)
+    assert state["stages"] == 2
+
+
+# ----------------------------------------------------------------------------- sketch
+
+
+def test_sketch_roundtrip_decodes_the_sparse_vector():
+    x = torch.randn(20_000, generator=gen(40))
+    comp = build_compressor("sketch", ratio=0.01)
+    payload, y = roundtrip(comp, x)
+    k = 200
+    mask = reference_topk_mask(x.numpy(), k)
+    np.testing.assert_allclose(y.numpy(), np.where(mask, x.numpy(), 0.0), atol=1e-5)
+    width = math.ceil(1.5 * k / 3)
+    assert comp.payload_bytes(payload) == math.ceil(20_000 / 8) + 3 * width * 4
+
+
+def test_peel_decode_with_a_crowded_sketch_falls_back_to_least_squares():
+    pos = torch.arange(0, 4000, 40)
+    vals = torch.randn(pos.numel(), generator=gen(41), dtype=torch.float64)
+    width = 45  # 135 cells for 100 values: peeling stalls, least squares finishes
+    cols, signs = sketch_hashes(pos, 3, width, seed=5)
+    sk = build_sketch(vals, cols, signs, width)
+    torch.testing.assert_close(peel_decode(sk, cols, signs), vals)
+
+
+# ----------------------------------------------------------------------------- adaptive
+
+
+def test_adaptive_rule():
+    common = dict(numel=1_000_000, elem_bytes=4, index_bytes=4, world_size=4)
+    # unknown measurements or a fast link: dense
+    assert adaptive_ratio(**common, bandwidth=None, compute_time=0.1) == 1.0
+    assert adaptive_ratio(**common, bandwidth=1e11, compute_time=0.1) == 1.0
+    # 100 MB/s, 10 ms of compute: k = 0.01 * 1e8 / (4 * 8) = 31250 -> ratio 0.03125
+    r = adaptive_ratio(**common, bandwidth=1e8, compute_time=0.01)
+    assert math.isclose(r, 0.03125)
+    # clamped at min_ratio on a very slow link
+    assert adaptive_ratio(**common, bandwidth=1e3, compute_time=0.01, min_ratio=0.001) == 0.001
+    comp = build_compressor("adaptive", bandwidth=1e8, compute_time=0.01, memory=False)
+    x = torch.randn(1_000_000, generator=gen(50))
+    mean, local = comp.aggregate(x, {"key_hash": 1}, SoloCollective())
+    assert math.isclose(comp.last_ratio, 0.03125 * 4 / 1, rel_tol=1e-9)  # p = 1 here
+    assert 0.5 * comp.last_ratio * 1e6 <= int((mean != 0).sum()) <= 1.5 * comp.last_ratio * 1e6
+
+
+def test_adaptive_observations_drive_the_ratio():
+    comp = build_compressor("adaptive", smoothing=0.5)
+    assert comp.choose_ratio(2) == 1.0
+    comp.observe_bandwidth(1e6, 1.0)
+    comp.observe_compute_time(0.001)
+    comp._numels[0] = 1_000_000
+    r = comp.choose_ratio(2)
+    assert r == comp.min_ratio
+    comp.observe_bandwidth(1e12, 1.0)  # EMA: 0.5e6 + 0.5e12
+    assert comp.choose_ratio(2) == 1.0
+
+
+# ----------------------------------------------------------------------------- configs and errors
+
+
+@pytest.mark.parametrize(
+    "name,params,key",
+    [
+        ("topk", {"ratio": 1.5}, "compression.ratio must be in (0, 1], got 1.5"),
+        ("topk", {"ratio": 0}, "compression.ratio"),
+        ("randomk", {"ratio": -0.1}, "compression.ratio"),
+        ("dgc", {"ratio": 2}, "compression.ratio"),
+        ("dgc", {"warmup_ratios": [0.25, 3]}, "compression.warmup_ratios"),
+        ("powersgd", {"rank": 0}, "compression.rank must be an integer >= 1"),
+        ("qsgd", {"levels": 0}, "compression.levels"),
+        ("sidco", {"distribution": "cauchy"}, "compression.distribution"),
+        ("redsync", {"method": "magic"}, "compression.method"),
+        ("topk", {"min_numel": -1}, "compression.min_numel"),
+        ("topk", {"memory": "yes"}, "compression.memory"),
+        ("topk", {"rank": 2}, "compression.rank is not a parameter"),
+        ("adaptive", {"min_ratio": 0.5, "max_ratio": 0.1}, "compression.min_ratio"),
+    ],
+)
+def test_bad_params_fail_fast(name, params, key):
+    with pytest.raises(ValueError) as err:
+        build_compressor(name, **params)
+    assert key in str(err.value)
+
+
+def test_unknown_name_lists_the_valid_ones():
+    with pytest.raises(ValueError) as err:
+        build_compressor("zip")
+    msg = str(err.value)
+    assert "compression.name" in msg and "'powersgd'" in msg and "'dgc'" in msg
+
+
+def test_every_config_builds_and_every_name_has_a_config():
+    names = {p.stem for p in CONF.glob("*.yaml")}
+    assert set(compressor_names()) <= names
+    for path in sorted(CONF.glob("*.yaml")):
+        cfg = OmegaConf.load(path)
+        if cfg.get("name") not in compressor_names():
+            continue  # a group member owned elsewhere (optimus_cc)
+        assert "min_numel" in cfg and "memory" in cfg, path.name
+        comp = build_compressor(**cfg)
+        assert comp.name == cfg.name == path.stem
