@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Self
 
 __all__ = [
+    "BenchConfig",
     "ClusterUnavailable",
     "EmulatedCluster",
     "LinkSpec",
@@ -60,6 +61,7 @@ __all__ = [
     "check_privileges",
     "cleanup_stale",
     "main",
+    "merge_overrides",
     "parse_configs",
     "render_markdown",
     "row_from_summary",
@@ -70,8 +72,10 @@ REPO = Path(__file__).resolve().parent.parent
 PREFIX = "easgd-bench"
 BASELINE = ("ddp", "none")
 
+# DGC is measured at its final sparsity (no warm-up) and, as its config asks, with the
+# momentum inside the compressor rather than in the optimizer.
 DEFAULT_CONFIGS = (
-    "ddp/none,ddp/fp16,ddp/dgc,ddp/powersgd,"
+    "ddp/none,ddp/fp16,ddp/dgc;compression.warmup_steps=0;optim.momentum=0,ddp/powersgd,"
     "sync_easgd/none,easgd_round_robin/none,sync_easgd/topk,async_easgd/none"
 )
 QUICK_CONFIGS = "ddp/none,sync_easgd/none"
@@ -143,34 +147,62 @@ def tbf_params(rate_mbit: float, mtu: int = 1500) -> dict[str, int]:
     }
 
 
-def parse_configs(text: str) -> list[tuple[str, str]]:
-    """Parse ``"strategy/compression,strategy/compression"`` into pairs.
+@dataclass(frozen=True)
+class BenchConfig:
+    """One row of the table: a strategy, a compression and overrides for this row only."""
+
+    strategy: str
+    compression: str
+    overrides: tuple[str, ...] = ()
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.strategy, self.compression)
+
+    @property
+    def label(self) -> str:
+        return f"{self.strategy}/{self.compression}"
+
+    @property
+    def slug(self) -> str:
+        # Hydra's override grammar forbids '=' inside hydra.run.dir's value.
+        tail = "_".join(re.sub(r"[^A-Za-z0-9.-]", "-", o) for o in self.overrides)
+        return f"{self.strategy}__{self.compression}" + (f"__{tail}" if tail else "")
+
+
+def parse_configs(text: str) -> list[BenchConfig]:
+    """Parse ``"strategy/compression,strategy/compression;key=value;key=value"``.
+
+    Items are separated by commas; an item may carry Hydra overrides for that row only
+    after semicolons (e.g. ``ddp/dgc;compression.warmup_steps=0``).
 
     Args:
-        text: comma-separated ``strategy/compression`` items.
+        text: the ``--configs`` value.
 
     Returns:
-        The pairs in order, duplicates removed.
+        The configurations in order, exact duplicates removed.
 
     Raises:
-        ValueError: an item is not of the form ``strategy/compression``.
+        ValueError: an item is not of the form ``strategy/compression[;key=value...]``.
     """
-    pairs: list[tuple[str, str]] = []
+    configs: list[BenchConfig] = []
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue
-        parts = item.split("/")
-        if len(parts) != 2 or not all(re.fullmatch(r"[A-Za-z0-9_\-]+", p) for p in parts):
+        head, *overrides = (tok.strip() for tok in item.split(";"))
+        parts = head.split("/")
+        bad = [o for o in overrides if "=" not in o]
+        if len(parts) != 2 or not all(re.fullmatch(r"[A-Za-z0-9_\-]+", p) for p in parts) or bad:
             raise ValueError(
-                f"--configs: '{item}' is not 'strategy/compression' (e.g. ddp/none, "
-                "sync_easgd/topk)"
+                f"--configs: '{item}' is not 'strategy/compression[;key=value...]' "
+                "(e.g. ddp/none, sync_easgd/topk, ddp/dgc;compression.warmup_steps=0)"
             )
-        pair = (parts[0], parts[1])
-        if pair not in pairs:
-            pairs.append(pair)
-    if not pairs:
+        config = BenchConfig(parts[0], parts[1], tuple(o for o in overrides if o))
+        if config not in configs:
+            configs.append(config)
+    if not configs:
         raise ValueError("--configs: empty list; give e.g. 'ddp/none,sync_easgd/none'")
-    return pairs
+    return configs
 
 
 def _mean(values: Iterable[float]) -> float | None:
@@ -319,7 +351,8 @@ def render_markdown(rows: list[dict], scenario: dict) -> str:
             "| "
             + " | ".join(
                 [
-                    f"{r['strategy']}/{r['compression']}",
+                    f"{r['strategy']}/{r['compression']}"
+                    + (f" `{' '.join(r['overrides'])}`" if r.get("overrides") else ""),
                     _fmt(r.get("step_time_s"), "s"),
                     _fmt(q.get("step_time_s"), "ratio"),
                     _fmt(r.get("samples_per_s"), "num"),
@@ -766,6 +799,24 @@ def _log_tail(path: Path, n: int = 15) -> str:
     return "\n".join("    " + line for line in lines[-n:])
 
 
+def merge_overrides(*groups: Iterable[str]) -> list[str]:
+    """Concatenate Hydra overrides, a later one replacing an earlier one of the same key.
+
+    Args:
+        groups: override lists, in increasing precedence.
+
+    Returns:
+        One list with each key once, in the order the keys first appeared.
+    """
+    merged: dict[str, str] = {}
+    for group in groups:
+        for item in group:
+            key = item.partition("=")[0].lstrip("+~")
+            merged.pop(key, None)  # move to the end: position follows precedence
+            merged[key] = item
+    return list(merged.values())
+
+
 def train_command(
     strategy: str,
     compression: str,
@@ -775,7 +826,12 @@ def train_command(
     workload: Sequence[str],
     extra: Sequence[str],
 ) -> list[str]:
-    """The ``easgd-train`` command line of one rank (all ranks share it)."""
+    """The ``easgd-train`` command line of one rank (all ranks share it).
+
+    Precedence, lowest first: the harness defaults (:data:`BENCH_OVERRIDES`), the
+    workload, ``extra``, and last what the harness must control (run directory, strategy,
+    compression, devices, nodes, steps).
+    """
     exe = Path(sys.executable).parent / "easgd-train"
     fixed = [
         f"hydra.run.dir={run_dir}",
@@ -785,15 +841,12 @@ def train_command(
         f"trainer.num_nodes={workers}",
         f"trainer.max_steps={steps}",
     ]
-    given = {item.partition("=")[0].lstrip("+~") for item in (*workload, *extra)}
-    defaults = [d for d in BENCH_OVERRIDES if d.partition("=")[0] not in given]
-    return [str(exe), *fixed, *defaults, *workload, *extra]
+    return [str(exe), *merge_overrides(BENCH_OVERRIDES, workload, extra, fixed)]
 
 
 def run_config(
     cluster: EmulatedCluster,
-    strategy: str,
-    compression: str,
+    config: BenchConfig,
     *,
     steps: int,
     workload: Sequence[str],
@@ -802,14 +855,23 @@ def run_config(
     port: int,
     timeout_s: float,
 ) -> RunResult:
-    """Run one (strategy, compression) configuration on every host; read its summary."""
-    run_dir = out_dir / f"{strategy}__{compression}"
+    """Run one configuration on every host; read its summary."""
+    strategy, compression = config.strategy, config.compression
+    run_dir = out_dir / config.slug
     if run_dir.exists():
         shutil.rmtree(run_dir)
     procs, logs = [], []
     # One run directory for all ranks, as on a cluster's shared file system: every rank
     # writes ranks/rank<R>.json there and global rank 0 merges them into summary.json.
-    cmd = train_command(strategy, compression, cluster.workers, steps, run_dir, workload, extra)
+    cmd = train_command(
+        strategy,
+        compression,
+        cluster.workers,
+        steps,
+        run_dir,
+        workload,
+        [*config.overrides, *extra],
+    )
     for rank in range(cluster.workers):
         log = run_dir / "logs" / f"rank{rank}.log"
         logs.append(log)
@@ -906,20 +968,24 @@ def run_smoke(
 # --------------------------------------------------------------------------- CLI
 
 
-def _conf_problems(pairs: list[tuple[str, str]], workload: Sequence[str]) -> list[str]:
-    """Configs the Hydra tree does not have (only ``group=name`` selections are checked)."""
+def _missing_configs(selections: Iterable[str]) -> list[str]:
+    """Files of the Hydra tree that ``group=name`` selections need but that do not exist."""
     conf = REPO / "conf"
-    problems = []
+    missing = []
     if not (conf / "train.yaml").exists():
-        problems.append("conf/train.yaml (the easgd-train CLI is not there yet)")
-    for group, name in [("strategy", s) for s, _ in pairs] + [("compression", c) for _, c in pairs]:
-        if not (conf / group / f"{name}.yaml").exists():
-            problems.append(f"conf/{group}/{name}.yaml")
-    for item in workload:
+        missing.append("conf/train.yaml")
+    for item in selections:
         key, _, value = item.partition("=")
+        key = key.lstrip("+~")
         if "." not in key and (conf / key).is_dir() and not (conf / key / f"{value}.yaml").exists():
-            problems.append(f"conf/{key}/{value}.yaml")
-    return sorted(set(problems))
+            missing.append(f"conf/{key}/{value}.yaml")
+    return sorted(set(missing))
+
+
+def _config_missing(config: BenchConfig) -> list[str]:
+    return _missing_configs(
+        [f"strategy={config.strategy}", f"compression={config.compression}", *config.overrides]
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -1054,13 +1120,14 @@ def _main(argv: list[str]) -> int:
     args.steps = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS)
     timeout_s = args.timeout_s or (100.0 if args.quick else 1800.0)
     link = LinkSpec(args.rate_mbit, args.latency_ms)
-    pairs = parse_configs(args.configs or (QUICK_CONFIGS if args.quick else DEFAULT_CONFIGS))
-    if BASELINE not in pairs:
-        pairs.insert(0, BASELINE)
+    configs = parse_configs(args.configs or (QUICK_CONFIGS if args.quick else DEFAULT_CONFIGS))
+    base = next((c for c in configs if c.key == BASELINE and not c.overrides), None)
+    if base is None:
+        base = BenchConfig(*BASELINE)
         print("[cluster] added ddp/none: every ratio is taken against it", flush=True)
-    else:  # run the baseline first
-        pairs.remove(BASELINE)
-        pairs.insert(0, BASELINE)
+    else:
+        configs.remove(base)
+    configs.insert(0, base)  # the baseline runs first
     if args.workload is not None:
         workload = args.workload.split()
     else:
@@ -1069,12 +1136,13 @@ def _main(argv: list[str]) -> int:
 
     check_privileges()
     if not args.smoke:
-        problems = _conf_problems(pairs, workload)
+        # Without the workload or the baseline nothing can be compared: stop here.
+        problems = _missing_configs([*workload, *extra]) + _config_missing(base)
         if problems:
             raise ClusterUnavailable(
                 "missing Hydra configs: "
-                + ", ".join(problems)
-                + " (pick other --configs/--workload or add them)"
+                + ", ".join(sorted(set(problems)))
+                + " (pick another --workload/--extra or add them)"
             )
     stale = cleanup_stale(dry_run=True)
     if stale:
@@ -1096,12 +1164,30 @@ def _main(argv: list[str]) -> int:
         if args.smoke:
             return _smoke(cluster, args, out, scenario, timeout_s)
         rows: list[dict] = []
-        for k, (strategy, compression) in enumerate(pairs):
-            print(f"[cluster] ({k + 1}/{len(pairs)}) {strategy}/{compression} ...", flush=True)
+        for k, config in enumerate(configs):
+            row = {
+                "strategy": config.strategy,
+                "compression": config.compression,
+                "overrides": list(config.overrides),
+            }
+            rows.append(row)
+            missing = _config_missing(config)
+            if missing:
+                row["status"] = f"skipped ({', '.join(missing)} not found)"
+                print(
+                    f"[cluster] ({k + 1}/{len(configs)}) {config.label}: {row['status']}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                continue
+            print(
+                f"[cluster] ({k + 1}/{len(configs)}) {config.label} "
+                f"{' '.join(config.overrides)}...",
+                flush=True,
+            )
             res = run_config(
                 cluster,
-                strategy,
-                compression,
+                config,
                 steps=args.steps,
                 workload=workload,
                 extra=extra,
@@ -1109,14 +1195,7 @@ def _main(argv: list[str]) -> int:
                 port=args.port + k,
                 timeout_s=timeout_s,
             )
-            row = {
-                "strategy": strategy,
-                "compression": compression,
-                "status": res.status,
-                "run_dir": res.run_dir,
-                **res.figures,
-            }
-            rows.append(row)
+            row.update(status=res.status, run_dir=res.run_dir, **res.figures)
             if res.status == "ok":
                 print(
                     f"[cluster]   step {_fmt(row['step_time_s'], 's')} s, "

@@ -8,6 +8,7 @@ permits network namespaces; skipped, with the reason, elsewhere.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -21,6 +22,17 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "cluster.py"
+
+
+def _load_cluster_module():
+    spec = importlib.util.spec_from_file_location("bench_cluster", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_cluster"] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+cluster = _load_cluster_module()
 
 
 def _netns_names() -> set[str]:
@@ -124,3 +136,88 @@ def test_refuses_without_privileges_exit_2(tmp_path: Path) -> None:
     assert "root" in stderr and "CAP_NET_ADMIN" in stderr
     # setpriv execs the script in place, so its pid names the run's namespaces.
     assert not {n for n in _netns_names() if n.startswith(f"easgd-bench-{proc.pid}-")}
+
+
+# --------------------------------------------------------------- pure helpers (no netns)
+
+
+def test_parse_configs_with_row_overrides() -> None:
+    got = cluster.parse_configs("ddp/none, ddp/dgc;compression.warmup_steps=0;optim.momentum=0,")
+    assert [c.key for c in got] == [("ddp", "none"), ("ddp", "dgc")]
+    assert got[1].overrides == ("compression.warmup_steps=0", "optim.momentum=0")
+    assert "=" not in got[1].slug  # it becomes hydra.run.dir
+    assert cluster.parse_configs("ddp/none,ddp/none") == [cluster.BenchConfig("ddp", "none")]
+    for bad in ("ddp", "ddp/none/x", "ddp/dgc;warmup", ""):
+        with pytest.raises(ValueError, match="--configs"):
+            cluster.parse_configs(bad)
+
+
+def test_merge_overrides_later_wins_and_harness_keys_fixed() -> None:
+    merged = cluster.merge_overrides(["logger=none", "a=1"], ["a=2", "+b=3"], ["b=4"])
+    assert merged == ["logger=none", "a=2", "b=4"]
+    cmd = cluster.train_command(
+        "ddp", "none", 4, 7, Path("/tmp/x"), ["model=mlp"], ["logger=csv", "strategy=evil"]
+    )
+    assert cmd[0].endswith("easgd-train")
+    assert "logger=csv" in cmd and "logger=none" not in cmd
+    assert "strategy=ddp" in cmd and "strategy=evil" not in cmd
+    assert {"trainer.devices=1", "trainer.num_nodes=4", "trainer.max_steps=7"} <= set(cmd)
+
+
+def test_row_from_summary_and_ratios() -> None:
+    def summary(wall: float, steps: list, sent: list, frac: float, loss: float) -> dict:
+        return {
+            "steps_per_rank": steps,
+            "wall_time_s": wall,
+            "samples_per_s": sum(s or 0 for s in steps) * 32 / wall,
+            "train_loss": loss,
+            "comm": {"bytes_sent": sent, "time_fraction": frac},
+        }
+
+    base = cluster.row_from_summary(summary(10.0, [100, 100], [4000, 4000], 0.5, 1.0))
+    assert base["step_time_s"] == pytest.approx(0.1)
+    assert base["bytes_per_step_per_worker"] == pytest.approx(40.0)
+    # A parameter server (rank 0, no steps) is charged to the workers' steps.
+    ps = cluster.row_from_summary(summary(5.0, [0, 50, 150], [3000, 500, 500], 0.25, 2.0))
+    assert ps["step_time_s"] == pytest.approx(5.0 / 100)
+    assert ps["bytes_per_step_per_worker"] == pytest.approx(4000 / 200)
+    failed_rank = cluster.row_from_summary(summary(5.0, [10, None], [1, 0], 0.1, 1.0))
+    assert failed_rank["steps_per_rank"] == [10, 0]
+
+    rows = [
+        {"strategy": "sync_easgd", "compression": "none", "status": "ok", **ps},
+        {"strategy": "ddp", "compression": "none", "status": "ok", **base},
+        {"strategy": "ddp", "compression": "dgc", "status": "failed (rc=[1])"},
+    ]
+    cluster.build_table(rows)
+    assert all(v == pytest.approx(1.0) for v in rows[1]["ratio"].values())
+    assert rows[0]["ratio"]["step_time_s"] == pytest.approx(0.5)
+    assert rows[0]["ratio"]["bytes_per_step_per_worker"] == pytest.approx(0.5)
+    assert rows[0]["ratio"]["final_loss"] == pytest.approx(2.0)
+    assert all(v is None for v in rows[2]["ratio"].values())
+    md = cluster.render_markdown(
+        rows,
+        {
+            "workers": 2,
+            "link": {"rate_mbit": 1000.0, "latency_ms": 0.1, "latency_emulated": False},
+            "workload": [],
+            "extra": [],
+            "steps": 100,
+            "machine": {"cpus": 2, "platform": "linux"},
+            "date": "today",
+            "command": "bench/cluster.py",
+        },
+    )
+    assert "NOT emulated" in md and md.count("\n| ") == 4  # header + 3 rows
+
+
+def test_tbf_params_scale_with_rate() -> None:
+    slow, fast = cluster.tbf_params(1.0), cluster.tbf_params(1000.0)
+    assert slow["rate_kbit"] == 1000 and fast["rate_kbit"] == 1_000_000
+    assert slow["burst_bytes"] >= 2 * 1500  # at least two full frames
+    assert fast["burst_bytes"] == 250_000  # 2 ms at 125 MB/s
+    assert slow["limit_bytes"] >= 2 * 1024 * 1024  # above tcp_limit_output_bytes
+    with pytest.raises(ValueError, match="--rate-mbit"):
+        cluster.LinkSpec(0.0, 0.1)
+    with pytest.raises(ValueError, match="--latency-ms"):
+        cluster.LinkSpec(10.0, -1.0)
