@@ -24,6 +24,10 @@ class Memory:
     def update(self, key, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
         """Record what ``transmitted`` (the decompressed local contribution) left out."""
 
+    def residual(self, key) -> torch.Tensor | None:
+        """What is owed for ``key`` (None: nothing)."""
+        return None
+
     def state_dict(self) -> dict:
         return {}
 

@@ -1,0 +1,235 @@
+"""One rank of the compression checks (launched torchrun-style by the tests).
+
+Usage: compression_run.py OUT SCENARIO[,SCENARIO...]   (aggregate | ddp | elastic)
+
+Every scenario computes an independent reference from the *dense* local contributions
+gathered here with plain ``torch.distributed.all_gather`` and writes the comparison to
+OUT/rank{r}.json; the test asserts on those files.
+"""
+
+import json
+import math
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from easgd_lightning.comm.meter import get_meter
+from easgd_lightning.hooks import build_compressor, exchange_sum, register_compression_hook
+from easgd_lightning.hooks.collective import ProcessGroupCollective
+
+SHAPE = (64, 48)
+N = SHAPE[0] * SHAPE[1]
+
+#: name -> (build params, a formula for the bytes this rank sends per exchange)
+CASES = {
+    "none": ({"min_numel": 0}, lambda c, st: N * 4),
+    "fp16": ({"min_numel": 0}, lambda c, st: N * 2),
+    "bf16": ({"min_numel": 0}, lambda c, st: N * 2),
+    "topk": ({"ratio": 0.05, "min_numel": 0}, lambda c, st: st["last_nnz"] * 8 + 8),
+    "randomk": ({"ratio": 0.05, "min_numel": 0}, lambda c, st: math.ceil(0.05 * N) * 4),
+    "dgc": (
+        {"ratio": 0.01, "warmup_steps": 2, "min_numel": 0, "clip_norm": 50.0},
+        lambda c, st: st["last_nnz"] * 8 + 8,
+    ),
+    "redsync": ({"ratio": 0.02, "min_numel": 0}, lambda c, st: st["last_nnz"] * 8 + 8),
+    "redsync_bisect": (
+        {"ratio": 0.02, "method": "bisect", "min_numel": 0},
+        lambda c, st: st["last_nnz"] * 8 + 8,
+    ),
+    "sidco": ({"ratio": 0.02, "min_numel": 0}, lambda c, st: st["last_nnz"] * 8 + 8),
+    "sidco_gamma": (
+        {"ratio": 0.02, "distribution": "gamma", "stages": 2, "min_numel": 0},
+        lambda c, st: st["last_nnz"] * 8 + 8,
+    ),
+    "sidco_gpareto": (
+        {"ratio": 0.02, "distribution": "gpareto", "stages": 2, "min_numel": 0},
+        lambda c, st: st["last_nnz"] * 8 + 8,
+    ),
+    "powersgd": ({"rank": 3, "min_numel": 0}, lambda c, st: (64 + 48) * 3 * 4),
+    "qsgd": (
+        {"levels": 15, "bucket_size": 512, "min_numel": 0},
+        lambda c, st: N * 1 + 8 + math.ceil(N / 512) * 4 + 8,
+    ),
+    "signsgd": ({"min_numel": 0}, lambda c, st: 4 + 8 + math.ceil(N / 8) + 8),
+    "sketch": (
+        {"ratio": 0.02, "min_numel": 0},
+        lambda c, st: math.ceil(N / 8) + 3 * math.ceil(1.5 * st["last_union"] / 3) * 4,
+    ),
+    "adaptive": (
+        {"bandwidth": 1e7, "compute_time": 0.001, "min_numel": 0},
+        lambda c, st: 8 + st["last_nnz"] * 8 + 8,
+    ),
+}
+
+
+class NoOrCollective(ProcessGroupCollective):
+    """The same collective without the bitwise-OR reduction (the max fallback path)."""
+
+    all_reduce_bor = None
+
+
+def gather(t: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return out
+
+
+def scenario_aggregate(rank: int, world: int) -> dict:
+    results = {}
+    cases = dict(CASES)
+    cases["sketch_max_fallback"] = CASES["sketch"]
+    for case, (params, formula) in cases.items():
+        name = case.split("_")[0] if case not in CASES or case.startswith(("redsync_", "sidco_")) else case
+        name = {"sketch_max_fallback": "sketch"}.get(case, name)
+        comp = build_compressor(name, **params)
+        kind = f"test_{case}"
+        coll = (NoOrCollective if case == "sketch_max_fallback" else ProcessGroupCollective)(kind=kind)
+        state: dict = {"key_hash": 17}
+        errs, sent, expected, dense = [], [], [], []
+        for step in range(4):
+            g = torch.Generator().manual_seed(100 * rank + step)
+            x = torch.randn(SHAPE, generator=g) * (1 + rank)
+            before = get_meter().by_kind[kind].bytes_sent, get_meter().by_kind[kind].dense_bytes
+            coll.charge_dense(N * 4)
+            mean, local = comp.aggregate(x, state, coll)
+            after = get_meter().by_kind[kind].bytes_sent, get_meter().by_kind[kind].dense_bytes
+            ref = torch.stack(gather(local)).mean(0)
+            scale = float(ref.abs().max()) or 1.0
+            errs.append(float((mean - ref).abs().max()) / scale)
+            sent.append(after[0] - before[0])
+            dense.append(after[1] - before[1])
+            if case != "sketch_max_fallback":
+                expected.append(int(formula(comp, state)))
+        results[case] = {"rel_err": errs, "sent": sent, "expected": expected, "dense": dense}
+    return results
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = nn.Linear(20, 300)
+        self.fc2 = nn.Linear(300, 10)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _topk_dense(t: torch.Tensor, k: int) -> torch.Tensor:
+    flat = t.reshape(-1)
+    idx = torch.topk(flat.abs(), k).indices
+    out = torch.zeros_like(flat)
+    out[idx] = flat[idx]
+    return out.view_as(t)
+
+
+def scenario_ddp(rank: int, world: int) -> dict:
+    comp = build_compressor("topk", ratio=0.01, exact=True, min_numel=1000)
+    model = Net()
+    ddp = DistributedDataParallel(model)
+    state = register_compression_hook(ddp, comp, warmup_steps=1)
+    ref_model = Net()
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    residual = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    out = {"iterations": []}
+    meter = get_meter().by_kind["data_parallel"]
+    for it in range(4):
+        g = torch.Generator().manual_seed(10 * rank + it)
+        x, y = torch.randn(16, 20, generator=g), torch.randint(0, 10, (16,), generator=g)
+        # reference: this rank's dense gradient, compressed by hand, gathered, averaged
+        ref_model.load_state_dict(model.state_dict())
+        ref_model.zero_grad()
+        nn.functional.cross_entropy(ref_model(x), y).backward()
+        expected = {}
+        expected_sent = 0
+        for name, p in ref_model.named_parameters():
+            if it == 0 or p.numel() < 1000:
+                contrib = p.grad
+                expected_sent += p.numel() * 4
+            else:
+                k = math.ceil(0.01 * p.numel())
+                comp_in = p.grad + residual[name]
+                contrib = _topk_dense(comp_in, k)
+                residual[name] = comp_in - contrib
+                expected_sent += k * 8 + 8
+            expected[name] = torch.stack(gather(contrib)).mean(0)
+        before = meter.bytes_sent, meter.dense_bytes
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        after = meter.bytes_sent, meter.dense_bytes
+        err = max(
+            float((p.grad - expected[name]).abs().max()) for name, p in model.named_parameters()
+        )
+        out["iterations"].append(
+            {
+                "max_err": err,
+                "sent": after[0] - before[0],
+                "expected_sent": expected_sent,
+                "dense": after[1] - before[1],
+                "expected_dense": sum(p.numel() * 4 for p in model.parameters()),
+            }
+        )
+        opt.step()
+    out["calls"] = state.calls
+    out["compressed_calls"] = state.compressed_calls
+    out["stats"] = state.compression_stats()
+    out["comm_hook"] = str(ddp._get_ddp_logging_data().get("comm_hook", ""))
+    return out
+
+
+def scenario_elastic(rank: int, world: int) -> dict:
+    out = {}
+    shapes = [(40, 30), (30,), (20, 25)]
+    total_numel = sum(math.prod(s) for s in shapes)
+    for name, params in (
+        ("topk", {"ratio": 0.05, "min_numel": 100}),
+        ("powersgd", {"rank": 2, "min_numel": 100}),
+        ("qsgd", {"levels": 7, "min_numel": 100, "memory": True}),
+    ):
+        comp = build_compressor(name, **params)
+        state: dict = {}
+        errs, cons = [], []
+        owed = torch.zeros(total_numel)
+        for step in range(3):
+            g = torch.Generator().manual_seed(50 * rank + step)
+            diff = torch.randn(total_numel, generator=g)
+            total, local = exchange_sum(
+                diff.clone(), compressor=comp, state=state, shapes=shapes, return_local=True
+            )
+            ref = torch.stack(gather(local)).sum(0)
+            errs.append(float((total - ref).abs().max()))
+            # conservation: what is sent plus what is owed equals what was asked
+            mem = state["_memory"]
+            res = torch.cat(
+                [
+                    (mem.residual(f"flat.{i}").reshape(-1) if mem.residual(f"flat.{i}") is not None
+                     else torch.zeros(math.prod(s)))
+                    for i, s in enumerate(shapes)
+                ]
+            )
+            cons.append(float((local + res - (diff + owed)).abs().max()))
+            owed = res
+        out[name] = {"err": errs, "conservation": cons}
+    return out
+
+
+def main() -> None:
+    out_dir, scenarios = sys.argv[1], sys.argv[2].split(",")
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    result = {"world": world}
+    for sc in scenarios:
+        result[sc] = globals()[f"scenario_{sc}"](rank, world)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+        json.dump(result, fh)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
