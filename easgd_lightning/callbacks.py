@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Optional
+from typing import Any
 
 import pytorch_lightning as pl
 from lightning_fabric.plugins import TorchCheckpointIO
@@ -26,7 +26,7 @@ __all__ = [
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` that writes a temporary file and renames it into place."""
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
         atomic_torch_save(checkpoint, path)
 
 

@@ -21,7 +21,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -43,8 +43,38 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _external_rank_world() -> tuple[int, int] | None:
+    """(rank, world) when an external launcher started this process, else None.
+
+    torchrun / DeepSpeed's launcher / the benchmark set RANK and WORLD_SIZE; SLURM (srun,
+    Hydra's submitit launcher) sets SLURM_PROCID and SLURM_NTASKS.
+    """
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        return int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
+    return None
+
+
 def _externally_launched() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    return _external_rank_world() is not None
+
+
+def _share_reports(report: dict, out_dir: Path, rank: int) -> None:
+    """Across nodes the run directory may not be shared: rank 0 gathers every report."""
+    import torch.distributed as dist
+
+    from easgd_lightning.cli.worker import rank_file
+    from easgd_lightning.comm import ops
+    from easgd_lightning.utils.atomic import atomic_write_json
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    reports = ops.all_gather_object(report)
+    if rank == 0:
+        for r, rep in enumerate(reports):
+            if rep is not None and not rank_file(out_dir, r).exists():
+                atomic_write_json(rank_file(out_dir, r), rep)
 
 
 def _output_dir() -> Path:
@@ -80,7 +110,7 @@ def _spawn_local(cfg_yaml: str, out_dir: Path, world: int, timeout_s: float) -> 
         start_method="spawn",
     )
     procs = ctx.processes
-    first_death: Optional[float] = None
+    first_death: float | None = None
     while any(p.is_alive() for p in procs):
         for p in procs:
             p.join(timeout=0.2)
@@ -109,7 +139,7 @@ def _wait_for_rank_files(out_dir: Path, world: int, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
-def train(cfg: DictConfig, out_dir: Optional[Path] = None) -> dict[str, Any]:
+def train(cfg: DictConfig, out_dir: Path | None = None) -> dict[str, Any]:
     """Validate, launch, merge; returns the summary dict (also written to summary.json).
 
     Raises:
@@ -122,10 +152,12 @@ def train(cfg: DictConfig, out_dir: Optional[Path] = None) -> dict[str, Any]:
     world = int(cfg.trainer.devices) * int(cfg.trainer.get("num_nodes", 1))
     timeout_s = float(cfg.get("timeout_s", 300))
     status, error = "ok", None
-    if _externally_launched():
-        world = int(os.environ["WORLD_SIZE"])
-        rank = int(os.environ["RANK"])
-        run_worker(cfg, out_dir)
+    external = _external_rank_world()
+    if external is not None:
+        rank, world = external
+        report = run_worker(cfg, out_dir)
+        if int(cfg.trainer.get("num_nodes", 1)) > 1:
+            _share_reports(report, out_dir, rank)
         if rank != 0:
             return {}
         _wait_for_rank_files(out_dir, world, timeout_s)
@@ -159,7 +191,7 @@ def _fail(out_dir: Path, cfg: DictConfig, message: str) -> None:
 
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
-def _hydra_main(cfg: DictConfig) -> Optional[float]:
+def _hydra_main(cfg: DictConfig) -> float | None:
     out_dir = _output_dir()
     multirun = _is_multirun()
     try:

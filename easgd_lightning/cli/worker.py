@@ -85,6 +85,7 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
     """Train on this rank (rank/world from the environment) and write its report."""
     import pytorch_lightning as pl
     import torch
+    from pytorch_lightning.callbacks import ModelCheckpoint
 
     import easgd_lightning  # noqa: F401  (registers strategy names)
     from easgd_lightning.callbacks import (
@@ -96,7 +97,6 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
     )
     from easgd_lightning.cli.build import build_model_and_data, build_strategy
     from easgd_lightning.comm import reset_meter
-    from pytorch_lightning.callbacks import ModelCheckpoint
 
     out_dir = Path(out_dir)
     rank = int(os.environ.get("RANK", "0"))

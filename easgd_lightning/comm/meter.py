@@ -20,9 +20,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
 
 __all__ = ["CommMeter", "KindTotals", "get_meter", "reset_meter"]
 

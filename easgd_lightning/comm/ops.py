@@ -8,6 +8,7 @@ a compressor is involved, ``dense_bytes`` (what the uncompressed exchange would 
 from __future__ import annotations
 
 import time
+
 import torch
 import torch.distributed as dist
 

@@ -20,8 +20,9 @@ What the base provides:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -75,10 +76,10 @@ class CenterStrategy(DDPStrategy):
         kwargs.setdefault("process_group_backend", None)
         super().__init__(**kwargs)
         self._compression = compression
-        self._center: Optional[torch.Tensor] = None
-        self._stash: Optional[torch.Tensor] = None
+        self._center: torch.Tensor | None = None
+        self._stash: torch.Tensor | None = None
         self._local_steps = 0
-        self._resume_state: Optional[dict] = None
+        self._resume_state: dict | None = None
 
     # ------------------------------------------------------------------ set-up
     @override
@@ -133,7 +134,7 @@ class CenterStrategy(DDPStrategy):
         return self._stash.clone() if self._stash is not None else flatten(self._elastic_tensors())
 
     @property
-    def center(self) -> Optional[torch.Tensor]:
+    def center(self) -> torch.Tensor | None:
         """The flat center vector as this rank knows it."""
         return self._center
 
@@ -254,7 +255,7 @@ class CenterStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
     ) -> None:
         """Add every worker's state and the center, then write atomically on rank 0."""
         if self._center is not None:

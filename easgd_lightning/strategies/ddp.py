@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from pytorch_lightning.strategies import DDPStrategy
 from typing_extensions import override
 
 from easgd_lightning.hooks.ddp import register_compression_hook
-from pytorch_lightning.strategies import DDPStrategy
 
 __all__ = ["CompressedDDPStrategy"]
 

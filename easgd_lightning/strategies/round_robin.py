@@ -17,7 +17,8 @@ master; it is broadcast to every rank for validation, checkpoints and at the end
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.optim import Optimizer
@@ -25,7 +26,12 @@ from typing_extensions import override
 
 from easgd_lightning.comm import ops
 from easgd_lightning.strategies import elastic
-from easgd_lightning.strategies.base import CenterStrategy, check_positive_int, flatten, unflatten_into
+from easgd_lightning.strategies.base import (
+    CenterStrategy,
+    check_positive_int,
+    flatten,
+    unflatten_into,
+)
 
 __all__ = ["RoundRobinEASGDStrategy"]
 
@@ -46,9 +52,9 @@ class RoundRobinEASGDStrategy(CenterStrategy):
     def __init__(
         self,
         tau: int = 1,
-        alpha: Optional[float] = None,
-        beta: Optional[float] = None,
-        rho: Optional[float] = None,
+        alpha: float | None = None,
+        beta: float | None = None,
+        rho: float | None = None,
         record_order: bool = True,
         compression: Any = None,
         **kwargs: Any,
@@ -64,7 +70,7 @@ class RoundRobinEASGDStrategy(CenterStrategy):
             if value is not None and not 0.0 < float(value) < 1.0:
                 raise ValueError(f"strategy.{key} must be in (0, 1), got {value}")
         self._alpha_opt, self._beta_opt, self._rho_opt = alpha, beta, rho
-        self._alpha: Optional[float] = None
+        self._alpha: float | None = None
         self._record_order = record_order
         self.service_log: list[tuple[int, int, float]] = []
         self.exchange_times: list[tuple[int, float]] = []

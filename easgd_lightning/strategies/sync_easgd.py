@@ -17,7 +17,8 @@ elastic differences are compressed with error feedback and c adds the decompress
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.optim import Optimizer
@@ -25,7 +26,12 @@ from typing_extensions import override
 
 from easgd_lightning.hooks.elastic import exchange_sum
 from easgd_lightning.strategies import elastic
-from easgd_lightning.strategies.base import CenterStrategy, check_positive_int, flatten, unflatten_into
+from easgd_lightning.strategies.base import (
+    CenterStrategy,
+    check_positive_int,
+    flatten,
+    unflatten_into,
+)
 
 __all__ = ["SyncEASGDStrategy"]
 
@@ -47,9 +53,9 @@ class SyncEASGDStrategy(CenterStrategy):
     def __init__(
         self,
         tau: int = 1,
-        alpha: Optional[float] = None,
-        beta: Optional[float] = None,
-        rho: Optional[float] = None,
+        alpha: float | None = None,
+        beta: float | None = None,
+        rho: float | None = None,
         compression: Any = None,
         memory: Any = None,
         **kwargs: Any,
@@ -62,7 +68,7 @@ class SyncEASGDStrategy(CenterStrategy):
         if rho is not None and float(rho) <= 0:
             raise ValueError(f"strategy.rho must be > 0, got {rho}")
         self._alpha_opt, self._beta_opt, self._rho_opt = alpha, beta, rho
-        self._alpha: Optional[float] = None
+        self._alpha: float | None = None
         self._memory = memory
         self._compress_state: dict = {}
 
@@ -71,7 +77,7 @@ class SyncEASGDStrategy(CenterStrategy):
         return self._tau
 
     @property
-    def alpha(self) -> Optional[float]:
+    def alpha(self) -> float | None:
         return self._alpha
 
     @override

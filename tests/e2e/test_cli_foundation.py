@@ -1,0 +1,157 @@
+"""The real CLI: convergence, round-robin order, resume, bad input, multirun."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import PY, REPO, base_env, run_cli, train_summary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "sync_easgd", "easgd_round_robin"])
+def test_convergence_on_digits(tmp_path: Path, strategy: str) -> None:
+    s = train_summary(tmp_path / strategy, f"strategy={strategy}", "trainer.devices=2")
+    assert s["status"] == "ok"
+    assert s["strategy"] == strategy and s["world_size"] == 2
+    assert s["val_acc"] >= 0.90, s["val_acc"]
+    assert len(s["steps_per_rank"]) == 2 and min(s["steps_per_rank"]) > 0
+    assert all(b > 0 for b in s["comm"]["bytes_sent"])
+    assert 0.0 < s["comm"]["time_fraction"] < 1.0
+    assert s["comm"]["dense_bytes"] == s["comm"]["bytes_sent"]  # no compression
+    if strategy == "sync_easgd":
+        # one all-reduce of the flat float32 elastic vector per step (+ the initial broadcast)
+        n_params = 64 * 128 + 128 + 128 * 10 + 10
+        steps = s["steps_per_rank"][1]
+        assert s["comm"]["bytes_sent"][1] == steps * n_params * 4
+        assert s["comm"]["bytes_sent"][0] == steps * n_params * 4 + n_params * 4
+    for key in ("train_loss", "val_loss", "wall_time_s", "samples_per_s", "config"):
+        assert s[key] is not None
+
+
+@pytest.mark.slow
+def test_round_robin_serves_in_rank_order(tmp_path: Path) -> None:
+    s = train_summary(
+        tmp_path / "rr", "strategy=easgd_round_robin", "trainer.devices=3", "trainer.max_epochs=1",
+        "trainer.limit_train_batches=6", "faults.slow_rank=1", "faults.slow_ms=40", "checkpoint.enabled=false",
+    )
+    master = s["extras"][0]
+    assert master["service_order"] == [0, 1, 2] * 6
+    # worker 2 is never served before the slow worker 1 in the same round
+    t1 = dict((step, t) for step, t in s["extras"][1]["exchange_times"])
+    t2 = dict((step, t) for step, t in s["extras"][2]["exchange_times"])
+    assert all(t2[k] >= t1[k] for k in t1)
+    # so fast worker 2 ends up at the slow worker's pace: equal step counts
+    assert s["steps_per_rank"] == [6, 6, 6]
+
+
+@pytest.mark.slow
+def test_resume_reaches_the_same_train_loss(tmp_path: Path) -> None:
+    common = ["strategy=sync_easgd", "strategy.tau=2", "trainer.precision=64-true", "trainer.limit_train_batches=8"]
+    full = train_summary(tmp_path / "full", *common, "trainer.max_epochs=4")
+    train_summary(tmp_path / "half", *common, "trainer.max_epochs=2")
+    ckpt = tmp_path / "half" / "checkpoints" / "last.ckpt"
+    payload = torch.load(ckpt, weights_only=False)
+    assert payload["easgd"]["world_size"] == 2 and len(payload["easgd"]["workers"]) == 2
+    # the module weights in the checkpoint are the center
+    center = payload["easgd"]["center"]
+    flat = torch.cat([v.reshape(-1) for k, v in payload["state_dict"].items()])
+    torch.testing.assert_close(flat, center)
+    resumed = train_summary(tmp_path / "resumed", *common, "trainer.max_epochs=4", f"checkpoint.resume={ckpt}")
+    assert resumed["steps_per_rank"] == full["steps_per_rank"]
+    assert resumed["train_loss"] == pytest.approx(full["train_loss"], rel=1e-9, abs=1e-12)
+    assert resumed["val_acc"] == pytest.approx(full["val_acc"])
+
+
+BAD_INPUTS = [
+    (["strategy=sync_easgd", "strategy.tau=0"], "strategy.tau"),
+    (["strategy=easgd_round_robin", "strategy.tau=-2"], "strategy.tau"),
+    (["strategy=sync_easgd", "strategy.alpha=1.5"], "strategy.alpha"),
+    (["strategy=sync_easgd", "strategy.alpha=0"], "strategy.alpha"),
+    (["strategy=sync_easgd", "strategy.alpha=0.7", "trainer.devices=2"], "strategy.alpha"),
+    (["strategy=easgd_round_robin", "strategy.beta=-0.1"], "strategy.beta"),
+    (["strategy=sync_easgd", "trainer.devices=1"], "trainer.devices"),
+    (["strategy=easgd_round_robin", "trainer.devices=1"], "trainer.devices"),
+    (["trainer.devices=0"], "trainer.devices"),
+    (["strategy.name=nonsense"], "strategy.name"),
+    (["model.name=nonsense"], "model.name"),
+    (["data.name=nonsense"], "data.name"),
+    (["logger.name=nonsense"], "logger.name"),
+    (["faults.slow_rank=5"], "faults.slow_rank"),
+    (["timeout_s=0"], "timeout_s"),
+]
+
+
+def _compose(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    from easgd_lightning.cli.train import CONF_DIR
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+@pytest.mark.parametrize("overrides,key", BAD_INPUTS)
+def test_validate_config_names_the_key(overrides: list[str], key: str) -> None:
+    from easgd_lightning.cli.build import ConfigError, validate_config
+
+    with pytest.raises(ConfigError) as err:
+        validate_config(_compose(overrides))
+    message = str(err.value)
+    assert key in message and "\n" not in message
+
+
+def test_good_configs_validate() -> None:
+    from easgd_lightning.cli.build import validate_config
+
+    for strategy in ("ddp", "sync_easgd", "easgd_round_robin"):
+        validate_config(_compose([f"strategy={strategy}"]))
+
+
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["strategy=sync_easgd", "strategy.tau=0"], "strategy.tau"),
+        (["strategy=sync_easgd", "strategy.alpha=1.5"], "strategy.alpha"),
+        (["strategy=easgd_round_robin", "trainer.devices=1"], "trainer.devices"),
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, overrides: list[str], key: str) -> None:
+    proc = run_cli([f"hydra.run.dir={tmp_path}", "logger=none", *overrides], check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("easgd-train: error:")]
+    assert len(lines) == 1 and key in lines[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "ranks").exists()  # no worker started
+
+
+def test_unknown_group_option_lists_the_valid_names(tmp_path: Path) -> None:
+    proc = run_cli([f"hydra.run.dir={tmp_path}", "strategy=nonsense"], check=False, timeout=120)
+    assert proc.returncode != 0
+    assert "strategy" in proc.stderr and "sync_easgd" in proc.stderr and "easgd_round_robin" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_multirun_jobs_get_their_own_workers_and_dirs(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        [PY, "-m", "easgd_lightning.cli.train", "-m", "strategy=ddp,sync_easgd", "logger=csv",
+         "trainer.max_epochs=1", "trainer.limit_train_batches=5", "trainer.enable_progress_bar=false",
+         f"hydra.sweep.dir={sweep}"],
+        env=base_env(), cwd=REPO, capture_output=True, text=True, timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    summaries = sorted(sweep.rglob("summary.json"))
+    assert len(summaries) == 2
+    got = {json.loads(p.read_text())["strategy"]: p.parent for p in summaries}
+    assert set(got) == {"ddp", "sync_easgd"}
+    for strategy, job_dir in got.items():
+        s = json.loads((job_dir / "summary.json").read_text())
+        assert s["status"] == "ok" and s["steps_per_rank"] == [5, 5]
+        assert s["config"]["strategy"]["name"] == strategy
+        assert (job_dir / "ranks" / "rank1.json").exists()
