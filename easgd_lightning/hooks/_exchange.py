@@ -57,20 +57,22 @@ def exchange_tensors(
     states: dict,
     collective,
     locals_out: list | None = None,
+    min_numel: int | None = None,
 ) -> tuple[list[torch.Tensor], ExchangeStats]:
     """Mean over ranks of each tensor (same order, same shapes) under the policy above.
 
     Every rank must call this with tensors of the same shapes in the same order. When
     ``locals_out`` is a list, it receives this rank's transmitted (decompressed)
-    contribution per tensor.
+    contribution per tensor. ``min_numel`` overrides ``compressor.min_numel``.
     """
     kind = collective.kind
     stats = ExchangeStats()
     out: list[torch.Tensor | None] = [None] * len(tensors)
     mine: list[torch.Tensor | None] = [None] * len(tensors)
     world = collective.world_size
-    small = [i for i, t in enumerate(tensors) if t.numel() < compressor.min_numel]
-    big = [i for i, t in enumerate(tensors) if t.numel() >= compressor.min_numel]
+    limit = compressor.min_numel if min_numel is None else int(min_numel)
+    small = [i for i, t in enumerate(tensors) if t.numel() < limit]
+    big = [i for i, t in enumerate(tensors) if t.numel() >= limit]
     before = _kind_totals(kind)
     start = time.perf_counter()
     if small:

@@ -32,7 +32,7 @@ from easgd_lightning.hooks._exchange import ExchangeStats, exchange_tensors
 from easgd_lightning.hooks.collective import ProcessGroupCollective
 from easgd_lightning.hooks.compressors.base import Compressor
 from easgd_lightning.hooks.compressors.none import NoneCompressor
-from easgd_lightning.hooks.memory import Memory, make_memory
+from easgd_lightning.hooks.memory import Memory, NoMemory, ResidualMemory, make_memory
 
 __all__ = [
     "DenseHookState",
@@ -82,6 +82,7 @@ class CompressionHookState:
         auto_observe: feed the compressor's ``observe_compute_time`` (the gap between
             the previous iteration's last bucket and this iteration's first bucket) when
             it has one (``adaptive``).
+        min_numel: overrides ``compressor.min_numel`` (tensors below travel dense).
     """
 
     __slots__ = (
@@ -91,6 +92,7 @@ class CompressionHookState:
         "group",
         "kind",
         "warmup_steps",
+        "min_numel",
         "auto_observe",
         # internal state
         "collective",
@@ -118,6 +120,7 @@ class CompressionHookState:
         warmup_steps: int = 1,
         param_names: dict[int, str] | None = None,
         auto_observe: bool = True,
+        min_numel: int | None = None,
     ) -> None:
         if isinstance(warmup_steps, bool) or int(warmup_steps) != warmup_steps or warmup_steps < 0:
             raise ValueError(f"hook warmup_steps must be an integer >= 0, got {warmup_steps!r}")
@@ -126,6 +129,9 @@ class CompressionHookState:
         self.group = group
         self.kind = kind
         self.warmup_steps = int(warmup_steps)
+        if min_numel is not None and (isinstance(min_numel, bool) or int(min_numel) < 0):
+            raise ValueError(f"compression.min_numel must be an integer >= 0, got {min_numel!r}")
+        self.min_numel = compressor.min_numel if min_numel is None else int(min_numel)
         self.auto_observe = auto_observe
         self.collective = ProcessGroupCollective(group, kind=kind)
         self.world_size = self.collective.world_size
@@ -198,7 +204,13 @@ def compressed_allreduce_hook(
         idx = bucket.index()
         keys = [state._key(p, idx, i) for i, p in enumerate(params)]
         means, stats = exchange_tensors(
-            grads, keys, state.compressor, state.memory, state.tensor_states, state.collective
+            grads,
+            keys,
+            state.compressor,
+            state.memory,
+            state.tensor_states,
+            state.collective,
+            min_numel=state.min_numel,
         )
         for g, m in zip(grads, means):
             if g.data_ptr() != m.data_ptr():
@@ -226,10 +238,11 @@ def register_compression_hook(
     compressor: Compressor | None = None,
     *,
     group: dist.ProcessGroup | None = None,
-    memory: Memory | None = None,
+    memory: Memory | bool | None = None,
     warmup_steps: int = 1,
     kind: str = "data_parallel",
     auto_observe: bool = True,
+    min_numel: int | None = None,
 ):
     """Register the hook for ``compressor`` on ``model`` and return its state.
 
@@ -242,10 +255,12 @@ def register_compression_hook(
         model: the ``DistributedDataParallel`` module.
         compressor: from :func:`easgd_lightning.hooks.build_compressor`, or None.
         group: process group.
-        memory: error-feedback memory (default: from ``compressor.memory``).
+        memory: error-feedback memory, or a bool (residuals on / off); default: from
+            ``compressor.memory``.
         warmup_steps: dense iterations first (DDP rebuilds buckets after iteration 1).
         kind: meter traffic class.
         auto_observe: feed measured compute time to adaptive compressors.
+        min_numel: overrides ``compressor.min_numel``.
     """
     if compressor is None or isinstance(compressor, NoneCompressor):
         state = DenseHookState(group, kind=kind)
@@ -256,6 +271,8 @@ def register_compression_hook(
             f"compression must be a Compressor (see easgd_lightning.hooks.build_compressor), "
             f"got {type(compressor).__name__}"
         )
+    if isinstance(memory, bool):
+        memory = ResidualMemory() if memory else NoMemory()
     state = CompressionHookState(
         compressor,
         memory,
@@ -264,6 +281,7 @@ def register_compression_hook(
         warmup_steps=warmup_steps,
         param_names=_param_names(model),
         auto_observe=auto_observe,
+        min_numel=min_numel,
     )
     model.register_comm_hook(state, compressed_allreduce_hook)
     return state

@@ -145,7 +145,8 @@ class OptimusCCConfig:
 
 def orthonormalize(matrix: torch.Tensor) -> torch.Tensor:
     """Orthonormal basis of the columns of ``matrix`` (reduced QR; ``n x r``, ``r <= n``)."""
-    q, _ = torch.linalg.qr(matrix.float(), mode="reduced")
+    work = matrix.float() if matrix.dtype in (torch.float16, torch.bfloat16) else matrix
+    q, _ = torch.linalg.qr(work, mode="reduced")
     return q.to(matrix.dtype)
 
 

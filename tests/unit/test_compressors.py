@@ -489,3 +489,26 @@ def test_every_config_builds_and_every_name_has_a_config():
         assert "min_numel" in cfg and "memory" in cfg, path.name
         comp = build_compressor(**cfg)
         assert comp.name == cfg.name == path.stem
+
+
+def test_sidco_stage_search_reverses_when_a_move_hurts():
+    from easgd_lightning.hooks.compressors.sidco import adapt_stages
+
+    # off target: move in the current direction
+    assert adapt_stages(1, 10.0, 1, None, 0.2, 10) == (2, 1, math.log(10.0))
+    # the move made it worse: reverse
+    s, d, _ = adapt_stages(3, 0.1, 1, 1.0, 0.2, 10)
+    assert (s, d) == (2, -1)
+    # within tolerance: keep
+    assert adapt_stages(4, 1.1, -1, 0.5, 0.2, 10) == (4, -1, None)
+
+
+def test_sidco_reaches_the_target_on_light_tails():
+    g = torch.randn(200_000, generator=gen(60))
+    comp = build_compressor("sidco", ratio=0.001)
+    state: dict = {}
+    counts = []
+    for _ in range(40):
+        _, y = roundtrip(comp, g, state)
+        counts.append(int((y != 0).sum()))
+    assert 0.5 * 200 <= counts[-1] <= 1.5 * 200, (counts, state["stages"])

@@ -11,8 +11,11 @@ Multi-stage (S stages): stage 1 keeps 0.25, each later stage refits the exceedan
 (survivors minus the previous threshold: peaks over threshold, which the paper's
 Pickands-Balkema-de Haan argument models) with per-stage ratio (delta / 0.25)^(1/(S-1)).
 Every ``adapt_every`` = 5 steps the mean achieved/target count is compared with
-1 +- ``tolerance`` (0.2): above, S <- S + 1; below, S <- S - 1 (1 <= S <= ceil(log delta /
-log 0.5)). Send {(i, g_i) : u_i > thr} with residuals; payloads are all-gathered.
+1 +- ``tolerance`` (0.2); outside it, S moves by one (1 <= S <= ceil(log delta / log 0.5))
+in the current direction (first +1), reversed when the previous move made |ln(ratio)|
+worse. (Extra stages fix both over-selection on heavy tails and under-selection on light
+tails up to a point, and too many stages under-select on heavy tails, so no fixed
+direction is right for every layer.) Send {(i, g_i) : u_i > thr} with residuals; payloads are all-gathered.
 Defaults: ratio (delta) = 0.001, distribution = exponential, stages = 1 (initial),
 first_stage_ratio = 0.25, memory = true.
 """
@@ -43,6 +46,7 @@ __all__ = [
     "gammainccinv",
     "multistage_threshold",
     "max_stages",
+    "adapt_stages",
 ]
 
 DISTRIBUTIONS = ("exponential", "gamma", "gpareto")
@@ -177,6 +181,19 @@ def multistage_threshold(
     return thr
 
 
+def adapt_stages(
+    stages: int, mean_ratio: float, direction: int, prev_err: float | None,
+    tolerance: float, max_stage: int,
+) -> tuple[int, int, float | None]:
+    """One adaptation: returns (stages, direction, error) after a window's mean ratio."""
+    if abs(mean_ratio - 1.0) <= tolerance:
+        return stages, direction, None
+    err = abs(math.log(max(mean_ratio, 1e-6)))
+    if prev_err is not None and err > prev_err:
+        direction = -direction
+    return min(max_stage, max(1, stages + direction)), direction, err
+
+
 class SIDCoCompressor(SparseCompressor):
     """SIDCo: closed-form sparsity thresholds from a fitted distribution.
 
@@ -213,6 +230,13 @@ class SIDCoCompressor(SparseCompressor):
         self.tolerance = check_positive("tolerance", tolerance)
         self.max_stages = max_stages(self.ratio)
 
+    def _adapt(self, state: dict, stages: int, mean_ratio: float) -> int:
+        stages, state["direction"], state["prev_err"] = adapt_stages(
+            stages, mean_ratio, int(state.get("direction", 1)), state.get("prev_err"),
+            self.tolerance, self.max_stages,
+        )
+        return stages
+
     def select(self, flat: torch.Tensor, state: dict) -> torch.Tensor:
         n = flat.numel()
         k = num_selected(n, self.ratio)
@@ -230,11 +254,7 @@ class SIDCoCompressor(SparseCompressor):
         hist = state.setdefault("achieved", [])
         hist.append(idx.numel() / k)
         if self.adapt_every and len(hist) >= self.adapt_every:
-            mean_ratio = sum(hist) / len(hist)
-            if mean_ratio > 1.0 + self.tolerance:
-                stages = min(self.max_stages, stages + 1)
-            elif mean_ratio < 1.0 - self.tolerance:
-                stages = max(1, stages - 1)
+            stages = self._adapt(state, stages, sum(hist) / len(hist))
             hist.clear()
         state["stages"] = stages
         state["last_threshold"] = thr * norm

@@ -1,0 +1,230 @@
+"""Compressor micro-benchmark: compress + decompress time against two in-run baselines.
+
+For every compressor config in ``conf/compression/`` and every size (1M, 25M, 60M floats,
+shaped as a near-square matrix so PowerSGD factorizes it; ``--quick``: 1M only, fewer
+repeats) on the CPU (and CUDA when available), measures the
+median wall time of ``decompress(compress(x))`` after warm-up and reports it as ratios to
+baselines measured in the same run on the same tensor:
+
+* ``x topk``: ``torch.topk`` exact selection of the same k (the compressor's own density,
+  or 1% for compressors without one) -- what a naive exact sparsifier costs;
+* ``x copy``: a plain copy of the tensor (``dst.copy_(x)``) -- the memory-bandwidth floor.
+
+Prints a table and writes ``bench/results/compressors.json`` and ``.md``.
+
+Usage::
+
+    .venv/bin/python bench/compressors.py            # make bench-compressors
+    .venv/bin/python bench/compressors.py --quick
+    .venv/bin/python bench/compressors.py --sizes 100000 --repeats 2 --names topk,dgc
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from easgd_lightning.hooks.compressors import build_compressor, compressor_names  # noqa: E402
+
+CONF = REPO / "conf" / "compression"
+DEFAULT_SIZES = (1_000_000, 25_000_000, 60_000_000)
+
+
+def matrix_shape(numel: int) -> tuple[int, int]:
+    """(rows, cols) with rows the largest divisor of numel <= sqrt(numel): PowerSGD sees a
+    matrix (the others flatten it)."""
+    rows = math.isqrt(numel)
+    while numel % rows:
+        rows -= 1
+    return rows, numel // rows
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_time(fn, device: torch.device, warmup: int, repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def load_config(name: str) -> dict:
+    path = CONF / f"{name}.yaml"
+    if path.exists():
+        return OmegaConf.to_container(OmegaConf.load(path), resolve=True)  # type: ignore[return-value]
+    return {"name": name}
+
+
+def density_of(comp) -> float:
+    for attr in ("ratio", "max_ratio"):
+        value = getattr(comp, attr, None)
+        if isinstance(value, float):
+            return value
+    return 0.01
+
+
+def bench_one(name: str, x: torch.Tensor, warmup: int, repeats: int, settle: int = 30) -> dict:
+    cfg = load_config(name)
+    comp = build_compressor(**cfg)
+    state: dict = {"key_hash": 1}
+    if name == "adaptive":
+        state["ratio"] = 0.01  # its sparse path at a 1% density
+    if name == "dgc":
+        comp.warmup_steps = 0  # steady state: the final density
+    if name == "sidco":  # let the stage count settle (it adapts every adapt_every steps)
+        for _ in range(settle):
+            comp.compress(x, state)
+
+    def run():
+        payload = comp.compress(x, state)
+        comp.decompress(payload, x.shape)
+
+    seconds = median_time(run, x.device, warmup, repeats)
+    payload = comp.compress(x, state)
+    dense = x.numel() * x.element_size()
+    return {
+        "seconds": seconds,
+        "payload_bytes": comp.payload_bytes(payload),
+        "dense_bytes": dense,
+        "density": state["ratio"] if name == "adaptive" else density_of(comp),
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available() and not args.cpu_only:
+        devices.append(torch.device("cuda"))
+    names = args.names.split(",") if args.names else compressor_names()
+    rows = []
+    for device in devices:
+        for size in args.sizes:
+            gen = torch.Generator().manual_seed(0)
+            x = torch.randn(matrix_shape(size), generator=gen).to(device)
+            dst = torch.empty_like(x)
+            copy_s = median_time(lambda: dst.copy_(x), device, args.warmup, args.repeats)
+            topk_cache: dict[int, float] = {}
+            for name in names:
+                res = bench_one(name, x, args.warmup, args.repeats, args.settle)
+                k = max(1, math.ceil(res["density"] * size))
+                if k not in topk_cache:
+                    topk_cache[k] = median_time(
+                        lambda: torch.topk(x.reshape(-1).abs(), k, sorted=False),
+                        device,
+                        args.warmup,
+                        args.repeats,
+                    )
+                row = {
+                    "device": device.type,
+                    "numel": size,
+                    "compressor": name,
+                    "k": k,
+                    "seconds": res["seconds"],
+                    "topk_seconds": topk_cache[k],
+                    "copy_seconds": copy_s,
+                    "x_topk": res["seconds"] / topk_cache[k],
+                    "x_copy": res["seconds"] / copy_s,
+                    "payload_bytes": res["payload_bytes"],
+                    "compression": res["dense_bytes"] / max(1, res["payload_bytes"]),
+                }
+                rows.append(row)
+                print(
+                    f"{device.type:4s} {size:>11,d} {name:9s} {row['seconds'] * 1e3:9.2f} ms "
+                    f"x topk {row['x_topk']:7.2f}  x copy {row['x_copy']:9.1f}  "
+                    f"compression {row['compression']:8.1f}",
+                    flush=True,
+                )
+    return {
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "rows": rows,
+    }
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        "# Compressor micro-benchmark (compress + decompress)",
+        "",
+        f"torch {result['torch']}, {result['threads']} thread(s), median of {result['repeats']} "
+        f"after {result['warmup']} warm-up; `x topk` = time / torch.topk of the same k, "
+        "`x copy` = time / a plain copy of the tensor (both measured in the same run).",
+        "",
+        "| device | numel | compressor | k | ms | x topk | x copy | compression |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['device']} | {r['numel']:,} | {r['compressor']} | {r['k']:,} | "
+            f"{r['seconds'] * 1e3:.2f} | {r['x_topk']:.2f} | {r['x_copy']:.1f} | "
+            f"{r['compression']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="1M floats only, fewer repeats")
+    p.add_argument("--sizes", type=str, default=None, help="comma-separated element counts")
+    p.add_argument("--names", type=str, default=None, help="comma-separated compressor names")
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--settle", type=int, default=30, help="SIDCo steps before timing")
+    p.add_argument("--cpu-only", action="store_true")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    args = p.parse_args(argv)
+    if args.sizes:
+        args.sizes = [int(float(s)) for s in args.sizes.split(",")]
+    else:
+        args.sizes = [1_000_000] if args.quick else list(DEFAULT_SIZES)
+    if args.repeats is None:
+        args.repeats = 3 if args.quick else 7
+    if args.warmup is None:
+        args.warmup = 1 if args.quick else 2
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    result = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "compressors.json").write_text(json.dumps(result, indent=2))
+    md = markdown(result)
+    (args.out / "compressors.md").write_text(md)
+    print()
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
