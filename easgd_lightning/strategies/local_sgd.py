@@ -116,7 +116,10 @@ def qsr_period(
     if warmup or gamma == 0:
         period = int(h_base)
     else:
-        ratio = math.inf if lr <= 0 else (gamma / lr) ** 2
+        try:
+            ratio = math.inf if lr <= 0 else (gamma / lr) ** 2
+        except OverflowError:  # tiny lr: (gamma / lr)^2 exceeds the float range
+            ratio = math.inf
         quad = math.floor(ratio) if math.isfinite(ratio) else UNBOUNDED_PERIOD
         period = max(int(h_base), min(quad, UNBOUNDED_PERIOD))
     if remaining_steps is not None and math.isfinite(remaining_steps):

@@ -1,7 +1,8 @@
 """One rank of a local SGD test run (launched by tests/distributed/test_local_sgd.py).
 
-Usage: ``python local_sgd_script.py MODE OUT_DIR`` with RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR, MASTER_PORT set. Modes:
+Usage: ``python local_sgd_script.py MODE[,MODE...] OUT_DIR`` with RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT set; the modes run one after the other in the same
+processes (one process group, a fresh Trainer each). Modes:
 
 * ``constant``: small float64 MLP, H = 3; records every step's parameters right after the
   optimizer step (before any averaging, via an optimizer step post-hook) and at the end of
@@ -12,7 +13,7 @@ MASTER_ADDR, MASTER_PORT set. Modes:
   the periods go to a CSV logger and to the saved record.
 * ``compressed``: constant H = 2 with an fp16 compressor on the parameter differences.
 
-Each rank writes ``OUT_DIR/rank<R>.pt``.
+Each rank writes ``OUT_DIR/MODE/rank<R>.pt``.
 """
 
 from __future__ import annotations
@@ -95,7 +96,16 @@ def rank_data(rank: int, n: int, d_in: int, d_out: int) -> tuple[torch.Tensor, t
 
 
 def main() -> None:
-    mode, out_dir = sys.argv[1], sys.argv[2]
+    modes, out_root = sys.argv[1].split(","), sys.argv[2]
+    env = dict(os.environ)
+    for mode in modes:
+        os.environ.update(env)  # Lightning's environment teardown removes WORLD_SIZE
+        out_dir = os.path.join(out_root, mode)
+        os.makedirs(out_dir, exist_ok=True)
+        run_mode(mode, out_dir)
+
+
+def run_mode(mode: str, out_dir: str) -> None:
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)

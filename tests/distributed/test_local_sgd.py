@@ -1,80 +1,41 @@
 """Local SGD over real gloo processes (2 ranks), checked against references computed here.
 
-Each case runs ``local_sgd_script.py`` once per rank as a subprocess (RANK / WORLD_SIZE /
-MASTER_* in the environment), in float64, and compares what the ranks recorded with
-plain-torch references.
+``local_sgd_script.py`` runs once per rank as a subprocess (RANK / WORLD_SIZE / MASTER_* in
+the environment) and trains every scripted case in turn, in float64; the tests compare
+what the ranks recorded with plain-torch references.
 """
 
 from __future__ import annotations
 
 import csv
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).with_name("local_sgd_script.py")
-REPO = Path(__file__).resolve().parents[2]
+from tests.distributed import local_sgd_script as S  # the constants of the scripted runs
+from tests.helpers import launch_ranks
+
+SCRIPT = Path(S.__file__)
 WORLD = 2
-TIMEOUT_S = 150
-
-sys.path.insert(0, str(SCRIPT.parent))
-import local_sgd_script as S  # noqa: E402  (the constants of the scripted runs)
+MODES = ("constant", "overlap", "qsr_cosine", "qsr_step", "compressed")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """All scripted runs in one launch of 2 ranks (imports are paid once)."""
+    out = tmp_path_factory.mktemp("local_sgd")
+    launch_ranks(SCRIPT, WORLD, [",".join(MODES), str(out)], timeout=240)
+    return out
 
 
-def run_ranks(mode: str, out_dir: Path, world: int = WORLD) -> list[dict]:
-    """Run the script on ``world`` ranks; returns each rank's record."""
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world),
-            NODE_RANK="0",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-            PYTHONPATH=str(REPO),
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(SCRIPT), mode, str(out_dir)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    outputs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=TIMEOUT_S)
-            outputs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for rank, (p, out) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{out[-3000:]}"
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+def records(runs: Path, mode: str) -> list[dict]:
+    return [torch.load(runs / mode / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
-def test_constant_period_averages_exactly(tmp_path: Path) -> None:
-    recs = run_ranks("constant", tmp_path)
+def test_constant_period_averages_exactly(runs: Path) -> None:
+    recs = records(runs, "constant")
     period, steps = 3, 10
     for rec in recs:
         assert rec["steps"] == steps
@@ -129,8 +90,8 @@ def _expected_periods(lr_at, warmup: int) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "step"])
-def test_qsr_periods_follow_the_rule(tmp_path: Path, schedule: str) -> None:
-    recs = run_ranks(f"qsr_{schedule}", tmp_path)
+def test_qsr_periods_follow_the_rule(runs: Path, schedule: str) -> None:
+    recs = records(runs, f"qsr_{schedule}")
     lr_at = _lr_cosine if schedule == "cosine" else _lr_step
     expected = _expected_periods(lr_at, S.QSR_WARMUP if schedule == "cosine" else 0)
     hs = [h for _, h in expected]
@@ -139,7 +100,7 @@ def test_qsr_periods_follow_the_rule(tmp_path: Path, schedule: str) -> None:
         assert rec["periods"] == hs
         assert rec["steps"] == S.QSR_STEPS
     # what the logger got: one row per round, at the round's first step
-    with open(tmp_path / "csv" / "metrics.csv") as f:
+    with open(runs / f"qsr_{schedule}" / "csv" / "metrics.csv") as f:
         logged = [
             (int(row["step"]), int(float(row["local_sgd/period"])))
             for row in csv.DictReader(f)
@@ -152,8 +113,13 @@ def test_qsr_periods_follow_the_rule(tmp_path: Path, schedule: str) -> None:
         assert torch.equal(recs[0]["post"][t], recs[1]["post"][t])
 
 
-def _cocod_reference(recs: list[dict], period: int, steps: int, lr: float) -> torch.Tensor:
-    """CoCoD-SGD on the recorded data in plain torch: SGD on a linear least-squares model."""
+def _cocod_reference(
+    recs: list[dict], period: int, steps: int, lr: float, overlap: bool = True
+) -> torch.Tensor:
+    """CoCoD-SGD on the recorded data in plain torch: SGD on a linear least-squares model.
+
+    ``overlap=False`` gives plain local SGD (blocking average at every boundary).
+    """
     init = recs[0]["init"].clone()
     data = [rec["data"] for rec in recs]
     d = data[0][0].shape[1]
@@ -170,7 +136,11 @@ def _cocod_reference(recs: list[dict], period: int, steps: int, lr: float) -> to
     for t in range(1, steps + 1):
         xs = [x - lr * grad(x, *dat) for x, dat in zip(xs, data)]
         since += 1
-        if t % period == 0:
+        if t % period == 0 and not overlap:
+            mean = sum(xs) / len(xs)
+            xs = [mean.clone() for _ in xs]
+            since = 0
+        elif t % period == 0:
             if pending is not None:
                 xs = [pending + (x - s) for x, s in zip(xs, snaps)]
             snaps = [x.clone() for x in xs]
@@ -184,33 +154,30 @@ def _cocod_reference(recs: list[dict], period: int, steps: int, lr: float) -> to
     return xs[0]
 
 
-def test_overlap_matches_cocod_reference(tmp_path: Path) -> None:
-    recs = run_ranks("overlap", tmp_path)
+def test_overlap_matches_cocod_reference(runs: Path) -> None:
+    recs = records(runs, "overlap")
     ref = _cocod_reference(recs, period=3, steps=11, lr=0.05)
     for rec in recs:
         assert rec["steps"] == 11
         torch.testing.assert_close(rec["final"], ref, rtol=1e-12, atol=1e-12)
-    # the reference without overlap lands elsewhere: the test can tell the rules apart
+    # plain local SGD lands elsewhere: the comparison tells the two rules apart
+    blocking = _cocod_reference(recs, period=3, steps=11, lr=0.05, overlap=False)
+    assert (blocking - ref).abs().max() > 1e-4
     assert recs[0]["extras"]["overlap"] is True
     # first boundary (step 3): nothing merged yet, parameters stay local
     assert not torch.allclose(recs[0]["post"][2], recs[1]["post"][2])
 
 
-def test_compressed_differences_keep_ranks_identical(tmp_path: Path) -> None:
-    try:
-        from easgd_lightning.hooks import build_compressor
-
-        build_compressor(name="fp16")
-    except (ImportError, NotImplementedError, ValueError) as err:
-        pytest.skip(f"compressors not available yet: {err}")
-    try:
-        recs = run_ranks("compressed", tmp_path)
-    except AssertionError as err:
-        if "NotImplementedError" in str(err):
-            pytest.skip("compressed exchange_sum not implemented yet")
-        raise
-    for t in range(1, 10, 2):  # H = 2: rounds end at steps 2, 4, ...
+def test_compressed_differences_keep_ranks_identical(runs: Path) -> None:
+    recs = records(runs, "compressed")
+    for rec in recs:
+        assert rec["steps"] == 10 and rec["periods"] == [2] * 5
+    for t in range(10):
+        pre = [rec["pre"][t] for rec in recs]
         post = [rec["post"][t] for rec in recs]
-        assert torch.equal(post[0], post[1])
-        mean = torch.stack([rec["pre"][t] for rec in recs]).mean(dim=0)
-        torch.testing.assert_close(post[0], mean, rtol=0, atol=5e-3)  # fp16 differences
+        if t % 2 == 1:  # H = 2: rounds end at steps 2, 4, ...
+            assert torch.equal(post[0], post[1])
+            mean = torch.stack(pre).mean(dim=0)
+            torch.testing.assert_close(post[0], mean, rtol=0, atol=5e-3)  # fp16 differences
+        else:
+            assert torch.equal(pre[0], post[0]) and not torch.allclose(post[0], post[1])

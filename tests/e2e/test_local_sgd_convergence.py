@@ -1,0 +1,78 @@
+"""local_sgd through the real CLI: convergence on digits (slow) and bad input (fast)."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import run_cli, train_summary
+
+N_PARAMS = 64 * 128 + 128 + 128 * 10 + 10  # the default MLP, float32
+
+CONVERGENCE = {
+    "h8": ["strategy=local_sgd", "strategy.period=8"],
+    "qsr": [
+        "strategy=local_sgd",
+        "strategy.period_rule=qsr",
+        "strategy.h_base=4",
+        "strategy.gamma=0.02",
+        "optim.schedule=cosine",
+        "optim.total_steps=230",
+    ],
+    "overlap": ["strategy=local_sgd", "strategy.period=8", "strategy.overlap=true"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CONVERGENCE))
+def test_local_sgd_converges_on_digits(tmp_path: Path, case: str) -> None:
+    s = train_summary(tmp_path / case, *CONVERGENCE[case], "trainer.devices=2", "checkpoint.enabled=false")
+    assert s["status"] == "ok", s.get("error")
+    assert s["strategy"] == "local_sgd" and s["world_size"] == 2
+    assert s["val_acc"] >= 0.90, s["val_acc"]
+    extras = s["extras"][0]
+    periods = extras["periods"]
+    steps = s["steps_per_rank"][0]
+    assert s["steps_per_rank"] == [steps, steps]
+    assert sum(periods) >= steps and sum(periods[:-1]) < steps
+    # bytes: one flat float32 vector per averaging round (+ rank 0's initial broadcast)
+    rounds = extras["rounds"]
+    assert s["comm"]["by_kind"]["model_averaging"]["bytes_sent"] == 2 * rounds * N_PARAMS * 4
+    assert s["comm"]["bytes_sent"][1] == rounds * N_PARAMS * 4
+    if case == "qsr":
+        assert periods[0] == 4 and max(periods) > 4  # the cosine decay lengthened the rounds
+        with open(tmp_path / case / "csv" / "metrics.csv") as f:
+            logged = [int(float(r["local_sgd/period"])) for r in csv.DictReader(f) if r.get("local_sgd/period")]
+        assert logged == periods
+    else:
+        assert set(periods[:-1]) == {8}
+    if case == "overlap":
+        assert extras["overlap"] is True
+        assert s["comm"]["by_kind"]["model_averaging"]["time_s"] > 0
+
+
+BAD_INPUTS = [
+    (["strategy.period=0"], "strategy.period"),
+    (["strategy.period=-2"], "strategy.period"),
+    (["strategy.period_rule=qsr", "strategy.gamma=0"], "strategy.gamma"),
+    (["strategy.period_rule=qsr", "strategy.gamma=-0.5"], "strategy.gamma"),
+    (["strategy.period_rule=qsr"], "strategy.gamma"),
+    (["strategy.period_rule=linear"], "strategy.period_rule"),
+    (["strategy.overlap=true", "compression=fp16"], "strategy.overlap"),
+]
+
+
+@pytest.mark.parametrize("overrides,key", BAD_INPUTS)
+def test_bad_input_fails_fast(tmp_path: Path, overrides: list[str], key: str) -> None:
+    proc = run_cli(
+        [f"hydra.run.dir={tmp_path}", "logger=none", "strategy=local_sgd", *overrides],
+        check=False,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("easgd-train: error:")]
+    assert len(lines) == 1 and key in lines[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "ranks").exists()  # nothing was launched
