@@ -17,6 +17,10 @@ import torch
 __all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_write_json", "atomic_torch_save"]
 
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
 def _atomic_write(path: str | os.PathLike, write) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -26,6 +30,7 @@ def _atomic_write(path: str | os.PathLike, write) -> None:
             write(fh)
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
