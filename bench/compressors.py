@@ -97,7 +97,7 @@ def bench_one(name: str, x: torch.Tensor, warmup: int, repeats: int, settle: int
     if name == "adaptive":
         state["ratio"] = 0.01  # its sparse path at a 1% density
     if name == "dgc":
-        comp.warmup_steps = 0  # steady state: the final density
+        comp.warmup_ratio_steps = 0  # steady state: the final density
     if name == "sidco":  # let the stage count settle (it adapts every adapt_every steps)
         for _ in range(settle):
             comp.compress(x, state)
@@ -128,14 +128,14 @@ def run(args: argparse.Namespace) -> dict:
             gen = torch.Generator().manual_seed(0)
             x = torch.randn(matrix_shape(size), generator=gen).to(device)
             dst = torch.empty_like(x)
-            copy_s = median_time(lambda: dst.copy_(x), device, args.warmup, args.repeats)
+            copy_s = median_time(lambda x=x, dst=dst: dst.copy_(x), device, args.warmup, args.repeats)
             topk_cache: dict[int, float] = {}
             for name in names:
                 res = bench_one(name, x, args.warmup, args.repeats, args.settle)
                 k = max(1, math.ceil(res["density"] * size))
                 if k not in topk_cache:
                     topk_cache[k] = median_time(
-                        lambda: torch.topk(x.reshape(-1).abs(), k, sorted=False),
+                        lambda x=x, k=k: torch.topk(x.reshape(-1).abs(), k, sorted=False),
                         device,
                         args.warmup,
                         args.repeats,
@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> dict:
                     flush=True,
                 )
     return {
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "host": platform.node(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),

@@ -39,7 +39,7 @@ class ExchangeStats:
     comm_time_s: float = 0.0
     codec_time_s: float = 0.0
 
-    def add(self, other: "ExchangeStats") -> None:
+    def add(self, other: ExchangeStats) -> None:
         for f in self.__dataclass_fields__:
             setattr(self, f, getattr(self, f) + getattr(other, f))
 

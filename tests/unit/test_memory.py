@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from easgd_lightning.hooks import ResidualMemory, NoMemory, build_compressor, make_memory
+from easgd_lightning.hooks import NoMemory, ResidualMemory, build_compressor, make_memory
 
 
 class SoloCollective:

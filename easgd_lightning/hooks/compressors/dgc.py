@@ -7,8 +7,8 @@ Rule, per worker and tensor at step t (p workers, momentum m, density d_t):
   (momentum factor masking). v is DGC's own residual, so ``memory`` must stay off.
 Threshold: top-k of a strided ``sample_ratio`` (1%) sample; if more than 1.3 k pass, exact
 top-k among the survivors; if fewer than 0.8 k, thr <- 0.8 thr, at most 10 rounds.
-Warm-up: densities 0.25, 0.0625, 0.0156, 0.004 (equal shares of ``warmup_steps`` = 200,
-or of ``warmup_epochs`` * steps per epoch once :meth:`DGCCompressor.set_steps_per_epoch`
+Warm-up: densities 0.25, 0.0625, 0.0156, 0.004 (equal shares of ``warmup_ratio_steps`` = 200,
+or of ``warmup_ratio_epochs`` * steps per epoch once :meth:`DGCCompressor.set_steps_per_epoch`
 is called; the paper warms up over 4 epochs), then ``ratio`` = 0.001 (99.9% sparsity). Defaults: momentum 0.9, nesterov false,
 clip_norm null (off), min_numel 16384 (smaller tensors go dense), memory false.
 With ``momentum > 0`` the momentum lives here: give the optimizer momentum 0.
@@ -42,12 +42,12 @@ __all__ = [
 DEFAULT_WARMUP_RATIOS = (0.25, 0.0625, 0.0156, 0.004)
 
 
-def dgc_density(step: int, ratio: float, warmup_ratios, warmup_steps: int) -> float:
-    """Density at 0-based ``step``: equal shares of ``warmup_steps`` per warm-up stage."""
+def dgc_density(step: int, ratio: float, warmup_ratios, warmup_ratio_steps: int) -> float:
+    """Density at 0-based ``step``: equal shares of ``warmup_ratio_steps`` per warm-up stage."""
     stages = len(warmup_ratios)
-    if stages == 0 or warmup_steps <= 0 or step >= warmup_steps:
+    if stages == 0 or warmup_ratio_steps <= 0 or step >= warmup_ratio_steps:
         return ratio
-    stage = min(stages - 1, step * stages // warmup_steps)
+    stage = min(stages - 1, step * stages // warmup_ratio_steps)
     return max(ratio, float(warmup_ratios[stage]))
 
 
@@ -117,8 +117,8 @@ class DGCCompressor(SparseCompressor):
         nesterov: Nesterov form of the momentum correction.
         clip_norm: local clipping threshold C before the p^(-1/2) scaling (null: off).
         warmup_ratios: warm-up densities, one stage each.
-        warmup_steps: total steps of the warm-up (equal shares per stage).
-        warmup_epochs: warm-up length in epochs; used instead of ``warmup_steps`` once
+        warmup_ratio_steps: total steps of the warm-up (equal shares per stage).
+        warmup_ratio_epochs: warm-up length in epochs; used instead of ``warmup_ratio_steps`` once
             :meth:`set_steps_per_epoch` is called.
         sample_ratio: fraction of entries in the threshold sample (DGC: 1%).
         max_rounds: threshold refinement rounds (DGC: 10).
@@ -137,8 +137,8 @@ class DGCCompressor(SparseCompressor):
         nesterov: bool = False,
         clip_norm: float | None = None,
         warmup_ratios=DEFAULT_WARMUP_RATIOS,
-        warmup_steps: int = 200,
-        warmup_epochs: float | None = None,
+        warmup_ratio_steps: int = 200,
+        warmup_ratio_epochs: float | None = None,
         sample_ratio: float = 0.01,
         max_rounds: int = 10,
         min_numel: int | None = None,
@@ -162,25 +162,25 @@ class DGCCompressor(SparseCompressor):
         self.warmup_ratios = tuple(
             check_ratio("warmup_ratios[]", r) for r in (warmup_ratios or ())
         )
-        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
-        self.warmup_epochs = (
-            None if warmup_epochs is None
-            else check_positive("warmup_epochs", warmup_epochs, allow_zero=True)
+        self.warmup_ratio_steps = check_int("warmup_ratio_steps", warmup_ratio_steps, 0)
+        self.warmup_ratio_epochs = (
+            None if warmup_ratio_epochs is None
+            else check_positive("warmup_ratio_epochs", warmup_ratio_epochs, allow_zero=True)
         )
         self.sample_ratio = check_ratio("sample_ratio", sample_ratio)
         self.max_rounds = check_int("max_rounds", max_rounds, 1)
         self._steps_per_epoch: int | None = None
 
     def set_steps_per_epoch(self, steps: int) -> None:
-        """Turn ``warmup_epochs`` into steps (called by a strategy that knows the epoch size)."""
+        """Turn ``warmup_ratio_epochs`` into steps (called by a strategy that knows the epoch size)."""
         self._steps_per_epoch = check_int("steps_per_epoch", steps, 1)
 
     @property
     def total_warmup_steps(self) -> int:
-        """Warm-up length in steps (``warmup_epochs`` * steps per epoch when both are known)."""
-        if self.warmup_epochs is not None and self._steps_per_epoch is not None:
-            return int(round(self.warmup_epochs * self._steps_per_epoch))
-        return self.warmup_steps
+        """Warm-up length in steps (``warmup_ratio_epochs`` * steps per epoch when both are known)."""
+        if self.warmup_ratio_epochs is not None and self._steps_per_epoch is not None:
+            return int(round(self.warmup_ratio_epochs * self._steps_per_epoch))
+        return self.warmup_ratio_steps
 
     def density(self, step: int) -> float:
         """Density used at 0-based ``step``."""

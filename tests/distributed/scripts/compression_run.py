@@ -32,7 +32,7 @@ CASES = {
     "topk": ({"ratio": 0.05, "min_numel": 0}, lambda c, st: st["last_nnz"] * 8 + 8),
     "randomk": ({"ratio": 0.05, "min_numel": 0}, lambda c, st: math.ceil(0.05 * N) * 4),
     "dgc": (
-        {"ratio": 0.01, "warmup_steps": 2, "min_numel": 0, "clip_norm": 50.0},
+        {"ratio": 0.01, "warmup_ratio_steps": 2, "min_numel": 0, "clip_norm": 50.0},
         lambda c, st: st["last_nnz"] * 8 + 8,
     ),
     "redsync": ({"ratio": 0.02, "min_numel": 0}, lambda c, st: st["last_nnz"] * 8 + 8),
