@@ -1,5 +1,5 @@
 # easgd-lightning: two commands on a fresh machine: `make demo` and `make test`.
-PYTHON ?= python3.11
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
@@ -11,7 +11,7 @@ export WANDB_SILENT ?= true
 .PHONY: venv demo test test-fast lint bench-cluster bench-compressors clean
 
 $(STAMP): pyproject.toml
-	@test -x $(PY) || { command -v $(PYTHON) >/dev/null 2>&1 || PYTHON=python3; $(PYTHON) -m venv $(VENV) 2>/dev/null || python3 -m venv $(VENV); }
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip >/dev/null
 	$(PY) -m pip install -e '.[dev]'
 	@touch $(STAMP)

@@ -45,7 +45,10 @@ class SyncEASGDStrategy(CenterStrategy):
             (alpha = lr * rho). Default beta = 0.9.
         compression: a compressor (see ``easgd_lightning.hooks.build_compressor``) for the
             elastic differences, or None.
-        memory: error-feedback memory for the compressor (default: residuals on).
+        memory: error-feedback memory for the compressor (default: the compressor's own
+            choice, residuals for sparsifiers / PowerSGD / sign). The worker applies its
+            exact difference; the center adds the decompressed sum, and what a compressor
+            dropped reaches the center later through the residual.
     """
 
     strategy_name = "sync_easgd"
@@ -89,10 +92,6 @@ class SyncEASGDStrategy(CenterStrategy):
             rho=self._rho_opt,
             lr=self._optimizer_lr(self.optimizers[0]) if self.optimizers else None,
         )
-        if self._compression is not None and self._memory is None:
-            from easgd_lightning.hooks.memory import ResidualMemory
-
-            self._memory = ResidualMemory()
 
     @override
     def _exchange_step(self, take_step: Callable[[], Any], optimizer: Optimizer) -> Any:
@@ -111,6 +110,7 @@ class SyncEASGDStrategy(CenterStrategy):
             memory=self._memory,
             state=self._compress_state,
             kind=self.comm_kind,
+            shapes=[t.shape for t in tensors] if self._compression is not None else None,
         )
         elastic.apply_center_update(self._center, total)
         return out
