@@ -12,7 +12,6 @@ export WANDB_SILENT ?= true
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --upgrade pip >/dev/null
 	$(PY) -m pip install -e '.[dev]'
 	@touch $(STAMP)
 
