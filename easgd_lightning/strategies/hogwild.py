@@ -1,0 +1,315 @@
+"""Hogwild EASGD and Hogwild SGD: lock-free updates of one shared center / model.
+
+Rules (You, Buluc, Demmel, SC17, after Zhang, Choromanska, LeCun, NeurIPS 2015 and Recht et
+al.'s Hogwild!, NeurIPS 2011):
+
+* ``hogwild_easgd``: Async EASGD without the lock around the master update. Every ``tau``
+  local steps worker i reads the shared center c (while others may be writing it), forms
+  ``d = alpha (x_i - c)``, adds d to c in place with no lock, and sets
+  ``x_i <- opt_step(x_i, g_i) - d``. Concurrent elastic terms may race; that is the point.
+  Default beta = p * alpha = 0.9 over the p workers, tau = 1.
+* ``hogwild_sgd``: the lock-free SGD baseline. Every step worker i computes g at its copy of
+  the shared weights w, applies ``w <- w - eta (g + wd w)`` to the shared w in place with no
+  lock (heavy-ball ``momentum`` with a per-worker buffer if set, default 0), and reads w back
+  for its next gradient. eta is the worker optimizer's current learning rate unless ``lr``.
+
+Where the shared variable lives (``strategy.server``):
+
+* ``null`` (default), one node: a ``torch`` tensor mapped from one file (``torch.from_file``
+  with ``shared=True``, in ``/dev/shm`` unless ``shm_dir``), so every worker process of the
+  node reads and writes the same memory. The CLI starts workers with the ``spawn`` method,
+  each building its own model, so ``Tensor.share_memory_()`` (which only reaches children
+  of one process) cannot be used: rank 0 creates the file, every rank maps it after a
+  barrier, and rank 0 unlinks it after a second barrier (the mappings stay valid, nothing is
+  left behind even after a crash). Every rank trains; there is no server. Traffic is
+  metered as ``kind="shared_memory"`` (bytes read from and written to the shared tensor).
+* ``"dedicated"``: required across nodes (shared memory does not span machines): the
+  parameter server of :mod:`easgd_lightning.strategies.async_easgd` (last rank, FCFS), but
+  the server applies the updates on a thread pool without a lock, concurrently with each
+  other and with the reads that build the replies. Asking for several nodes
+  (``trainer.num_nodes > 1``) without it is refused with an error naming ``strategy.server``.
+
+Everything else is the asynchronous machinery of ``async_easgd``: no collectives after set-up,
+``stop_policy``/``max_time_s`` stopping, heartbeats through the rendezvous store so the end of
+fit waits for every worker that is done *or dead* (never for a dead one), validation and
+checkpoints on the shared center (rank 0 writes ``center.ckpt`` every
+``checkpoint_every_s`` and at the end, atomically).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from typing_extensions import override
+
+from easgd_lightning.comm import get_meter, ops
+from easgd_lightning.strategies import async_rules
+from easgd_lightning.strategies.async_easgd import AsyncCenterStrategy, Liveness, _reject_unknown
+
+__all__ = ["HogwildEASGDStrategy", "HogwildSGDStrategy", "SharedCenter", "STRATEGIES"]
+
+
+class SharedCenter:
+    """A flat tensor backed by one memory-mapped file that several processes map.
+
+    The block holds the ``numel`` entries of the center plus one control entry (the stop
+    flag). Reads and writes are plain tensor operations without any lock.
+
+    Args:
+        path: the backing file (created by the first opener).
+        numel: entries of the center.
+        dtype: element type.
+    """
+
+    def __init__(self, path: str | Path, numel: int, dtype: torch.dtype) -> None:
+        self.path = Path(path)
+        self.numel = numel
+        self.block = torch.from_file(str(self.path), shared=True, size=numel + 1, dtype=dtype)
+        self.center = self.block[:numel]
+        self.flag = self.block[numel:]
+
+    def unlink(self) -> None:
+        """Remove the file name; existing mappings stay valid."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def default_shm_dir() -> str:
+    """``/dev/shm`` when it exists and is writable, else the temporary directory."""
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and os.access(shm, os.W_OK):
+        return shm
+    return tempfile.gettempdir()
+
+
+class _SharedMemoryTransport:
+    """Worker-side lock-free exchange with the shared center."""
+
+    kind = "shared_memory"
+
+    def __init__(
+        self,
+        shared: SharedCenter,
+        *,
+        rank: int,
+        world: int,
+        alpha: float,
+        n_params: int,
+        momentum: float,
+        liveness: Liveness,
+        stop_policy: str,
+    ) -> None:
+        self.shared, self.rank, self.world, self.alpha = shared, rank, world, alpha
+        self.n_params, self.momentum, self.liveness = n_params, momentum, liveness
+        self.stop_policy = stop_policy
+        self.buffer: Optional[torch.Tensor] = None
+        self.dead: list[int] = []
+
+    @property
+    def stop(self) -> bool:
+        return bool(self.shared.flag[0] > 0)
+
+    def _meter(self, wrote: torch.Tensor | None, read: torch.Tensor | None) -> None:
+        get_meter().record(
+            self.kind,
+            sent=0 if wrote is None else ops.nbytes(wrote),
+            recv=0 if read is None else ops.nbytes(read),
+        )
+
+    @torch.no_grad()
+    def begin_elastic(self, x: torch.Tensor, step: int, lr: float) -> torch.Tensor:
+        center = self.shared.center
+        diff = (x - center).mul_(self.alpha)  # racy read of c
+        center.add_(diff)  # lock-free write
+        self._meter(diff, center)
+        return diff
+
+    def end_elastic(self, handle: torch.Tensor) -> torch.Tensor:
+        return handle
+
+    @torch.no_grad()
+    def push_gradient(self, g: torch.Tensor, step: int, lr: float, wd: float) -> torch.Tensor:
+        w = self.shared.center
+        n = self.n_params
+        self.buffer = async_rules.sgd_update(
+            w[:n], g[:n], lr, momentum=self.momentum, buffer=self.buffer, weight_decay=wd
+        )
+        w[n:].copy_(g[n:])
+        fresh = w.clone()
+        self._meter(g, fresh)
+        return fresh
+
+    def pull(self, step: int) -> torch.Tensor:
+        center = self.shared.center.clone()
+        self._meter(None, center)
+        return center
+
+    def pull_state(self, step: int) -> dict:
+        return {"center": self.pull(step).cpu(), "updates": None, "momentum": None}
+
+    def finish(self, step: int) -> torch.Tensor:
+        """Mark this rank done; wait until every other rank is done or dead; read c."""
+        self.liveness.mark_done()
+        if self.stop_policy == "first":
+            self.shared.flag.fill_(1)
+        pending = [r for r in range(self.world) if r != self.rank]
+        while pending:
+            still = []
+            for r in pending:
+                if self.liveness.is_done(r):
+                    continue
+                if not self.liveness.alive(r):
+                    self.dead.append(r)
+                    continue
+                still.append(r)
+            pending = still
+            if pending:
+                time.sleep(0.05)
+        return self.pull(step)
+
+    def close(self) -> None:
+        pass
+
+
+class _HogwildMixin:
+    """Shared-memory mode of the Hogwild strategies (server mode is the async machinery)."""
+
+    lockfree = True
+    min_world_size = 2
+
+    def _init_hogwild(self, shm_dir: Optional[str]) -> None:
+        self._shm_dir = shm_dir
+        self._shared: Optional[SharedCenter] = None
+        if not self.uses_server:
+            self.comm_kind = "shared_memory"
+
+    def _check_nodes(self, num_nodes: Optional[int]) -> None:
+        if num_nodes is not None and num_nodes > 1 and not self.uses_server:
+            raise ValueError(
+                f"strategy.server: {self.strategy_name} across {num_nodes} nodes (trainer.num_nodes="
+                f"{num_nodes}) needs a parameter server, because shared memory only spans one node; "
+                "set strategy.server=dedicated"
+            )
+
+    def _spans_nodes(self) -> bool:
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        return self.num_nodes > 1 or (local is not None and int(local) < self.world_size)
+
+    def _make_transport(self, trainer, token: int) -> None:
+        if self.uses_server:
+            return super()._make_transport(trainer, token)
+        if self._spans_nodes():
+            self._check_nodes(max(self.num_nodes, 2))
+        shm_dir = Path(self._shm_dir or default_shm_dir())
+        path = shm_dir / f"easgd-{self.strategy_name}-{token}.bin"
+        n = self._center.numel()
+        if self.global_rank == 0:
+            shm_dir.mkdir(parents=True, exist_ok=True)
+            shared = SharedCenter(path, n, self._center.dtype)
+            shared.center.copy_(self._center)
+            shared.flag.zero_()
+        ops.barrier(kind="setup")
+        if self.global_rank != 0:
+            shared = SharedCenter(path, n, self._center.dtype)
+        ops.barrier(kind="setup")
+        if self.global_rank == 0:
+            shared.unlink()
+        self._shared = shared
+        self._transport = _SharedMemoryTransport(
+            shared,
+            rank=self.global_rank,
+            world=self.world_size,
+            alpha=self._alpha or 0.0,
+            n_params=self._n_params,
+            momentum=self._momentum,
+            liveness=self._liveness,
+            stop_policy=self._stop_policy,
+        )
+
+    @property
+    def _writes_center(self) -> bool:
+        return not self.uses_server and self.global_rank == 0
+
+    def _after_step(self) -> None:
+        super()._after_step()
+        every = self._checkpoint_every_s
+        if self._writes_center and every is not None and self._center_ckpt_file is not None:
+            now = time.monotonic()
+            if now - self._last_center_ckpt >= every:
+                self._last_center_ckpt = now
+                self._write_center_checkpoint({"center": self._shared.center.clone()})
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self._writes_center and self._center_ckpt_file is not None and self._center is not None:
+            self._write_center_checkpoint({"center": self._center.detach().cpu().clone()})
+
+    def summary_extras(self) -> dict:
+        extras = super().summary_extras()
+        extras["shared_memory"] = not self.uses_server
+        if isinstance(self._transport, _SharedMemoryTransport):
+            extras["dead_workers"] = self._transport.dead
+        return extras
+
+
+_COMMON = ("server", "shm_dir", "stop_policy", "max_time_s", "worker_timeout_s", "heartbeat_s",
+           "checkpoint_every_s", "checkpoint_path")
+
+
+class HogwildEASGDStrategy(_HogwildMixin, AsyncCenterStrategy):
+    """Hogwild EASGD: elastic exchanges with a lock-free shared center (``strategy="hogwild_easgd"``).
+
+    Args:
+        tau: communication period in local steps (>= 1).
+        alpha: moving rate in (0, 1); or ``beta`` (= p * alpha) or ``rho``. Default beta = 0.9.
+        server: null (shared memory, one node) or ``"dedicated"`` (lock-free parameter server).
+        shm_dir: where the shared file is created (default ``/dev/shm``).
+        stop_policy, max_time_s, worker_timeout_s, checkpoint_every_s: as ``async_easgd``.
+    """
+
+    strategy_name = "hogwild_easgd"
+    _OPTIONS = ("tau", "alpha", "beta", "rho", "overlap", *_COMMON)
+
+    def __init__(self, tau: int = 1, alpha: Optional[float] = None, beta: Optional[float] = None,
+                 rho: Optional[float] = None, server: Optional[str] = None, shm_dir: Optional[str] = None,
+                 **kwargs: Any) -> None:
+        _reject_unknown(self.strategy_name, kwargs, self._OPTIONS)
+        self._server_mode = server  # _check_nodes (called by the base) needs it
+        super().__init__(tau=tau, alpha=alpha, beta=beta, rho=rho, server=server, **kwargs)
+        self._init_hogwild(shm_dir)
+
+
+class HogwildSGDStrategy(_HogwildMixin, AsyncCenterStrategy):
+    """Hogwild SGD: lock-free gradient steps on shared weights (``strategy="hogwild_sgd"``).
+
+    Args:
+        lr: learning rate applied to the shared weights (null: the worker optimizer's).
+        momentum: per-worker heavy-ball momentum in [0, 1) (default 0: plain Hogwild).
+        server, shm_dir, stop_policy, ...: as :class:`HogwildEASGDStrategy`.
+    """
+
+    strategy_name = "hogwild_sgd"
+    rule = "sgd"
+    server_momentum = True
+    _OPTIONS = ("lr", "momentum", *_COMMON)
+
+    def __init__(self, lr: Optional[float] = None, momentum: float = 0.0, server: Optional[str] = None,
+                 shm_dir: Optional[str] = None, **kwargs: Any) -> None:
+        _reject_unknown(self.strategy_name, kwargs, self._OPTIONS)
+        self._server_mode = server
+        super().__init__(lr=lr, momentum=momentum, server=server, **kwargs)
+        self._init_hogwild(shm_dir)
+
+
+#: registry names of this module (picked up by ``easgd_lightning.strategies``)
+STRATEGIES: dict[str, type] = {
+    "hogwild_easgd": HogwildEASGDStrategy,
+    "hogwild_sgd": HogwildSGDStrategy,
+}

@@ -1,0 +1,87 @@
+"""The parameter-server protocol over real gloo processes (4 ranks, no Lightning).
+
+Checks first-come-first-served service (a slow worker does not hold the others back and is
+not served in rank order), the server's arithmetic against a plain-torch replay of its own
+service order, and that a worker that dies without saying "done" neither hangs the server
+nor the remaining workers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import launch_ranks
+
+SCRIPT = Path(__file__).parent / "scripts" / "async_ps_run.py"
+WORKERS = (0, 1, 2)
+
+
+def _load(out: Path, mode: str, ranks=(0, 1, 2, 3)) -> dict[int, dict]:
+    return {r: torch.load(out / mode / f"rank{r}.pt", weights_only=False) for r in ranks}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("async_ps")
+    launch_ranks(SCRIPT, 4, ["fcfs,sgd,dead", str(out)], timeout=240)
+    return out
+
+
+def test_fcfs_serves_whoever_arrives_and_matches_replay(runs: Path) -> None:
+    recs = _load(runs, "fcfs")
+    server = recs[3]
+    order = server["order"]
+    assert sorted(order) == sorted([0] * 12 + [1] * 12 + [2] * 12)
+    assert server["done"] and sorted(server["done"]) == [0, 1, 2]
+    # FCFS, not rank order: the fast workers 0 and 2 are done long before slow worker 1
+    last = {r: max(i for i, s in enumerate(order) if s == r) for r in WORKERS}
+    assert last[0] < last[1] and last[2] < last[1]
+    assert order[:6].count(1) <= 2, order  # the slow worker did not set the pace
+    # replay the server's order with an independent reference: d = alpha (x - c); c += d
+    alpha = 0.25
+    c = torch.zeros(257)
+    k = {r: 0 for r in WORKERS}
+    for sender in order:
+        x = recs[sender]["sent"][k[sender]]
+        d = (x - c) * alpha
+        c = c + d
+        torch.testing.assert_close(recs[sender]["got"][k[sender]], d, rtol=1e-6, atol=1e-6)
+        k[sender] += 1
+    torch.testing.assert_close(server["center"], c, rtol=1e-6, atol=1e-6)
+    for r in WORKERS:  # everyone ends with the server's final center
+        torch.testing.assert_close(recs[r]["final"], server["center"])
+
+
+def test_sgd_server_with_momentum_matches_replay(runs: Path) -> None:
+    recs = _load(runs, "sgd")
+    server = recs[3]
+    lr, mu, wd, n_params = 0.1, 0.5, 0.01, 256
+    w = torch.zeros(257)
+    buf = None
+    k = {r: 0 for r in WORKERS}
+    for sender in server["order"]:
+        g = recs[sender]["sent"][k[sender]]
+        step = g[:n_params] + wd * w[:n_params]
+        buf = step.clone() if buf is None else mu * buf + step
+        w = torch.cat([w[:n_params] - lr * buf, g[n_params:]])  # buffers are overwritten
+        torch.testing.assert_close(recs[sender]["got"][k[sender]], w, rtol=1e-5, atol=1e-6)
+        k[sender] += 1
+    assert server["updates"] == 24
+    torch.testing.assert_close(server["center"], w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(server["state"]["momentum"], buf, rtol=1e-5, atol=1e-6)
+
+
+def test_dead_worker_neither_hangs_server_nor_others(runs: Path) -> None:
+    recs = _load(runs, "dead", ranks=(0, 1, 3))
+    assert not (runs / "dead" / "rank2.pt").exists()
+    server = recs[3]
+    assert server["dead"] == [2] and sorted(server["done"]) == [0, 1]
+    assert server["order"].count(2) == 3 and server["updates"] == 23
+    # the survivors got the final center; the wait for the dead one was bounded by the
+    # heartbeat timeout (2 s), not by the process-group timeout (60 s)
+    for r in (0, 1):
+        torch.testing.assert_close(recs[r]["final"], server["center"])
+    assert server["seconds"] < 30
