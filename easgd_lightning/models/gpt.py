@@ -24,6 +24,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,6 +49,8 @@ __all__ = [
     "GPT",
     "build_gpt_pipeline",
     "TIED_KEY",
+    "GPTLightningModule",
+    "build_lightning_module",
 ]
 
 TIED_KEY = "embed"
@@ -277,3 +280,151 @@ def build_gpt_pipeline(
     if tp.enabled:
         tp.group = module._grid.get_slice_parallel_group()
     return module, tp
+
+
+# --------------------------------------------------------------------------- Lightning
+
+
+class GPTLightningModule(pl.LightningModule):
+    """The GPT for ``strategy=pipeline_3d`` (and, unsplit, for any other strategy).
+
+    Under :class:`~easgd_lightning.strategies.pipeline.Pipeline3DStrategy` the strategy
+    calls :meth:`configure_pipeline` with its DeepSpeed topology; the module then holds
+    only this rank's stage (``self.pipe``) and the loss is the pipeline's ``gpt_loss``.
+    Under any other strategy :meth:`configure_model` builds the whole :class:`GPT`.
+
+    Args:
+        config: :class:`GPTConfig` or a mapping of its fields.
+        lr: AdamW learning rate; weight_decay applies to matrices only.
+        betas: AdamW betas.
+        warmup_steps: Linear warm-up in optimizer steps.
+        schedule: ``constant`` or ``cosine`` (to ``min_lr`` at ``total_steps``).
+        total_steps: Cosine horizon (``None``: the trainer's estimated steps).
+        min_lr: Floor of the cosine schedule.
+        base_seed: Layer ``i`` is initialised from ``base_seed + i``.
+    """
+
+    def __init__(
+        self,
+        config: GPTConfig | dict | None = None,
+        lr: float = 3e-4,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 0,
+        schedule: str = "constant",
+        total_steps: int | None = None,
+        min_lr: float = 0.0,
+        base_seed: int = 1234,
+    ) -> None:
+        super().__init__()
+        if schedule not in ("constant", "cosine"):
+            raise ValueError(f"optim.schedule={schedule!r}; choose one of constant, cosine")
+        if lr <= 0:
+            raise ValueError(f"optim.lr must be > 0, got {lr}")
+        self.cfg = config if isinstance(config, GPTConfig) else GPTConfig(**dict(config or {}))
+        self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
+        self.warmup_steps, self.schedule, self.total_steps = warmup_steps, schedule, total_steps
+        self.min_lr, self.base_seed = min_lr, base_seed
+        self.pipe: nn.Module | None = None
+        self.net: GPT | None = None
+        self.save_hyperparameters({"model": self.cfg.as_dict(), "lr": lr,
+                                   "weight_decay": weight_decay, "schedule": schedule})
+
+    # -- pipeline_3d protocol
+    def pipeline_shape(self) -> dict[str, int]:
+        """The shape the 3D layout is checked against."""
+        return {"n_layer": self.cfg.n_layer, "n_head": self.cfg.n_head, "d_model": self.cfg.d_model}
+
+    def configure_pipeline(self, topology: Any, activation_checkpoint_interval: int = 0):
+        """Build this rank's stage as a DeepSpeed ``PipelineModule`` (called by the strategy)."""
+        self.pipe, _ = build_gpt_pipeline(
+            self.cfg, topology, base_seed=self.base_seed,
+            activation_checkpoint_interval=activation_checkpoint_interval,
+        )
+        return self.pipe
+
+    # -- plain (unsplit) path
+    def configure_model(self) -> None:
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if self.pipe is None and self.net is None and not hasattr(strategy, "engine"):
+            self.net = GPT(self.cfg, base_seed=self.base_seed)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.net is None:
+            raise RuntimeError("forward() runs on the unsplit model; under pipeline_3d the "
+                               "engine runs the stages")
+        return self.net(tokens)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = gpt_loss(self(x), y)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val/loss", gpt_loss(self(x), y), prog_bar=True, sync_dist=True)
+
+    def configure_optimizers(self):
+        params = (self.pipe or self.net or self).parameters()
+        params = [p for p in params if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": self.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas)
+        if self.schedule == "constant" and not self.warmup_steps:
+            return optimizer
+        total = self.total_steps
+        if total is None:
+            total = int(self.trainer.estimated_stepping_batches) if self._trainer else 1000
+        warmup, floor = int(self.warmup_steps), self.min_lr / self.lr
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            if self.schedule == "constant":
+                return 1.0
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def build_lightning_module(cfg: Any, datamodule: Any = None) -> GPTLightningModule:
+    """The CLI builder (``model.builder: easgd_lightning.models.gpt:build_lightning_module``).
+
+    Reads the GPT shape from ``cfg.model`` (``seq_len`` defaults to ``cfg.data.seq_len``,
+    ``vocab_size`` to the data module's) and AdamW settings from ``cfg.optim``.
+    """
+    from omegaconf import DictConfig, OmegaConf
+
+    def plain(node: Any) -> dict:
+        if isinstance(node, DictConfig):
+            return OmegaConf.to_container(node, resolve=True)  # type: ignore[return-value]
+        return dict(node or {})
+
+    model = plain(cfg.get("model"))
+    for key in ("name", "builder"):
+        model.pop(key, None)
+    fields = set(GPTConfig.__dataclass_fields__)
+    unknown = sorted(set(model) - fields)
+    if unknown:
+        raise ValueError(f"unknown model key(s) {unknown} for the GPT; valid: {sorted(fields)}")
+    data = plain(cfg.get("data"))
+    model.setdefault("seq_len", data.get("seq_len", 64))
+    if datamodule is not None and getattr(datamodule, "vocab_size", None):
+        model.setdefault("vocab_size", datamodule.vocab_size)
+    optim = plain(cfg.get("optim"))
+    return GPTLightningModule(
+        GPTConfig(**model),
+        lr=float(optim.get("lr", 3e-4)),
+        weight_decay=float(optim.get("weight_decay", 0.0)),
+        betas=tuple(optim.get("betas", (0.9, 0.95))),
+        warmup_steps=int(optim.get("warmup_steps", 0)),
+        schedule=str(optim.get("schedule", "constant")),
+        total_steps=optim.get("total_steps"),
+        min_lr=float(optim.get("min_lr", 0.0)),
+        base_seed=int(cfg.get("seed", 0)) + 1234,
+    )

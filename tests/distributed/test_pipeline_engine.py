@@ -28,10 +28,14 @@ ALL_TECHNIQUES = {
 EPILOGUE = {"epilogue_only": True, "rank": 16}
 
 
-def _run(out: Path, world: int, runs: dict[str, dict | None], *, dp: int = 1) -> dict[str, list[dict]]:
+def _run(
+    out: Path, world: int, runs: dict[str, dict | None], *, dp: int = 1, tp: int = 1,
+    steps: int = STEPS,
+) -> dict[str, list[dict]]:
     """One launch of ``world`` ranks training once per entry of ``runs`` (same seed each)."""
     args = [
-        "--pp", "2", "--dp", str(dp), "--steps", str(STEPS), "--micro-batches", str(MICRO),
+        "--pp", "2", "--dp", str(dp), "--tp", str(tp), "--steps", str(steps),
+        "--micro-batches", str(MICRO),
         "--micro-batch-size", str(MB), "--seq-len", str(SEQ), "--seed", str(SEED),
         "--lr", str(LR), "--out", str(out),
         "--runs", json.dumps([{"name": k, "optimus": v} for k, v in runs.items()]),
@@ -156,3 +160,15 @@ def test_optimus_cc_epilogue_only_pp2(pp2):
     final_cc = sum(cc[1]["losses"][-5:]) / 5
     final_base = sum(base[1]["losses"][-5:]) / 5
     assert abs(final_cc - final_base) <= 0.10 * final_base
+
+
+def test_pp2_tp2_matches_pp2(pp2, tmp_path):
+    """3D with tp=2 (4 processes): the split stages train exactly like the unsplit ones."""
+    runs = _run(tmp_path, 4, {"base": None, "cb": {"rank": 16}}, tp=2, steps=6)
+    base, cb = runs["base"], runs["cb"]
+    assert [r["stage"] for r in base] == [0, 0, 1, 1]  # (pipe, data, model) order
+    assert base[0]["losses"] == pytest.approx(pp2["base"][0]["losses"][:6], rel=1e-5)
+    assert all(_kind(r, "tensor_parallel") > 0 for r in base)
+    # every tensor-parallel rank of stage 1 sends its (identical) gradient copy
+    assert all(r["pipe_stats"]["grad_sends_compressed"] == 6 * MICRO for r in cb[2:])
+    assert cb[0]["losses"][-1] == pytest.approx(base[0]["losses"][-1], rel=0.05)
