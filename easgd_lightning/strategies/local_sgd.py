@@ -73,6 +73,7 @@ __all__ = [
     "STRATEGIES",
     "qsr_period",
     "cocod_merge",
+    "flatten_into",
     "average_from_sum",
     "validate_local_sgd_options",
 ]
@@ -128,7 +129,11 @@ def qsr_period(
 
 
 def cocod_merge(
-    avg_snapshot: torch.Tensor, snapshot: torch.Tensor, current: torch.Tensor
+    avg_snapshot: torch.Tensor,
+    snapshot: torch.Tensor,
+    current: torch.Tensor,
+    *,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The CoCoD-SGD merge (Shen et al., IJCAI 2019): ``mean_j(x_j^t) + (x_i' - x_i^t)``.
 
@@ -136,11 +141,27 @@ def cocod_merge(
         avg_snapshot: mean over workers of the snapshots x_j^t.
         snapshot: this worker's snapshot x_i^t (taken when the all-reduce started).
         current: this worker's parameters x_i' now.
+        out: where to write the result (may be ``current`` itself); None: a new tensor.
+            Both forms give bitwise the same values.
 
     Returns:
-        A new tensor: the averaged snapshot plus this worker's progress since it.
+        The averaged snapshot plus this worker's progress since it.
     """
-    return avg_snapshot + (current - snapshot)
+    if out is None:
+        return avg_snapshot + (current - snapshot)
+    if out is not current:
+        out.copy_(current)
+    return out.sub_(snapshot).add_(avg_snapshot)
+
+
+def flatten_into(tensors: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """Copy ``tensors`` one after the other into the flat buffer ``out``; returns ``out``."""
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        out[offset : offset + n].copy_(t.detach().reshape(-1))
+        offset += n
+    return out
 
 
 def average_from_sum(center: torch.Tensor, total: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -255,6 +276,10 @@ class LocalSGDStrategy(CenterStrategy):
         # overlap state
         self._pending: Optional[torch.futures.Future] = None
         self._snapshot: Optional[torch.Tensor] = None
+        # flat buffers reused every round (no allocation per round): the one in flight, a
+        # spare; the center and the snapshot rotate through them
+        self._inflight: Optional[torch.Tensor] = None
+        self._spare: Optional[torch.Tensor] = None
         self._merge_ready = False
 
     # ------------------------------------------------------------------ properties
@@ -346,16 +371,24 @@ class LocalSGDStrategy(CenterStrategy):
         self._round_steps = 0
         self._current_period = None
 
+    def _take_buffer(self) -> torch.Tensor:
+        """A free flat buffer shaped like the center."""
+        buf, self._spare = self._spare, None
+        if buf is None or buf.shape != self._center.shape or buf.dtype != self._center.dtype:
+            buf = torch.empty_like(self._center)
+        return buf
+
     @torch.no_grad()
     def _average(self, tensors: list[torch.Tensor]) -> None:
         """Blocking average: center <- mean_i x_i, then x_i <- center."""
-        x = flatten(tensors)
         world = self.world_size
         if self._compression is None:
+            x = flatten_into(tensors, self._take_buffer())
             x.div_(world)
-            self._center = ops.all_reduce(x, kind=self.comm_kind)
+            ops.all_reduce(x, kind=self.comm_kind)
+            self._spare, self._center = self._center, x
         else:
-            diff = x - self._center
+            diff = flatten(tensors) - self._center
             total = exchange_sum(
                 diff,
                 compressor=self._compression,
@@ -369,14 +402,17 @@ class LocalSGDStrategy(CenterStrategy):
     @torch.no_grad()
     def _overlap_boundary(self, tensors: list[torch.Tensor]) -> None:
         """CoCoD-SGD boundary: merge the previous round's average, launch this one's."""
-        x = flatten(tensors)
         self._complete_pending()
+        x = flatten_into(tensors, self._take_buffer())
         if self._merge_ready:
-            x = cocod_merge(self._center, self._snapshot, x)
+            cocod_merge(self._center, self._snapshot, x, out=x)
             unflatten_into(x, tensors)
             self._merge_ready = False
-        self._snapshot = x.clone()
-        self._pending = ops.all_reduce_async(x.div_(self.world_size), kind=self.comm_kind)
+        if self._snapshot is None or self._snapshot.shape != x.shape:
+            self._snapshot = torch.empty_like(x)
+        self._snapshot.copy_(x)
+        self._inflight = x.div_(self.world_size)
+        self._pending = ops.all_reduce_async(x, kind=self.comm_kind)
 
     def _complete_pending(self) -> None:
         """Wait for the in-flight average (if any); it becomes the center."""
@@ -384,8 +420,11 @@ class LocalSGDStrategy(CenterStrategy):
             return
         start = time.perf_counter()
         value = self._pending.wait()
-        self._center = value[0] if isinstance(value, (list, tuple)) else value
-        self._pending = None
+        result = value[0] if isinstance(value, (list, tuple)) else value
+        if result.data_ptr() != self._inflight.data_ptr():
+            self._inflight.copy_(result)
+        self._spare, self._center = self._center, self._inflight
+        self._pending = self._inflight = None
         self._merge_ready = True
         log.debug("waited %.4fs for the overlapped average", time.perf_counter() - start)
 
@@ -395,7 +434,9 @@ class LocalSGDStrategy(CenterStrategy):
         tensors = self._elastic_tensors()
         self._complete_pending()
         if self._merge_ready:
-            unflatten_into(cocod_merge(self._center, self._snapshot, flatten(tensors)), tensors)
+            x = flatten_into(tensors, self._take_buffer())
+            unflatten_into(cocod_merge(self._center, self._snapshot, x, out=x), tensors)
+            self._spare = x
             self._merge_ready = False
             self._snapshot = None
         if self._round_steps > 0:
@@ -468,7 +509,8 @@ class LocalSGDStrategy(CenterStrategy):
                 self._pending.wait()
             except Exception:  # pragma: no cover - a broken group at teardown
                 log.debug("pending average failed at teardown", exc_info=True)
-            self._pending = None
+            self._pending = self._inflight = None
+        self._spare = None
         super().teardown()
 
 

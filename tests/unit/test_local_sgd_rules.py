@@ -137,3 +137,23 @@ def test_registered_with_lightning() -> None:
 
     assert local_sgd.STRATEGIES == {"local_sgd": LocalSGDStrategy}
     assert "local_sgd" in StrategyRegistry
+
+
+def test_cocod_merge_in_place_is_bitwise_the_same() -> None:
+    g = torch.Generator().manual_seed(2)
+    avg, snap, cur = (torch.randn(1000, generator=g, dtype=torch.float32) for _ in range(3))
+    expected = cocod_merge(avg, snap, cur)
+    buf = cur.clone()
+    assert cocod_merge(avg, snap, buf, out=buf) is buf
+    assert torch.equal(buf, expected)
+    other = torch.empty_like(cur)
+    assert torch.equal(cocod_merge(avg, snap, cur, out=other), expected)
+
+
+def test_flatten_into_fills_the_buffer_in_order() -> None:
+    from easgd_lightning.strategies.local_sgd import flatten_into
+
+    a, b = torch.arange(6.0).reshape(2, 3), torch.tensor([7.0, 8.0])
+    out = torch.empty(8)
+    assert flatten_into([a, b], out) is out
+    assert out.tolist() == [0, 1, 2, 3, 4, 5, 7, 8]
