@@ -273,6 +273,8 @@ def register_compression_hook(
         )
     if isinstance(memory, bool):
         memory = ResidualMemory() if memory else NoMemory()
+    if isinstance(memory, ResidualMemory) and not compressor.allows_memory:
+        raise ValueError(compressor.memory_error())
     state = CompressionHookState(
         compressor,
         memory,

@@ -20,7 +20,7 @@ from easgd_lightning.comm import ops
 from easgd_lightning.hooks._exchange import exchange_tensors
 from easgd_lightning.hooks.collective import ProcessGroupCollective
 from easgd_lightning.hooks.compressors.none import NoneCompressor
-from easgd_lightning.hooks.memory import make_memory
+from easgd_lightning.hooks.memory import ResidualMemory, make_memory
 
 __all__ = ["exchange_sum"]
 
@@ -67,6 +67,8 @@ def exchange_sum(
         memory = state.get("_memory")
         if memory is None:
             memory = state["_memory"] = make_memory(compressor)
+    if isinstance(memory, ResidualMemory) and not compressor.allows_memory:
+        raise ValueError(compressor.memory_error())
     flat = diff.reshape(-1)
     if shapes:
         sizes = [int(torch.Size(s).numel()) for s in shapes]

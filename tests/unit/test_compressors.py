@@ -455,6 +455,7 @@ def test_adaptive_observations_drive_the_ratio():
         ("topk", {"ratio": 0}, "compression.ratio"),
         ("randomk", {"ratio": -0.1}, "compression.ratio"),
         ("dgc", {"ratio": 2}, "compression.ratio"),
+        ("dgc", {"memory": True}, "compression.memory must be false for dgc"),
         ("dgc", {"warmup_ratios": [0.25, 3]}, "compression.warmup_ratios"),
         ("powersgd", {"rank": 0}, "compression.rank must be an integer >= 1"),
         ("qsgd", {"levels": 0}, "compression.levels"),

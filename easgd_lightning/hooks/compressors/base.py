@@ -103,6 +103,9 @@ class Compressor(ABC):
     name: ClassVar[str] = ""
     aggregation: ClassVar[Aggregation] = "allreduce"
     default_memory: ClassVar[bool] = False
+    #: False when the compressor keeps its own residual (DGC), so error feedback on top
+    #: of it would count the dropped mass twice.
+    allows_memory: ClassVar[bool] = True
 
     def __init__(self, *, min_numel: int | None = None, memory: bool | None = None) -> None:
         self.min_numel = DEFAULT_MIN_NUMEL if min_numel is None else check_int("min_numel", min_numel, 0)
@@ -110,7 +113,16 @@ class Compressor(ABC):
             memory = self.default_memory
         if not isinstance(memory, bool):
             raise ValueError(f"compression.memory must be true or false, got {memory!r}")
+        if memory and not self.allows_memory:
+            raise ValueError(self.memory_error())
         self.memory = memory
+
+    def memory_error(self) -> str:
+        """The error for residual memory requested on a compressor that keeps its own."""
+        return (
+            f"compression.memory must be false for {self.name}: it keeps its own residual "
+            "(error feedback on top would count the dropped entries twice)"
+        )
 
     @abstractmethod
     def compress(self, tensor: torch.Tensor, state: dict) -> Payload:

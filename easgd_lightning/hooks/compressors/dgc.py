@@ -128,6 +128,7 @@ class DGCCompressor(SparseCompressor):
 
     name = "dgc"
     default_memory = False
+    allows_memory = False  # v, the accumulated velocity, is DGC's residual
 
     def __init__(
         self,
@@ -145,11 +146,6 @@ class DGCCompressor(SparseCompressor):
         memory: bool | None = None,
     ) -> None:
         super().__init__(min_numel=min_numel, memory=memory)
-        if self.memory:
-            raise ValueError(
-                "compression.memory must be false for dgc: DGC keeps its own residual "
-                "(the accumulated velocity v)"
-            )
         self.ratio = check_ratio("ratio", ratio)
         m = float(momentum)
         if not 0.0 <= m < 1.0:
