@@ -42,6 +42,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from easgd_lightning.comm import ops
+from easgd_lightning.hooks.compressors.base import Compressor, Payload
 
 __all__ = [
     "OptimusCCConfig",
@@ -55,6 +56,7 @@ __all__ = [
     "ActivationGradCompressor",
     "DataParallelPowerSGD",
     "dense_all_reduce_mean_",
+    "OptimusCCCompressor",
 ]
 
 _TECHNIQUES = (
@@ -428,3 +430,79 @@ def dense_all_reduce_mean_(
     flat.div_(world_size if divide is None else divide)
     for g, part in zip(grads, _unflatten(flat, [g.shape for g in grads])):
         g.copy_(part)
+
+
+# --------------------------------------------------------------------------- registry entry
+
+
+class OptimusCCCompressor(Compressor):
+    """``compression=optimus_cc``: the CB codec, carrying the Optimus-CC settings.
+
+    ``strategy=pipeline_3d`` reads :attr:`optimus_config` and applies all five techniques.
+    As a plain compressor (the shared interface, DESIGN.md 4.3) it is the CB codec: a
+    tensor viewed as ``(prod(shape[:-1]), shape[-1])`` becomes rank-``rank`` factors
+    ``(P, Q)`` from one warm-started power iteration (warm start kept in ``state``);
+    tensors where the factors would not be smaller travel dense. Factors of different
+    ranks do not add up, so the aggregation is ``allgather``.
+
+    Args: the fields of :class:`OptimusCCConfig`, plus the shared ``min_numel`` and ``memory``.
+    """
+
+    name = "optimus_cc"
+    aggregation = "allgather"
+
+    def __init__(
+        self,
+        compressed_backprop: bool = True,
+        lazy_error_propagation: bool = True,
+        epilogue_only: bool = False,
+        fused_embedding: bool = True,
+        selective_stages: Any = "auto",
+        rank: int = 16,
+        dp_rank: int = 128,
+        seed: int = 0,
+        *,
+        min_numel: int | None = None,
+        memory: bool | None = None,
+    ) -> None:
+        super().__init__(min_numel=min_numel, memory=memory)
+        self.optimus_config = OptimusCCConfig(
+            compressed_backprop=compressed_backprop,
+            lazy_error_propagation=lazy_error_propagation,
+            epilogue_only=epilogue_only,
+            fused_embedding=fused_embedding,
+            selective_stages=selective_stages,
+            rank=rank,
+            dp_rank=dp_rank,
+            seed=seed,
+        )
+
+    def compress(self, tensor: torch.Tensor, state: dict) -> Payload:
+        rank = self.optimus_config.rank
+        if tensor.dim() < 2 or not low_rank_saves(*_as_matrix(tensor).shape, rank):
+            return Payload((tensor.reshape(-1).clone(),), {"dense": True})
+        matrix = _as_matrix(tensor)
+        n, m = matrix.shape
+        r = effective_rank(n, m, rank)
+        q = state.get("q")
+        if q is None or q.shape != (m, r):
+            gen = torch.Generator().manual_seed(self.optimus_config.seed)
+            q = torch.randn(m, r, generator=gen).to(device=matrix.device, dtype=matrix.dtype)
+        p, q = power_iteration(matrix, q)
+        state["q"] = q.detach().clone()
+        return Payload((p.contiguous(), q.contiguous()), {"dense": False})
+
+    def decompress(self, payload: Payload, shape: torch.Size) -> torch.Tensor:
+        if payload.meta.get("dense", len(payload.tensors) == 1):
+            return payload.tensors[0].reshape(shape)
+        p, q = payload.tensors
+        return (p @ q.t()).reshape(shape)
+
+
+def _register() -> None:
+    from easgd_lightning.hooks.compressors import register_compressor
+
+    register_compressor(OptimusCCCompressor)
+
+
+_register()

@@ -295,8 +295,10 @@ class GPTLightningModule(pl.LightningModule):
 
     Args:
         config: :class:`GPTConfig` or a mapping of its fields.
-        lr: AdamW learning rate; weight_decay applies to matrices only.
+        optimizer: ``adamw`` (default) or ``sgd`` (with ``momentum``, ``nesterov``).
+        lr: Learning rate; weight_decay applies to matrices only.
         betas: AdamW betas.
+        momentum, nesterov: SGD options.
         warmup_steps: Linear warm-up in optimizer steps.
         schedule: ``constant`` or ``cosine`` (to ``min_lr`` at ``total_steps``).
         total_steps: Cosine horizon (``None``: the trainer's estimated steps).
@@ -307,6 +309,7 @@ class GPTLightningModule(pl.LightningModule):
     def __init__(
         self,
         config: GPTConfig | dict | None = None,
+        optimizer: str = "adamw",
         lr: float = 3e-4,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -315,8 +318,12 @@ class GPTLightningModule(pl.LightningModule):
         total_steps: int | None = None,
         min_lr: float = 0.0,
         base_seed: int = 1234,
+        momentum: float = 0.9,
+        nesterov: bool = False,
     ) -> None:
         super().__init__()
+        if optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"optim.optimizer={optimizer!r}; choose one of adamw, sgd")
         if schedule not in ("constant", "cosine"):
             raise ValueError(f"optim.schedule={schedule!r}; choose one of constant, cosine")
         if lr <= 0:
@@ -325,6 +332,7 @@ class GPTLightningModule(pl.LightningModule):
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
         self.warmup_steps, self.schedule, self.total_steps = warmup_steps, schedule, total_steps
         self.min_lr, self.base_seed = min_lr, base_seed
+        self.optimizer_name, self.momentum, self.nesterov = optimizer, momentum, nesterov
         self.pipe: nn.Module | None = None
         self.net: GPT | None = None
         self.save_hyperparameters({"model": self.cfg.as_dict(), "lr": lr,
@@ -372,7 +380,12 @@ class GPTLightningModule(pl.LightningModule):
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": self.weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas)
+        if self.optimizer_name == "sgd":
+            optimizer = torch.optim.SGD(
+                groups, lr=self.lr, momentum=self.momentum, nesterov=self.nesterov
+            )
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas)
         if self.schedule == "constant" and not self.warmup_steps:
             return optimizer
         total = self.total_steps
@@ -396,7 +409,7 @@ def build_lightning_module(cfg: Any, datamodule: Any = None) -> GPTLightningModu
     """The CLI builder (``model.builder: easgd_lightning.models.gpt:build_lightning_module``).
 
     Reads the GPT shape from ``cfg.model`` (``seq_len`` defaults to ``cfg.data.seq_len``,
-    ``vocab_size`` to the data module's) and AdamW settings from ``cfg.optim``.
+    ``vocab_size`` to the data module's) and the optimizer settings from ``cfg.optim``.
     """
     from omegaconf import DictConfig, OmegaConf
 
@@ -419,6 +432,9 @@ def build_lightning_module(cfg: Any, datamodule: Any = None) -> GPTLightningModu
     optim = plain(cfg.get("optim"))
     return GPTLightningModule(
         GPTConfig(**model),
+        optimizer=str(optim.get("optimizer", "adamw")),
+        momentum=float(optim.get("momentum", 0.9)),
+        nesterov=bool(optim.get("nesterov", False)),
         lr=float(optim.get("lr", 3e-4)),
         weight_decay=float(optim.get("weight_decay", 0.0)),
         betas=tuple(optim.get("betas", (0.9, 0.95))),

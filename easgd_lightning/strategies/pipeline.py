@@ -168,6 +168,7 @@ class Pipeline3DStrategy(DDPStrategy):
         self._topology: Any = None
         self._engine: Any = None
         self._pending_optimus_state: dict | None = None
+        self._recent_losses: list[float] = []
         self.local_steps = 0
 
     # ------------------------------------------------------------------ config
@@ -331,10 +332,9 @@ class Pipeline3DStrategy(DDPStrategy):
         chunks = split_micro_batches(batch, self._micro_batches)
         loss = self._engine.train_batch(iter(chunks))
         self.local_steps += 1
-        self.lightning_module.log(
-            "train/loss", loss, prog_bar=True, on_step=True, on_epoch=True,
-            batch_size=int(batch[0].shape[0]),
-        )
+        self._recent_losses = (self._recent_losses + [float(loss)])[-10:]
+        # the engine's loss is already the mean over replicas, broadcast to every stage
+        self.lightning_module.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
         return loss.detach()
 
     @override
@@ -355,7 +355,7 @@ class Pipeline3DStrategy(DDPStrategy):
         chunks = split_micro_batches(batch, self._micro_batches)
         loss = self._engine.eval_batch(iter(chunks), num_micro_batches=len(chunks))
         self.lightning_module.log(
-            "val/loss", loss, prog_bar=True, on_step=False, on_epoch=True,
+            "val/loss", loss, prog_bar=True, on_step=False, on_epoch=True, sync_dist=True,
             batch_size=int(batch[0].shape[0]),
         )
         return loss
@@ -436,8 +436,11 @@ class Pipeline3DStrategy(DDPStrategy):
     # ------------------------------------------------------------------ reporting
 
     def summary_extras(self) -> dict:
-        """Layout, this rank's coordinates and the inter-stage counters (summary.json)."""
+        """Layout, this rank's coordinates, the inter-stage counters and ``final_train_loss``
+        (mean engine loss of the last 10 steps) for summary.json."""
         extras: dict[str, Any] = {"role": "worker", "layout": self.layout}
+        if self._recent_losses:  # mean engine loss of the last (up to) 10 steps
+            extras["final_train_loss"] = sum(self._recent_losses) / len(self._recent_losses)
         if self._topology is not None:
             extras["coords"] = self.coords
         if self._engine is not None:
