@@ -75,7 +75,7 @@ BASELINE = ("ddp", "none")
 # DGC is measured at its final sparsity (no warm-up) and, as its config asks, with the
 # momentum inside the compressor rather than in the optimizer.
 DEFAULT_CONFIGS = (
-    "ddp/none,ddp/fp16,ddp/dgc;compression.warmup_steps=0;optim.momentum=0,ddp/powersgd,"
+    "ddp/none,ddp/fp16,ddp/dgc;compression.warmup_ratio_steps=0;optim.momentum=0,ddp/powersgd,"
     "sync_easgd/none,easgd_round_robin/none,sync_easgd/topk,async_easgd/none"
 )
 QUICK_CONFIGS = "ddp/none,sync_easgd/none"
@@ -174,7 +174,7 @@ def parse_configs(text: str) -> list[BenchConfig]:
     """Parse ``"strategy/compression,strategy/compression;key=value;key=value"``.
 
     Items are separated by commas; an item may carry Hydra overrides for that row only
-    after semicolons (e.g. ``ddp/dgc;compression.warmup_steps=0``).
+    after semicolons (e.g. ``ddp/dgc;compression.warmup_ratio_steps=0``).
 
     Args:
         text: the ``--configs`` value.
@@ -195,7 +195,7 @@ def parse_configs(text: str) -> list[BenchConfig]:
         if len(parts) != 2 or not all(re.fullmatch(r"[A-Za-z0-9_\-]+", p) for p in parts) or bad:
             raise ValueError(
                 f"--configs: '{item}' is not 'strategy/compression[;key=value...]' "
-                "(e.g. ddp/none, sync_easgd/topk, ddp/dgc;compression.warmup_steps=0)"
+                "(e.g. ddp/none, sync_easgd/topk, ddp/dgc;compression.warmup_ratio_steps=0)"
             )
         config = BenchConfig(parts[0], parts[1], tuple(o for o in overrides if o))
         if config not in configs:

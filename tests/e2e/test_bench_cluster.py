@@ -142,9 +142,11 @@ def test_refuses_without_privileges_exit_2(tmp_path: Path) -> None:
 
 
 def test_parse_configs_with_row_overrides() -> None:
-    got = cluster.parse_configs("ddp/none, ddp/dgc;compression.warmup_steps=0;optim.momentum=0,")
+    got = cluster.parse_configs(
+        "ddp/none, ddp/dgc;compression.warmup_ratio_steps=0;optim.momentum=0,"
+    )
     assert [c.key for c in got] == [("ddp", "none"), ("ddp", "dgc")]
-    assert got[1].overrides == ("compression.warmup_steps=0", "optim.momentum=0")
+    assert got[1].overrides == ("compression.warmup_ratio_steps=0", "optim.momentum=0")
     assert "=" not in got[1].slug  # it becomes hydra.run.dir
     assert cluster.parse_configs("ddp/none,ddp/none") == [cluster.BenchConfig("ddp", "none")]
     for bad in ("ddp", "ddp/none/x", "ddp/dgc;warmup", ""):
