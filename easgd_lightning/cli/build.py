@@ -17,6 +17,7 @@ __all__ = [
     "build_compression",
     "build_strategy",
     "build_model_and_data",
+    "build_data",
     "min_world_size",
     "validate_config",
 ]
@@ -135,20 +136,13 @@ def build_strategy(cfg: Any, *, world_size: int | None = None):
 
 def build_model_and_data(cfg: Any):
     """(LightningModule, LightningDataModule) for ``cfg.model``, ``cfg.data``, ``cfg.optim``."""
-    from easgd_lightning.data import build_datamodule
     from easgd_lightning.models import ClassifierModule, build_model
 
-    data_opts = _plain(cfg.data)
-    data_name = data_opts.pop("name", None)
     model_opts = _plain(cfg.model)
     model_name = model_opts.pop("name", None)
     builder = model_opts.pop("builder", None)
-    try:
-        dm = build_datamodule(data_name, **data_opts)
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
-    except TypeError as err:
-        raise ConfigError(f"data={data_name}: {err}") from err
+    channels_last = bool(model_opts.pop("channels_last", False))
+    dm = build_data(cfg)
     if builder:  # a module:function returning (LightningModule) for custom model kinds
         mod, fn = builder.split(":")
         return getattr(importlib.import_module(mod), fn)(cfg, dm), dm
@@ -163,7 +157,29 @@ def build_model_and_data(cfg: Any):
     except TypeError as err:
         raise ConfigError(f"model={model_name}: {err}") from err
     optim = _plain(cfg.optim)
-    return ClassifierModule(net, **optim), dm
+    optim["channels_last"] = channels_last or bool(optim.get("channels_last", False))
+    try:
+        return ClassifierModule(net, **optim), dm
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+
+
+def build_data(cfg: Any):
+    """The LightningDataModule of ``cfg.data`` (constructing it checks paths such as data.root).
+
+    Raises:
+        ConfigError: a bad data option, naming its ``data.`` key.
+    """
+    from easgd_lightning.data import build_datamodule
+
+    data_opts = _plain(cfg.data)
+    data_name = data_opts.pop("name", None)
+    try:
+        return build_datamodule(data_name, **data_opts)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    except TypeError as err:
+        raise ConfigError(f"data={data_name}: {err}") from err
 
 
 def validate_config(cfg: Any) -> None:
@@ -212,6 +228,15 @@ def validate_config(cfg: Any) -> None:
         raise ConfigError("faults.crash_at_step must be a step >= 1 when faults.crash_rank is set")
     if (faults.get("slow_ms") or 0) < 0:
         raise ConfigError(f"faults.slow_ms must be >= 0, got {faults.get('slow_ms')}")
+    build_data(cfg)  # a bad data.root (or other data option) fails here, before any process
+    from easgd_lightning.models.classifier import SCHEDULES
+
+    schedule = cfg.optim.get("schedule", "constant")
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"optim.schedule={schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+    threads = cfg.trainer.get("threads_per_process")
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+        raise ConfigError(f"trainer.threads_per_process must be a positive integer or null, got {threads!r}")
     logger = cfg.logger.get("name")
     if logger not in ("wandb", "csv", "none"):
         raise ConfigError(f"logger.name={logger!r} is unknown; choose one of wandb, csv, none")

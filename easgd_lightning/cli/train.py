@@ -27,6 +27,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from easgd_lightning.cli.build import ConfigError, validate_config
+from easgd_lightning.cli.resolvers import register_resolvers
 from easgd_lightning.cli.summary import build_summary, write_summary
 from easgd_lightning.cli.worker import read_rank_reports, run_worker, spawn_entry
 
@@ -35,6 +36,8 @@ __all__ = ["main", "train", "CONF_DIR"]
 log = logging.getLogger("easgd_lightning")
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+
+register_resolvers()  # ${linear_lr:...}, ${bf16_if_supported:} in recipes
 
 
 def _free_port() -> int:

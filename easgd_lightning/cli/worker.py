@@ -16,13 +16,49 @@ from typing import Any
 
 from easgd_lightning.utils.atomic import atomic_write_json
 
-__all__ = ["run_worker", "spawn_entry", "rank_file"]
+__all__ = ["run_worker", "spawn_entry", "rank_file", "run_identity"]
 
 log = logging.getLogger(__name__)
 
 
 def rank_file(out_dir: str | Path, rank: int) -> Path:
     return Path(out_dir) / "ranks" / f"rank{rank}.json"
+
+
+def _sweep_dir(out_dir: Path) -> Path | None:
+    """The multirun sweep directory holding ``out_dir`` (Hydra writes multirun.yaml there)."""
+    for parent in out_dir.resolve().parents:
+        if (parent / "multirun.yaml").is_file():
+            return parent
+    return None
+
+
+def run_identity(cfg, out_dir: str | Path) -> tuple[str, str | None]:
+    """(run name, group) for experiment loggers.
+
+    The name is ``run_name`` when set, else the job's command-line overrides (Hydra's
+    ``.hydra/overrides.yaml`` in the run directory) joined by commas, else the directory
+    name. The group is ``logger.group`` when set, else, for a job of a multirun sweep, the
+    sweep directory's name, so every sweep is one group; single runs have no group.
+    """
+    out_dir = Path(out_dir)
+    name = cfg.get("run_name")
+    if not name:
+        overrides_file = out_dir / ".hydra" / "overrides.yaml"
+        overrides: list = []
+        if overrides_file.is_file():
+            import yaml
+
+            try:
+                overrides = list(yaml.safe_load(overrides_file.read_text()) or [])
+            except (OSError, yaml.YAMLError):
+                overrides = []
+        name = ",".join(str(o) for o in overrides) or out_dir.name
+    group = cfg.logger.get("group") if "logger" in cfg else None
+    if not group:
+        sweep = _sweep_dir(out_dir)
+        group = sweep.name if sweep is not None else None
+    return str(name), group
 
 
 def _make_logger(cfg, out_dir: Path):
@@ -37,11 +73,11 @@ def _make_logger(cfg, out_dir: Path):
 
     os.environ.setdefault("WANDB_SILENT", "true")
     mode = cfg.logger.get("mode", "offline")
-    run_name = cfg.get("run_name") or out_dir.name
+    run_name, group = run_identity(cfg, out_dir)
     return WandbLogger(
         project=cfg.logger.get("project", "easgd-lightning"),
         name=run_name,
-        group=cfg.logger.get("group"),
+        group=group,
         tags=list(cfg.logger.get("tags") or []),
         save_dir=str(out_dir),
         offline=mode == "offline",
@@ -100,7 +136,9 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
 
     out_dir = Path(out_dir)
     rank = int(os.environ.get("RANK", "0"))
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
+    threads = cfg.trainer.get("threads_per_process") or int(os.environ.get("OMP_NUM_THREADS", "1") or 1)
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # for processes this rank starts (loaders)
+    torch.set_num_threads(int(threads))
     meter = reset_meter()
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     module, dm = build_model_and_data(cfg)
@@ -143,6 +181,7 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
         logger=_make_logger(cfg, out_dir),
         callbacks=callbacks,
         plugins=[AtomicCheckpointIO()],
+        enable_checkpointing=bool(cfg.checkpoint.enabled),  # else Lightning adds its own
         default_root_dir=str(out_dir),
         enable_model_summary=False,
     )
@@ -156,6 +195,7 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
     comm = meter.snapshot()
     steps = int(getattr(strategy, "local_steps", trainer.global_step))
     extras = strategy.summary_extras() if hasattr(strategy, "summary_extras") else {}
+    extras = {**extras, "run": _run_info(cfg, trainer, module, dm)}
     role = extras.get("role", "worker")
     val_metrics: dict = {}
     if getattr(strategy, "supports_final_validate", True):
@@ -186,6 +226,42 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
         except Exception:  # pragma: no cover - logging must not fail a run
             log.debug("wandb finish failed", exc_info=True)
     return report
+
+
+def _run_info(cfg, trainer, module, dm) -> dict:
+    """What this rank actually trained with: model, batch, optimizer, schedule, precision."""
+    import torch
+
+    info: dict[str, Any] = {
+        "module_class": type(module).__name__,
+        "model_class": type(getattr(module, "net", module)).__name__,
+        "num_parameters": int(sum(p.numel() for p in module.parameters())),
+        "datamodule_class": type(dm).__name__,
+        "batch_size": getattr(dm, "batch_size", None),
+        "num_classes": getattr(dm, "num_classes", None),
+        "image_size": getattr(dm, "image_size", None),
+        "precision": str(trainer.precision),
+        "accelerator": type(trainer.accelerator).__name__,
+        "torch_threads": torch.get_num_threads(),
+        "channels_last": bool(dict(getattr(module, "hparams", {}) or {}).get("channels_last", False)),
+        "schedule": dict(getattr(module, "resolved_schedule", {}) or {}),
+    }
+    try:
+        backend = trainer.strategy.process_group_backend  # type: ignore[attr-defined]
+    except AttributeError:
+        backend = None
+    info["process_group_backend"] = backend
+    if trainer.optimizers:
+        opt = trainer.optimizers[0]
+        group = opt.param_groups[0]
+        info.update(
+            optimizer=type(opt).__name__,
+            lr_final=float(group["lr"]),
+            lr_initial=float(group.get("initial_lr", group["lr"])),
+            momentum=group.get("momentum"),
+            weight_decay=group.get("weight_decay"),
+        )
+    return info
 
 
 def spawn_entry(local_rank: int, cfg_yaml: str, out_dir: str, port: int, world: int) -> None:
