@@ -23,12 +23,15 @@ Usage (as root)::
     .venv/bin/python bench/cluster.py --quick
     .venv/bin/python bench/cluster.py                       # the default scenario
     .venv/bin/python bench/cluster.py --workers 4 --rate-mbit 100 --latency-ms 1 \\
-        --configs ddp/none,ddp/powersgd --steps 50 --extra trainer.max_epochs=1
+        --configs "ddp/none,ddp/powersgd,ddp/dgc;optim.momentum=0" --steps 50 \
+        --extra "optim.lr=0.01"
     .venv/bin/python bench/cluster.py --smoke               # network check, no training
+    .venv/bin/python bench/cluster.py --cleanup-stale       # after a SIGKILLed run
 
-Exit codes: 0 all configurations ran; 1 some configuration failed; 2 the emulated network
-cannot be built here (no root / CAP_NET_ADMIN, ``ip netns add`` refused, missing tools,
-missing configs).
+Exit codes: 0 all configurations ran; 1 some configuration failed, timed out or was
+skipped (its config file is missing); 2 the emulated network cannot be built here (no
+root / CAP_NET_ADMIN, ``ip netns add`` refused, missing tools) or the workload or the
+``ddp/none`` baseline config is missing; 128+N after signal N (everything cleaned up).
 """
 
 from __future__ import annotations
