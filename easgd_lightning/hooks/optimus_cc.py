@@ -36,8 +36,9 @@ communicates only through :mod:`easgd_lightning.comm.ops`.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -125,7 +126,7 @@ class OptimusCCConfig:
             self.selective_stages = stages
 
     @classmethod
-    def from_mapping(cls, params: dict | None) -> "OptimusCCConfig":
+    def from_mapping(cls, params: dict | None) -> OptimusCCConfig:
         """Build from a config mapping; unknown keys are an error naming the valid ones."""
         params = dict(params or {})
         params.pop("name", None)
