@@ -14,7 +14,11 @@ Communication Compression", ASPLOS 2023. Five techniques, each switchable here:
 3. **Epilogue-only compression.** Only the backward sends of the 1F1B cool-down (after
    the sending stage's last forward pass of the batch) are compressed; those are on the
    critical path. Stage ``s`` of ``S`` sends micro-batch ``m`` of ``M`` in the cool-down
-   iff ``m >= M - (S - s)`` (:func:`is_epilogue_send`).
+   iff ``m >= M - (S - s)`` (:func:`is_epilogue_send`): every backward send after the
+   sender's last forward pass, when the receiving stage has no forward work left and
+   waits. (The authors' Megatron code flags only the ``S - s - 1`` backward passes that
+   have no paired forward, which leaves the last stage's final send dense and compresses
+   nothing at ``pp = 2``.)
 4. **Fused embedding synchronisation (FE).** The tied embedding gradient is summed over
    the first and last stages of *all* data-parallel replicas in one all-reduce (divided by
    ``dp``), instead of a data-parallel all-reduce followed by a first/last-stage

@@ -443,6 +443,8 @@ class Pipeline3DStrategy(DDPStrategy):
             extras["final_train_loss"] = sum(self._recent_losses) / len(self._recent_losses)
         if self._topology is not None:
             extras["coords"] = self.coords
+            # one rank per data-parallel replica counts that replica's samples
+            extras["counts_samples"] = self.coords["stage"] == 0 and self.coords["model"] == 0
         if self._engine is not None:
             extras["pipeline"] = dict(self._engine.pipe_stats)
         extras["optimus_cc"] = dict(vars(self._optimus)) if self._optimus else None
