@@ -96,6 +96,8 @@ DEFAULT_WORKLOAD = (
 )
 QUICK_WORKLOAD: tuple[str, ...] = ()  # the CLI's default: small MLP on digits
 DEFAULT_STEPS = 20
+# The default scenario also runs each configuration for 2 steps and reports the difference.
+DEFAULT_WARMUP_STEPS = 2
 # Defaults of every benchmark run (each can be replaced through --extra KEY=VALUE): no
 # logger, no checkpoint files, no progress bar, and as many epochs as --steps needs.
 BENCH_OVERRIDES = (
@@ -263,6 +265,59 @@ def row_from_summary(summary: dict) -> dict:
     }
 
 
+def _totals(summary: dict) -> dict:
+    """Whole-run totals of one summary, the quantities :func:`steady_figures` subtracts."""
+    steps = [int(s) if s is not None else 0 for s in summary.get("steps_per_rank") or []]
+    comm = summary.get("comm") or {}
+    wall = float(summary.get("wall_time_s") or 0.0)
+    return {
+        "wall": wall,
+        "steps": steps,
+        "samples": float(summary.get("samples_per_s") or 0.0) * wall,
+        "sent": [int(b or 0) for b in comm.get("bytes_sent") or []],
+        "comm_time": [float(t or 0.0) for t in comm.get("time_s") or []],
+    }
+
+
+def steady_figures(long: dict, short: dict) -> dict | None:
+    """Per-step figures with the start-up steps subtracted out.
+
+    Two runs of one configuration that differ only in their number of steps (``short``
+    takes the first few, ``long`` all of them) share their start-up costs: DDP's bucket
+    rebuild and the compression hooks' dense first iterations, lazy allocations, the first
+    rendezvous of every collective. Their difference is the steady state:
+    ``step_time = (wall_L - wall_S) / (steps_L - steps_S)``, and likewise for bytes (summed
+    over ranks, per step summed over ranks), samples/s and each rank's communication time
+    over the wall-time difference.
+
+    Args:
+        long: summary.json of the full run.
+        short: summary.json of the short run of the same configuration.
+
+    Returns:
+        The figures as :func:`row_from_summary` names them (``final_loss`` from ``long``),
+        or ``None`` when the difference is not positive (then use the whole-run figures).
+    """
+    a, b = _totals(long), _totals(short)
+    if len(a["steps"]) != len(b["steps"]):
+        return None
+    d_wall = a["wall"] - b["wall"]
+    d_steps = [x - y for x, y in zip(a["steps"], b["steps"])]
+    stepping = [d for x, d in zip(a["steps"], d_steps) if x > 0]
+    mean_steps = _mean(stepping)
+    if d_wall <= 0 or not mean_steps or mean_steps <= 0 or sum(stepping) <= 0:
+        return None
+    d_sent = sum(a["sent"]) - sum(b["sent"])
+    fractions = [(x - y) / d_wall for x, y in zip(a["comm_time"], b["comm_time"])]
+    return {
+        "step_time_s": d_wall / mean_steps,
+        "samples_per_s": (a["samples"] - b["samples"]) / d_wall,
+        "bytes_per_step_per_worker": d_sent / sum(stepping),
+        "comm_share": min(1.0, max(0.0, _mean(fractions))) if fractions else None,
+        "final_loss": long.get("train_loss"),
+    }
+
+
 FIGURES = (
     "step_time_s",
     "samples_per_s",
@@ -345,6 +400,12 @@ def render_markdown(rows: list[dict], scenario: dict) -> str:
         f"# Emulated cluster: {scenario['workers']} workers, {link['rate_mbit']} Mbit/s, {lat}",
         "",
         f"- workload: `{workload}`, steps: {scenario['steps']}, extra: `{extra}`",
+        (
+            f"- figures per step over steps {scenario['warmup_steps'] + 1}..{scenario['steps']}"
+            f" (a {scenario['warmup_steps']}-step run of each configuration subtracted)"
+            if scenario.get("warmup_steps")
+            else "- figures over the whole run (first steps included)"
+        ),
         f"- machine: {machine['cpus']} CPUs, {machine['platform']}, {scenario['date']}",
         f"- command: `{scenario['command']}`",
         (
@@ -376,7 +437,12 @@ def render_markdown(rows: list[dict], scenario: dict) -> str:
                     _fmt(q.get("comm_share"), "ratio"),
                     _fmt(r.get("final_loss"), "num"),
                     _fmt(q.get("final_loss"), "ratio"),
-                    r.get("status", "?"),
+                    r.get("status", "?")
+                    + (
+                        " (whole run)"
+                        if scenario.get("warmup_steps") and r.get("measured") == "whole run"
+                        else ""
+                    ),
                 ]
             )
             + " |"
@@ -857,71 +923,111 @@ def train_command(
     return [str(exe), *merge_overrides(BENCH_OVERRIDES, workload, extra, fixed)]
 
 
-def run_config(
+def _launch(
     cluster: EmulatedCluster,
     config: BenchConfig,
     *,
     steps: int,
+    run_dir: Path,
     workload: Sequence[str],
     extra: Sequence[str],
-    out_dir: Path,
     port: int,
     timeout_s: float,
-) -> RunResult:
-    """Run one configuration on every host; read its summary."""
-    strategy, compression = config.strategy, config.compression
-    run_dir = out_dir / config.slug
+) -> tuple[str, dict | None]:
+    """One ``easgd-train`` run on every host; returns (status, summary or None)."""
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    procs, logs = [], []
+    label = f"{config.label} ({steps} steps)"
     # One run directory for all ranks, as on a cluster's shared file system: every rank
     # writes ranks/rank<R>.json there and global rank 0 merges them into summary.json.
     cmd = train_command(
-        strategy,
-        compression,
+        config.strategy,
+        config.compression,
         cluster.workers,
         steps,
         run_dir,
         workload,
         [*config.overrides, *extra],
     )
+    procs, logs = [], []
     for rank in range(cluster.workers):
         log = run_dir / "logs" / f"rank{rank}.log"
         logs.append(log)
         procs.append(cluster.spawn(rank, cmd, _rank_env(cluster, rank, port), log))
-    start = time.monotonic()
     codes, timed_out = _wait_all(procs, timeout_s)
-    elapsed = time.monotonic() - start
     cluster.kill_procs()
-    result = RunResult(strategy, compression, "ok", str(run_dir))
     summary_path = run_dir / "summary.json"
+    status = "ok"
     if timed_out:
-        result.status = f"timeout after {timeout_s:.0f}s"
+        status = f"timeout after {timeout_s:.0f}s"
     elif any(c != 0 for c in codes):
-        result.status = f"failed (rc={codes})"
+        status = f"failed (rc={codes})"
     elif not summary_path.exists():
-        result.status = "failed (no summary.json)"
-    if result.status != "ok":
+        status = "failed (no summary.json)"
+    if status != "ok":
         bad = next((i for i, c in enumerate(codes) if c not in (0, None)), 0)
         print(
-            f"[cluster] {strategy}/{compression}: {result.status}; rank {bad} log "
-            f"{logs[bad]}:\n{_log_tail(logs[bad])}",
+            f"[cluster] {label}: {status}; rank {bad} log {logs[bad]}:\n{_log_tail(logs[bad])}",
             file=sys.stderr,
             flush=True,
         )
-        return result
-    result.summary = json.loads(summary_path.read_text())
-    if result.summary.get("status", "ok") != "ok":
-        result.status = f"failed (summary status {result.summary.get('status')!r})"
+        return status, None
+    summary = json.loads(summary_path.read_text())
+    if summary.get("status", "ok") != "ok":
+        status = f"failed (summary status {summary.get('status')!r})"
         print(
-            f"[cluster] {strategy}/{compression}: {result.status}: "
-            f"{result.summary.get('error') or result.summary.get('rank_errors')}",
+            f"[cluster] {label}: {status}: {summary.get('error') or summary.get('rank_errors')}",
             file=sys.stderr,
             flush=True,
         )
+        return status, None
+    return status, summary
+
+
+def run_config(
+    cluster: EmulatedCluster,
+    config: BenchConfig,
+    *,
+    steps: int,
+    warmup_steps: int,
+    workload: Sequence[str],
+    extra: Sequence[str],
+    out_dir: Path,
+    port: int,
+    timeout_s: float,
+) -> RunResult:
+    """Run one configuration on every host and compute its figures.
+
+    With ``warmup_steps > 0`` the configuration also runs for only ``warmup_steps`` steps,
+    and the figures are the difference of the two runs (:func:`steady_figures`); the
+    whole-run figures stay in ``figures["whole_run"]``.
+    """
+    run_dir = out_dir / config.slug
+    kwargs = dict(workload=workload, extra=extra, timeout_s=timeout_s)
+    status, summary = _launch(cluster, config, steps=steps, run_dir=run_dir, port=port, **kwargs)
+    result = RunResult(config.strategy, config.compression, status, str(run_dir), summary)
+    if summary is None:
         return result
-    result.figures = row_from_summary(result.summary)
-    result.figures["launcher_wall_s"] = elapsed
+    whole = row_from_summary(summary)
+    result.figures = dict(whole)
+    result.figures["measured"] = "whole run"
+    if warmup_steps > 0:
+        short_dir = run_dir / f"first{warmup_steps}"
+        status, short = _launch(
+            cluster, config, steps=warmup_steps, run_dir=short_dir, port=port + 1000, **kwargs
+        )
+        steady = steady_figures(summary, short) if short is not None else None
+        if steady is None:
+            print(
+                f"[cluster] {config.label}: no steady-state figures ({status}); "
+                "reporting the whole run",
+                file=sys.stderr,
+                flush=True,
+            )
+        else:
+            result.figures.update(steady)
+            result.figures["measured"] = f"steps {warmup_steps + 1}..{steps}"
+    result.figures["whole_run"] = {k: whole[k] for k in FIGURES}
     return result
 
 
@@ -1021,6 +1127,14 @@ def _parser() -> argparse.ArgumentParser:
         help=f"optimizer steps per run (default {DEFAULT_STEPS}; --quick {QUICK_STEPS})",
     )
     p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=None,
+        help="also run each configuration for only this many steps and report the difference "
+        "(steady state, start-up steps subtracted); 0: whole-run figures "
+        f"(default {DEFAULT_WARMUP_STEPS}; --quick 0)",
+    )
+    p.add_argument(
         "--quick",
         action="store_true",
         help="2 workers, the CLI's small digits MLP, ddp/none + sync_easgd/none",
@@ -1102,6 +1216,7 @@ def _scenario(
         "workload": list(workload),
         "extra": list(extra),
         "steps": args.steps,
+        "warmup_steps": args.warmup_steps,
         "quick": args.quick,
         "command": " ".join(["bench/cluster.py", *argv]),
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
@@ -1131,6 +1246,13 @@ def _main(argv: list[str]) -> int:
         return 0
     args.workers = args.workers or (2 if args.quick else 4)
     args.steps = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS)
+    if args.warmup_steps is None:
+        args.warmup_steps = 0 if args.quick else DEFAULT_WARMUP_STEPS
+    if args.steps < 1 or not 0 <= args.warmup_steps < args.steps:
+        raise ValueError(
+            f"--steps must be >= 1 and --warmup-steps in [0, --steps), got --steps "
+            f"{args.steps} --warmup-steps {args.warmup_steps}"
+        )
     timeout_s = args.timeout_s or (100.0 if args.quick else 1800.0)
     link = LinkSpec(args.rate_mbit, args.latency_ms)
     configs = parse_configs(args.configs or (QUICK_CONFIGS if args.quick else DEFAULT_CONFIGS))
@@ -1202,6 +1324,7 @@ def _main(argv: list[str]) -> int:
                 cluster,
                 config,
                 steps=args.steps,
+                warmup_steps=args.warmup_steps,
                 workload=workload,
                 extra=extra,
                 out_dir=out / "cluster_runs",

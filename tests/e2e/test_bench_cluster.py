@@ -205,12 +205,39 @@ def test_row_from_summary_and_ratios() -> None:
             "workload": [],
             "extra": [],
             "steps": 100,
+            "warmup_steps": 0,
             "machine": {"cpus": 2, "platform": "linux"},
             "date": "today",
             "command": "bench/cluster.py",
         },
     )
     assert "NOT emulated" in md and md.count("\n| ") == 4  # header + 3 rows
+
+
+def test_steady_figures_subtract_the_short_run() -> None:
+    def summary(wall: float, steps: list, sent: list, comm_time: list, loss: float) -> dict:
+        return {
+            "steps_per_rank": steps,
+            "wall_time_s": wall,
+            "samples_per_s": sum(steps) * 32 / wall,
+            "train_loss": loss,
+            "comm": {"bytes_sent": sent, "time_s": comm_time, "time_fraction": 0.9},
+        }
+
+    # A first step that costs 5 s and 1000 dense bytes, then 1 s and 10 bytes per step.
+    short = summary(5.0 + 1.0, [2, 2], [1010, 1010], [4.0, 4.0], 2.0)
+    long = summary(5.0 + 19.0, [20, 20], [1000 + 19 * 10] * 2, [4.0 + 9.0, 4.0 + 9.0], 1.5)
+    got = cluster.steady_figures(long, short)
+    assert got["step_time_s"] == pytest.approx(1.0)
+    assert got["bytes_per_step_per_worker"] == pytest.approx(10.0)
+    assert got["samples_per_s"] == pytest.approx(2 * 32 * 18 / 18.0)
+    assert got["comm_share"] == pytest.approx(0.5)
+    assert got["final_loss"] == 1.5
+    whole = cluster.row_from_summary(long)
+    assert whole["step_time_s"] == pytest.approx(24.0 / 20)  # what the first step distorts
+    # No positive difference: no steady figures (the caller keeps the whole run).
+    assert cluster.steady_figures(short, short) is None
+    assert cluster.steady_figures(long, summary(1.0, [2, 2, 2], [0] * 3, [0.0] * 3, 1)) is None
 
 
 def test_tbf_params_scale_with_rate() -> None:
