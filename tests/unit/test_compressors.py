@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from easgd_lightning.hooks import build_compressor, compressor_names
-from easgd_lightning.hooks.compressors import base
+from easgd_lightning.hooks.compressors import PLUGINS, base
 from easgd_lightning.hooks.compressors.adaptive import adaptive_ratio
 from easgd_lightning.hooks.compressors.dgc import DGCCompressor
 from easgd_lightning.hooks.compressors.powersgd import power_iteration
@@ -485,8 +485,8 @@ def test_every_config_builds_and_every_name_has_a_config():
     assert set(compressor_names()) <= names
     for path in sorted(CONF.glob("*.yaml")):
         cfg = OmegaConf.load(path)
-        if cfg.get("name") not in compressor_names():
-            continue  # a group member owned elsewhere (optimus_cc)
+        if cfg.get("name") in PLUGINS:
+            continue  # a plug-in with its own config rules (optimus_cc)
         assert "min_numel" in cfg and "memory" in cfg, path.name
         comp = build_compressor(**cfg)
         assert comp.name == cfg.name == path.stem

@@ -34,6 +34,7 @@ from easgd_lightning.hooks.compressors.topk import TopKCompressor
 __all__ = [
     "COMPRESSORS",
     "DEFAULT_MIN_NUMEL",
+    "PLUGINS",
     "AdaptiveCompressor",
     "BF16Compressor",
     "Collective",
@@ -89,9 +90,24 @@ for _cls in (
     register_compressor(_cls)
 
 
+#: compressors that live in other modules and register themselves when imported
+#: (imported on first use by :func:`build_compressor`).
+PLUGINS: dict[str, str] = {"optimus_cc": "easgd_lightning.hooks.optimus_cc"}
+
+
 def compressor_names() -> list[str]:
-    """The registered config names."""
-    return sorted(COMPRESSORS)
+    """The config names: registered ones and the plug-ins that register on import."""
+    return sorted(set(COMPRESSORS) | set(PLUGINS))
+
+
+def _lookup(name: str) -> type[Compressor] | None:
+    cls = COMPRESSORS.get(name)
+    if cls is None and name in PLUGINS:
+        import importlib
+
+        importlib.import_module(PLUGINS[name])
+        cls = COMPRESSORS.get(name)
+    return cls
 
 
 def _plain(value):
@@ -118,7 +134,7 @@ def build_compressor(name: str | None = "none", **params) -> Compressor:
     """
     if name is None:
         name = "none"
-    cls = COMPRESSORS.get(name) if isinstance(name, str) else None
+    cls = _lookup(name) if isinstance(name, str) else None
     if cls is None:
         raise ValueError(f"compression.name must be one of {compressor_names()}, got {name!r}")
     sig = inspect.signature(cls.__init__)

@@ -89,6 +89,9 @@ class Collective(Protocol):
     def all_gather(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         """Every rank's list of tensors (shapes may differ per rank); index [rank][i]."""
 
+    # Optional: ``all_reduce_bor(tensors)`` -- bitwise OR over ranks of integer tensors
+    # (the sketch compressor's bit-packed bitmaps); without it they are max-reduced unpacked.
+
 
 class Compressor(ABC):
     """Base class. Subclasses set ``name`` and ``aggregation`` and implement the codec.
