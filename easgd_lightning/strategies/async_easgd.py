@@ -1184,7 +1184,7 @@ class AsyncCenterStrategy(CenterStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._liveness is not None and self._finished:
+        if self._liveness is not None:  # done serving or failed: either way, stop the heartbeat
             self._liveness.stop()
         super().teardown()
 

@@ -1,0 +1,138 @@
+"""The asynchronous family through the real CLI: convergence on the center, real asynchrony
+under a slow worker (and the synchronous contrast), bad input.
+
+Async strategies with a server use ``trainer.devices=4`` (3 workers + the server, the last
+rank); Hogwild on one node uses ``trainer.devices=3`` (3 workers, shared memory).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import run_cli, train_summary
+
+SERVER_STRATEGIES = ("async_easgd", "async_measgd", "async_sgd", "async_msgd")
+SLOW_MS = 100  # per step on rank 1: a fast step is ~5-30 ms even on a loaded machine
+
+
+def _devices(strategy: str) -> int:
+    return 4 if strategy in SERVER_STRATEGIES else 3
+
+
+def _workers(s: dict) -> list[int]:
+    return [r for r, role in enumerate(s["roles"]) if role == "worker"]
+
+
+def _check_center_run(s: dict, strategy: str) -> None:
+    assert s["status"] == "ok", s.get("error")
+    assert s["strategy"] == strategy
+    if strategy in SERVER_STRATEGIES:
+        assert s["roles"] == ["worker", "worker", "worker", "server"]
+        assert s["trained_ranks"] == [0, 1, 2] and s["steps_per_rank"][3] == 0
+        assert s["comm"]["by_kind"]["parameter_server"]["bytes_sent"] > 0
+        server = s["extras"][3]
+        assert sorted(server["done_workers"]) == [0, 1, 2] and server["dead_workers"] == []
+        # every push the server served came from a worker's step (no lost or invented updates)
+        assert server["updates"] == sum(server["served_per_rank"]) > 0
+    else:
+        assert s["roles"] == ["worker"] * 3 and s["trained_ranks"] == [0, 1, 2]
+        assert s["comm"]["by_kind"]["shared_memory"]["bytes_sent"] > 0
+    assert s["val_acc"] >= 0.88, (strategy, s["val_acc"], s["steps_per_rank"])
+    assert s["train_loss"] is not None and s["train_loss"] < 1.0
+    assert s["val_history"] and all(h["val_acc"] is not None for h in s["val_history"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["async_easgd", "async_measgd", "hogwild_easgd"])
+def test_elastic_async_converges_and_does_not_wait_for_a_slow_worker(tmp_path: Path, strategy: str) -> None:
+    """Fast workers run their epochs while rank 1 sleeps; the center still converges."""
+    s = train_summary(
+        tmp_path / strategy, f"strategy={strategy}", f"trainer.devices={_devices(strategy)}",
+        "faults.slow_rank=1", f"faults.slow_ms={SLOW_MS}", "checkpoint.enabled=false",
+    )
+    _check_center_run(s, strategy)
+    steps = s["steps_per_rank"]
+    fast = [r for r in _workers(s) if r != 1]
+    assert all(steps[r] >= 2 * steps[1] for r in fast), steps
+    assert max(steps[r] for r in fast) == 10 * 15  # the fastest did its 10 epochs (1437/3/32 -> 15)
+    stop = [s["extras"][r]["stop_reason"] for r in _workers(s)]
+    assert any("stop_policy=first" in reason for reason in stop), stop
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["async_sgd", "async_msgd", "hogwild_sgd"])
+def test_sgd_baselines_converge_on_the_center(tmp_path: Path, strategy: str) -> None:
+    s = train_summary(
+        tmp_path / strategy, f"strategy={strategy}", f"trainer.devices={_devices(strategy)}",
+        "checkpoint.enabled=false",
+    )
+    _check_center_run(s, strategy)
+
+
+@pytest.mark.slow
+def test_sync_easgd_slows_down_together(tmp_path: Path) -> None:
+    """The same knob on the synchronous strategy: every rank waits for the slow one."""
+    s = train_summary(
+        tmp_path / "sync", "strategy=sync_easgd", "trainer.devices=3", "trainer.max_epochs=3",
+        "faults.slow_rank=1", f"faults.slow_ms={SLOW_MS}", "checkpoint.enabled=false",
+    )
+    assert s["status"] == "ok"
+    steps = s["steps_per_rank"]
+    assert steps[0] == steps[1] == steps[2] > 0
+    # rank 0 never slept, yet its fit lasted at least as long as the slow rank's sleeps
+    rank0 = json.loads((tmp_path / "sync" / "ranks" / "rank0.json").read_text())
+    assert rank0["wall_time_s"] >= 0.9 * steps[1] * SLOW_MS / 1000
+
+
+BAD = [
+    (["strategy=async_easgd", "trainer.devices=4", "strategy.tau=0"], "strategy.tau"),
+    (["strategy=hogwild_easgd", "strategy.tau=-1"], "strategy.tau"),
+    (["strategy=async_measgd", "trainer.devices=4", "strategy.momentum=1.0"], "strategy.momentum"),
+    (["strategy=async_msgd", "trainer.devices=4", "strategy.momentum=-0.5"], "strategy.momentum"),
+    (["strategy=hogwild_sgd", "strategy.momentum=1.2"], "strategy.momentum"),
+    (["strategy=hogwild_easgd", "trainer.num_nodes=2"], "strategy.server"),
+    (["strategy=hogwild_sgd", "trainer.num_nodes=2"], "strategy.server"),
+    (["strategy=async_easgd", "trainer.devices=2"], "trainer.devices"),
+    (["strategy=async_easgd", "trainer.devices=4", "strategy.server=thread"], "strategy.server"),
+    (["strategy=async_sgd", "trainer.devices=4", "+strategy.tau=4"], "strategy.tau"),
+    (["strategy=async_easgd", "trainer.devices=4", "compression=fp16"], "compression"),
+]
+
+
+def _compose(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    from easgd_lightning.cli.train import CONF_DIR
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+@pytest.mark.parametrize("overrides,key", BAD)
+def test_bad_config_names_the_key(overrides: list[str], key: str) -> None:
+    from easgd_lightning.cli.build import ConfigError, validate_config
+
+    with pytest.raises(ConfigError) as err:
+        validate_config(_compose(overrides))
+    assert key in str(err.value) and "\n" not in str(err.value)
+
+
+def test_good_async_configs_validate() -> None:
+    from easgd_lightning.cli.build import validate_config
+
+    for strategy in SERVER_STRATEGIES + ("hogwild_easgd", "hogwild_sgd"):
+        validate_config(_compose([f"strategy={strategy}", f"trainer.devices={_devices(strategy)}"]))
+    validate_config(_compose(["strategy=hogwild_easgd", "strategy.server=dedicated",
+                              "trainer.devices=4", "trainer.num_nodes=2"]))
+
+
+def test_cli_refuses_hogwild_across_nodes_with_one_line(tmp_path: Path) -> None:
+    proc = run_cli([f"hydra.run.dir={tmp_path}", "logger=none", "strategy=hogwild_easgd",
+                    "trainer.num_nodes=2"], check=False, timeout=180)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("easgd-train: error:")]
+    assert len(lines) == 1 and "strategy.server" in lines[0] and "dedicated" in lines[0]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "ranks").exists()
