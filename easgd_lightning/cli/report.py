@@ -1,8 +1,10 @@
 """``easgd-report DIR``: a comparison table and plots from every summary.json under DIR.
 
-Writes ``DIR/report.md`` (one row per run) and PNG plots: validation accuracy vs wall
-time, accuracy vs bytes sent, communication share per run. Works on a sweep directory,
-a single run directory, and on runs that failed (marked as failed).
+Writes ``DIR/report.md`` (one row per run), ``DIR/report.csv`` (the same rows, raw
+numbers) and PNG plots: validation accuracy vs wall time, accuracy vs bytes sent,
+communication share per run. Works on a sweep directory, a single run directory, and on
+runs that failed (marked as failed, with the reason; a job that died before writing its
+summary.json is found by its Hydra ``.hydra/`` or ``ranks/`` directory).
 """
 
 from __future__ import annotations
@@ -33,16 +35,61 @@ COLUMNS = [
 ]
 
 
+def _rank_errors(run_dir: Path) -> dict[str, str]:
+    """Errors recorded in ``ranks/rank<R>.json`` by ranks that failed."""
+    errors: dict[str, str] = {}
+    for path in sorted((run_dir / "ranks").glob("rank*.json")):
+        try:
+            rep = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if rep.get("status") != "ok":
+            errors[path.stem.removeprefix("rank")] = str(rep.get("error"))
+    return errors
+
+
+def _without_summary(run_dir: Path) -> dict:
+    """A failed placeholder for a job directory that never got a summary.json."""
+    summary: dict[str, Any] = {
+        "status": "failed",
+        "error": "no summary.json: the job stopped before writing it",
+        "rank_errors": _rank_errors(run_dir),
+    }
+    overrides = run_dir / ".hydra" / "overrides.yaml"
+    config = run_dir / ".hydra" / "config.yaml"
+    try:
+        import yaml
+
+        if config.is_file():
+            cfg = yaml.safe_load(config.read_text()) or {}
+            summary["strategy"] = (cfg.get("strategy") or {}).get("name")
+            summary["compression"] = (cfg.get("compression") or {}).get("name")
+        if overrides.is_file():
+            summary["overrides"] = list(yaml.safe_load(overrides.read_text()) or [])
+    except Exception:  # noqa: BLE001 - a broken job dir is still reported as failed
+        pass
+    return summary
+
+
 def collect(root: str | Path) -> list[tuple[Path, dict]]:
-    """Every (run dir, summary) under ``root``, sorted by path."""
+    """Every (run dir, summary) under ``root``, sorted by path.
+
+    A run directory is one with a ``summary.json``; a Hydra job directory (``.hydra/``) or
+    a directory with rank reports (``ranks/``) but no summary is a run that died before
+    writing one, and is returned as failed, with the errors its ranks recorded.
+    """
     root = Path(root)
-    found = []
+    found: dict[Path, dict] = {}
     for path in sorted(root.rglob("summary.json")):
         try:
-            found.append((path.parent, json.loads(path.read_text())))
+            found[path.parent] = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as err:
-            found.append((path.parent, {"status": "failed", "error": f"unreadable summary: {err}"}))
-    return found
+            found[path.parent] = {"status": "failed", "error": f"unreadable summary: {err}"}
+    for marker in [*root.rglob(".hydra"), *root.rglob("ranks")]:
+        run_dir = marker.parent
+        if marker.is_dir() and run_dir not in found:
+            found[run_dir] = _without_summary(run_dir)
+    return sorted(found.items(), key=lambda item: str(item[0]))
 
 
 def _mean(values: list) -> float | None:
@@ -77,10 +124,23 @@ def rows(runs: list[tuple[Path, dict]], root: Path) -> list[dict[str, Any]]:
                 "comm_share": comm.get("time_fraction"),
                 "val_history": s.get("val_history") or [],
                 "bytes_sent_total": sum(comm.get("bytes_sent") or [0]),
-                "error": s.get("error"),
+                "error": _failure_reason(s),
             }
         )
     return out
+
+
+def _failure_reason(s: dict) -> str | None:
+    """The run's error, with the first failing rank's own error when there is one."""
+    error = s.get("error")
+    rank_errors = s.get("rank_errors") or {}
+    if rank_errors:
+        rank, message = next(iter(sorted(rank_errors.items())))
+        detail = f"rank {rank}: {message}"
+        error = f"{error} ({detail})" if error else detail
+    if s.get("status", "ok") != "ok" and not error:
+        error = "failed (no error recorded)"
+    return error
 
 
 def _fmt(value: Any) -> str:
@@ -180,7 +240,22 @@ def write_report(root: str | Path, out: str | Path | None = None) -> tuple[Path,
     text += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in pngs] + [""]
     path = out / "report.md"
     atomic_write_text(path, "\n".join(text))
+    atomic_write_text(out / "report.csv", _csv(table))
     return path, table
+
+
+def _csv(table: list[dict[str, Any]]) -> str:
+    """The table as CSV (raw numbers, one row per run), for further analysis."""
+    import csv
+    import io
+
+    keys = [k for _, k in COLUMNS] + ["bytes_sent_total", "error"]
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for r in table:
+        writer.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in keys})
+    return buf.getvalue()
 
 
 def main(argv: list[str] | None = None) -> int:
