@@ -57,19 +57,34 @@ RANK_TIMEOUT_S = 600
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--workers", type=int, default=2, help="gloo processes (default 2)")
     p.add_argument("--period", type=int, default=4, help="H, local steps per round (default 4)")
     p.add_argument("--steps", type=int, default=48, help="optimizer steps per run (default 48)")
-    p.add_argument("--payload-mb", type=float, default=8.0,
-                   help="extra megabytes in every average (default 8)")
-    p.add_argument("--rate-mbit", type=float, default=None,
-                   help="shape every rank's link to this rate (network namespaces; default: loopback)")
-    p.add_argument("--latency-ms", type=float, default=0.0, help="one-way link latency with --rate-mbit")
-    p.add_argument("--hidden", type=int, default=512, help="MLP width: the compute knob (default 512)")
+    p.add_argument(
+        "--payload-mb", type=float, default=8.0, help="extra megabytes in every average (default 8)"
+    )
+    p.add_argument(
+        "--rate-mbit",
+        type=float,
+        default=None,
+        help="shape every rank's link to this rate (network namespaces; default: loopback)",
+    )
+    p.add_argument(
+        "--latency-ms", type=float, default=0.0, help="one-way link latency with --rate-mbit"
+    )
+    p.add_argument(
+        "--hidden", type=int, default=512, help="MLP width: the compute knob (default 512)"
+    )
     p.add_argument("--batch", type=int, default=256, help="batch size per worker (default 256)")
-    p.add_argument("--sleep-ms", type=float, default=0.0,
-                   help="emulated accelerator compute per step, the CPU left free (default 0)")
+    p.add_argument(
+        "--sleep-ms",
+        type=float,
+        default=0.0,
+        help="emulated accelerator compute per step, the CPU left free (default 0)",
+    )
     p.add_argument("--repeats", type=int, default=2, help="runs per mode, alternating (default 2)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--as-rank", type=Path, default=None, help=argparse.SUPPRESS)
@@ -109,8 +124,11 @@ def _rank_main(args: argparse.Namespace) -> None:
         def __init__(self) -> None:
             super().__init__()
             self.net = nn.Sequential(
-                nn.Linear(64, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden),
-                nn.ReLU(), nn.Linear(args.hidden, 10),
+                nn.Linear(64, args.hidden),
+                nn.ReLU(),
+                nn.Linear(args.hidden, args.hidden),
+                nn.ReLU(),
+                nn.Linear(args.hidden, 10),
             )
             numel = int(args.payload_mb * 2**20 / 4)
             self.register_buffer("payload", torch.zeros(numel))  # averaged, never computed on
@@ -142,22 +160,32 @@ def _rank_main(args: argparse.Namespace) -> None:
         meter = reset_meter()
         timer = StepTimer()
         trainer = pl.Trainer(
-            accelerator="cpu", devices=1, num_nodes=world,
+            accelerator="cpu",
+            devices=1,
+            num_nodes=world,
             strategy=LocalSGDStrategy(period=args.period, overlap=overlap),
-            max_steps=args.steps, logger=False, callbacks=[timer], enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-            limit_val_batches=0, use_distributed_sampler=False,
+            max_steps=args.steps,
+            logger=False,
+            callbacks=[timer],
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            use_distributed_sampler=False,
         )
         trainer.fit(Net(), train_dataloaders=DataLoader(data, batch_size=args.batch))
-        ends = timer.ends[args.period - 1:]  # from the end of the first round on
+        ends = timer.ends[args.period - 1 :]  # from the end of the first round on
         kinds = meter.snapshot()["by_kind"].get("model_averaging", {})
-        results.append({
-            "overlap": overlap,
-            "step_s": (ends[-1] - ends[0]) / (len(ends) - 1),
-            "comm_time_s": kinds.get("time_s", 0.0),
-            "bytes_sent": kinds.get("bytes_sent", 0),
-            "rounds": trainer.strategy.summary_extras()["rounds"],
-        })
+        results.append(
+            {
+                "overlap": overlap,
+                "step_s": (ends[-1] - ends[0]) / (len(ends) - 1),
+                "comm_time_s": kinds.get("time_s", 0.0),
+                "bytes_sent": kinds.get("bytes_sent", 0),
+                "rounds": trainer.strategy.summary_extras()["rounds"],
+            }
+        )
     (args.as_rank / f"rank{rank}.json").write_text(json.dumps(results))
 
 
@@ -173,11 +201,25 @@ def _rank_cmd(argv: list[str], out: Path) -> list[str]:
 
 
 def _base_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR",
-                        "MASTER_PORT", "GLOO_SOCKET_IFNAME")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "NODE_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "GLOO_SOCKET_IFNAME",
+        )
+    }
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+    )
     return env
 
 
@@ -201,10 +243,23 @@ def _run_local(args: argparse.Namespace, argv: list[str], out: Path) -> list[int
     procs = []
     for rank in range(args.workers):
         env = _base_env()
-        env.update(RANK=str(rank), WORLD_SIZE=str(args.workers), LOCAL_RANK="0",
-                   NODE_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen(_rank_cmd(argv, out), env=env, cwd=REPO,
-                                      stdout=open(out / f"log{rank}.txt", "wb"), stderr=subprocess.STDOUT))
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(args.workers),
+            LOCAL_RANK="0",
+            NODE_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        procs.append(
+            subprocess.Popen(
+                _rank_cmd(argv, out),
+                env=env,
+                cwd=REPO,
+                stdout=open(out / f"log{rank}.txt", "wb"),
+                stderr=subprocess.STDOUT,
+            )
+        )
     return _wait(procs)
 
 
@@ -214,15 +269,22 @@ def _run_shaped(args: argparse.Namespace, argv: list[str], out: Path) -> list[in
 
     check_privileges()
     install_signal_handlers()
-    with EmulatedCluster(args.workers, LinkSpec(args.rate_mbit, args.latency_ms),
-                         run_id=f"easgd-lsgd-{os.getpid()}") as cluster:
+    with EmulatedCluster(
+        args.workers, LinkSpec(args.rate_mbit, args.latency_ms), run_id=f"easgd-lsgd-{os.getpid()}"
+    ) as cluster:
         port = 29400 + os.getpid() % 1000
         procs = []
         for rank in range(args.workers):
             env = _base_env()
-            env.update(RANK=str(rank), WORLD_SIZE=str(args.workers), LOCAL_RANK="0",
-                       NODE_RANK=str(rank), MASTER_ADDR=cluster.addr(0), MASTER_PORT=str(port),
-                       GLOO_SOCKET_IFNAME=cluster.host_ifname)
+            env.update(
+                RANK=str(rank),
+                WORLD_SIZE=str(args.workers),
+                LOCAL_RANK="0",
+                NODE_RANK=str(rank),
+                MASTER_ADDR=cluster.addr(0),
+                MASTER_PORT=str(port),
+                GLOO_SOCKET_IFNAME=cluster.host_ifname,
+            )
             procs.append(cluster.spawn(rank, _rank_cmd(argv, out), env, out / f"log{rank}.txt"))
         return _wait(procs)
 
@@ -233,7 +295,9 @@ def summarise(per_rank: list[list[dict]], overlap: bool) -> dict:
     by_run = list(zip(*mine))  # by_run[i]: run i as seen by every rank
     return {
         "step_ms": 1000 * statistics.median(max(r["step_s"] for r in run) for run in by_run),
-        "comm_s": statistics.median(statistics.mean(r["comm_time_s"] for r in run) for run in by_run),
+        "comm_s": statistics.median(
+            statistics.mean(r["comm_time_s"] for r in run) for run in by_run
+        ),
         "bytes_sent": mine[0][0]["bytes_sent"],
         "rounds": mine[0][0]["rounds"],
     }
@@ -266,18 +330,34 @@ def main(argv: list[str] | None = None) -> int:
         per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(args.workers)]
     blocking, overlap = summarise(per_rank, False), summarise(per_rank, True)
     ratio = overlap["step_ms"] / blocking["step_ms"]
-    link = (f"link {args.rate_mbit:g} Mbit/s, {args.latency_ms:g} ms" if args.rate_mbit
-            else "loopback")
-    print(f"local SGD, {args.workers} workers, H={args.period}, {args.steps} steps, {link}, "
-          f"payload +{args.payload_mb:g} MB per average, MLP width {args.hidden}, batch {args.batch}, "
-          f"sleep {args.sleep_ms:g} ms/step, median of {args.repeats} runs")
-    print(f"{'mode':<10} {'step time (ms)':>15} {'comm time/rank (s)':>19} {'bytes sent/rank':>16} {'rounds':>7}")
+    link = (
+        f"link {args.rate_mbit:g} Mbit/s, {args.latency_ms:g} ms" if args.rate_mbit else "loopback"
+    )
+    print(
+        f"local SGD, {args.workers} workers, H={args.period}, {args.steps} steps, {link}, "
+        f"payload +{args.payload_mb:g} MB per average, MLP width {args.hidden}, batch {args.batch}, "
+        f"sleep {args.sleep_ms:g} ms/step, median of {args.repeats} runs"
+    )
+    print(
+        f"{'mode':<10} {'step time (ms)':>15} {'comm time/rank (s)':>19} {'bytes sent/rank':>16} {'rounds':>7}"
+    )
     for name, row in (("blocking", blocking), ("overlap", overlap)):
-        print(f"{name:<10} {row['step_ms']:>15.2f} {row['comm_s']:>19.3f} {row['bytes_sent']:>16d} {row['rounds']:>7d}")
+        print(
+            f"{name:<10} {row['step_ms']:>15.2f} {row['comm_s']:>19.3f} {row['bytes_sent']:>16d} {row['rounds']:>7d}"
+        )
     print(f"step time ratio overlap / blocking: {ratio:.3f}")
     if args.json is not None:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                         "blocking": blocking, "overlap": overlap, "ratio": ratio}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "blocking": blocking,
+                    "overlap": overlap,
+                    "ratio": ratio,
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

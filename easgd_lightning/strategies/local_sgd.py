@@ -53,7 +53,8 @@ import logging
 import math
 import sys
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -90,7 +91,7 @@ def qsr_period(
     h_base: int,
     gamma: float,
     lr: float,
-    remaining_steps: Optional[float] = None,
+    remaining_steps: float | None = None,
     *,
     warmup: bool = False,
 ) -> int:
@@ -133,7 +134,7 @@ def cocod_merge(
     snapshot: torch.Tensor,
     current: torch.Tensor,
     *,
-    out: Optional[torch.Tensor] = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The CoCoD-SGD merge (Shen et al., IJCAI 2019): ``mean_j(x_j^t) + (x_i' - x_i^t)``.
 
@@ -180,7 +181,7 @@ def average_from_sum(center: torch.Tensor, total: torch.Tensor, world_size: int)
 
 def validate_local_sgd_options(
     period: Any, period_rule: Any, h_base: Any, gamma: Any, warmup_steps: Any
-) -> tuple[int, str, int, float, Optional[int]]:
+) -> tuple[int, str, int, float, int | None]:
     """Check the ``strategy.*`` options of ``local_sgd``; returns them normalised.
 
     Raises:
@@ -244,9 +245,9 @@ class LocalSGDStrategy(CenterStrategy):
         self,
         period: int = 8,
         period_rule: str = "constant",
-        h_base: Optional[int] = None,
-        gamma: Optional[float] = None,
-        warmup_steps: Optional[int] = None,
+        h_base: int | None = None,
+        gamma: float | None = None,
+        warmup_steps: int | None = None,
         overlap: bool = False,
         compression: Any = None,
         memory: Any = None,
@@ -268,18 +269,18 @@ class LocalSGDStrategy(CenterStrategy):
         self._compress_state: dict = {}
         # round state
         self._round_steps = 0
-        self._current_period: Optional[int] = None  # None: compute at the next step
+        self._current_period: int | None = None  # None: compute at the next step
         self._periods: list[int] = []
         self._rounds = 0
-        self._warmup: Optional[int] = None
-        self._horizon: Optional[float] = None
+        self._warmup: int | None = None
+        self._horizon: float | None = None
         # overlap state
-        self._pending: Optional[torch.futures.Future] = None
-        self._snapshot: Optional[torch.Tensor] = None
+        self._pending: torch.futures.Future | None = None
+        self._snapshot: torch.Tensor | None = None
         # flat buffers reused every round (no allocation per round): the one in flight, a
         # spare; the center and the snapshot rotate through them
-        self._inflight: Optional[torch.Tensor] = None
-        self._spare: Optional[torch.Tensor] = None
+        self._inflight: torch.Tensor | None = None
+        self._spare: torch.Tensor | None = None
         self._merge_ready = False
 
     # ------------------------------------------------------------------ properties

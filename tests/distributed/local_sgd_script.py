@@ -64,7 +64,11 @@ class Regression(pl.LightningModule):
 
     def __init__(self, d_in: int, d_out: int, lr: float, schedule: str = "constant") -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(d_in, 8), nn.Tanh(), nn.Linear(8, d_out)) if d_out > 1 else nn.Linear(d_in, 1)
+        self.net = (
+            nn.Sequential(nn.Linear(d_in, 8), nn.Tanh(), nn.Linear(8, d_out))
+            if d_out > 1
+            else nn.Linear(d_in, 1)
+        )
         self.lr = lr
         self.schedule = schedule
 
@@ -78,7 +82,8 @@ class Regression(pl.LightningModule):
             return opt
         if self.schedule == "cosine":
             fn = lambda s: (  # noqa: E731
-                (s + 1) / QSR_WARMUP if s < QSR_WARMUP
+                (s + 1) / QSR_WARMUP
+                if s < QSR_WARMUP
                 else 0.5 * (1 + math.cos(math.pi * (s - QSR_WARMUP) / (QSR_STEPS - QSR_WARMUP)))
             )
         else:
@@ -109,7 +114,9 @@ def run_mode(mode: str, out_dir: str) -> None:
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    pl.seed_everything(rank, verbose=False)  # different initial weights: the broadcast must fix them
+    pl.seed_everything(
+        rank, verbose=False
+    )  # different initial weights: the broadcast must fix them
     record: dict = {"rank": rank}
     logger: object = False
     recorder = Recorder()

@@ -80,7 +80,7 @@ def test_cocod_merge_adds_local_progress_to_the_average() -> None:
     # no progress since the snapshot: exactly the average
     assert torch.equal(cocod_merge(avg, snaps[0], snaps[0].clone()), avg)
     # inputs untouched
-    assert not merged[0].data_ptr() in {avg.data_ptr(), snaps[0].data_ptr(), now[0].data_ptr()}
+    assert merged[0].data_ptr() not in {avg.data_ptr(), snaps[0].data_ptr(), now[0].data_ptr()}
 
 
 def test_average_from_sum_of_differences_is_the_mean() -> None:
@@ -130,9 +130,9 @@ def test_unknown_period_rule_lists_the_choices() -> None:
 
 
 def test_registered_with_lightning() -> None:
-    import easgd_lightning  # noqa: F401
     from pytorch_lightning.strategies import StrategyRegistry
 
+    import easgd_lightning  # noqa: F401
     from easgd_lightning.strategies import local_sgd
 
     assert local_sgd.STRATEGIES == {"local_sgd": LocalSGDStrategy}
