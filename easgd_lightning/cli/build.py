@@ -90,9 +90,8 @@ def build_compression(cfg_compression: Any):
         from easgd_lightning.hooks import build_compressor
     except ImportError as err:  # pragma: no cover - compressors always ship
         raise ConfigError(f"compression.name={name!r}: compressors unavailable ({err})") from err
-    hook_opts = {k: opts.pop(k) for k in ("min_numel", "memory", "warmup_steps") if k in opts}
-    try:
-        return build_compressor(**opts), hook_opts
+    try:  # every key of conf/compression/NAME.yaml (min_numel, memory, ...) is a compressor option
+        return build_compressor(**opts), {}
     except ValueError as err:
         raise ConfigError(str(err)) from err
 
