@@ -78,10 +78,11 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -94,7 +95,12 @@ from typing_extensions import override
 
 from easgd_lightning.comm import get_meter, ops
 from easgd_lightning.strategies import async_rules, elastic
-from easgd_lightning.strategies.base import CenterStrategy, check_positive_int, flatten, unflatten_into
+from easgd_lightning.strategies.base import (
+    CenterStrategy,
+    check_positive_int,
+    flatten,
+    unflatten_into,
+)
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +162,7 @@ class Liveness:
         *,
         interval_s: float = 0.5,
         dead_after_s: float = 30.0,
-        store_factory: Optional[Callable[[], Any]] = None,
+        store_factory: Callable[[], Any] | None = None,
     ) -> None:
         self.prefix, self.rank = prefix, rank
         self.interval_s, self.dead_after_s = float(interval_s), float(dead_after_s)
@@ -164,12 +170,12 @@ class Liveness:
         self._reader = self._factory()
         self._seen: dict[int, tuple[int, float, float]] = {}  # rank -> (value, changed_at, read_at)
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
 
     def _key(self, rank: int, what: str = "hb") -> str:
         return f"{self.prefix}/{what}/{rank}"
 
-    def start(self) -> "Liveness":
+    def start(self) -> Liveness:
         self._reader.add(self._key(self.rank), 1)
         self._thread = threading.Thread(target=self._beat, name="easgd-heartbeat", daemon=True)
         self._thread.start()
@@ -225,7 +231,7 @@ class _Waiter:
     """Waits for gloo work on a daemon thread, so the caller can check liveness meanwhile."""
 
     def __init__(self) -> None:
-        self._jobs: "queue.SimpleQueue[tuple[Any, threading.Event, dict]]" = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[Any, threading.Event, dict]] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="easgd-wait", daemon=True)
         self._thread.start()
         self.abandoned: list = []  # buffers of receives that may still complete: keep them alive
@@ -298,13 +304,13 @@ class ParameterServer:
         rule: str,
         alpha: float = 0.0,
         momentum: float = 0.0,
-        lr: Optional[float] = None,
+        lr: float | None = None,
         lockfree: bool = False,
-        liveness: Optional[Liveness] = None,
+        liveness: Liveness | None = None,
         stop_policy: str = "first",
         kind: str = "parameter_server",
-        on_checkpoint: Optional[Callable[[dict], None]] = None,
-        checkpoint_every_s: Optional[float] = None,
+        on_checkpoint: Callable[[dict], None] | None = None,
+        checkpoint_every_s: float | None = None,
         poll_s: float = 0.1,
         log_size: int = 2000,
     ) -> None:
@@ -319,7 +325,7 @@ class ParameterServer:
         self.updates = 0
         self.served = [0] * world
         self.worker_steps = [0] * world
-        self.buffer: Optional[torch.Tensor] = None  # SGD momentum
+        self.buffer: torch.Tensor | None = None  # SGD momentum
         self.active: set[int] = set(workers)
         self.done: list[int] = []
         self.dead: list[int] = []
@@ -384,7 +390,7 @@ class ParameterServer:
                 self.dead.append(r)
         return bool(self.active)
 
-    def _reply(self, dst: int, op: int, payload: Optional[torch.Tensor], extra: float = 0.0) -> bool:
+    def _reply(self, dst: int, op: int, payload: torch.Tensor | None, extra: float = 0.0) -> bool:
         hdr = torch.tensor([op, self.updates, float(self.stop), extra], dtype=torch.float64)
         try:
             ops.send(hdr, dst, kind=self.kind, tag=TAG_REP)
@@ -503,9 +509,9 @@ class ServerClient:
         like: torch.Tensor,
         world_size: int,
         *,
-        n_params: Optional[int] = None,
+        n_params: int | None = None,
         kind: str = "parameter_server",
-        liveness: Optional[Liveness] = None,
+        liveness: Liveness | None = None,
         poll_s: float = 0.1,
     ) -> None:
         self.server, self.like, self.world = server_rank, like, world_size
@@ -519,7 +525,7 @@ class ServerClient:
             f"the parameter server (rank {self.server}) stopped answering: {err}"
         )
 
-    def begin(self, op: int, payload: Optional[torch.Tensor], step: int, lr: float = 0.0, wd: float = 0.0) -> _Pending:
+    def begin(self, op: int, payload: torch.Tensor | None, step: int, lr: float = 0.0, wd: float = 0.0) -> _Pending:
         """Send a request and post the reply receives; returns a handle for :meth:`end`."""
         hdr = torch.tensor([op, step, lr, wd], dtype=torch.float64)
         works = [ops.isend(hdr, self.server, kind=self.kind, tag=TAG_REQ)]
@@ -543,7 +549,7 @@ class ServerClient:
         self.stop = self.stop or bool(pending.reply_hdr[2])
         return pending.reply
 
-    def call(self, op: int, payload: Optional[torch.Tensor], step: int, lr: float = 0.0, wd: float = 0.0) -> torch.Tensor:
+    def call(self, op: int, payload: torch.Tensor | None, step: int, lr: float = 0.0, wd: float = 0.0) -> torch.Tensor:
         return self.end(self.begin(op, payload, step, lr, wd))
 
     def pull(self, step: int) -> torch.Tensor:
@@ -603,7 +609,7 @@ class _GradOnlyOptimizer:
     def __init__(self, optimizer: Optimizer) -> None:
         object.__setattr__(self, "_optimizer", optimizer)
 
-    def step(self, closure: Optional[Callable[[], Any]] = None, **_: Any) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None, **_: Any) -> Any:
         return closure() if closure is not None else None
 
     def __getattr__(self, name: str) -> Any:
@@ -664,20 +670,20 @@ class AsyncCenterStrategy(CenterStrategy):
         self,
         *,
         tau: int = 1,
-        alpha: Optional[float] = None,
-        beta: Optional[float] = None,
-        rho: Optional[float] = None,
-        momentum: Optional[float] = None,
-        lr: Optional[float] = None,
-        server: Optional[str] = "dedicated",
+        alpha: float | None = None,
+        beta: float | None = None,
+        rho: float | None = None,
+        momentum: float | None = None,
+        lr: float | None = None,
+        server: str | None = "dedicated",
         stop_policy: str = "first",
-        max_time_s: Optional[float] = None,
-        worker_timeout_s: Optional[float] = None,
+        max_time_s: float | None = None,
+        worker_timeout_s: float | None = None,
         heartbeat_s: float = 0.5,
-        checkpoint_every_s: Optional[float] = 30.0,
-        checkpoint_path: Optional[str] = None,
+        checkpoint_every_s: float | None = 30.0,
+        checkpoint_path: str | None = None,
         overlap: bool = True,
-        num_nodes_hint: Optional[int] = None,
+        num_nodes_hint: int | None = None,
         compression: Any = None,
         **kwargs: Any,
     ) -> None:
@@ -695,7 +701,7 @@ class AsyncCenterStrategy(CenterStrategy):
         if rho is not None and not (isinstance(rho, (int, float)) and float(rho) > 0):
             raise ValueError(f"strategy.rho must be > 0, got {rho!r}")
         self._alpha_opt, self._beta_opt, self._rho_opt = alpha, beta, rho
-        self._alpha: Optional[float] = None
+        self._alpha: float | None = None
         self._momentum = async_rules.check_momentum("strategy.momentum", 0.0 if momentum is None else momentum)
         if lr is not None and not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0):
             raise ValueError(f"strategy.lr must be a positive number or null, got {lr!r}")
@@ -726,26 +732,26 @@ class AsyncCenterStrategy(CenterStrategy):
         # run state
         self._detached = False
         self._finished = False
-        self._server: Optional[ParameterServer] = None
+        self._server: ParameterServer | None = None
         self._transport: Any = None
-        self._liveness: Optional[Liveness] = None
-        self._velocity: Optional[torch.Tensor] = None
+        self._liveness: Liveness | None = None
+        self._velocity: torch.Tensor | None = None
         self._n_params = 0
-        self._fit_start: Optional[float] = None
-        self._stop_reason: Optional[str] = None
+        self._fit_start: float | None = None
+        self._stop_reason: str | None = None
         self._exchanges = 0
-        self._ckpt_state: Optional[dict] = None
-        self._resumed: Optional[dict] = None
-        self._center_ckpt_file: Optional[Path] = None
+        self._ckpt_state: dict | None = None
+        self._resumed: dict | None = None
+        self._center_ckpt_file: Path | None = None
         self._last_center_ckpt = 0.0
-        self._error: Optional[str] = None
+        self._error: str | None = None
 
     @classmethod
     def cli_kwargs(cls, cfg: Any) -> dict:
         """Extra constructor arguments from the full config (the CLI calls this)."""
         return {"num_nodes_hint": int(cfg.trainer.get("num_nodes", 1) or 1)}
 
-    def _check_nodes(self, num_nodes: Optional[int]) -> None:
+    def _check_nodes(self, num_nodes: int | None) -> None:
         """Hook: Hogwild refuses several nodes without a server."""
 
     # ------------------------------------------------------------------ roles
@@ -754,7 +760,7 @@ class AsyncCenterStrategy(CenterStrategy):
         return self._server_mode is not None
 
     @property
-    def server_rank(self) -> Optional[int]:
+    def server_rank(self) -> int | None:
         return self.world_size - 1 if self.uses_server else None
 
     @property
@@ -770,7 +776,7 @@ class AsyncCenterStrategy(CenterStrategy):
         return self._tau
 
     @property
-    def alpha(self) -> Optional[float]:
+    def alpha(self) -> float | None:
         return self._alpha
 
     def validate_world_size(self, world: int) -> None:
@@ -833,7 +839,7 @@ class AsyncCenterStrategy(CenterStrategy):
         return super().broadcast(obj, src)
 
     @override
-    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
         if self._detached:
             return tensor
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
@@ -845,7 +851,7 @@ class AsyncCenterStrategy(CenterStrategy):
         return super().reduce_boolean_decision(decision, all=all)
 
     @override
-    def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> torch.Tensor:
+    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
         if self._detached:
             return tensor.unsqueeze(0)
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)
@@ -1114,7 +1120,7 @@ class AsyncCenterStrategy(CenterStrategy):
         }
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Rank 0 writes the center and the server state; no collective (workers run apart)."""
         if not self.is_global_zero:
             return
@@ -1220,8 +1226,8 @@ class AsyncEASGDStrategy(AsyncCenterStrategy):
     strategy_name = "async_easgd"
     _OPTIONS = ("tau", "alpha", "beta", "rho", "overlap", *_COMMON)
 
-    def __init__(self, tau: int = 1, alpha: Optional[float] = None, beta: Optional[float] = None,
-                 rho: Optional[float] = None, **kwargs: Any) -> None:
+    def __init__(self, tau: int = 1, alpha: float | None = None, beta: float | None = None,
+                 rho: float | None = None, **kwargs: Any) -> None:
         _reject_unknown(self.strategy_name, kwargs, self._OPTIONS)
         super().__init__(tau=tau, alpha=alpha, beta=beta, rho=rho, **kwargs)
 
@@ -1238,8 +1244,8 @@ class AsyncMEASGDStrategy(AsyncCenterStrategy):
     worker_momentum = True
     _OPTIONS = ("tau", "alpha", "beta", "rho", "momentum", "overlap", *_COMMON)
 
-    def __init__(self, tau: int = 1, momentum: float = 0.9, alpha: Optional[float] = None,
-                 beta: Optional[float] = None, rho: Optional[float] = None, **kwargs: Any) -> None:
+    def __init__(self, tau: int = 1, momentum: float = 0.9, alpha: float | None = None,
+                 beta: float | None = None, rho: float | None = None, **kwargs: Any) -> None:
         _reject_unknown(self.strategy_name, kwargs, self._OPTIONS)
         super().__init__(tau=tau, momentum=momentum, alpha=alpha, beta=beta, rho=rho, **kwargs)
 
@@ -1256,7 +1262,7 @@ class AsyncSGDStrategy(AsyncCenterStrategy):
     rule = "sgd"
     _OPTIONS = ("lr", *_COMMON)
 
-    def __init__(self, lr: Optional[float] = None, **kwargs: Any) -> None:
+    def __init__(self, lr: float | None = None, **kwargs: Any) -> None:
         _reject_unknown(self.strategy_name, kwargs, self._OPTIONS)
         super().__init__(lr=lr, **kwargs)
 
@@ -1274,7 +1280,7 @@ class AsyncMSGDStrategy(AsyncCenterStrategy):
     server_momentum = True
     _OPTIONS = ("lr", "momentum", *_COMMON)
 
-    def __init__(self, momentum: float = 0.9, lr: Optional[float] = None, **kwargs: Any) -> None:
+    def __init__(self, momentum: float = 0.9, lr: float | None = None, **kwargs: Any) -> None:
         _reject_unknown(self.strategy_name, kwargs, self._OPTIONS)
         super().__init__(momentum=momentum, lr=lr, **kwargs)
 

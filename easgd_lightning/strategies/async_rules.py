@@ -28,8 +28,6 @@ center, alpha the moving rate, eta the learning rate, delta (mu) the momentum.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 __all__ = [
@@ -94,9 +92,9 @@ def sgd_update(
     lr: float,
     *,
     momentum: float = 0.0,
-    buffer: Optional[torch.Tensor] = None,
+    buffer: torch.Tensor | None = None,
     weight_decay: float = 0.0,
-) -> Optional[torch.Tensor]:
+) -> torch.Tensor | None:
     """One SGD (heavy-ball) step on ``weights`` in place, PyTorch ``torch.optim.SGD`` semantics.
 
     Args:

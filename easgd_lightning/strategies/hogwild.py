@@ -42,10 +42,9 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
-from typing_extensions import override
 
 from easgd_lightning.comm import get_meter, ops
 from easgd_lightning.strategies import async_rules
@@ -109,7 +108,7 @@ class _SharedMemoryTransport:
         self.shared, self.rank, self.world, self.alpha = shared, rank, world, alpha
         self.n_params, self.momentum, self.liveness = n_params, momentum, liveness
         self.stop_policy = stop_policy
-        self.buffer: Optional[torch.Tensor] = None
+        self.buffer: torch.Tensor | None = None
         self.dead: list[int] = []
 
     @property
@@ -184,13 +183,13 @@ class _HogwildMixin:
     lockfree = True
     min_world_size = 2
 
-    def _init_hogwild(self, shm_dir: Optional[str]) -> None:
+    def _init_hogwild(self, shm_dir: str | None) -> None:
         self._shm_dir = shm_dir
-        self._shared: Optional[SharedCenter] = None
+        self._shared: SharedCenter | None = None
         if not self.uses_server:
             self.comm_kind = "shared_memory"
 
-    def _check_nodes(self, num_nodes: Optional[int]) -> None:
+    def _check_nodes(self, num_nodes: int | None) -> None:
         if num_nodes is not None and num_nodes > 1 and not self.uses_server:
             raise ValueError(
                 f"strategy.server: {self.strategy_name} across {num_nodes} nodes (trainer.num_nodes="
@@ -277,8 +276,8 @@ class HogwildEASGDStrategy(_HogwildMixin, AsyncCenterStrategy):
     strategy_name = "hogwild_easgd"
     _OPTIONS = ("tau", "alpha", "beta", "rho", "overlap", *_COMMON)
 
-    def __init__(self, tau: int = 1, alpha: Optional[float] = None, beta: Optional[float] = None,
-                 rho: Optional[float] = None, server: Optional[str] = None, shm_dir: Optional[str] = None,
+    def __init__(self, tau: int = 1, alpha: float | None = None, beta: float | None = None,
+                 rho: float | None = None, server: str | None = None, shm_dir: str | None = None,
                  **kwargs: Any) -> None:
         _reject_unknown(self.strategy_name, kwargs, self._OPTIONS)
         self._server_mode = server  # _check_nodes (called by the base) needs it
@@ -300,8 +299,8 @@ class HogwildSGDStrategy(_HogwildMixin, AsyncCenterStrategy):
     server_momentum = True
     _OPTIONS = ("lr", "momentum", *_COMMON)
 
-    def __init__(self, lr: Optional[float] = None, momentum: float = 0.0, server: Optional[str] = None,
-                 shm_dir: Optional[str] = None, **kwargs: Any) -> None:
+    def __init__(self, lr: float | None = None, momentum: float = 0.0, server: str | None = None,
+                 shm_dir: str | None = None, **kwargs: Any) -> None:
         _reject_unknown(self.strategy_name, kwargs, self._OPTIONS)
         self._server_mode = server
         super().__init__(lr=lr, momentum=momentum, server=server, **kwargs)

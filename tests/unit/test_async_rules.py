@@ -15,7 +15,11 @@ from easgd_lightning.strategies.async_easgd import (
     AsyncSGDStrategy,
     _GradOnlyOptimizer,
 )
-from easgd_lightning.strategies.hogwild import HogwildEASGDStrategy, HogwildSGDStrategy, SharedCenter
+from easgd_lightning.strategies.hogwild import (
+    HogwildEASGDStrategy,
+    HogwildSGDStrategy,
+    SharedCenter,
+)
 
 
 def _vec(seed: int, n: int = 7) -> list[float]:
