@@ -37,7 +37,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from easgd_lightning.data.synthetic import SyntheticImageDataset
+from easgd_lightning.data.synthetic import SyntheticImageDataset, loader_start_method
 
 __all__ = [
     "IMAGENET_MEAN",
@@ -96,11 +96,12 @@ def check_imagefolder_root(root: str | os.PathLike | None) -> list[str]:
     if not path.is_dir():
         what = "does not exist" if not path.exists() else "is not a directory"
         raise ValueError(f"data.root={str(path)!r} {what}; {EXPECTED_LAYOUT}")
+    missing = [f"{split}/" for split in ("train", "val") if not (path / split).is_dir()]
+    if missing:
+        raise ValueError(f"data.root={str(path)!r} has no {' or '.join(missing)} folder; {EXPECTED_LAYOUT}")
     classes: dict[str, list[str]] = {}
     for split in ("train", "val"):
         split_dir = path / split
-        if not split_dir.is_dir():
-            raise ValueError(f"data.root={str(path)!r} has no {split}/ folder; {EXPECTED_LAYOUT}")
         names = sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and not e.name.startswith("."))
         if not names:
             raise ValueError(
@@ -172,6 +173,10 @@ class ImageNetDataModule(pl.LightningDataModule):
             available).
         persistent_workers: Keep the decoding processes between epochs.
         prefetch_factor: Batches each decoding process prepares ahead.
+        multiprocessing_context: How decoding processes start (null: ``fork`` where the
+            platform has it). ``easgd-train`` ranks are themselves spawned, so the default
+            start method inside them is ``spawn``, which would re-import the whole
+            training stack in every decoding process.
         synthetic: Generated images instead of ``root``.
         num_classes: Class count; null: the tree's (1000 when synthetic). When set with a
             real tree it must match the tree.
@@ -196,6 +201,7 @@ class ImageNetDataModule(pl.LightningDataModule):
         pin_memory: bool | None = None,
         persistent_workers: bool = True,
         prefetch_factor: int | None = 2,
+        multiprocessing_context: str | None = None,
         synthetic: bool = False,
         num_classes: int | None = None,
         synthetic_train_size: int = IMAGENET_TRAIN_SIZE,
@@ -243,6 +249,7 @@ class ImageNetDataModule(pl.LightningDataModule):
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
         self.persistent_workers = bool(persistent_workers)
         self.prefetch_factor = prefetch_factor
+        self.multiprocessing_context = loader_start_method(multiprocessing_context)
         self.synthetic_train_size = synthetic_train_size
         self.synthetic_val_size = synthetic_val_size
         self.val_batch_size = val_batch_size or batch_size
@@ -275,6 +282,7 @@ class ImageNetDataModule(pl.LightningDataModule):
         extra = {}
         if workers > 0:
             extra["persistent_workers"] = self.persistent_workers
+            extra["multiprocessing_context"] = self.multiprocessing_context
             if self.prefetch_factor is not None:
                 extra["prefetch_factor"] = self.prefetch_factor
         return DataLoader(
@@ -302,4 +310,5 @@ class ImageNetDataModule(pl.LightningDataModule):
         return DataLoader(
             dataset, batch_size=self.val_batch_size, shuffle=False,
             num_workers=self.num_workers, pin_memory=self.pin_memory,
+            multiprocessing_context=self.multiprocessing_context if self.num_workers > 0 else None,
         )

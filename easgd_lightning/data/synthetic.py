@@ -14,7 +14,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["SyntheticImageDataset", "SyntheticImageDataModule"]
+__all__ = ["SyntheticImageDataset", "SyntheticImageDataModule", "loader_start_method"]
 
 #: Splits get disjoint generator streams.
 _SPLIT_OFFSET = {"train": 0, "val": 1}
@@ -61,6 +61,28 @@ class SyntheticImageDataset(Dataset):
         return image, label
 
 
+def loader_start_method(method: str | None) -> str | None:
+    """DataLoader worker start method: ``method``, or ``fork`` where available when None.
+
+    ``easgd-train`` spawns its ranks, which makes ``spawn`` the default start method inside
+    them; a spawned DataLoader worker re-imports torch, Lightning and torchvision before
+    its first batch (tens of seconds on a busy machine), a forked one starts at once.
+
+    Raises:
+        ValueError: a method this platform does not have (naming data.multiprocessing_context).
+    """
+    import multiprocessing
+
+    available = multiprocessing.get_all_start_methods()
+    if method is None:
+        return "fork" if "fork" in available else None
+    if method not in available:
+        raise ValueError(
+            f"data.multiprocessing_context={method!r}; choose one of {', '.join(available)} or null"
+        )
+    return method
+
+
 def _positive(key: str, value: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"data.{key} must be a positive integer, got {value!r}")
@@ -81,6 +103,8 @@ class SyntheticImageDataModule(pl.LightningDataModule):
         num_workers: DataLoader worker processes.
         pin_memory: Pin host memory (null: when CUDA is available).
         persistent_workers: Keep DataLoader workers alive between epochs.
+        multiprocessing_context: DataLoader worker start method (null: ``fork`` where
+            available; see :func:`loader_start_method`).
         val_batch_size: Validation batch size (null: ``batch_size``).
         train_eval_size: How many training samples the final ``train_loss`` is measured on
             (null: all of them).
@@ -103,6 +127,7 @@ class SyntheticImageDataModule(pl.LightningDataModule):
         persistent_workers: bool = True,
         val_batch_size: int | None = None,
         train_eval_size: int | None = None,
+        multiprocessing_context: str | None = None,
     ) -> None:
         super().__init__()
         for key, value in (
@@ -126,6 +151,7 @@ class SyntheticImageDataModule(pl.LightningDataModule):
         self.num_workers = num_workers
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
         self.persistent_workers = bool(persistent_workers)
+        self.multiprocessing_context = loader_start_method(multiprocessing_context)
         self.val_batch_size = val_batch_size or batch_size
         self.train_eval_size = train_eval_size
         self._train: Dataset | None = None
@@ -147,6 +173,7 @@ class SyntheticImageDataModule(pl.LightningDataModule):
             num_workers=workers,
             pin_memory=self.pin_memory,
             persistent_workers=self.persistent_workers and workers > 0,
+            multiprocessing_context=self.multiprocessing_context if workers > 0 else None,
         )
 
     def train_dataloader(self) -> DataLoader:
