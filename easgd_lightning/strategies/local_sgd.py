@@ -37,9 +37,12 @@ workers start equal, so the average of the initial snapshot is the initial point
 average, one last blocking average is taken, so every rank ends with the same model.
 
 **Compression** (``compression=X``): the averaged quantity becomes the difference from
-the last average, d_i = x_i - c, compressed with error feedback (residual memory);
-``c <- c + (1/p) * sum_i decompress(compress(d_i + r_i))`` and x_i <- c. The compressed
-exchange is blocking, so it is not combined with ``overlap``.
+the last average, d_i = x_i - c, compressed per parameter with error feedback (residual
+r_i, as the compressor chooses; tensors under ``compression.min_numel`` travel dense)::
+
+    c <- c + (1/p) * sum_i C(d_i + r_i);   r_i <- d_i + r_i - C(d_i + r_i);   x_i <- c
+
+The compressed exchange is blocking, so it is not combined with ``overlap``.
 
 Defaults: H = 8 (constant). QSR: H_base = ``h_base`` (default: ``period``), ``gamma``
 required; the paper's gamma is tuned so that (gamma / eta)^2 exceeds H_base once the
@@ -234,7 +237,8 @@ class LocalSGDStrategy(CenterStrategy):
             (default: the LightningModule's ``hparams.warmup_steps`` if it has one, else 0).
         overlap: CoCoD-SGD: run each round's all-reduce while the next round computes.
         compression: a compressor for the parameter differences (not with ``overlap``).
-        memory: error-feedback memory for the compressor (default: residuals on).
+        memory: error-feedback memory for the compressor (default: the compressor's own
+            choice, kept in the exchange state: residuals for sparsifiers, PowerSGD, sign).
     """
 
     strategy_name = "local_sgd"
@@ -298,13 +302,6 @@ class LocalSGDStrategy(CenterStrategy):
         return list(self._periods)
 
     # ------------------------------------------------------------------ set-up
-    @override
-    def _validate_world(self, world_size: int) -> None:
-        if self._compression is not None and self._memory is None:
-            from easgd_lightning.hooks.memory import ResidualMemory
-
-            self._memory = ResidualMemory()
-
     def _warmup_steps(self) -> int:
         if self._warmup is None:
             if self._warmup_opt is not None:
@@ -396,6 +393,7 @@ class LocalSGDStrategy(CenterStrategy):
                 memory=self._memory,
                 state=self._compress_state,
                 kind=self.comm_kind,
+                shapes=[t.shape for t in tensors],
             )
             self._center = average_from_sum(self._center, total, world)
         unflatten_into(self._center, tensors)

@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from easgd_lightning.comm import reset_meter
 from easgd_lightning.strategies.base import flatten
 from easgd_lightning.strategies.local_sgd import LocalSGDStrategy
 
@@ -114,9 +115,9 @@ def run_mode(mode: str, out_dir: str) -> None:
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    pl.seed_everything(
-        rank, verbose=False
-    )  # different initial weights: the broadcast must fix them
+    meter = reset_meter()
+    # different initial weights per rank: the strategy's broadcast must make them equal
+    pl.seed_everything(rank, verbose=False)
     record: dict = {"rank": rank}
     logger: object = False
     recorder = Recorder()
@@ -129,7 +130,7 @@ def run_mode(mode: str, out_dir: str) -> None:
         if mode == "compressed":
             from easgd_lightning.hooks import build_compressor
 
-            kwargs["compression"] = build_compressor(name="fp16")
+            kwargs["compression"] = build_compressor(name="fp16", min_numel=0)
     elif mode == "overlap":
         x, y = rank_data(rank, 16, 4, 1)
         module = Regression(4, 1, lr=0.05)
@@ -181,6 +182,7 @@ def run_mode(mode: str, out_dir: str) -> None:
         periods=strategy.periods,
         extras=strategy.summary_extras(),
         steps=strategy.local_steps,
+        comm=meter.snapshot(),
     )
     torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
 
