@@ -1161,7 +1161,7 @@ def _parser() -> argparse.ArgumentParser:
         "--timeout-s",
         type=float,
         default=None,
-        help="per configuration (default 1800; --quick 100)",
+        help="per configuration (default 1800; --quick 300)",
     )
     p.add_argument("--port", type=int, default=29500, help="first rendezvous port")
     p.add_argument("--subnet", default="10.77.0", help="private /24 prefix behind the bridge")
@@ -1253,7 +1253,7 @@ def _main(argv: list[str]) -> int:
             f"--steps must be >= 1 and --warmup-steps in [0, --steps), got --steps "
             f"{args.steps} --warmup-steps {args.warmup_steps}"
         )
-    timeout_s = args.timeout_s or (100.0 if args.quick else 1800.0)
+    timeout_s = args.timeout_s or (300.0 if args.quick else 1800.0)
     link = LinkSpec(args.rate_mbit, args.latency_ms)
     configs = parse_configs(args.configs or (QUICK_CONFIGS if args.quick else DEFAULT_CONFIGS))
     base = next((c for c in configs if c.key == BASELINE and not c.overrides), None)

@@ -85,7 +85,7 @@ def test_quick_cluster_table_and_cleanup(netns_ok: None, tmp_path: Path) -> None
         text=True,
         cwd=REPO,
         env=env,
-        timeout=400,
+        timeout=900,  # generous: the machine may be shared; --quick takes ~1 min alone
     )
     print(proc.stdout[-4000:])
     print(proc.stderr[-4000:], file=sys.stderr)
