@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import uuid
@@ -78,17 +79,23 @@ def netns_ok() -> None:
 def test_quick_cluster_table_and_cleanup(netns_ok: None, tmp_path: Path) -> None:
     before_veth = _root_veths()
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path)],
-        check=False,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         cwd=REPO,
         env=env,
-        timeout=900,  # generous: the machine may be shared; --quick takes ~1 min alone
     )
-    print(proc.stdout[-4000:])
-    print(proc.stderr[-4000:], file=sys.stderr)
+    try:
+        # Generous: the machine may be shared; --quick takes about a minute alone.
+        stdout, stderr = proc.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # the harness removes its namespaces on SIGTERM
+        stdout, stderr = proc.communicate(timeout=120)
+        pytest.fail(f"bench/cluster.py --quick timed out:\n{stderr[-4000:]}")
+    print(stdout[-4000:])
+    print(stderr[-4000:], file=sys.stderr)
     assert proc.returncode == 0, f"bench/cluster.py --quick exited {proc.returncode}"
 
     table = json.loads((tmp_path / "cluster.json").read_text())
