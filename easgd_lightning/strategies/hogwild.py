@@ -115,19 +115,21 @@ class _SharedMemoryTransport:
     def stop(self) -> bool:
         return bool(self.shared.flag[0] > 0)
 
-    def _meter(self, wrote: torch.Tensor | None, read: torch.Tensor | None) -> None:
+    def _meter(self, wrote: torch.Tensor | None, read: torch.Tensor | None, start: float) -> None:
         get_meter().record(
             self.kind,
             sent=0 if wrote is None else ops.nbytes(wrote),
             recv=0 if read is None else ops.nbytes(read),
+            seconds=time.perf_counter() - start,
         )
 
     @torch.no_grad()
     def begin_elastic(self, x: torch.Tensor, step: int, lr: float) -> torch.Tensor:
+        start = time.perf_counter()
         center = self.shared.center
         diff = (x - center).mul_(self.alpha)  # racy read of c
         center.add_(diff)  # lock-free write
-        self._meter(diff, center)
+        self._meter(diff, center, start)
         return diff
 
     def end_elastic(self, handle: torch.Tensor) -> torch.Tensor:
@@ -135,6 +137,7 @@ class _SharedMemoryTransport:
 
     @torch.no_grad()
     def push_gradient(self, g: torch.Tensor, step: int, lr: float, wd: float) -> torch.Tensor:
+        start = time.perf_counter()
         w = self.shared.center
         n = self.n_params
         self.buffer = async_rules.sgd_update(
@@ -142,12 +145,13 @@ class _SharedMemoryTransport:
         )
         w[n:].copy_(g[n:])
         fresh = w.clone()
-        self._meter(g, fresh)
+        self._meter(g, fresh, start)
         return fresh
 
     def pull(self, step: int) -> torch.Tensor:
+        start = time.perf_counter()
         center = self.shared.center.clone()
-        self._meter(None, center)
+        self._meter(None, center, start)
         return center
 
     def pull_state(self, step: int) -> dict:
