@@ -313,7 +313,10 @@ def steady_figures(long: dict, short: dict) -> dict | None:
         "step_time_s": d_wall / mean_steps,
         "samples_per_s": (a["samples"] - b["samples"]) / d_wall,
         "bytes_per_step_per_worker": d_sent / sum(stepping),
-        "comm_share": min(1.0, max(0.0, _mean(fractions))) if fractions else None,
+        # Not clipped: asynchronous collectives in flight at once (DDP's buckets during the
+        # backward pass) each count their own launch-to-completion time, so the sum can
+        # exceed the wall time; above 100% means communication overlapped itself.
+        "comm_share": _mean(fractions) if fractions else None,
         "final_loss": long.get("train_loss"),
     }
 
@@ -373,7 +376,9 @@ def _fmt(value: float | None, kind: str) -> str:
     if kind == "pct":
         return f"{100 * value:.1f}%"
     if kind == "ratio":
-        return f"{value:.2f}x" if value < 100 else f"{value:.0f}x"
+        if value >= 100:
+            return f"{value:.0f}x"
+        return f"{value:.2f}x" if value >= 0.1 else f"{value:.2g}x"
     if kind == "s":
         return f"{value:.3f}" if value < 10 else f"{value:.1f}"
     return f"{value:.4g}"
@@ -1179,6 +1184,13 @@ def _parser() -> argparse.ArgumentParser:
         help="the reference rate the smoke run compares --rate-mbit against",
     )
     p.add_argument(
+        "--render",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="re-render the markdown table of an existing cluster.json (next to it), then exit",
+    )
+    p.add_argument(
         "--cleanup-stale",
         action="store_true",
         help="delete namespaces left by killed runs of this script, then exit",
@@ -1239,6 +1251,12 @@ def _write(out: Path, name: str, payload: dict, markdown: str) -> None:
 
 def _main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    if args.render is not None:
+        data = json.loads(args.render.read_text())
+        md = render_markdown(build_table(data["rows"]), data["scenario"])
+        args.render.with_suffix(".md").write_text(md)
+        print(md)
+        return 0
     if args.cleanup_stale:
         check_privileges()
         stale = cleanup_stale()
