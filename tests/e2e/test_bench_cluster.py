@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -120,6 +121,46 @@ def test_quick_cluster_table_and_cleanup(netns_ok: None, tmp_path: Path) -> None
     leftover = {n for n in _netns_names() if n.startswith(run_id + "-")}
     assert not leftover, f"namespaces left behind: {leftover}"
     assert _root_veths() <= before_veth, "veth links appeared in the host namespace"
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_mid_run_removes_everything(
+    netns_ok: None, tmp_path: Path, sig: signal.Signals
+) -> None:
+    """Ctrl-C or SIGTERM while the ranks train: exit 128+N, no namespace or process left."""
+    before_veth = _root_veths()
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--quick", "--steps", "100000", "--out", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline"),
+    )
+    prefix = f"easgd-bench-{proc.pid}-"
+    try:
+        log = tmp_path / "cluster_runs" / "ddp__none" / "logs" / "rank0.log"
+        for _ in range(600):  # up to 60 s for the network and the first rank to start
+            if log.exists() and any(n.startswith(prefix) for n in _netns_names()):
+                break
+            assert proc.poll() is None, proc.communicate()[1][-4000:]
+            time.sleep(0.1)
+        else:
+            pytest.fail("the emulated cluster did not come up within 60 s")
+        time.sleep(3.0)  # let the ranks get going
+        proc.send_signal(sig)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + sig, stderr[-4000:]
+    assert "cleaned up" in stderr
+    assert not {n for n in _netns_names() if n.startswith(prefix)}
+    assert _root_veths() <= before_veth
+    ps = subprocess.run(["ps", "-eo", "args"], check=False, capture_output=True, text=True)
+    assert str(tmp_path) not in ps.stdout, "a training process of the run is still alive"
 
 
 def test_refuses_without_privileges_exit_2(tmp_path: Path) -> None:
