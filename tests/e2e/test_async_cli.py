@@ -65,11 +65,13 @@ def test_elastic_async_converges_and_does_not_wait_for_a_slow_worker(tmp_path: P
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["async_sgd", "async_msgd", "hogwild_sgd"])
 def test_sgd_baselines_converge_on_the_center(tmp_path: Path, strategy: str) -> None:
+    """Plain (momentum-free) SGD baselines need every worker's epochs: stop_policy=all."""
     s = train_summary(
         tmp_path / strategy, f"strategy={strategy}", f"trainer.devices={_devices(strategy)}",
-        "checkpoint.enabled=false",
+        "checkpoint.enabled=false", "strategy.stop_policy=all",
     )
     _check_center_run(s, strategy)
+    assert all(s["steps_per_rank"][r] == 10 * 15 for r in _workers(s))  # everyone did its epochs
 
 
 @pytest.mark.slow
