@@ -39,6 +39,10 @@ def build_summary(
     samples = sum(r.get("samples", 0) for r in ok)
     loss_n = sum(r.get("train_loss_count", 0) for r in ok)
     train_loss = sum(r.get("train_loss_sum", 0.0) for r in ok) / loss_n if loss_n else None
+    if train_loss is None:  # models the CLI cannot re-evaluate (pipeline): the strategy's own figure
+        finals = [r.get("extras", {}).get("final_train_loss") for r in ok]
+        finals = [f for f in finals if f is not None]
+        train_loss = sum(finals) / len(finals) if finals else None
     fractions = [r["comm"]["time_s"] / r["wall_time_s"] for r in ok if r["wall_time_s"] > 0]
     first = next((r for r in ok if r.get("val_acc") is not None), ok[0] if ok else None)
     strategy = cfg.get("strategy", {}).get("name")

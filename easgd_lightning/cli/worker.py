@@ -209,7 +209,9 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
         "role": role,
         "steps": steps,
         "wall_time_s": wall,
-        "samples": steps * batch if role != "server" else 0,
+        # a rank counts samples when it consumes its own data (not a server, and for
+        # pipeline/tensor parallelism only one rank per data-parallel replica)
+        "samples": steps * batch if role != "server" and extras.get("counts_samples", True) else 0,
         "comm": comm,
         "train_loss_sum": loss_sum,
         "train_loss_count": loss_n,
