@@ -10,6 +10,7 @@ reference computed there.
 Modes:
     fcfs: elastic rule, 12 requests per worker, worker 1 sleeps 40 ms before each request.
     sgd: SGD rule with server momentum and weight decay, 8 gradient pushes per worker.
+    lockfree: elastic rule on a Hogwild server (updates applied on a thread pool, no lock).
     dead: elastic rule; worker 2 exits abruptly (no "done") after 3 requests.
 """
 
@@ -62,6 +63,7 @@ def run(mode: str, out: Path) -> None:
             rank=SERVER, workers=[0, 1, 2], center=torch.zeros(N), n_params=N - 1,
             rule="sgd" if mode == "sgd" else "elastic", alpha=ALPHA,
             momentum=MOMENTUM if mode == "sgd" else 0.0, liveness=live, stop_policy="all",
+            lockfree=mode == "lockfree",
         )
         start = time.monotonic()
         server.serve()
@@ -70,7 +72,7 @@ def run(mode: str, out: Path) -> None:
                       state=server.state_dict())
     else:
         client = ServerClient(SERVER, torch.zeros(N), 4, n_params=N - 1, liveness=live)
-        count = {"fcfs": 12, "sgd": 8, "dead": 10}[mode]
+        count = {"fcfs": 12, "sgd": 8, "lockfree": 12, "dead": 10}[mode]
         sent, got, times = [], [], []
         for k in range(count):
             if mode == "dead" and rank == 2 and k == 3:
