@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from easgd_lightning.comm import ops
+from easgd_lightning.strategies import elastic
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,27 @@ class CenterStrategy(DDPStrategy):
 
     def _validate_world(self, world_size: int) -> None:
         """Check options that depend on the world size (e.g. beta = p * alpha < 1)."""
+
+    def _set_moving_rate_options(self, alpha: float | None, beta: float | None, rho: float | None) -> None:
+        """Store and range-check the moving-rate options (exactly one may be given)."""
+        for key, value in (("alpha", alpha), ("beta", beta)):
+            if value is not None and not 0.0 < float(value) < 1.0:
+                raise ValueError(f"strategy.{key} must be in (0, 1), got {value}")
+        if rho is not None and float(rho) <= 0:
+            raise ValueError(f"strategy.rho must be > 0, got {rho}")
+        self._alpha_opt, self._beta_opt, self._rho_opt = alpha, beta, rho
+        self._alpha: float | None = None
+
+    def _resolve_moving_rate(self, world_size: int) -> float:
+        """alpha for ``world_size`` workers (see :func:`elastic.resolve_alpha`)."""
+        self._alpha = elastic.resolve_alpha(
+            world_size=world_size,
+            alpha=self._alpha_opt,
+            beta=self._beta_opt,
+            rho=self._rho_opt,
+            lr=self._optimizer_lr(self.optimizers[0]) if self.optimizers else None,
+        )
+        return self._alpha
 
     def _on_center_ready(self) -> None:
         """Hook for subclasses: called once the center and workers are initialised."""

@@ -66,24 +66,14 @@ class RoundRobinEASGDStrategy(CenterStrategy):
             )
         super().__init__(**kwargs)
         self._tau = check_positive_int("strategy.tau", tau)
-        for key, value in (("alpha", alpha), ("beta", beta)):
-            if value is not None and not 0.0 < float(value) < 1.0:
-                raise ValueError(f"strategy.{key} must be in (0, 1), got {value}")
-        self._alpha_opt, self._beta_opt, self._rho_opt = alpha, beta, rho
-        self._alpha: float | None = None
+        self._set_moving_rate_options(alpha, beta, rho)
         self._record_order = record_order
         self.service_log: list[tuple[int, int, float]] = []
         self.exchange_times: list[tuple[int, float]] = []
 
     @override
     def _validate_world(self, world_size: int) -> None:
-        self._alpha = elastic.resolve_alpha(
-            world_size=world_size,
-            alpha=self._alpha_opt,
-            beta=self._beta_opt,
-            rho=self._rho_opt,
-            lr=self._optimizer_lr(self.optimizers[0]) if self.optimizers else None,
-        )
+        self._resolve_moving_rate(world_size)
 
     @override
     def _fetch_center(self) -> None:

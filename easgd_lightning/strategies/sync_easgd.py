@@ -65,13 +65,7 @@ class SyncEASGDStrategy(CenterStrategy):
     ) -> None:
         super().__init__(compression=compression, **kwargs)
         self._tau = check_positive_int("strategy.tau", tau)
-        for key, value in (("alpha", alpha), ("beta", beta)):
-            if value is not None and not 0.0 < float(value) < 1.0:
-                raise ValueError(f"strategy.{key} must be in (0, 1), got {value}")
-        if rho is not None and float(rho) <= 0:
-            raise ValueError(f"strategy.rho must be > 0, got {rho}")
-        self._alpha_opt, self._beta_opt, self._rho_opt = alpha, beta, rho
-        self._alpha: float | None = None
+        self._set_moving_rate_options(alpha, beta, rho)
         self._memory = memory
         self._compress_state: dict = {}
 
@@ -85,13 +79,7 @@ class SyncEASGDStrategy(CenterStrategy):
 
     @override
     def _validate_world(self, world_size: int) -> None:
-        self._alpha = elastic.resolve_alpha(
-            world_size=world_size,
-            alpha=self._alpha_opt,
-            beta=self._beta_opt,
-            rho=self._rho_opt,
-            lr=self._optimizer_lr(self.optimizers[0]) if self.optimizers else None,
-        )
+        self._resolve_moving_rate(world_size)
 
     @override
     def _exchange_step(self, take_step: Callable[[], Any], optimizer: Optimizer) -> Any:
