@@ -8,7 +8,7 @@ last rank). Reads each ``summary.json``: ``val_history`` holds, per epoch of ran
 worker), the seconds since the start of fit and the val accuracy of the center.
 
 Prints one markdown row per strategy: steps per rank, the first time the center reached
-``--target`` (median over repeats), that time as a ratio to ``sync_easgd`` measured in the
+``--target`` (median over repeats; "never" when most repeats never reached it), that time as a ratio to ``sync_easgd`` measured in the
 same invocation, the final val accuracy and the bytes sent. Nothing is asserted: it is a
 measurement, on whatever machine runs it.
 
@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1, help="runs per strategy (default 1)")
     p.add_argument("--out", default=None, help="run directories (default: a temporary directory)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run (default 900)")
+    p.add_argument("--table-only", default=None, metavar="JSON",
+                   help="print the table of a saved results file instead of running")
     return p.parse_args(argv)
 
 
@@ -101,13 +103,19 @@ def summarise(results: dict[str, list[dict]], target: float) -> str:
         if not ok:
             lines.append(f"| {name} | - | failed | - | - | - | - |")
             continue
-        t = med([r["time_to_target"] for r in ok])
+        times = [r["time_to_target"] for r in ok]
+        reached = sum(t is not None for t in times)
+        # a run that never reached the target counts as slower than any that did
+        t = med(times) if reached * 2 > len(times) else None
         ratio = f"{t / base:.2f}" if t is not None and base else "-"
+        shown = "never" if t is None else f"{t:.2f}"
+        if reached < len(times):
+            shown += f" ({reached}/{len(times)} runs reached it)"
         last = ok[-1]
         roles = "+".join(["server"] if "server" in last["roles"] else [])
         procs = f"{len(last['roles'])}" + (f" ({roles})" if roles else "")
         lines.append(
-            f"| {name} | {procs} | {last['steps']} | {'never' if t is None else f'{t:.2f}'} | {ratio} | "
+            f"| {name} | {procs} | {last['steps']} | {shown} | {ratio} | "
             f"{med([r['val_acc'] for r in ok]):.3f} | {med([r['bytes_sent'] for r in ok]) / 1e6:.1f} |"
         )
     return "\n".join(lines)
@@ -115,6 +123,9 @@ def summarise(results: dict[str, list[dict]], target: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.table_only:
+        print(summarise(json.loads(Path(args.table_only).read_text()), args.target))
+        return 0
     out = Path(args.out or tempfile.mkdtemp(prefix="easgd-async-bench-"))
     results: dict[str, list[dict]] = {}
     for name in args.strategies.split(","):
