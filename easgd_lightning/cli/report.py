@@ -166,6 +166,20 @@ def _label(r: dict) -> str:
     return f"{r['strategy']}/{r['compression']}" if r.get("strategy") else r["run"]
 
 
+def _finish_figure(plt, fig, ax, path: Path, *, xlabel: str, ylabel: str, title: str, legend: bool) -> Path:
+    """Label, save and close one figure."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if legend:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _plots(table: list[dict[str, Any]], out: Path) -> list[Path]:
     import matplotlib
 
@@ -180,34 +194,21 @@ def _plots(table: list[dict[str, Any]], out: Path) -> list[Path]:
         hist = [h for h in r["val_history"] if h.get("val_acc") is not None]
         if hist:
             ax.plot([h["time_s"] for h in hist], [h["val_acc"] for h in hist], marker="o", ms=3, label=_label(r))
-    ax.set_xlabel("wall time (s)")
-    ax.set_ylabel("validation accuracy (center / averaged model)")
-    ax.set_title("Validation accuracy vs wall time")
-    ax.grid(alpha=0.3)
-    if ok:
-        ax.legend(fontsize=8)
-    path = out / "val_acc_vs_time.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    written.append(_finish_figure(
+        plt, fig, ax, out / "val_acc_vs_time.png", xlabel="wall time (s)",
+        ylabel="validation accuracy (center / averaged model)",
+        title="Validation accuracy vs wall time", legend=bool(ok),
+    ))
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in ok:
         if r["val_acc"] is not None:
             ax.scatter([max(r["bytes_sent_total"], 1)], [r["val_acc"]], label=_label(r))
     ax.set_xscale("log")
-    ax.set_xlabel("bytes sent, all ranks (log)")
-    ax.set_ylabel("final validation accuracy")
-    ax.set_title("Accuracy vs bytes sent")
-    ax.grid(alpha=0.3)
-    if ok:
-        ax.legend(fontsize=8)
-    path = out / "acc_vs_bytes.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    written.append(_finish_figure(
+        plt, fig, ax, out / "acc_vs_bytes.png", xlabel="bytes sent, all ranks (log)",
+        ylabel="final validation accuracy", title="Accuracy vs bytes sent", legend=bool(ok),
+    ))
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     labels = [_label(r) for r in ok]
