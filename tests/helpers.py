@@ -74,3 +74,18 @@ def launch_ranks(script: Path, world: int, args: list[str], *, timeout: float = 
         if r.returncode != 0:
             raise AssertionError(f"rank failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}")
     return results
+
+
+class SoloCollective:
+    """world_size = 1: each collective returns this rank's own tensors (nothing to exchange)."""
+
+    world_size = 1
+
+    def all_reduce_sum(self, tensors):
+        return [t.clone() for t in tensors]
+
+    def all_reduce_max(self, tensors):
+        return [t.clone() for t in tensors]
+
+    def all_gather(self, tensors):
+        return [[t.clone() for t in tensors]]

@@ -26,23 +26,10 @@ from easgd_lightning.hooks.compressors.sidco import (
     multistage_threshold,
 )
 from easgd_lightning.hooks.compressors.sketch import build_sketch, peel_decode, sketch_hashes
+from tests.helpers import SoloCollective
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "compression"
 
-
-class SoloCollective:
-    """world_size = 1: each collective returns this rank's own tensors (nothing to exchange)."""
-
-    world_size = 1
-
-    def all_reduce_sum(self, tensors):
-        return [t.clone() for t in tensors]
-
-    def all_reduce_max(self, tensors):
-        return [t.clone() for t in tensors]
-
-    def all_gather(self, tensors):
-        return [[t.clone() for t in tensors]]
 
 
 def roundtrip(comp, x, state=None):

@@ -6,21 +6,7 @@ import pytest
 import torch
 
 from easgd_lightning.hooks import NoMemory, ResidualMemory, build_compressor, make_memory
-
-
-class SoloCollective:
-    """world_size = 1: each collective returns this rank's own tensors (nothing to exchange)."""
-
-    world_size = 1
-
-    def all_reduce_sum(self, tensors):
-        return [t.clone() for t in tensors]
-
-    def all_reduce_max(self, tensors):
-        return [t.clone() for t in tensors]
-
-    def all_gather(self, tensors):
-        return [[t.clone() for t in tensors]]
+from tests.helpers import SoloCollective
 
 
 @pytest.mark.parametrize(
