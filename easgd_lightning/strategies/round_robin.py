@@ -17,6 +17,7 @@ master; it is broadcast to every rank for validation, checkpoints and at the end
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,7 @@ from easgd_lightning.strategies.base import (
 __all__ = ["RoundRobinEASGDStrategy"]
 
 MASTER = 0
+_LOG_LEN = 600
 
 
 class RoundRobinEASGDStrategy(CenterStrategy):
@@ -68,8 +70,9 @@ class RoundRobinEASGDStrategy(CenterStrategy):
         self._tau = check_positive_int("strategy.tau", tau)
         self._set_moving_rate_options(alpha, beta, rho)
         self._record_order = record_order
-        self.service_log: list[tuple[int, int, float]] = []
-        self.exchange_times: list[tuple[int, float]] = []
+        # bounded: the most recent rounds are enough to inspect the order
+        self.service_log: deque[tuple[int, int, float]] = deque(maxlen=_LOG_LEN)
+        self.exchange_times: deque[tuple[int, float]] = deque(maxlen=_LOG_LEN)
 
     @override
     def _validate_world(self, world_size: int) -> None:
@@ -118,9 +121,9 @@ class RoundRobinEASGDStrategy(CenterStrategy):
             "tau": self._tau,
             "alpha": self._alpha,
             "master_rank": MASTER,
-            "exchange_times": self.exchange_times[-200:],
+            "exchange_times": list(self.exchange_times),
         }
         if self.global_rank == MASTER:
-            extras["service_order"] = [r for _, r, _ in self.service_log[-600:]]
-            extras["service_log"] = self.service_log[-600:]
+            extras["service_order"] = [r for _, r, _ in self.service_log]
+            extras["service_log"] = list(self.service_log)
         return extras
