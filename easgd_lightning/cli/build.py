@@ -7,8 +7,12 @@ parent process can validate a whole config before any worker starts.
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 from datetime import timedelta
 from typing import Any
+
+log = logging.getLogger("easgd_lightning")
 
 __all__ = [
     "ConfigError",
@@ -17,9 +21,12 @@ __all__ = [
     "build_compression",
     "build_strategy",
     "build_model_and_data",
+    "build_module",
     "build_data",
     "min_world_size",
     "validate_config",
+    "validate_values",
+    "check_hardware",
 ]
 
 
@@ -135,16 +142,21 @@ def build_strategy(cfg: Any, *, world_size: int | None = None):
 
 def build_model_and_data(cfg: Any):
     """(LightningModule, LightningDataModule) for ``cfg.model``, ``cfg.data``, ``cfg.optim``."""
+    dm = build_data(cfg)
+    return build_module(cfg, dm), dm
+
+
+def build_module(cfg: Any, dm: Any):
+    """The LightningModule of ``cfg.model`` and ``cfg.optim`` for the data module ``dm``."""
     from easgd_lightning.models import ClassifierModule, build_model
 
     model_opts = _plain(cfg.model)
     model_name = model_opts.pop("name", None)
     builder = model_opts.pop("builder", None)
     channels_last = bool(model_opts.pop("channels_last", False))
-    dm = build_data(cfg)
     if builder:  # a module:function returning (LightningModule) for custom model kinds
         mod, fn = builder.split(":")
-        return getattr(importlib.import_module(mod), fn)(cfg, dm), dm
+        return getattr(importlib.import_module(mod), fn)(cfg, dm)
     model_kwargs = dict(model_opts)
     model_kwargs.setdefault("num_classes", getattr(dm, "num_classes", 10))
     if model_name == "mlp":
@@ -158,7 +170,7 @@ def build_model_and_data(cfg: Any):
     optim = _plain(cfg.optim)
     optim["channels_last"] = channels_last or bool(optim.get("channels_last", False))
     try:
-        return ClassifierModule(net, **optim), dm
+        return ClassifierModule(net, **optim)
     except ValueError as err:
         raise ConfigError(str(err)) from err
 
@@ -181,8 +193,256 @@ def build_data(cfg: Any):
         raise ConfigError(f"data={data_name}: {err}") from err
 
 
-def validate_config(cfg: Any) -> None:
+# ----------------------------------------------------------------------------- value checks
+# Each check reads a key of the composed config and raises ConfigError "<key>: <what is
+# wrong>; <what is allowed>" so no worker ever starts on a value it would refuse later.
+
+_PRECISIONS = ("32-true", "64-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
+#: Lightning's older spellings, still accepted by it
+_PRECISION_ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+_ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _need_int(key: str, value: Any, low: int, *, allowed: tuple = ()) -> None:
+    """``value`` is an integer >= ``low`` (or one of ``allowed``)."""
+    if value in allowed and (value is None or _is_int(value)):
+        return
+    if not _is_int(value) or value < low:
+        extra = "".join(f" or {a if a is not None else 'null'}" for a in allowed)
+        raise ConfigError(f"{key}: must be an integer >= {low}{extra}, got {value!r}")
+
+
+def _need_number(key: str, value: Any, *, low: float, low_open: bool = False,
+                 high: float | None = None, nullable: bool = False) -> None:
+    """``value`` is a number in [low, high) (or (low, high) with ``low_open``)."""
+    if value is None and nullable:
+        return
+    ok = _is_number(value) and (value > low if low_open else value >= low)
+    ok = ok and (high is None or value < high)
+    if not ok:
+        if high is not None:
+            allowed = f"in {'(' if low_open else '['}{low:g}, {high:g})"
+        else:
+            allowed = f"{'>' if low_open else '>='} {low:g}"
+        raise ConfigError(f"{key}: must be a number {allowed}, got {value!r}")
+
+
+def _need_bool(key: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}: must be true or false, got {value!r}")
+
+
+def _check_seed(cfg: Any) -> None:
+    seed = cfg.get("seed", 0)
+    if not _is_int(seed) or not 0 <= seed < 2**32:
+        raise ConfigError(f"seed: must be an integer in [0, 2**32 - 1], got {seed!r}")
+
+
+def _check_optim(cfg: Any) -> None:
+    from easgd_lightning.models.classifier import OPTIMIZERS, SCHEDULES
+
+    optim = cfg.optim
+    name = optim.get("optimizer", "sgd")
+    if name not in OPTIMIZERS:
+        raise ConfigError(f"optim.optimizer: {name!r} is unknown; choose one of {', '.join(OPTIMIZERS)}")
+    _need_number("optim.lr", optim.get("lr"), low=0.0, low_open=True)
+    _need_number("optim.momentum", optim.get("momentum", 0.0), low=0.0, high=1.0)
+    _need_number("optim.weight_decay", optim.get("weight_decay", 0.0), low=0.0)
+    _need_bool("optim.nesterov", optim.get("nesterov", False))
+    schedule = optim.get("schedule", "constant")
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"optim.schedule: {schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+    _need_int("optim.warmup_steps", optim.get("warmup_steps", 0), 0)
+    _need_int("optim.total_steps", optim.get("total_steps"), 1, allowed=(None,))
+    _need_int("optim.step_size", optim.get("step_size", 1000), 1)
+    _need_number("optim.gamma", optim.get("gamma", 0.1), low=0.0, low_open=True)
+    _need_number("optim.min_lr", optim.get("min_lr", 0.0), low=0.0)
+    for key in ("warmup_epochs", "step_size_epochs"):
+        _need_number(f"optim.{key}", optim.get(key), low=0.0, nullable=True)
+    for key in ("milestones", "milestone_epochs"):
+        values = optim.get(key)
+        if values is not None and (
+            isinstance(values, (str, bytes)) or not hasattr(values, "__iter__")
+            or not all(_is_number(v) and v >= 0 for v in values)
+        ):
+            raise ConfigError(f"optim.{key}: must be a list of numbers >= 0 or null, got {values!r}")
+
+
+def _check_trainer(cfg: Any) -> None:
+    t = cfg.trainer
+    accelerator = t.get("accelerator", "cpu")
+    if accelerator not in _ACCELERATORS:
+        raise ConfigError(
+            f"trainer.accelerator: {accelerator!r} is unknown; choose one of {', '.join(_ACCELERATORS)}"
+        )
+    on_gpu = accelerator in ("gpu", "cuda")
+    precision = t.get("precision", "32-true")
+    precision = _PRECISION_ALIASES.get(str(precision), precision)
+    if str(precision) not in _PRECISIONS:
+        raise ConfigError(f"trainer.precision: {precision!r} is unknown; choose one of {', '.join(_PRECISIONS)}")
+    if str(precision).startswith("16-") and not on_gpu:
+        raise ConfigError(
+            f"trainer.precision: {precision} needs a GPU (Lightning would run bf16-mixed instead); "
+            "on CPU choose one of 32-true, 64-true, bf16-mixed, bf16-true"
+        )
+    max_steps = t.get("max_steps", -1)
+    _need_int("trainer.max_steps", max_steps, 1, allowed=(-1,))
+    max_epochs = t.get("max_epochs")
+    if max_epochs == -1 and _is_int(max_epochs) and max_steps == -1:
+        raise ConfigError("trainer.max_epochs: -1 (no limit) needs trainer.max_steps >= 1")
+    _need_int("trainer.max_epochs", max_epochs, 1, allowed=(-1,))
+    _need_int("trainer.accumulate_grad_batches", t.get("accumulate_grad_batches", 1), 1)
+    _need_int("trainer.log_every_n_steps", t.get("log_every_n_steps", 10), 1)
+    _need_int("trainer.check_val_every_n_epoch", t.get("check_val_every_n_epoch", 1), 1, allowed=(None,))
+    _need_int("trainer.num_sanity_val_steps", t.get("num_sanity_val_steps", 0), -1)
+    _need_number("trainer.gradient_clip_val", t.get("gradient_clip_val"), low=0.0, nullable=True)
+    for key, low in (("limit_train_batches", 1), ("limit_val_batches", 0)):
+        value = t.get(key)
+        if value is None or (_is_int(value) and value >= low):
+            continue
+        if isinstance(value, float) and 0.0 < value <= 1.0:
+            continue
+        raise ConfigError(
+            f"trainer.{key}: must be null, an integer >= {low} (batches) or a fraction in (0, 1], got {value!r}"
+        )
+    for key in ("deterministic", "enable_progress_bar"):
+        _need_bool(f"trainer.{key}", t.get(key, False))
+
+
+def check_hardware(cfg: Any) -> None:
+    """The accelerator asked for exists here: ``trainer.devices`` GPUs per node for
+    ``trainer.accelerator=gpu`` (checked where the job runs, i.e. on the node).
+
+    Raises:
+        ConfigError: naming trainer.accelerator or trainer.devices.
+    """
+    accelerator = cfg.trainer.get("accelerator", "cpu")
+    if accelerator not in ("gpu", "cuda"):
+        return
+    import torch
+
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found == 0:
+        raise ConfigError(
+            f"trainer.accelerator: {accelerator} asked for, but this machine has no CUDA GPU; "
+            "use trainer=cpu (trainer.accelerator=cpu)"
+        )
+    devices = cfg.trainer.devices
+    if _is_int(devices) and devices > found:
+        raise ConfigError(f"trainer.devices: {devices} GPUs per node asked for, this machine has {found}")
+
+
+def _check_checkpoint(cfg: Any) -> None:
+    ckpt = cfg.get("checkpoint") or {}
+    _need_bool("checkpoint.enabled", ckpt.get("enabled", True))
+    _need_int("checkpoint.every_n_epochs", ckpt.get("every_n_epochs", 1), 1)
+
+
+def _check_data(cfg: Any) -> None:
+    data = cfg.data
+    _need_int("data.batch_size", data.get("batch_size", 1), 1)
+    _need_int("data.num_workers", data.get("num_workers", 0), 0)
+    if "val_batch_size" in data:
+        _need_int("data.val_batch_size", data.get("val_batch_size"), 1, allowed=(None,))
+
+
+#: model options that are layer sizes or counts (positive integers) where present
+_MODEL_SIZES = ("hidden", "n_layer", "n_head", "d_model", "d_ff", "seq_len", "vocab_size")
+
+
+def _check_model(cfg: Any) -> None:
+    model = cfg.model
+    for key in _MODEL_SIZES:
+        if key not in model or (model.get(key) is None and key != "hidden"):
+            continue
+        value = model.get(key)
+        sizes = list(value) if key == "hidden" and hasattr(value, "__iter__") and not isinstance(value, str) else [value]
+        if not sizes or not all(_is_int(v) and v >= 1 for v in sizes):
+            what = "a positive integer or a list of them" if key == "hidden" else "a positive integer"
+            raise ConfigError(f"model.{key}: must be {what}, got {value!r}")
+    if cfg.strategy.get("name") == "pipeline_3d" and not model.get("builder"):
+        raise ConfigError(
+            f"model.name: {model.get('name')!r} has no pipeline form (configure_pipeline), which "
+            "strategy=pipeline_3d needs; use model=gpt_tiny or a recipe=nlp3d/... recipe"
+        )
+
+
+def validate_values(cfg: Any) -> None:
+    """Type and range of every option the workers read (seed, optim, trainer, checkpoint,
+    data, model): a bad one fails here instead of in every worker.
+
+    Raises:
+        ConfigError: ``"<key>: <what is wrong>; <what is allowed>"``.
+    """
+    _check_seed(cfg)
+    _check_optim(cfg)
+    _check_trainer(cfg)
+    _check_checkpoint(cfg)
+    _check_data(cfg)
+    _check_model(cfg)
+
+
+def _meta_module(cfg: Any, dm: Any):
+    """``cfg``'s LightningModule with every tensor on the meta device (shapes, no memory, no
+    initialisation cost; ``configure_model`` run for modules that build their layers there),
+    or None when it cannot be built that way."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            module = build_module(cfg, dm)
+            if next(iter(module.parameters()), None) is None and hasattr(module, "configure_model"):
+                module.configure_model()
+    except ConfigError:
+        raise
+    except Exception:  # the workers build it for real and report what is wrong
+        log.debug("could not build the model on the meta device", exc_info=True)
+        return None
+    return module
+
+
+def idle_compression_warning(cfg: Any, module: Any) -> str | None:
+    """The warning for a compressor that can never engage, else None.
+
+    Rule (hooks/_exchange.py): tensors with fewer than ``compression.min_numel`` elements
+    travel dense. DDP compresses gradients (parameters that train); the elastic strategies
+    compress parameters and floating-point buffers. When every such tensor is below the
+    limit, nothing is compressed and the compression ratio is exactly 1.0.
+    """
+    from easgd_lightning.hooks.compressors.base import DEFAULT_MIN_NUMEL
+
+    name = cfg.compression.get("name", "none")
+    if name in ("none", "optimus_cc") or module is None:
+        return None
+    limit = cfg.compression.get("min_numel")
+    limit = DEFAULT_MIN_NUMEL if limit is None else int(limit)
+    tensors = [p for p in module.parameters() if p.requires_grad]
+    if cfg.strategy.get("name") != "ddp":
+        tensors = list(module.parameters()) + [b for b in module.buffers() if b.is_floating_point()]
+    sizes = [t.numel() for t in tensors]
+    if not sizes or max(sizes) >= limit:
+        return None
+    return (
+        f"compression={name} never engages: every tensor of model={cfg.model.get('name')} has fewer "
+        f"than compression.min_numel={limit} elements (largest: {max(sizes)}), so all travel dense "
+        f"and the compression ratio is 1.0; set compression.min_numel={max(sizes)} or lower to compress"
+    )
+
+
+def validate_config(cfg: Any, *, hardware: bool = True) -> None:
     """Check everything that can be checked before processes start.
+
+    Args:
+        hardware: also check that the accelerator asked for exists on this machine (off to
+            validate, say, a GPU recipe on a laptop).
 
     Raises:
         ConfigError: with one line naming the key and the allowed values.
@@ -227,12 +487,10 @@ def validate_config(cfg: Any) -> None:
         raise ConfigError("faults.crash_at_step must be a step >= 1 when faults.crash_rank is set")
     if (faults.get("slow_ms") or 0) < 0:
         raise ConfigError(f"faults.slow_ms must be >= 0, got {faults.get('slow_ms')}")
-    build_data(cfg)  # a bad data.root (or other data option) fails here, before any process
-    from easgd_lightning.models.classifier import SCHEDULES
-
-    schedule = cfg.optim.get("schedule", "constant")
-    if schedule not in SCHEDULES:
-        raise ConfigError(f"optim.schedule={schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+    validate_values(cfg)
+    if hardware:
+        check_hardware(cfg)
+    dm = build_data(cfg)  # a bad data.root (or other data option) fails here, before any process
     threads = cfg.trainer.get("threads_per_process")
     if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
         raise ConfigError(f"trainer.threads_per_process must be a positive integer or null, got {threads!r}")
@@ -253,3 +511,7 @@ def validate_config(cfg: Any) -> None:
             )
         except ValueError as err:
             raise ConfigError(str(err)) from err
+    if cfg.compression.get("name", "none") not in ("none", "optimus_cc"):
+        warning = idle_compression_warning(cfg, _meta_module(cfg, dm))
+        if warning and os.environ.get("RANK", "0") == "0":  # once per run, not once per rank
+            log.warning(warning)

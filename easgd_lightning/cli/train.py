@@ -219,9 +219,17 @@ def _hydra_main(cfg: DictConfig) -> float | None:
 
 
 def main() -> None:
-    """Console entry point."""
+    """Console entry point: the command line is checked against the config tree before Hydra
+    runs it (unknown keys and options, bad overrides, YAML errors: one line, exit 2)."""
+    from easgd_lightning.cli.overrides import check_command_line
+
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        check_command_line(sys.argv[1:], conf_dir=CONF_DIR)
+    except ConfigError as err:
+        print(f"easgd-train: error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
     _hydra_main()
 
 

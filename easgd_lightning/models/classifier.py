@@ -13,9 +13,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["ClassifierModule", "SCHEDULES"]
+__all__ = ["ClassifierModule", "SCHEDULES", "OPTIMIZERS"]
 
 SCHEDULES = ("constant", "cosine", "step", "multistep")
+OPTIMIZERS = ("sgd", "adamw")
 
 
 class ClassifierModule(pl.LightningModule):
@@ -110,7 +111,7 @@ class ClassifierModule(pl.LightningModule):
         elif hp.optimizer == "adamw":
             opt = torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
         else:
-            raise ValueError(f"optim.optimizer={hp.optimizer!r}; choose sgd or adamw")
+            raise ValueError(f"optim.optimizer={hp.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
         self.resolved_schedule = self._resolve_schedule()
         if hp.schedule == "constant" and self.resolved_schedule["warmup_steps"] == 0:
             return opt

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import PY, REPO, base_env, run_cli, train_summary
+from tests.helpers import PY, REPO, base_env, train_summary
 
 
 @pytest.mark.slow
@@ -112,28 +112,7 @@ def test_good_configs_validate() -> None:
         validate_config(_compose([f"strategy={strategy}"]))
 
 
-@pytest.mark.parametrize(
-    "overrides,key",
-    [
-        (["strategy=sync_easgd", "strategy.tau=0"], "strategy.tau"),
-        (["strategy=sync_easgd", "strategy.alpha=1.5"], "strategy.alpha"),
-        (["strategy=easgd_round_robin", "trainer.devices=1"], "trainer.devices"),
-    ],
-)
-def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, overrides: list[str], key: str) -> None:
-    proc = run_cli([f"hydra.run.dir={tmp_path}", "logger=none", *overrides], check=False, timeout=120)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("easgd-train: error:")]
-    assert len(lines) == 1 and key in lines[0], proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
-    assert not (tmp_path / "ranks").exists()  # no worker started
-
-
-def test_unknown_group_option_lists_the_valid_names(tmp_path: Path) -> None:
-    proc = run_cli([f"hydra.run.dir={tmp_path}", "strategy=nonsense"], check=False, timeout=120)
-    assert proc.returncode != 0
-    assert "strategy" in proc.stderr and "sync_easgd" in proc.stderr and "easgd_round_robin" in proc.stderr
-    assert "Traceback" not in proc.stderr
+# the CLI itself (exit 2, one line, no worker): tests/e2e/test_bad_input_cli.py
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_cli, train_summary
+from tests.helpers import train_summary
 
 N_PARAMS = 64 * 128 + 128 + 128 * 10 + 10  # the default MLP, float32
 
@@ -60,27 +60,8 @@ def test_local_sgd_converges_on_digits(tmp_path: Path, case: str) -> None:
         assert s["comm"]["by_kind"]["model_averaging"]["time_s"] > 0
 
 
-# the full list of bad options is checked on the constructor in tests/unit/test_local_sgd_rules.py
-BAD_INPUTS = [
-    (["strategy.period=0"], "strategy.period"),
-    (["strategy.period_rule=qsr", "strategy.gamma=0"], "strategy.gamma"),
-    (["strategy.period_rule=linear"], "strategy.period_rule"),
-    (["strategy.overlap=true", "compression=fp16"], "strategy.overlap"),
-]
-
-
-@pytest.mark.parametrize("overrides,key", BAD_INPUTS)
-def test_bad_input_fails_fast(tmp_path: Path, overrides: list[str], key: str) -> None:
-    proc = run_cli(
-        [f"hydra.run.dir={tmp_path}", "logger=none", "strategy=local_sgd", *overrides],
-        check=False,
-        timeout=120,
-    )
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("easgd-train: error:")]
-    assert len(lines) == 1 and key in lines[0], proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
-    assert not (tmp_path / "ranks").exists()  # nothing was launched
+# bad options: on the constructor in tests/unit/test_local_sgd_rules.py, through the config
+# in tests/unit/test_validation.py (in-process, as the CLI checks them before any process)
 
 
 @pytest.mark.slow

@@ -38,29 +38,13 @@ def test_recipe_composes_and_validates(name):
     world = cfg.trainer.devices * cfg.trainer.num_nodes
     assert cfg.strategy.pp * cfg.strategy.tp * cfg.strategy.dp == world
     assert cfg.data.batch_size % cfg.strategy.micro_batches == 0
-    validate_config(cfg)  # layout and model shape checked without starting processes
+    validate_config(cfg, hardware=False)  # layout and model shape checked without starting processes
     text = (REPO / "recipes" / "nlp3d" / f"{name}.yaml").read_text()
     assert "easgd-train" in text or "torchrun" in text  # each recipe says how to launch it
 
 
-@pytest.mark.parametrize(
-    "overrides, message",
-    [
-        (["strategy.pp=3"], "strategy.pp * strategy.tp * strategy.dp = 3 * 1 * 1 = 3 must equal the world size 2"),
-        (["strategy.pp=4", "trainer.devices=4"], "strategy.pp (4) is larger than model.n_layer (2)"),
-        (["strategy.pp=1", "strategy.tp=3", "trainer.devices=3", "model.n_head=4", "model.d_model=96"],
-         "strategy.tp (3) must divide model.n_head (4)"),
-    ],
-)
-def test_bad_layout_fails_fast(tmp_path, overrides, message):
-    proc = run_cli(
-        [f"hydra.run.dir={tmp_path}", "recipe=nlp3d/gpt_tiny_pp2", "logger=none", *overrides],
-        check=False, timeout=120,
-    )
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("easgd-train: error:")]
-    assert len(errors) == 1 and message in errors[0], proc.stderr[-3000:]
-    assert not (tmp_path / "ranks").exists()  # no worker started
+# bad layouts (pp * tp * dp, pp > n_layer, tp not dividing n_head) fail before any process:
+# tests/unit/test_validation.py
 
 
 @pytest.mark.slow

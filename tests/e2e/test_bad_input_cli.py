@@ -1,0 +1,54 @@
+"""Bad input through the real ``easgd-train``: exit status 2, exactly one
+``easgd-train: error:`` line naming the key, no traceback, no worker started.
+
+The full table of cases runs in-process in tests/unit/test_validation.py; these are one
+of each kind (a Hydra-level unknown key, an unknown group option, a sweep, values).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import PY, REPO, base_env, run_cli
+
+CASES = [
+    (["+trainer.max_epocs=3"], "trainer.max_epocs: unknown key; did you mean trainer.max_epochs?"),
+    (["strategy=bogus"], "strategy=bogus: no such option; choose one of async_easgd"),
+    (["optim.lr=-1"], "optim.lr: must be a number > 0, got -1"),
+    (["trainer.precision=16-mixed"], "trainer.precision: 16-mixed needs a GPU"),
+    (["strategy=easgd_round_robin", "trainer.devices=1"], "trainer.devices"),
+]
+
+
+def _one_error_line(stderr: str) -> str:
+    lines = [ln for ln in stderr.splitlines() if ln.startswith("easgd-train: error:")]
+    assert len(lines) == 1, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("overrides,expected", CASES, ids=[" ".join(o) for o, _ in CASES])
+def test_exit_2_one_line_no_worker(tmp_path: Path, overrides: list[str], expected: str) -> None:
+    run = tmp_path / "run"
+    proc = run_cli([f"hydra.run.dir={run}", "logger=none", *overrides], check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert expected in _one_error_line(proc.stderr)
+    assert not (run / "ranks").exists()  # no worker started
+    summary = run / "summary.json"  # value errors are recorded; Hydra-level ones stop before a run dir
+    assert not summary.exists() or json.loads(summary.read_text())["status"] == "failed"
+
+
+def test_sweep_with_one_bad_job_starts_none(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        [PY, "-m", "easgd_lightning.cli.train", "-m", "strategy=ddp,bogus", "logger=none",
+         f"hydra.sweep.dir={sweep}"],
+        env=base_env(), cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "strategy=bogus: no such option" in _one_error_line(proc.stderr)
+    assert not sweep.exists()  # not even the valid job ran

@@ -1,0 +1,172 @@
+"""Bad input stops in the parent with one line naming the key and what is allowed.
+
+Every case composes the config exactly as ``easgd-train`` does (``compose_checked``: the
+command line checked against the config tree) and runs ``validate_config`` (the values),
+in this process: no worker, no subprocess. A handful go through the real CLI in
+tests/e2e/test_bad_input_cli.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+import easgd_lightning.cli.train  # noqa: F401  (registers the recipe resolvers)
+from easgd_lightning.cli.build import ConfigError, validate_config
+from easgd_lightning.cli.overrides import CONF_DIR, check_command_line, compose_checked
+
+
+# (overrides, the line's key, a fragment saying what is allowed)
+BAD = [
+    # unknown keys, with or without '+': the valid keys of that group, the closest first
+    (["+foo=1"], "foo", "valid keys of the top level: checkpoint, compression"),
+    (["foo=1"], "foo", "valid keys of the top level"),
+    (["++foo=1"], "foo", "valid keys of the top level"),
+    (["+trainer.max_epocs=3"], "trainer.max_epocs", "did you mean trainer.max_epochs?"),
+    (["trainer.max_epocs=3"], "trainer.max_epocs", "did you mean trainer.max_epochs?"),
+    (["strategy=sync_easgd", "+strategy.tua=4"], "strategy.tua",
+     "did you mean strategy.tau? valid keys of strategy (strategy=sync_easgd): alpha, beta, name, rho, tau"),
+    (["+strategy.tau=4"], "strategy.tau", "valid keys of strategy (strategy=ddp): name"),
+    (["strategy=async_sgd", "trainer.devices=4", "+strategy.tau=4"], "strategy.tau", "valid keys of strategy (strategy=async_sgd)"),
+    (["~optim.nope"], "optim.nope", "valid keys of optim"),
+    (["strategy=sync_easgd", "+strategy.tau=3"], "strategy.tau", "write strategy.tau=3"),
+    # Hydra-level: unknown group options (optional groups too), unparsable overrides
+    (["strategy=bogus"], "strategy=bogus", "choose one of async_easgd, async_measgd"),
+    (["strategy=sync_easg"], "strategy=sync_easg", "did you mean sync_easgd?"),
+    (["compression=bogus"], "compression=bogus", "choose one of adaptive, bf16, dgc"),
+    (["model=bogus"], "model=bogus", "choose one of alexnet, googlenet, gpt_tiny, mlp, resnet50"),
+    (["recipe=bogus"], "recipe=bogus", "imagenet/alexnet_gpu"),
+    (["trainer=bogus"], "trainer=bogus", "choose one of cpu, gpu"),
+    (["hydra/launcher=bogus"], "hydra/launcher=bogus", "slurm"),
+    (["optim.milestones=[1,2"], "optim.milestones", "cannot parse the override"),
+    (["strategy=ddp,sync_easgd"], "strategy", "add --multirun (-m)"),
+    # values the workers would refuse (or silently change) 45-100 s later
+    (["optim.lr=0"], "optim.lr", "must be a number > 0"),
+    (["optim.lr=-1"], "optim.lr", "must be a number > 0"),
+    (["optim.lr=abc"], "optim.lr", "must be a number > 0, got 'abc'"),
+    (["optim.momentum=-0.5"], "optim.momentum", "in [0, 1)"),
+    (["optim.weight_decay=-1"], "optim.weight_decay", ">= 0"),
+    (["optim.optimizer=adam"], "optim.optimizer", "choose one of sgd, adamw"),
+    (["optim.schedule=linear"], "optim.schedule", "choose one of constant, cosine, step, multistep"),
+    (["trainer.max_epochs=abc"], "trainer.max_epochs", "an integer >= 1 or -1"),
+    (["trainer.max_epochs=0"], "trainer.max_epochs", "an integer >= 1 or -1"),
+    (["trainer.max_epochs=-1"], "trainer.max_epochs", "needs trainer.max_steps >= 1"),
+    (["trainer.max_steps=-2"], "trainer.max_steps", "an integer >= 1 or -1"),
+    (["trainer.precision=16-mixed"], "trainer.precision", "on CPU choose one of 32-true, 64-true, bf16-mixed"),
+    (["trainer.precision=65-true"], "trainer.precision", "choose one of 32-true, 64-true"),
+    (["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches", "an integer >= 1"),
+    (["trainer.gradient_clip_val=-1"], "trainer.gradient_clip_val", ">= 0"),
+    (["trainer.limit_train_batches=0"], "trainer.limit_train_batches", "a fraction in (0, 1]"),
+    (["trainer.accelerator=tpu"], "trainer.accelerator", "choose one of cpu, gpu, cuda, auto"),
+    (["checkpoint.every_n_epochs=0"], "checkpoint.every_n_epochs", "an integer >= 1"),
+    (["data.num_workers=-1"], "data.num_workers", "an integer >= 0"),
+    (["data.batch_size=0"], "data.batch_size", ">= 1"),
+    (["seed=abc"], "seed", "an integer in [0, 2**32 - 1]"),
+    (["seed=-1"], "seed", "an integer in [0, 2**32 - 1]"),
+    (["model.hidden=-5"], "model.hidden", "a positive integer or a list of them"),
+    (["model.hidden=[64,0]"], "model.hidden", "a positive integer or a list of them"),
+    (["strategy=pipeline_3d"], "model.name", "use model=gpt_tiny or a recipe=nlp3d/"),
+    # moved here from the one-subprocess-per-case CLI tests (local SGD, nlp3d, hogwild)
+    (["strategy=local_sgd", "strategy.period=0"], "strategy.period", ""),
+    (["strategy=local_sgd", "strategy.period_rule=qsr", "strategy.gamma=0"], "strategy.gamma", ""),
+    (["strategy=local_sgd", "strategy.period_rule=linear"], "strategy.period_rule", ""),
+    (["strategy=local_sgd", "strategy.overlap=true", "compression=fp16"], "strategy.overlap", ""),
+    (["recipe=nlp3d/gpt_tiny_pp2", "strategy.pp=3"], "strategy.pp",
+     "strategy.pp * strategy.tp * strategy.dp = 3 * 1 * 1 = 3 must equal the world size 2"),
+    (["recipe=nlp3d/gpt_tiny_pp2", "strategy.pp=4", "trainer.devices=4"], "strategy.pp",
+     "strategy.pp (4) is larger than model.n_layer (2)"),
+    (["recipe=nlp3d/gpt_tiny_pp2", "strategy.pp=1", "strategy.tp=3", "trainer.devices=3", "model.n_head=4",
+      "model.d_model=96"], "strategy.tp", "strategy.tp (3) must divide model.n_head (4)"),
+    (["strategy=hogwild_easgd", "trainer.num_nodes=2"], "strategy.server", "dedicated"),
+]
+
+
+def _check(overrides: list[str]) -> None:
+    validate_config(compose_checked(overrides))
+
+
+@pytest.mark.parametrize("overrides,key,allowed", BAD, ids=[" ".join(o) for o, _, _ in BAD])
+def test_bad_input_is_one_line_naming_the_key(overrides: list[str], key: str, allowed: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        _check(overrides)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(key), message
+    assert allowed in message, message
+
+
+def test_gpus_that_this_machine_does_not_have() -> None:
+    import torch
+
+    if torch.cuda.is_available():  # more GPUs than any node has
+        overrides, expected = ["trainer=gpu", "trainer.devices=4096"], "trainer.devices: 4096 GPUs per node asked for"
+    else:
+        overrides, expected = ["trainer=gpu"], "trainer.accelerator: gpu asked for, but this machine has no CUDA GPU"
+    with pytest.raises(ConfigError) as err:
+        _check(overrides)
+    assert str(err.value).startswith(expected) and "\n" not in str(err.value)
+    validate_config(compose_checked(overrides), hardware=False)  # the config itself is valid
+
+
+def test_yaml_syntax_error_in_a_config_file_is_one_line(tmp_path: Path) -> None:
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF_DIR, conf)
+    (conf / "strategy" / "broken.yaml").write_text("name: sync_easgd\n  tau: [1\n")
+    with pytest.raises(ConfigError) as err:
+        compose_checked(["strategy=broken"], conf_dir=str(conf))
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(f"{conf / 'strategy' / 'broken.yaml'}, line 2, column")
+    assert "not valid YAML" in message
+
+
+def test_every_job_of_a_sweep_is_checked_before_any_runs() -> None:
+    with pytest.raises(ConfigError, match=r"^strategy=bogus: no such option"):
+        check_command_line(["-m", "strategy=ddp,bogus"])
+    with pytest.raises(ConfigError, match=r"^strategy\.tua: unknown key; did you mean strategy\.tau\?"):
+        check_command_line(["--multirun", "strategy=sync_easgd,local_sgd", "+strategy.tua=1"])
+    check_command_line(["-m", "strategy=ddp,sync_easgd", "optim.lr=range(0.1,0.3,0.1)"])
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["strategy=sync_easgd", "strategy.tau=4", "trainer.precision=64-true"],
+        ["strategy=hogwild_easgd", "trainer.devices=2"],  # two workers sharing the center: valid
+        ["strategy=async_sgd", "trainer.devices=3"],
+        ["++data.batch_size=16", "model.hidden=[64,32]", "trainer.precision=32", "seed=4294967295"],
+        ["trainer.max_epochs=-1", "trainer.max_steps=5", "trainer.limit_train_batches=0.5"],
+        ["recipe=nlp3d/gpt_tiny_pp2"],
+        ["recipe=imagenet/alexnet_knl", "data.synthetic=true"],
+        ["hydra.run.dir=/tmp/x", "hydra/launcher=slurm", "hydra.job.chdir=false"],
+    ],
+)
+def test_good_inputs_pass(overrides: list[str]) -> None:
+    check_command_line(overrides)
+    _check(overrides)
+
+
+def test_help_and_other_config_trees_are_left_to_hydra() -> None:
+    check_command_line(["--help"])
+    check_command_line(["--cfg", "job", "+foo=1", "--config-dir", "/nonexistent"])
+
+
+def _records(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "never engages" in r.getMessage()]
+
+
+def test_compression_that_never_engages_warns_once_naming_min_numel(caplog: pytest.LogCaptureFixture) -> None:
+    # the digits MLP's largest tensor is 64 x 128 = 8192 elements, below DGC's 16384
+    with caplog.at_level(logging.WARNING, logger="easgd_lightning"):
+        _check(["compression=dgc", "optim.momentum=0"])
+    (line,) = _records(caplog)
+    assert "compression.min_numel=16384" in line and "8192" in line and "\n" not in line
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="easgd_lightning"):
+        _check(["compression=dgc", "optim.momentum=0", "compression.min_numel=8192"])
+        _check(["compression=none"])
+    assert _records(caplog) == []
