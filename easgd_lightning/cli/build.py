@@ -27,6 +27,7 @@ __all__ = [
     "validate_config",
     "validate_values",
     "check_hardware",
+    "check_module_features",
 ]
 
 
@@ -409,6 +410,51 @@ def _meta_module(cfg: Any, dm: Any):
     return module
 
 
+def _count_optimizers(module: Any) -> int | None:
+    """How many optimizers ``module.configure_optimizers()`` returns without a Trainer (None
+    when it needs one, e.g. for a schedule in epochs: the strategy's setup checks then)."""
+    try:
+        from pytorch_lightning.core.optimizer import _configure_optimizers
+
+        optimizers, _, _ = _configure_optimizers(module.configure_optimizers())
+    except Exception:
+        return None
+    return len(optimizers)
+
+
+def check_module_features(cfg: Any, module: Any) -> None:
+    """Refuse, before launch, a module the strategy cannot train as written: more optimizers
+    than it drives, manual optimization where it is not honoured, no pipeline form for
+    ``pipeline_3d`` (each strategy class declares ``max_optimizers`` and
+    ``supports_manual_optimization``; Lightning's DDP has no limit).
+
+    Raises:
+        ConfigError: naming the model and what the strategy allows.
+    """
+    if module is None:
+        return
+    name = cfg.strategy.get("name")
+    cls = _strategy_class(name)
+    model = f"model={cfg.model.get('name')}"
+    if not getattr(module, "automatic_optimization", True) and not getattr(cls, "supports_manual_optimization", True):
+        raise ConfigError(
+            f"{model}: uses manual optimization (automatic_optimization=False), which strategy={name} "
+            "does not support; use automatic optimization or another strategy (see the README's feature table)"
+        )
+    limit = getattr(cls, "max_optimizers", None)
+    count = _count_optimizers(module) if limit is not None else None
+    if count is not None and count > limit:
+        raise ConfigError(
+            f"{model}: configure_optimizers returns {count} optimizers; strategy={name} drives exactly "
+            f"{limit}: return one optimizer (parameter groups may differ in lr and weight decay), or use strategy=ddp"
+        )
+    if name == "pipeline_3d" and not hasattr(module, "configure_pipeline"):
+        raise ConfigError(
+            f"{model}: {type(module).__name__} has no pipeline form (configure_pipeline), which "
+            "strategy=pipeline_3d needs; use model=gpt_tiny or a recipe=nlp3d/... recipe"
+        )
+
+
 def idle_compression_warning(cfg: Any, module: Any) -> str | None:
     """The warning for a compressor that can never engage, else None.
 
@@ -511,7 +557,9 @@ def validate_config(cfg: Any, *, hardware: bool = True) -> None:
             )
         except ValueError as err:
             raise ConfigError(str(err)) from err
+    module = _meta_module(cfg, dm)  # shapes only: cheap even for ImageNet models
+    check_module_features(cfg, module)
     if cfg.compression.get("name", "none") not in ("none", "optimus_cc"):
-        warning = idle_compression_warning(cfg, _meta_module(cfg, dm))
+        warning = idle_compression_warning(cfg, module)
         if warning and os.environ.get("RANK", "0") == "0":  # once per run, not once per rank
             log.warning(warning)

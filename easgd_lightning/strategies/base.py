@@ -37,7 +37,7 @@ from easgd_lightning.strategies import elastic
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CenterStrategy", "flatten", "unflatten_into", "check_positive_int"]
+__all__ = ["CenterStrategy", "flatten", "unflatten_into", "check_positive_int", "check_one_optimizer"]
 
 
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -61,6 +61,17 @@ def check_positive_int(key: str, value: Any) -> int:
     return value
 
 
+def check_one_optimizer(strategy: Any, count: int) -> None:
+    """Refuse anything but one optimizer, in one line saying what is allowed."""
+    if count != 1:
+        name = getattr(strategy, "strategy_name", "") or type(strategy).__name__
+        raise ValueError(
+            f"strategy={name} drives exactly one optimizer, but configure_optimizers returned "
+            f"{count}: return one optimizer (parameter groups may differ in lr and weight decay), "
+            "or use strategy=ddp"
+        )
+
+
 class CenterStrategy(DDPStrategy):
     """Base of the strategies whose deliverable is a center variable.
 
@@ -72,6 +83,12 @@ class CenterStrategy(DDPStrategy):
     comm_kind = "elastic"
     #: fewest processes the strategy needs (elastic averaging needs two workers)
     min_world_size = 2
+    #: optimizers ``configure_optimizers`` may return: the exchange is tied to one optimizer
+    #: step (checked in ``setup`` and, for the CLI, before launch)
+    max_optimizers = 1
+    #: manual optimization (``automatic_optimization = False``) is honoured: the exchange
+    #: runs inside ``optimizer.step()``, which the user's ``training_step`` calls
+    supports_manual_optimization = True
 
     def __init__(self, *, compression: Any = None, **kwargs: Any) -> None:
         kwargs.setdefault("process_group_backend", None)
@@ -96,11 +113,7 @@ class CenterStrategy(DDPStrategy):
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        if len(self.optimizers) != 1:
-            raise ValueError(
-                f"{type(self).__name__} supports exactly one optimizer "
-                f"(configure_optimizers returned {len(self.optimizers)})"
-            )
+        check_one_optimizer(self, len(self.optimizers))
         self._validate_world(self.world_size)
         tensors = self._elastic_tensors()
         if self._resume_state is None:

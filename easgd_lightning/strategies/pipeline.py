@@ -129,6 +129,11 @@ class Pipeline3DStrategy(DDPStrategy):
         **kwargs: ``DDPStrategy`` arguments (``timeout``, ``process_group_backend``, ...).
     """
 
+    #: one optimizer, stepped by the engine; the user's training_step is not called (the
+    #: engine runs the pipeline schedule), so manual optimization cannot be honoured
+    max_optimizers = 1
+    supports_manual_optimization = False
+
     strategy_name = "pipeline_3d"
     min_world_size = 1
     supports_final_validate = True
@@ -264,6 +269,12 @@ class Pipeline3DStrategy(DDPStrategy):
                 f"trainer.accumulate_grad_batches=1 (got {trainer.accumulate_grad_batches})"
             )
         module = self.lightning_module
+        if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
+            raise ValueError(
+                "strategy=pipeline_3d does not support manual optimization (automatic_optimization"
+                "=False): its engine runs forward, backward and the optimizer step itself; use "
+                "automatic optimization with one optimizer"
+            )
         fitting = trainer.state.fn == TrainerFn.FITTING
         if self._engine is None:
             self._engine = self._build_engine(trainer, module, fitting)

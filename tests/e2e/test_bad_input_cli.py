@@ -21,6 +21,8 @@ CASES = [
     (["optim.lr=-1"], "optim.lr: must be a number > 0, got -1"),
     (["trainer.precision=16-mixed"], "trainer.precision: 16-mixed needs a GPU"),
     (["strategy=easgd_round_robin", "trainer.devices=1"], "trainer.devices"),
+    (["model=gpt_tiny", "model.builder=tests.unit.test_validation:two_optimizers", "strategy=sync_easgd"],
+     "model=gpt: configure_optimizers returns 2 optimizers; strategy=sync_easgd drives exactly 1"),
 ]
 
 

@@ -13,11 +13,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
 
 import easgd_lightning.cli.train  # noqa: F401  (registers the recipe resolvers)
 from easgd_lightning.cli.build import ConfigError, validate_config
 from easgd_lightning.cli.overrides import CONF_DIR, check_command_line, compose_checked
-
 
 # (overrides, the line's key, a fragment saying what is allowed)
 BAD = [
@@ -84,6 +86,51 @@ BAD = [
 ]
 
 
+class _UserModule(pl.LightningModule):
+    """A user's module with a body and a head (built by the CLI through ``model.builder``)."""
+
+    def __init__(self, optimizers: int = 1, manual: bool = False) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(64, 32), nn.Linear(32, 10)
+        self.n_optimizers = optimizers
+        self.automatic_optimization = not manual
+
+    def configure_optimizers(self):
+        if self.n_optimizers == 1:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+        return [torch.optim.SGD(self.body.parameters(), lr=0.1), torch.optim.Adam(self.head.parameters())]
+
+
+def one_optimizer(cfg, dm) -> pl.LightningModule:
+    return _UserModule()
+
+
+def two_optimizers(cfg, dm) -> pl.LightningModule:
+    return _UserModule(optimizers=2, manual=True)
+
+
+def manual_pipeline(cfg, dm) -> pl.LightningModule:
+    from easgd_lightning.models.gpt import build_lightning_module
+
+    module = build_lightning_module(cfg, dm)
+    module.automatic_optimization = False
+    return module
+
+
+_USER = "model.builder=tests.unit.test_validation:"
+BAD += [
+    # what the strategy cannot train, known before launch from the module built on the meta device
+    (["model=gpt_tiny", f"{_USER}two_optimizers", "strategy=sync_easgd"], "model=gpt",
+     "configure_optimizers returns 2 optimizers; strategy=sync_easgd drives exactly 1"),
+    (["model=gpt_tiny", f"{_USER}two_optimizers", "strategy=async_easgd", "trainer.devices=3"], "model=gpt",
+     "strategy=async_easgd drives exactly 1: return one optimizer"),
+    (["model=gpt_tiny", f"{_USER}two_optimizers", "strategy=hogwild_sgd"], "model=gpt", "or use strategy=ddp"),
+    (["recipe=nlp3d/gpt_tiny_pp2", f"{_USER}manual_pipeline"], "model=gpt",
+     "manual optimization (automatic_optimization=False), which strategy=pipeline_3d does not support"),
+    (["recipe=nlp3d/gpt_tiny_pp2", f"{_USER}one_optimizer"], "model=gpt", "_UserModule has no pipeline form"),
+]
+
+
 def _check(overrides: list[str]) -> None:
     validate_config(compose_checked(overrides))
 
@@ -143,6 +190,8 @@ def test_every_job_of_a_sweep_is_checked_before_any_runs() -> None:
         ["recipe=nlp3d/gpt_tiny_pp2"],
         ["recipe=imagenet/alexnet_knl", "data.synthetic=true"],
         ["hydra.run.dir=/tmp/x", "hydra/launcher=slurm", "hydra.job.chdir=false"],
+        ["model=gpt_tiny", f"{_USER}two_optimizers", "strategy=ddp"],  # Lightning's DDP drives any number
+        ["model=gpt_tiny", f"{_USER}one_optimizer", "strategy=sync_easgd"],
     ],
 )
 def test_good_inputs_pass(overrides: list[str]) -> None:
