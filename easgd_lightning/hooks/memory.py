@@ -5,11 +5,21 @@ Rule (error feedback; Seide et al. 2014, Karimireddy et al. 2019, Stich et al. 2
   send C(p_t);  e_{t+1} = p_t - C(p_t)   (``update``)
 so sum_t C(p_t) + e_{T+1} = sum_t g_t: nothing is lost, only delayed. ``NoMemory`` is the
 identity (for unbiased or lossless compressors). One residual per key (tensor).
+
+``ResidualMemory`` keeps two buffers per key and swaps them: ``compensate`` writes
+p = g + e into the spare one (one pass, no allocation after the first step) and offers it
+to the compressor (:func:`~easgd_lightning.hooks.compressors.base.offer_residual`);
+``update`` turns p into the next residual in place (p -= transmitted), or keeps it as it
+is when the compressor already wrote p - C(p) into it. The stored residual does not change
+between ``compensate`` and ``update``.
 """
 
 from __future__ import annotations
 
 import torch
+
+from easgd_lightning.hooks.compressors._native import add_into
+from easgd_lightning.hooks.compressors.base import offer_residual, take_residual_written
 
 __all__ = ["Memory", "ResidualMemory", "NoMemory", "make_memory"]
 
@@ -55,16 +65,40 @@ class ResidualMemory(Memory):
             raise ValueError(f"compression.memory_decay must be in [0, 1], got {decay!r}")
         self.decay = float(decay)
         self.residuals: dict = {}
+        self._spare: dict = {}  # key -> buffer the next compensate writes p into
+        self._pending: dict = {}  # key -> the p handed out by compensate, until update
 
     def compensate(self, key, tensor: torch.Tensor) -> torch.Tensor:
         res = self.residuals.get(key)
         if res is None or res.shape != tensor.shape:
-            return tensor.clone()
-        res = res.to(device=tensor.device, dtype=tensor.dtype)
-        return tensor + (res if self.decay == 1.0 else self.decay * res)
+            p = tensor.detach().clone(memory_format=torch.contiguous_format)
+        else:
+            p = self._spare.pop(key, None)
+            if p is None or p.shape != tensor.shape or p.dtype != tensor.dtype or (
+                p.device != tensor.device
+            ):
+                p = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+            res = res.to(device=tensor.device, dtype=tensor.dtype)
+            if self.decay == 1.0:
+                add_into(p, tensor.detach(), res)
+            else:
+                torch.mul(res, self.decay, out=p).add_(tensor.detach())
+        self._pending[key] = p
+        offer_residual(p)
+        return p
 
     def update(self, key, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
-        self.residuals[key] = (compensated - transmitted.to(compensated.dtype)).detach()
+        written = take_residual_written(compensated)
+        if self._pending.get(key) is not compensated:  # not our buffer: the plain rule
+            self.residuals[key] = (compensated - transmitted.to(compensated.dtype)).detach()
+            return
+        del self._pending[key]
+        if not written:
+            compensated.sub_(transmitted.to(compensated.dtype))
+        old = self.residuals.get(key)
+        self.residuals[key] = compensated.detach()
+        if old is not None and old.shape == compensated.shape:
+            self._spare[key] = old
 
     def residual(self, key) -> torch.Tensor | None:
         """The stored residual for ``key`` (None before the first update)."""
@@ -76,9 +110,13 @@ class ResidualMemory(Memory):
     def load_state_dict(self, state: dict) -> None:
         self.decay = float(state.get("decay", self.decay))
         self.residuals = {k: v.clone() for k, v in state.get("residuals", {}).items()}
+        self._spare.clear()
+        self._pending.clear()
 
     def reset(self) -> None:
         self.residuals.clear()
+        self._spare.clear()
+        self._pending.clear()
 
 
 def make_memory(compressor=None) -> Memory:

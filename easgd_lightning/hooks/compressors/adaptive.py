@@ -28,9 +28,10 @@ from easgd_lightning.hooks.compressors.base import (
     check_positive,
     check_ratio,
     index_dtype_for,
+    scratch_of,
 )
 from easgd_lightning.hooks.compressors.sparse import SparseCompressor
-from easgd_lightning.hooks.compressors.topk import topk_indices
+from easgd_lightning.hooks.compressors.topk import topk_indices, topk_select
 
 __all__ = ["AdaptiveCompressor", "adaptive_ratio"]
 
@@ -158,6 +159,12 @@ class AdaptiveCompressor(SparseCompressor):
     def select(self, flat: torch.Tensor, state: dict) -> torch.Tensor:
         ratio = float(state.get("ratio", self.max_ratio))
         return topk_indices(flat, ratio, exact=self.exact, sample_size=self.sample_size)
+
+    def select_values(self, flat: torch.Tensor, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        ratio = float(state.get("ratio", self.max_ratio))
+        return topk_select(
+            flat, ratio, exact=self.exact, sample_size=self.sample_size, scratch=scratch_of(state)
+        )
 
     def compress(self, tensor: torch.Tensor, state: dict) -> Payload:
         ratio = float(state.get("ratio", 1.0))

@@ -19,7 +19,20 @@ pattern it needs is expressed against a :class:`Collective`, which the attach po
 
 ``state`` is a mutable ``dict`` owned by the caller, one per communicated tensor (bucket,
 flat parameter buffer), so a compressor instance can serve many tensors. Error feedback
-is not part of a compressor: see :mod:`easgd_lightning.hooks.memory`.
+is not part of a compressor: see :mod:`easgd_lightning.hooks.memory`. Full-size working
+buffers reused from step to step live in ``state["_scratch"]`` (a dict); checkpoints drop
+that key, so nothing that must survive a resume is kept there. ``decompress`` returns a
+new tensor unless the caller put a dense buffer in ``payload.meta["out"]`` (the compressors
+that support it write into that buffer and return it). The two tensors ``aggregate``
+returns are such scratch buffers: valid until the next call with the same ``state``; copy
+them to keep them longer.
+
+Residual hand-off (one pass instead of three): :class:`~easgd_lightning.hooks.memory.
+ResidualMemory` marks the compensated tensor p it returns (:func:`offer_residual`). A
+compressor that gets such a tensor may overwrite it with p - decompress(its own payload),
+bit for bit what the memory would compute, and say so with :func:`residual_written`; the
+memory then keeps p as the residual without another pass (a sparsifier zeroes the sent
+entries, EF-signSGD subtracts the scaled signs).
 
 Every compressor also carries the two attach-point policies configured with it
 (``conf/compression/*.yaml``): ``min_numel`` (tensors with fewer elements travel dense,
@@ -54,6 +67,14 @@ __all__ = [
     "pack_bits",
     "unpack_bits",
     "index_dtype_for",
+    "offer_residual",
+    "may_write_residual",
+    "residual_written",
+    "take_residual_written",
+    "scratch_of",
+    "dense_out",
+    "scratch_buffer",
+    "with_out",
 ]
 
 #: Tensors with fewer elements than this travel dense (DGC, Lin et al. 2018, use ~16k).
@@ -144,20 +165,28 @@ class Compressor(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Exchange ``tensor``; return (mean over ranks, this rank's decompressed part)."""
         shape = tensor.shape
+        n, dt, dev = tensor.numel(), tensor.dtype, tensor.device
         payload = self.compress(tensor, state)
-        local = self.decompress(payload, shape)
+        meta = payload.meta
+        local = self.decompress(Payload(payload.tensors, with_out(meta, state, "local", n, dt, dev)), shape)
         world = collective.world_size
         if self.aggregation == "allreduce":
             summed = collective.all_reduce_sum(list(payload.tensors))
-            total = self.decompress(Payload(tuple(summed), payload.meta), shape)
+            total = self.decompress(
+                Payload(tuple(summed), with_out(meta, state, "total", n, dt, dev)), shape
+            )
         else:
             gathered = collective.all_gather(list(payload.tensors))
-            total = torch.zeros(shape, dtype=tensor.dtype, device=tensor.device)
+            total = dense_out(with_out(meta, state, "total", n, dt, dev), n, dt, dev).view(shape)
+            part_meta = with_out(meta, state, "part", n, dt, dev)
             for rank_tensors in gathered:
-                total += self.decompress(Payload(tuple(rank_tensors), payload.meta), shape).to(
-                    tensor.dtype
-                )
-        return total.to(tensor.dtype) / world, local.to(tensor.dtype)
+                total += self.decompress(Payload(tuple(rank_tensors), part_meta), shape).to(dt)
+        if total.dtype == dt:
+            mean = scratch_buffer(scratch_of(state), "mean", n, dt, dev)
+            mean = torch.div(total.reshape(-1), world, out=mean).view(shape)
+        else:
+            mean = total.to(dt) / world
+        return mean, local.to(dt)
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
@@ -165,6 +194,73 @@ class Compressor(ABC):
 
 
 # ----------------------------------------------------------------------------- helpers
+
+_OFFER = "_easgd_residual_offer"  # attribute on an offered tensor: 1 offered, 2 written
+
+
+def offer_residual(t: torch.Tensor) -> None:
+    """Mark ``t`` (a memory-owned compensated buffer) as writable with its residual."""
+    setattr(t, _OFFER, 1)
+
+
+def may_write_residual(t: torch.Tensor) -> bool:
+    """Whether ``t`` was offered and not yet written."""
+    return getattr(t, _OFFER, 0) == 1
+
+
+def residual_written(t: torch.Tensor) -> None:
+    """A compressor overwrote the offered ``t`` with t - decompress(its payload)."""
+    if getattr(t, _OFFER, 0) == 1:
+        setattr(t, _OFFER, 2)
+
+
+def take_residual_written(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds its residual already; clears the mark either way."""
+    flag = getattr(t, _OFFER, 0)
+    if flag:
+        setattr(t, _OFFER, 0)
+    return flag == 2
+
+
+def scratch_of(state: dict) -> dict:
+    """The per-tensor scratch dict ``state["_scratch"]`` (created on first use)."""
+    scratch = state.get("_scratch")
+    if scratch is None:
+        scratch = state["_scratch"] = {}
+    return scratch
+
+
+def scratch_buffer(
+    scratch: dict | None, slot: str, numel: int, dtype: torch.dtype, device
+) -> torch.Tensor:
+    """A reusable 1-D buffer of at least ``numel`` elements from ``scratch[slot]`` (first
+    ``numel`` returned; contents undefined); a fresh one when ``scratch`` is None."""
+    if scratch is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    buf = scratch.get(slot)
+    if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != torch.device(device):
+        buf = scratch[slot] = torch.empty(max(numel, 1), dtype=dtype, device=device)
+    return buf[:numel]
+
+
+def with_out(meta: dict, state: dict | None, slot: str, numel: int, dtype, device) -> dict:
+    """``meta`` plus ``"out"``: the scratch buffer ``slot`` of ``state`` that a decode writes
+    into (several live outputs of one exchange -- local part, total, per-rank parts -- use
+    different slots); ``meta`` itself when ``state`` is None."""
+    if state is None:
+        return meta
+    return dict(meta, out=scratch_buffer(scratch_of(state), slot, numel, dtype, device))
+
+
+def dense_out(meta: dict, numel: int, dtype: torch.dtype, device, *, zero: bool = True) -> torch.Tensor:
+    """The dense 1-D output of a decode: the caller's buffer ``meta["out"]`` when it is there
+    (zeroed if ``zero``), else a new tensor."""
+    out = meta.get("out")
+    if out is None or out.numel() != numel or out.dtype != dtype:
+        return torch.zeros(numel, dtype=dtype, device=device) if zero else torch.empty(
+            numel, dtype=dtype, device=device)
+    out = out.reshape(-1)
+    return out.zero_() if zero else out
 
 
 def num_selected(numel: int, ratio: float) -> int:

@@ -4,6 +4,12 @@ A sparsifier only chooses *which* entries to send (``select``); this base class 
 the chosen int32 indices and their values into one byte message (``nnz * (4 + 4)`` bytes
 for fp32), all-gathers the messages (lengths differ per rank) and scatter-adds every
 rank's entries into the dense mean. Not a config name by itself.
+
+Selection helpers: :func:`count_above` counts ``|x| > thr`` in one pass and
+:func:`select_above` returns the indices and values above a threshold in one pass (native
+kernel; eager ``abs``/``nonzero``/gather elsewhere), so a threshold rule costs one counting
+pass at most before it gathers. When the compressed tensor was offered by the residual
+memory, the sent entries are zeroed in place: that is p - C(p), the next residual.
 """
 
 from __future__ import annotations
@@ -12,17 +18,85 @@ from abc import abstractmethod
 
 import torch
 
+from easgd_lightning.hooks.compressors import _native
 from easgd_lightning.hooks.compressors.base import (
     Collective,
     Compressor,
     Payload,
+    dense_out,
     index_dtype_for,
+    may_write_residual,
     num_selected,
     pack_sparse,
+    residual_written,
+    scratch_buffer,
+    scratch_of,
     unpack_sparse,
+    with_out,
 )
 
-__all__ = ["SparseCompressor", "sparse_payload", "sample_threshold"]
+__all__ = [
+    "SparseCompressor",
+    "sparse_payload",
+    "sample_threshold",
+    "strided_sample",
+    "count_above",
+    "select_above",
+]
+
+
+def strided_sample(flat: torch.Tensor, sample_size: int) -> torch.Tensor:
+    """Every ``stride``-th entry, ``stride = max(1, n // sample_size)`` (a view)."""
+    stride = max(1, flat.numel() // max(1, sample_size))
+    return flat[::stride] if stride > 1 else flat
+
+
+def _thr_value(thr) -> float:
+    return float(thr)
+
+
+def count_above(flat: torch.Tensor, thr, *, inclusive: bool = False) -> int:
+    """Number of entries with |x| > thr (>= thr when ``inclusive``); one read pass."""
+    lib = _native.use(flat)
+    if lib is not None:
+        fn = getattr(lib, f"count_abs_{_native.SUFFIX[flat.dtype]}")
+        return int(fn(flat.data_ptr(), flat.numel(), _thr_value(thr), int(inclusive)))
+    mag = flat.abs()
+    return int(((mag >= thr) if inclusive else (mag > thr)).sum())
+
+
+def select_above(
+    flat: torch.Tensor,
+    thr,
+    *,
+    inclusive: bool = False,
+    expect: int | None = None,
+    scratch: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices ascending int64, values) of the entries with |x| > thr (>= when ``inclusive``).
+
+    One pass over ``flat`` with the native kernel (a second only when more than the
+    reserved ``2 * expect + 1024`` entries pass); the results may be views of ``scratch``
+    buffers, valid until the next call with the same scratch.
+    """
+    n = flat.numel()
+    lib = _native.use(flat)
+    if lib is not None:
+        fn = getattr(lib, f"select_abs_{_native.SUFFIX[flat.dtype]}")
+        cap = min(n, 2 * (expect if expect is not None else n // 100) + 1024)
+        if scratch is not None and "sel_idx" in scratch:
+            cap = min(n, max(cap, scratch["sel_idx"].numel()))
+        t = _thr_value(thr)
+        while True:
+            idx = scratch_buffer(scratch, "sel_idx", cap, torch.int64, flat.device)
+            val = scratch_buffer(scratch, "sel_val", cap, flat.dtype, flat.device)
+            c = int(fn(flat.data_ptr(), n, t, int(inclusive), cap, idx.data_ptr(), val.data_ptr()))
+            if c <= cap:
+                return idx[:c], val[:c]
+            cap = c
+    mag = flat.abs()
+    idx = torch.nonzero((mag >= thr) if inclusive else (mag > thr)).squeeze(1)
+    return idx, flat[idx]
 
 
 def sparse_payload(
@@ -59,9 +133,11 @@ def sample_threshold(magnitudes: torch.Tensor, ratio: float, sample_size: int) -
     ks = num_selected(m, ratio)
     if ks >= m:
         return magnitudes.new_tensor(-1.0)
-    # (ks+1)-th largest == (m-ks)-th smallest
     if sample.dtype in (torch.float16, torch.bfloat16):
         sample = sample.float()
+    if 4 * (ks + 1) <= m:  # the same order statistic; a small top-k is cheaper than a selection
+        return torch.topk(sample, ks + 1, sorted=False).values.min().to(magnitudes.dtype)
+    # (ks+1)-th largest == (m-ks)-th smallest
     return torch.kthvalue(sample, m - ks).values.to(magnitudes.dtype)
 
 
@@ -75,31 +151,47 @@ class SparseCompressor(Compressor):
     def select(self, flat: torch.Tensor, state: dict) -> torch.Tensor:
         """Indices (1-D, int64, unique) of the entries of ``flat`` to send."""
 
+    def select_values(self, flat: torch.Tensor, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices, values) to send; the default gathers ``flat`` at :meth:`select`."""
+        idx = self.select(flat, state)
+        return idx, flat[idx]
+
     def compress(self, tensor: torch.Tensor, state: dict) -> Payload:
         flat = tensor.reshape(-1)
-        idx = self.select(flat, state)
+        idx, val = self.select_values(flat, state)
         state["last_nnz"] = int(idx.numel())
-        return sparse_payload(flat, idx)
+        payload = sparse_payload(flat, idx, val)
+        if may_write_residual(tensor) and flat.data_ptr() == tensor.data_ptr():
+            _native.zero_at(flat, idx)  # p - C(p): the sent entries leave the residual
+            residual_written(tensor)
+        return payload
 
     def decompress(self, payload: Payload, shape: torch.Size) -> torch.Tensor:
         meta = payload.meta
         idx, val = unpack_sparse(payload.tensors[0], meta["index_dtype"], meta["dtype"])
-        out = torch.zeros(meta["numel"], dtype=meta["dtype"], device=val.device)
-        out.index_add_(0, idx.long(), val)
+        out = dense_out(meta, meta["numel"], meta["dtype"], val.device)
+        _native.scatter_into(out, idx, val)
         return out.reshape(shape)
 
     def aggregate(
         self, tensor: torch.Tensor, state: dict, collective: Collective
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """All-gather every rank's (index, value) message and scatter-add them once."""
+        n, dt = tensor.numel(), tensor.dtype
         payload = self.compress(tensor, state)
-        local = self.decompress(payload, tensor.shape)
-        gathered = collective.all_gather(list(payload.tensors))
         meta = payload.meta
+        local = self.decompress(
+            Payload(payload.tensors, with_out(meta, state, "local", n, dt, tensor.device)),
+            tensor.shape,
+        )
+        gathered = collective.all_gather(list(payload.tensors))
         parts = [unpack_sparse(rank[0], meta["index_dtype"], meta["dtype"]) for rank in gathered]
         idx = torch.cat([p[0].long() for p in parts])
         val = torch.cat([p[1] for p in parts])
-        total = torch.zeros(meta["numel"], dtype=meta["dtype"], device=tensor.device)
+        total = dense_out(
+            with_out(meta, state, "total", n, meta["dtype"], tensor.device),
+            meta["numel"], meta["dtype"], tensor.device,
+        )
         total.index_add_(0, idx.to(tensor.device), val.to(tensor.device))
-        mean = total.reshape(tensor.shape) / collective.world_size
-        return mean.to(tensor.dtype), local.to(tensor.dtype)
+        total.div_(collective.world_size)  # the scatter-add above is the only other pass
+        return total.view(tensor.shape).to(tensor.dtype), local.to(tensor.dtype)

@@ -1,0 +1,288 @@
+/* One-pass CPU kernels for the codecs (see _native.py, which builds and loads this file).
+ *
+ * Each kernel reads the tensor once and does what the eager version does in several
+ * passes (mask, count, nonzero, gather; norm, noise, floor, cast; compare, pack). The
+ * arithmetic is the eager arithmetic (built with -ffp-contract=off: no fused multiply-add),
+ * so results match the eager fallbacks bit for bit except where a docstring in the Python
+ * caller says otherwise (sums accumulate in double). Single-threaded: the callers run one
+ * codec per tensor on the training process's own thread.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define BLOCK 16 /* entries tested together before the (rare) scalar gather */
+
+/* ------------------------------------------------------------------ selection by |x| */
+
+/* count |x_i| > thr (or >= thr when ge) */
+#define DEF_COUNT(T, SFX)                                                                   \
+    int64_t count_abs_##SFX(const T *x, int64_t n, T thr, int ge) {                        \
+        int64_t c = 0;                                                                      \
+        if (ge) {                                                                           \
+            for (int64_t i = 0; i < n; i++) c += fabs(x[i]) >= thr;                         \
+        } else {                                                                            \
+            for (int64_t i = 0; i < n; i++) c += fabs(x[i]) > thr;                          \
+        }                                                                                   \
+        return c;                                                                           \
+    }
+
+/* indices (ascending) and values of the entries with |x_i| > thr (>= thr when ge); writes
+ * at most cap of them and returns how many there are in all. With AVX-512 the survivors of
+ * 16 (8) entries are compressed in registers and stored at once; otherwise a block whose
+ * compare mask is empty is skipped and the rest is gathered one by one. */
+#define HIT(a, thr, ge) ((ge) ? (a) >= (thr) : (a) > (thr))
+#define DEF_SELECT_TAIL(T, SFX)                                                             \
+    static int64_t select_tail_##SFX(const T *x, int64_t i, int64_t n, T thr, int ge,      \
+                                     int64_t c, int64_t cap, int64_t *idx, T *val) {        \
+        for (; i < n; i++)                                                                  \
+            if (HIT(fabs(x[i]), thr, ge)) {                                                 \
+                if (c < cap) { idx[c] = i; val[c] = x[i]; }                                 \
+                c++;                                                                        \
+            }                                                                               \
+        return c;                                                                           \
+    }
+DEF_SELECT_TAIL(float, f32)
+DEF_SELECT_TAIL(double, f64)
+
+int64_t select_abs_f32(const float *x, int64_t n, float thr, int ge, int64_t cap,
+                       int64_t *idx, float *val) {
+    int64_t c = 0, i = 0;
+#ifdef __AVX512F__
+    const __m512 t = _mm512_set1_ps(thr);
+    const __m512i lo0 = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512i hi0 = _mm512_setr_epi64(8, 9, 10, 11, 12, 13, 14, 15);
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = _mm512_loadu_ps(x + i);
+        __m512 a = _mm512_abs_ps(v);
+        __mmask16 k = ge ? _mm512_cmp_ps_mask(a, t, _CMP_GE_OQ) : _mm512_cmp_ps_mask(a, t, _CMP_GT_OQ);
+        if (!k) continue;
+        if (c + 16 <= cap) {
+            __m512i base = _mm512_set1_epi64(i);
+            int clo = __builtin_popcount(k & 0xFF);
+            _mm512_storeu_ps(val + c, _mm512_maskz_compress_ps(k, v));
+            _mm512_storeu_si512(idx + c, _mm512_maskz_compress_epi64((__mmask8)(k & 0xFF), _mm512_add_epi64(base, lo0)));
+            _mm512_storeu_si512(idx + c + clo, _mm512_maskz_compress_epi64((__mmask8)(k >> 8), _mm512_add_epi64(base, hi0)));
+            c += __builtin_popcount(k);
+        } else {
+            c = select_tail_f32(x, i, i + 16, thr, ge, c, cap, idx, val);
+        }
+    }
+#else
+    for (; i + BLOCK <= n; i += BLOCK) {
+        int any = 0;
+        for (int j = 0; j < BLOCK; j++) any |= HIT(fabsf(x[i + j]), thr, ge);
+        if (any) c = select_tail_f32(x, i, i + BLOCK, thr, ge, c, cap, idx, val);
+    }
+#endif
+    return select_tail_f32(x, i, n, thr, ge, c, cap, idx, val);
+}
+
+int64_t select_abs_f64(const double *x, int64_t n, double thr, int ge, int64_t cap,
+                       int64_t *idx, double *val) {
+    int64_t c = 0, i = 0;
+#ifdef __AVX512F__
+    const __m512d t = _mm512_set1_pd(thr);
+    const __m512i lo0 = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+    for (; i + 8 <= n; i += 8) {
+        __m512d v = _mm512_loadu_pd(x + i);
+        __m512d a = _mm512_abs_pd(v);
+        __mmask8 k = ge ? _mm512_cmp_pd_mask(a, t, _CMP_GE_OQ) : _mm512_cmp_pd_mask(a, t, _CMP_GT_OQ);
+        if (!k) continue;
+        if (c + 8 <= cap) {
+            _mm512_storeu_pd(val + c, _mm512_maskz_compress_pd(k, v));
+            _mm512_storeu_si512(idx + c, _mm512_maskz_compress_epi64(k, _mm512_add_epi64(_mm512_set1_epi64(i), lo0)));
+            c += __builtin_popcount(k);
+        } else {
+            c = select_tail_f64(x, i, i + 8, thr, ge, c, cap, idx, val);
+        }
+    }
+#else
+    for (; i + BLOCK <= n; i += BLOCK) {
+        int any = 0;
+        for (int j = 0; j < BLOCK; j++) any |= HIT(fabs(x[i + j]), thr, ge);
+        if (any) c = select_tail_f64(x, i, i + BLOCK, thr, ge, c, cap, idx, val);
+    }
+#endif
+    return select_tail_f64(x, i, n, thr, ge, c, cap, idx, val);
+}
+
+/* sum of |x| (in double) and max of |x| in one pass */
+#define DEF_ABS_SUM_MAX(T, SFX)                                                             \
+    void abs_sum_max_##SFX(const T *x, int64_t n, double *sum, T *max) {                  \
+        double s = 0.0;                                                                     \
+        T m = 0;                                                                            \
+        for (int64_t i = 0; i < n; i++) {                                                   \
+            T a = fabs(x[i]);                                                               \
+            s += a;                                                                         \
+            m = a > m ? a : m;                                                              \
+        }                                                                                   \
+        *sum = s;                                                                           \
+        *max = m;                                                                           \
+    }
+
+/* DGC momentum correction, in place: u <- m u + g; v <- v + u
+ * (Nesterov: u <- m (u + g); v <- v + u + g), with the eager rounding order. */
+#define DEF_MOMENTUM(T, SFX)                                                                \
+    void momentum_##SFX(T *u, T *v, const T *g, int64_t n, T m, int nesterov) {            \
+        if (nesterov) {                                                                     \
+            for (int64_t i = 0; i < n; i++) {                                               \
+                T ui = (u[i] + g[i]) * m;                                                   \
+                u[i] = ui;                                                                  \
+                v[i] = (v[i] + ui) + g[i];                                                  \
+            }                                                                               \
+        } else {                                                                            \
+            for (int64_t i = 0; i < n; i++) {                                               \
+                T ui = u[i] * m + g[i];                                                     \
+                u[i] = ui;                                                                  \
+                v[i] = v[i] + ui;                                                           \
+            }                                                                               \
+        }                                                                                   \
+    }
+
+/* out <- a + b; streaming stores (no read of out's old contents) when out is aligned */
+void add_out_f32(const float *a, const float *b, float *out, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX__
+    if (((uintptr_t)out & 31) == 0) {
+        for (; i + 8 <= n; i += 8)
+            _mm256_stream_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+        _mm_sfence();
+    }
+#endif
+    for (; i < n; i++) out[i] = a[i] + b[i];
+}
+
+void add_out_f64(const double *a, const double *b, double *out, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX__
+    if (((uintptr_t)out & 31) == 0) {
+        for (; i + 4 <= n; i += 4)
+            _mm256_stream_pd(out + i, _mm256_add_pd(_mm256_loadu_pd(a + i), _mm256_loadu_pd(b + i)));
+        _mm_sfence();
+    }
+#endif
+    for (; i < n; i++) out[i] = a[i] + b[i];
+}
+
+/* out[idx[j]] <- val[j] (idx int32 or int64), and x[idx[j]] <- 0 */
+#define DEF_SCATTER(T, SFX)                                                                 \
+    void scatter_i32_##SFX(T *out, const int32_t *idx, const T *val, int64_t k) {           \
+        for (int64_t j = 0; j < k; j++) out[idx[j]] = val[j];                               \
+    }                                                                                       \
+    void scatter_i64_##SFX(T *out, const int64_t *idx, const T *val, int64_t k) {           \
+        for (int64_t j = 0; j < k; j++) out[idx[j]] = val[j];                               \
+    }                                                                                       \
+    void zero_at_##SFX(T *x, const int64_t *idx, int64_t k) {                               \
+        for (int64_t j = 0; j < k; j++) x[idx[j]] = 0;                                      \
+    }
+
+DEF_SCATTER(float, f32)
+DEF_SCATTER(double, f64)
+DEF_COUNT(float, f32)
+DEF_COUNT(double, f64)
+DEF_ABS_SUM_MAX(float, f32)
+DEF_ABS_SUM_MAX(double, f64)
+DEF_MOMENTUM(float, f32)
+DEF_MOMENTUM(double, f64)
+
+/* ------------------------------------------------------------------ QSGD */
+
+/* A counter-based 32-bit hash (xor-shift-multiply rounds): the uniform noise of entry i
+ * is hash(i + s0) ^ s1 mixed again, top 24 bits / 2^24, in [0, 1). */
+static inline uint32_t mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7feb352dU;
+    x ^= x >> 15;
+    x *= 0x846ca68bU;
+    x ^= x >> 16;
+    return x;
+}
+
+static inline float uniform24(uint32_t i, uint32_t s0, uint32_t s1) {
+    return (float)(mix32(mix32(i + s0) ^ s1) >> 8) * (1.0f / 16777216.0f);
+}
+
+/* Per bucket of b entries: norm = ||v||_2; q_i = sign(v_i) min(s, floor(s |v_i| / norm + U)). */
+#define DEF_QSGD(T, Q, SFX)                                                                 \
+    void qsgd_quantize_##SFX(const T *x, int64_t n, int64_t b, T levels, uint32_t s0,      \
+                             uint32_t s1, T *norms, Q *q) {                                 \
+        int64_t nb = (n + b - 1) / b;                                                       \
+        for (int64_t k = 0; k < nb; k++) {                                                  \
+            const T *v = x + k * b;                                                         \
+            Q *o = q + k * b;                                                               \
+            int64_t len = (k + 1) * b <= n ? b : n - k * b;                                 \
+            double ss = 0.0;                                                                \
+            for (int64_t j = 0; j < len; j++) ss += (double)v[j] * (double)v[j];            \
+            T norm = (T)sqrt(ss);                                                           \
+            norms[k] = norm;                                                                \
+            T scale = levels / (norm > 0 ? norm : (T)1);                                    \
+            uint32_t base = (uint32_t)(k * b);                                              \
+            for (int64_t j = 0; j < len; j++) {                                             \
+                T a = fabs(v[j]) * scale;                                                   \
+                T xi = floor(a + (T)uniform24(base + (uint32_t)j, s0, s1));                 \
+                xi = xi > levels ? levels : xi;                                             \
+                o[j] = (Q)(v[j] > 0 ? xi : (v[j] < 0 ? -xi : 0));                           \
+            }                                                                               \
+        }                                                                                   \
+    }                                                                                       \
+    void qsgd_dequantize_##SFX(const Q *q, int64_t n, int64_t b, const T *norms, T levels, \
+                               T *out) {                                                    \
+        int64_t nb = (n + b - 1) / b;                                                       \
+        for (int64_t k = 0; k < nb; k++) {                                                  \
+            int64_t len = (k + 1) * b <= n ? b : n - k * b;                                 \
+            T f = norms[k] / levels;                                                        \
+            const Q *src = q + k * b;                                                       \
+            T *dst = out + k * b;                                                           \
+            for (int64_t j = 0; j < len; j++) dst[j] = (T)src[j] * f;                       \
+        }                                                                                   \
+    }
+
+DEF_QSGD(float, int8_t, f32_i8)
+DEF_QSGD(double, int8_t, f64_i8)
+DEF_QSGD(float, int16_t, f32_i16)
+DEF_QSGD(double, int16_t, f64_i16)
+
+/* ------------------------------------------------------------------ sign */
+
+/* bit j of byte i = (x[8i + j] >= 0); returns sum |x| (double). */
+#define DEF_SIGN(T, SFX)                                                                    \
+    double sign_pack_##SFX(const T *x, int64_t n, uint8_t *packed) {                        \
+        double s = 0.0;                                                                     \
+        int64_t full = n / 8;                                                               \
+        for (int64_t i = 0; i < full; i++) {                                                \
+            const T *v = x + 8 * i;                                                         \
+            uint32_t byte = 0;                                                              \
+            T part = 0;                                                                     \
+            for (int j = 0; j < 8; j++) {                                                   \
+                byte |= (uint32_t)(v[j] >= 0) << j;                                         \
+                part += fabs(v[j]);                                                         \
+            }                                                                               \
+            packed[i] = (uint8_t)byte;                                                      \
+            s += part;                                                                      \
+        }                                                                                   \
+        if (n % 8) {                                                                        \
+            uint32_t byte = 0;                                                              \
+            for (int64_t j = 8 * full; j < n; j++) {                                        \
+                byte |= (uint32_t)(x[j] >= 0) << (j - 8 * full);                            \
+                s += fabs(x[j]);                                                            \
+            }                                                                               \
+            packed[full] = (uint8_t)byte;                                                   \
+        }                                                                                   \
+        return s;                                                                           \
+    }                                                                                       \
+    /* out_i = bit ? scale : -scale */                                                      \
+    void sign_unpack_##SFX(const uint8_t *packed, int64_t n, T scale, T *out) {             \
+        for (int64_t i = 0; i < n; i++)                                                     \
+            out[i] = ((packed[i >> 3] >> (i & 7)) & 1) ? scale : -scale;                    \
+    }                                                                                       \
+    /* in place: x_i <- x_i - (x_i >= 0 ? scale : -scale) (the EF-signSGD residual) */      \
+    void sign_residual_##SFX(T *x, int64_t n, T scale) {                                    \
+        for (int64_t i = 0; i < n; i++) x[i] = x[i] - (x[i] >= 0 ? scale : -scale);         \
+    }
+
+DEF_SIGN(float, f32)
+DEF_SIGN(double, f64)

@@ -1,0 +1,196 @@
+"""The one-pass CPU kernels of ``_kernels.c``: built on first use, loaded with ctypes.
+
+Why native code: on the CPU the eager form of a threshold sparsifier is
+``abs -> compare -> nonzero -> gather``, four passes and a bool mask, about 7x the time
+of a plain copy of the tensor at 25M floats; ``torch.compile`` fuses the element-wise part
+but cannot emit the compaction (``nonzero``) and its per-block reductions were slower
+than eager on this CPU (bench/README.md, "Compressors"). The kernels here do each rule's
+work in one pass. They cover contiguous float32 / float64 CPU tensors; everything else
+(CUDA, half precision, no C compiler) takes the eager path of the same rule, which the
+unit tests compare against the kernels.
+
+The library is compiled once per source / compiler / CPU into
+``$EASGD_KERNEL_CACHE`` (default ``~/.cache/easgd_lightning``) and renamed into place
+atomically, so concurrent processes can race safely. ``EASGD_NATIVE_KERNELS=0`` turns
+the kernels off (eager everywhere).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+__all__ = ["available", "use", "disabled", "lib", "fn", "add_into", "scatter_into", "zero_at"]
+
+_SRC = Path(__file__).with_name("_kernels.c")
+_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_failed = False
+_off = 0  # nesting depth of ``disabled()``
+
+_i64, _f32p, _f64p = ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p
+_SIGNATURES = {
+    # name: (restype, argtypes); pointers are passed as integers (tensor.data_ptr())
+    "count_abs_f32": (ctypes.c_int64, [ctypes.c_void_p, _i64, ctypes.c_float, ctypes.c_int]),
+    "count_abs_f64": (ctypes.c_int64, [ctypes.c_void_p, _i64, ctypes.c_double, ctypes.c_int]),
+    "select_abs_f32": (ctypes.c_int64, [ctypes.c_void_p, _i64, ctypes.c_float, ctypes.c_int, _i64,
+                                        ctypes.c_void_p, ctypes.c_void_p]),
+    "select_abs_f64": (ctypes.c_int64, [ctypes.c_void_p, _i64, ctypes.c_double, ctypes.c_int, _i64,
+                                        ctypes.c_void_p, ctypes.c_void_p]),
+    "abs_sum_max_f32": (None, [ctypes.c_void_p, _i64, ctypes.c_void_p, ctypes.c_void_p]),
+    "abs_sum_max_f64": (None, [ctypes.c_void_p, _i64, ctypes.c_void_p, ctypes.c_void_p]),
+    "momentum_f32": (None, [ctypes.c_void_p] * 3 + [_i64, ctypes.c_float, ctypes.c_int]),
+    "momentum_f64": (None, [ctypes.c_void_p] * 3 + [_i64, ctypes.c_double, ctypes.c_int]),
+    "sign_pack_f32": (ctypes.c_double, [ctypes.c_void_p, _i64, ctypes.c_void_p]),
+    "sign_pack_f64": (ctypes.c_double, [ctypes.c_void_p, _i64, ctypes.c_void_p]),
+    "sign_unpack_f32": (None, [ctypes.c_void_p, _i64, ctypes.c_float, ctypes.c_void_p]),
+    "sign_unpack_f64": (None, [ctypes.c_void_p, _i64, ctypes.c_double, ctypes.c_void_p]),
+    "sign_residual_f32": (None, [ctypes.c_void_p, _i64, ctypes.c_float]),
+    "sign_residual_f64": (None, [ctypes.c_void_p, _i64, ctypes.c_double]),
+}
+for _t, _c in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
+    _SIGNATURES[f"add_out_{_t}"] = (None, [ctypes.c_void_p] * 3 + [_i64])
+    _SIGNATURES[f"scatter_i32_{_t}"] = (None, [ctypes.c_void_p] * 3 + [_i64])
+    _SIGNATURES[f"scatter_i64_{_t}"] = (None, [ctypes.c_void_p] * 3 + [_i64])
+    _SIGNATURES[f"zero_at_{_t}"] = (None, [ctypes.c_void_p] * 2 + [_i64])
+    for _q in ("i8", "i16"):
+        _SIGNATURES[f"qsgd_quantize_{_t}_{_q}"] = (
+            None, [ctypes.c_void_p, _i64, _i64, _c, ctypes.c_uint32, ctypes.c_uint32,
+                   ctypes.c_void_p, ctypes.c_void_p])
+        _SIGNATURES[f"qsgd_dequantize_{_t}_{_q}"] = (
+            None, [ctypes.c_void_p, _i64, _i64, ctypes.c_void_p, _c, ctypes.c_void_p])
+
+SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+
+
+def _cpu_id() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
+    return "\n".join(lines[:2])
+
+
+def _build() -> ctypes.CDLL | None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    src = _SRC.read_bytes()
+    cache = Path(os.environ.get("EASGD_KERNEL_CACHE", Path.home() / ".cache" / "easgd_lightning"))
+    for extra in (["-march=native"], []):
+        flags = _FLAGS + extra
+        tag = hashlib.sha256(src + " ".join([cc, *flags, _cpu_id()]).encode()).hexdigest()[:16]
+        path = cache / f"codec_kernels_{tag}.so"
+        if not path.exists():
+            cache.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+            os.close(fd)
+            proc = subprocess.run(
+                [cc, *flags, "-o", tmp, str(_SRC), "-lm"], capture_output=True, text=True, timeout=120
+            )
+            if proc.returncode != 0:
+                os.unlink(tmp)
+                continue
+            os.replace(tmp, path)
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError:
+            continue
+        for name, (res, args) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = res, args
+        return lib
+    return None
+
+
+def lib() -> ctypes.CDLL | None:
+    """The loaded kernel library, or None (no compiler, build failed, or turned off)."""
+    global _lib, _failed
+    if _off or os.environ.get("EASGD_NATIVE_KERNELS", "1") == "0":
+        return None
+    if _lib is None and not _failed:
+        with _lock:
+            if _lib is None and not _failed:
+                try:
+                    _lib = _build()
+                except (OSError, subprocess.SubprocessError) as exc:  # pragma: no cover
+                    warnings.warn(f"codec kernels unavailable ({exc}); using eager ops", stacklevel=2)
+                    _lib = None
+                _failed = _lib is None
+    return _lib
+
+
+def available() -> bool:
+    """Whether the kernels are built and on."""
+    return lib() is not None
+
+
+def use(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """The library when every tensor is a contiguous CPU tensor of one float dtype it covers."""
+    if not tensors:
+        return None
+    dt = tensors[0].dtype
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype != dt or dt not in SUFFIX or not t.is_contiguous():
+            return None
+    return lib()
+
+
+@contextlib.contextmanager
+def disabled():
+    """Within the block every codec takes its eager path (for tests and comparisons)."""
+    global _off
+    _off += 1
+    try:
+        yield
+    finally:
+        _off -= 1
+
+
+def fn(lib: ctypes.CDLL, name: str, dtype: torch.dtype):
+    """``lib``'s kernel ``name`` for ``dtype`` (``name_f32`` / ``name_f64``)."""
+    return getattr(lib, f"{name}_{SUFFIX[dtype]}")
+
+
+def add_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """out <- a + b (same arithmetic as ``torch.add``; streaming stores when native)."""
+    lib = use(out, a, b)
+    if lib is None or out.shape != a.shape or a.shape != b.shape:
+        return torch.add(a, b, out=out)
+    fn(lib, "add_out", out.dtype)(a.data_ptr(), b.data_ptr(), out.data_ptr(), out.numel())
+    return out
+
+
+def scatter_into(out: torch.Tensor, idx: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
+    """out[idx] <- val for 1-D ``out`` and unique int32 / int64 ``idx``."""
+    lib = use(out, val)
+    if lib is None or idx.dtype not in (torch.int32, torch.int64) or not idx.is_contiguous() or (
+        idx.device.type != "cpu"
+    ):
+        out.index_put_((idx.long(),), val)
+        return out
+    bits = "i32" if idx.dtype == torch.int32 else "i64"
+    fn(lib, f"scatter_{bits}", out.dtype)(out.data_ptr(), idx.data_ptr(), val.data_ptr(), idx.numel())
+    return out
+
+
+def zero_at(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x[idx] <- 0 for 1-D ``x`` and int64 ``idx``."""
+    lib = use(x)
+    if lib is None or idx.dtype != torch.int64 or not idx.is_contiguous():
+        return x.index_fill_(0, idx, 0)
+    fn(lib, "zero_at", x.dtype)(x.data_ptr(), idx.data_ptr(), idx.numel())
+    return x
