@@ -28,6 +28,7 @@ __all__ = [
     "validate_values",
     "check_hardware",
     "check_module_features",
+    "check_resume",
 ]
 
 
@@ -314,7 +315,7 @@ def _check_trainer(cfg: Any) -> None:
         raise ConfigError(
             f"trainer.{key}: must be null, an integer >= {low} (batches) or a fraction in (0, 1], got {value!r}"
         )
-    for key in ("deterministic", "enable_progress_bar"):
+    for key in ("deterministic", "enable_progress_bar", "allow_nonfinite_loss"):
         _need_bool(f"trainer.{key}", t.get(key, False))
 
 
@@ -483,6 +484,58 @@ def idle_compression_warning(cfg: Any, module: Any) -> str | None:
     )
 
 
+def check_resume(cfg: Any, world: int, dm: Any) -> None:
+    """``checkpoint.resume``: an intact checkpoint (file present, non-empty, readable with
+    ``weights_only=True``, checksum matching) written by this strategy, world size and model.
+
+    Raises:
+        ConfigError: ``"checkpoint.resume: <path> <what is wrong>"``.
+    """
+    path = (cfg.get("checkpoint") or {}).get("resume")
+    if path is None:
+        return
+    from pathlib import Path
+
+    from easgd_lightning.utils.checkpoint import (
+        CheckpointError,
+        checkpoint_identity,
+        load_checkpoint_file,
+    )
+
+    name = cfg.strategy.get("name")
+    if name == "pipeline_3d":  # a directory of per-stage shards (strategies/pipeline.py)
+        if not (Path(path) / "meta.pt").is_file():
+            raise ConfigError(f"checkpoint.resume: {path} is not a pipeline_3d checkpoint directory (no meta.pt)")
+        return
+    try:
+        ckpt = load_checkpoint_file(path)
+    except CheckpointError as err:
+        raise ConfigError(f"checkpoint.resume: {err}") from None
+    saved_strategy, saved_world = checkpoint_identity(ckpt)
+    if saved_strategy is not None and saved_strategy != name:
+        raise ConfigError(
+            f"checkpoint.resume: {path} was written by strategy={saved_strategy}; this run has "
+            f"strategy={name} (resume with the strategy that wrote it)"
+        )
+    if saved_world is not None and saved_world != world:
+        raise ConfigError(
+            f"checkpoint.resume: {path} was written by {saved_world} processes; this run has {world} "
+            "(trainer.devices x trainer.num_nodes must match to resume)"
+        )
+    module = _meta_module(cfg, dm)
+    saved = {k: tuple(v.shape) for k, v in (ckpt.get("state_dict") or {}).items()}
+    if module is not None and saved:
+        here = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+        differ = sorted(set(saved) ^ set(here)) or sorted(k for k in saved if saved[k] != here[k])
+        if differ:
+            k = differ[0]
+            raise ConfigError(
+                f"checkpoint.resume: {path} holds another model than model={cfg.model.get('name')} "
+                f"({len(differ)} tensors differ, e.g. {k}: {list(saved[k]) if k in saved else 'absent'} "
+                f"in the checkpoint, {list(here[k]) if k in here else 'absent'} here)"
+            )
+
+
 def validate_config(cfg: Any, *, hardware: bool = True) -> None:
     """Check everything that can be checked before processes start.
 
@@ -523,7 +576,7 @@ def validate_config(cfg: Any, *, hardware: bool = True) -> None:
     if not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ConfigError(f"timeout_s must be > 0 seconds, got {timeout!r}")
     faults = cfg.get("faults", {}) or {}
-    for key in ("slow_rank", "crash_rank"):
+    for key in ("slow_rank", "crash_rank", "nan_rank"):
         r = faults.get(key)
         if r is not None and not (isinstance(r, int) and 0 <= r < world):
             raise ConfigError(f"faults.{key} must be a rank in [0, {world - 1}], got {r!r}")
@@ -563,3 +616,4 @@ def validate_config(cfg: Any, *, hardware: bool = True) -> None:
         warning = idle_compression_warning(cfg, module)
         if warning and os.environ.get("RANK", "0") == "0":  # once per run, not once per rank
             log.warning(warning)
+    check_resume(cfg, world, dm)

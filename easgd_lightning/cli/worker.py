@@ -125,7 +125,6 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
 
     import easgd_lightning  # noqa: F401  (registers strategy names)
     from easgd_lightning.callbacks import (
-        AtomicCheckpointIO,
         CommMetricsCallback,
         EpochPrinter,
         FaultInjectionCallback,
@@ -133,6 +132,8 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
     )
     from easgd_lightning.cli.build import build_model_and_data, build_strategy
     from easgd_lightning.comm import reset_meter
+    from easgd_lightning.guards import NaNFaultInjection, NonFiniteLossGuard
+    from easgd_lightning.utils.checkpoint import VerifiedCheckpointIO
 
     out_dir = Path(out_dir)
     rank = int(os.environ.get("RANK", "0"))
@@ -148,6 +149,8 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
         CommMetricsCallback(every=int(cfg.trainer.get("log_every_n_steps", 10))),
         val_history,
         FaultInjectionCallback(**dict(cfg.get("faults") or {})),
+        NonFiniteLossGuard(allow=bool(cfg.trainer.get("allow_nonfinite_loss", False))),
+        NaNFaultInjection(**dict(cfg.get("faults") or {})),
     ]
     if not cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(EpochPrinter(label=f"{cfg.strategy.name}/{cfg.compression.name}"))
@@ -180,7 +183,7 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
         deterministic=t.get("deterministic", False),
         logger=_make_logger(cfg, out_dir),
         callbacks=callbacks,
-        plugins=[AtomicCheckpointIO()],
+        plugins=[VerifiedCheckpointIO()],  # atomic writes, checksum verified on load
         enable_checkpointing=bool(cfg.checkpoint.enabled),  # else Lightning adds its own
         default_root_dir=str(out_dir),
         enable_model_summary=False,

@@ -33,6 +33,7 @@ from easgd_lightning.hooks.collective import ProcessGroupCollective
 from easgd_lightning.hooks.compressors.base import Compressor
 from easgd_lightning.hooks.compressors.none import NoneCompressor
 from easgd_lightning.hooks.memory import Memory, NoMemory, ResidualMemory, make_memory
+from easgd_lightning.utils.checkpoint import from_plain, to_plain
 
 __all__ = [
     "DenseHookState",
@@ -165,14 +166,21 @@ class CompressionHookState:
         }
 
     def state_dict(self) -> dict:
-        """Checkpointable state: iteration counter, per-tensor compressor state, memory."""
-        return {
-            "iteration": self.iteration,
-            "tensor_states": self.tensor_states,
-            "memory": self.memory.state_dict(),
-        }
+        """Checkpointable state (tensors and plain data): iteration counter, per-tensor
+        compressor state (scratch buffers dropped), memory."""
+        return to_plain(
+            {
+                "compressor": self.compressor.name,
+                "iteration": self.iteration,
+                "tensor_states": self.tensor_states,
+                "memory": self.memory.state_dict(),
+            },
+            "ddp hook state",
+        )
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, device: torch.device | str | None = None) -> None:
+        """Restore what :meth:`state_dict` saved, tensors onto ``device`` (the model's)."""
+        state = from_plain(state, device)
         self.iteration = int(state.get("iteration", 0))
         self.tensor_states = dict(state.get("tensor_states", {}))
         self.memory.load_state_dict(state.get("memory", {}))

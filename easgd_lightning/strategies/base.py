@@ -34,6 +34,7 @@ from typing_extensions import override
 
 from easgd_lightning.comm import ops
 from easgd_lightning.strategies import elastic
+from easgd_lightning.utils.checkpoint import to_plain
 
 log = logging.getLogger(__name__)
 
@@ -279,11 +280,15 @@ class CenterStrategy(DDPStrategy):
         """Restore what :meth:`_worker_extra_state` saved on this rank."""
 
     def _gather_worker_states(self) -> list[dict]:
-        mine = {
-            "flat": self._worker_flat().cpu(),
-            "optimizer": self.optimizers[0].state_dict() if self.optimizers else None,
-            "extra": self._worker_extra_state(),
-        }
+        """Every rank's parameters, optimizer state and extra state (tensors and plain data)."""
+        mine = to_plain(
+            {
+                "flat": self._worker_flat(),
+                "optimizer": self.optimizers[0].state_dict() if self.optimizers else None,
+                "extra": self._worker_extra_state(),
+            },
+            f"{self.strategy_name} worker state",
+        )
         if not dist.is_available() or not dist.is_initialized():
             return [mine]
         return ops.all_gather_object(mine)
@@ -306,7 +311,7 @@ class CenterStrategy(DDPStrategy):
                 "workers": workers,
                 "steps": steps,
                 "world_size": self.world_size,
-                "extra": self._extra_state(),
+                "extra": to_plain(self._extra_state(), f"{self.strategy_name} state"),
             }
         if self.is_global_zero:
             self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)

@@ -9,12 +9,18 @@ CPU/gloo too, so every byte is metered and compressors work everywhere. With
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import torch.distributed as dist
+from lightning_fabric.utilities.types import _PATH
 from pytorch_lightning.strategies import DDPStrategy
 from typing_extensions import override
 
+from easgd_lightning.comm import ops
 from easgd_lightning.hooks.ddp import register_compression_hook
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CompressedDDPStrategy"]
 
@@ -36,12 +42,63 @@ class CompressedDDPStrategy(DDPStrategy):
         self._hook_options = dict(hook_options or {})
         self.hook_state: Any = None
         self._local_steps = 0
+        self._resume_rank_state: dict | None = None
 
     @override
     def _register_ddp_hooks(self) -> None:
         self.hook_state = register_compression_hook(
             self.model, self._compression, **self._hook_options
         )
+        if self._resume_rank_state is not None:
+            self._restore_rank_state(self._resume_rank_state)
+            self._resume_rank_state = None
+
+    # ------------------------------------------------------------------ checkpoints
+    def _rank_state(self) -> dict:
+        """This rank's step count and hook state (residuals and compressor state differ
+        per rank), as tensors and plain data."""
+        hook = getattr(self.hook_state, "state_dict", None)
+        return {"steps": self._local_steps, "hook": hook() if callable(hook) else None}
+
+    def _restore_rank_state(self, state: dict) -> None:
+        self._local_steps = int(state.get("steps", 0))
+        hook = state.get("hook")
+        load = getattr(self.hook_state, "load_state_dict", None)
+        if hook is None or not callable(load):
+            return
+        if hook.get("compressor") != getattr(self._compression, "name", None):
+            log.warning(
+                "checkpoint compression state is for %r, this run uses %r: not restored",
+                hook.get("compressor"), getattr(self._compression, "name", None),
+            )
+            return
+        load(hook, device=self.root_device)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Add ``checkpoint["ddp"]``: every rank's step count and hook state (a collective:
+        Lightning calls this on every rank), then rank 0 writes."""
+        mine = self._rank_state()
+        ranks = ops.all_gather_object(mine) if dist.is_available() and dist.is_initialized() else [mine]
+        checkpoint["ddp"] = {"strategy": "ddp", "world_size": self.world_size, "ranks": ranks}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        saved = checkpoint.get("ddp")
+        if saved is None:
+            return
+        if saved.get("world_size") != self.world_size:
+            raise ValueError(
+                f"checkpoint was written by {saved.get('world_size')} processes; this run has "
+                f"{self.world_size} (trainer.devices x trainer.num_nodes must match to resume)"
+            )
+        state = saved["ranks"][self.global_rank]
+        if self.hook_state is None:  # restored before DDP is configured: apply at registration
+            self._resume_rank_state = state
+        else:
+            self._restore_rank_state(state)
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:

@@ -68,6 +68,7 @@ from typing_extensions import override
 from easgd_lightning.comm import ops
 from easgd_lightning.hooks.elastic import exchange_sum
 from easgd_lightning.strategies.base import CenterStrategy, flatten, unflatten_into
+from easgd_lightning.utils.checkpoint import from_plain
 
 log = logging.getLogger(__name__)
 
@@ -462,6 +463,7 @@ class LocalSGDStrategy(CenterStrategy):
     @override
     def _worker_extra_state(self) -> dict:
         self._complete_pending()
+        # the base turns this into tensors and plain data (utils.checkpoint.to_plain)
         mem = self._memory.state_dict() if hasattr(self._memory, "state_dict") else None
         return {
             "round_steps": self._round_steps,
@@ -483,10 +485,10 @@ class LocalSGDStrategy(CenterStrategy):
         snap = state.get("snapshot")
         self._snapshot = None if snap is None else snap.to(self.root_device, self._center.dtype)
         self._merge_ready = bool(state.get("merge_ready", False)) and self._snapshot is not None
-        self._compress_state = state.get("compress_state") or {}
+        self._compress_state = from_plain(state.get("compress_state") or {}, self.root_device)
         mem = state.get("memory")
         if mem is not None and hasattr(self._memory, "load_state_dict"):
-            self._memory.load_state_dict(mem)
+            self._memory.load_state_dict(from_plain(mem, self.root_device))
 
     # ------------------------------------------------------------------ reporting
     @override

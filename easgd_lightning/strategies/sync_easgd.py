@@ -32,6 +32,7 @@ from easgd_lightning.strategies.base import (
     flatten,
     unflatten_into,
 )
+from easgd_lightning.utils.checkpoint import from_plain
 
 __all__ = ["SyncEASGDStrategy"]
 
@@ -105,15 +106,16 @@ class SyncEASGDStrategy(CenterStrategy):
 
     @override
     def _worker_extra_state(self) -> dict:
+        # the base turns this into tensors and plain data (utils.checkpoint.to_plain)
         mem = self._memory.state_dict() if hasattr(self._memory, "state_dict") else None
         return {"memory": mem, "compress_state": self._compress_state}
 
     @override
     def _load_worker_extra_state(self, state: dict) -> None:
-        self._compress_state = state.get("compress_state") or {}
+        self._compress_state = from_plain(state.get("compress_state") or {}, self.root_device)
         mem = state.get("memory")
         if mem is not None and hasattr(self._memory, "load_state_dict"):
-            self._memory.load_state_dict(mem)
+            self._memory.load_state_dict(from_plain(mem, self.root_device))
 
     @override
     def summary_extras(self) -> dict:
