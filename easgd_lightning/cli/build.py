@@ -484,9 +484,10 @@ def idle_compression_warning(cfg: Any, module: Any) -> str | None:
     )
 
 
-def check_resume(cfg: Any, world: int, dm: Any) -> None:
+def check_resume(cfg: Any, world: int, module: Any) -> None:
     """``checkpoint.resume``: an intact checkpoint (file present, non-empty, readable with
-    ``weights_only=True``, checksum matching) written by this strategy, world size and model.
+    ``weights_only=True``, checksum matching) written by this strategy, world size and model
+    (``module``: this run's module on the meta device, or None when it cannot be built so).
 
     Raises:
         ConfigError: ``"checkpoint.resume: <path> <what is wrong>"``.
@@ -522,7 +523,6 @@ def check_resume(cfg: Any, world: int, dm: Any) -> None:
             f"checkpoint.resume: {path} was written by {saved_world} processes; this run has {world} "
             "(trainer.devices x trainer.num_nodes must match to resume)"
         )
-    module = _meta_module(cfg, dm)
     saved = {k: tuple(v.shape) for k, v in (ckpt.get("state_dict") or {}).items()}
     if module is not None and saved:
         here = {k: tuple(v.shape) for k, v in module.state_dict().items()}
@@ -616,4 +616,4 @@ def validate_config(cfg: Any, *, hardware: bool = True) -> None:
         warning = idle_compression_warning(cfg, module)
         if warning and os.environ.get("RANK", "0") == "0":  # once per run, not once per rank
             log.warning(warning)
-    check_resume(cfg, world, dm)
+    check_resume(cfg, world, module)

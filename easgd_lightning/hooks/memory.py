@@ -105,9 +105,12 @@ class ResidualMemory(Memory):
         return self.residuals.get(key)
 
     def state_dict(self) -> dict:
+        """The decay and a copy of every residual (the spare and pending buffers are
+        scratch: rebuilt on demand, never checkpointed)."""
         return {"decay": self.decay, "residuals": {k: v.clone() for k, v in self.residuals.items()}}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned (copies of its residuals)."""
         self.decay = float(state.get("decay", self.decay))
         self.residuals = {k: v.clone() for k, v in state.get("residuals", {}).items()}
         self._spare.clear()
