@@ -72,9 +72,12 @@ Design decisions (and their trade-offs):
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import queue
+import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -95,6 +98,7 @@ from typing_extensions import override
 
 from easgd_lightning.comm import get_meter, ops
 from easgd_lightning.strategies import async_rules, elastic
+from easgd_lightning.strategies.async_rules import bind_views, momentum_buffers, optimizer_step_on
 from easgd_lightning.strategies.base import (
     CenterStrategy,
     check_positive_int,
@@ -129,9 +133,50 @@ _DDP_KEYS = {
 STOP_POLICIES = ("first", "all")
 
 
+def request_header_size(optimizer: Optimizer | None, params: list[torch.Tensor]) -> int:
+    """Entries of a request header: ``[op, step, lr, wd]``, then (SGD rule) each parameter
+    group's learning rate and, per parameter tensor, 1.0 when the worker had a gradient for it."""
+    if optimizer is None:
+        return HEADER
+    return HEADER + len(optimizer.param_groups) + len(params)
+
+
+def request_extras(optimizer: Optimizer, params: list[torch.Tensor]) -> list[float]:
+    """The worker's side of :func:`request_header_size`: its groups' current learning rates
+    (so its schedulers apply at the server) and which parameters have a gradient."""
+    return [float(g["lr"]) for g in optimizer.param_groups] + [float(p.grad is not None) for p in params]
+
+
+def split_request_extras(hdr: torch.Tensor, n_groups: int) -> tuple[list[float], list[bool]]:
+    """(learning rate per group, has-gradient per parameter) from a request header."""
+    extras = hdr[HEADER:].tolist()
+    return extras[:n_groups], [v > 0.5 for v in extras[n_groups:]]
+
+
+def _to_blob(obj: Any) -> torch.Tensor:
+    """``obj`` (tensors and plain data) serialized into a uint8 tensor, to send."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _from_blob(blob: torch.Tensor) -> Any:
+    return torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+
+
+def _interruption(signum: int, who: str) -> BaseException:
+    """The exception a rank stops with after SIGTERM / SIGINT (Lightning's own for SIGTERM)."""
+    from pytorch_lightning.utilities.exceptions import SIGTERMException
+
+    name = signal.Signals(signum).name
+    if signum == signal.SIGINT:
+        return KeyboardInterrupt(f"{who}: interrupted by {name}")
+    return SIGTERMException(f"{who}: interrupted by {name}")
+
+
 def _reject_unknown(name: str, kwargs: dict, options: tuple[str, ...]) -> None:
     """ValueError naming the first keyword that is neither an option of ``name`` nor Lightning's."""
-    unknown = sorted(set(kwargs) - _DDP_KEYS - set(options) - {"num_nodes_hint", "compression"})
+    unknown = sorted(set(kwargs) - _DDP_KEYS - set(options) - {"num_nodes_hint", "optim_hint", "compression"})
     if unknown:
         raise ValueError(
             f"strategy.{unknown[0]} is not an option of {name}; its options are: {', '.join(options)}"
@@ -271,6 +316,106 @@ def _source_rank(work) -> int:
     return int(fn())
 
 
+# ---------------------------------------------------------------------------- metrics, signals
+def _never_distributed() -> bool:
+    return False
+
+
+def local_metrics(module: torch.nn.Module) -> int:
+    """Make every ``torchmetrics.Metric`` in ``module`` compute from this rank's own state.
+
+    A metric's epoch-end sync gathers over every rank of the default process group: the
+    parameter server never joins it, and workers that run apart would each wait there for
+    the others. It is also not needed: evaluation data are not sharded (each rank evaluates
+    the whole set on the center), so a rank's own value is the full value; a training
+    metric is that worker's own. Returns how many metrics were switched.
+    """
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # torchmetrics is optional
+        return 0
+    count = 0
+    for sub in module.modules():
+        if isinstance(sub, Metric):
+            sub.distributed_available_fn = _never_distributed
+            count += 1
+    return count
+
+
+#: seconds a rank may take to end by itself after SIGTERM / SIGINT before it is ended
+SIGNAL_GRACE_S = 5.0
+
+
+class _SignalWatch:
+    """Ends this process when it does not end by itself within ``grace_s`` of SIGTERM/SIGINT.
+
+    Python runs signal handlers on the main thread between bytecodes only, so a rank blocked
+    in a gloo wait (C++, the GIL released) never runs them. The C-level handler also writes
+    the signal number to the wakeup file descriptor (``signal.set_wakeup_fd``): a daemon
+    thread reads it there, waits ``grace_s`` (a rank that is not stuck stops at its next
+    batch or request) and then exits the process with ``128 + signum``.
+    """
+
+    def __init__(self, who: str, grace_s: float = SIGNAL_GRACE_S) -> None:
+        self.who, self.grace_s = who, float(grace_s)
+        self._old_fd = -1
+        self._fds: tuple[int, int] | None = None
+
+    def start(self) -> bool:
+        """Install (main thread only); False when it cannot be installed here."""
+        if self._fds is not None:
+            return True
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        try:
+            self._old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        except ValueError:
+            os.close(r)
+            os.close(w)
+            return False
+        self._fds = (r, w)
+        threading.Thread(target=self._watch, args=(r,), name="easgd-signal-watch", daemon=True).start()
+        return True
+
+    def _watch(self, r: int) -> None:
+        while True:
+            try:
+                data = os.read(r, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            if self._old_fd != -1:  # whoever installed a wakeup fd before still hears of it
+                try:
+                    os.write(self._old_fd, data)
+                except OSError:
+                    pass
+            caught = [b for b in data if b in (signal.SIGTERM, signal.SIGINT)]
+            if caught:
+                time.sleep(self.grace_s)  # a rank that ends by itself never wakes up here
+                name = signal.Signals(caught[0]).name
+                print(f"{self.who}: still running {self.grace_s:g} s after {name} (blocked in a wait "
+                      f"that Python cannot interrupt); exiting", file=sys.stderr, flush=True)
+                os._exit(128 + caught[0])
+
+    def stop(self) -> None:
+        """Uninstall (no signal came); the thread ends when the pipe closes."""
+        if self._fds is None or threading.current_thread() is not threading.main_thread():
+            return
+        r, w = self._fds
+        try:
+            current = signal.set_wakeup_fd(self._old_fd)
+            if current != w:  # someone replaced ours meanwhile: keep theirs
+                signal.set_wakeup_fd(current)
+                return
+        except ValueError:
+            return
+        self._fds = None
+        os.close(w)
+
+
 # ---------------------------------------------------------------------------- server
 class ParameterServer:
     """The server loop: first-come-first-served service of worker requests.
@@ -283,10 +428,16 @@ class ParameterServer:
             floating-point buffers, which SGD requests overwrite instead of stepping).
         rule: ``"elastic"`` (Async EASGD) or ``"sgd"`` (Async SGD/MSGD).
         alpha: moving rate of the elastic rule.
-        momentum: server-side heavy-ball momentum of the SGD rule (0 = none).
-        lr: fixed server learning rate for the SGD rule (None: the one each request carries).
+        lr: fixed server learning rate of every parameter group (None: the ones each request
+            carries, i.e. the requesting worker's current learning rates).
+        optimizer: the user's optimizer, stepped by the SGD rule (required for it). Its
+            parameters are ``params``, which the server binds to views of ``center`` so that
+            ``optimizer.step()`` moves the center; the server holds the optimizer's state.
+        params: the parameter tensors of ``optimizer``, in the center's order.
         lockfree: apply updates on a thread pool without a lock (Hogwild on a server):
-            concurrent updates race with each other and with the replies' reads.
+            concurrent updates race with each other (elastic rule; the optimizer's steps run
+            one at a time, its state is not thread-safe) and with the replies' reads.
+        interrupted: returns a signal number once this process got SIGTERM (serving stops).
         liveness: heartbeat reader used while waiting.
         stop_policy: ``"first"``: tell everyone to stop once one worker is done.
         kind: meter traffic class.
@@ -303,8 +454,9 @@ class ParameterServer:
         n_params: int,
         rule: str,
         alpha: float = 0.0,
-        momentum: float = 0.0,
         lr: float | None = None,
+        optimizer: Optimizer | None = None,
+        params: list[torch.Tensor] | None = None,
         lockfree: bool = False,
         liveness: Liveness | None = None,
         stop_policy: str = "first",
@@ -313,36 +465,46 @@ class ParameterServer:
         checkpoint_every_s: float | None = None,
         poll_s: float = 0.1,
         log_size: int = 2000,
+        interrupted: Callable[[], int | None] | None = None,
     ) -> None:
         if rule not in ("elastic", "sgd"):
             raise ValueError(f"rule must be 'elastic' or 'sgd', got {rule!r}")
+        if rule == "sgd" and (optimizer is None or params is None):
+            raise ValueError("the SGD rule steps the user's optimizer: pass optimizer= and params=")
         self.rank, self.workers, self.center = rank, list(workers), center
         self.n_params, self.rule, self.alpha = n_params, rule, alpha
-        self.momentum, self.lr, self.lockfree = momentum, lr, lockfree
+        self.lr, self.lockfree = lr, lockfree
         self.liveness, self.stop_policy, self.kind = liveness, stop_policy, kind
         self.on_checkpoint, self.checkpoint_every_s, self.poll_s = on_checkpoint, checkpoint_every_s, poll_s
         world = max(workers + [rank]) + 1
         self.updates = 0
         self.served = [0] * world
         self.worker_steps = [0] * world
-        self.buffer: torch.Tensor | None = None  # SGD momentum
+        self.optimizer, self.params = optimizer, list(params or [])
+        if optimizer is not None:
+            bind_views(self.params, center)
+        self.header_size = request_header_size(optimizer, self.params)
+        self.interrupted = interrupted
         self.active: set[int] = set(workers)
         self.done: list[int] = []
         self.dead: list[int] = []
         self.stop = False
         self.service_log: deque = deque(maxlen=log_size)
         self._waiter = _Waiter()
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="easgd-hogwild") if lockfree else None
+        workers_n = 1 if optimizer is not None else 2  # an optimizer's state is not thread-safe
+        self._pool = ThreadPoolExecutor(max_workers=workers_n, thread_name_prefix="easgd-hogwild") if lockfree else None
         self._last_ckpt = time.monotonic()
         self.started = self.finished = None
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict:
+        """Update counts and the optimizer's state (``momentum``: SGD's buffers, flat, if any)."""
         return {
             "updates": self.updates,
             "served": list(self.served),
             "worker_steps": list(self.worker_steps),
-            "momentum": None if self.buffer is None else self.buffer.detach().cpu().clone(),
+            "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
+            "momentum": None if self.optimizer is None else momentum_buffers(self.optimizer, self.params),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -350,11 +512,11 @@ class ParameterServer:
         for key in ("served", "worker_steps"):
             values = list(state.get(key) or [])
             getattr(self, key)[: len(values)] = [int(v) for v in values]
-        mom = state.get("momentum")
-        self.buffer = None if mom is None else mom.to(self.center.device, self.center.dtype).clone()
+        if self.optimizer is not None and state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
 
     # ---------------------------------------------------------------- rules
-    def _apply(self, op: int, payload: torch.Tensor, lr: float, wd: float) -> torch.Tensor:
+    def _apply(self, op: int, payload: torch.Tensor, hdr: torch.Tensor) -> torch.Tensor:
         """Apply one request to the center; returns the reply payload."""
         if op == OP_ELASTIC:
             if self._pool is None:
@@ -362,14 +524,13 @@ class ParameterServer:
             diff = (payload - self.center).mul_(self.alpha)  # racy read of c, on purpose
             self._pool.submit(self.center.add_, diff)
             return diff
-        eta = self.lr if self.lr is not None else lr
         grad = payload if self._pool is None else payload.clone()
+        lrs, mask = split_request_extras(hdr, len(self.optimizer.param_groups))
+        if self.lr is not None:
+            lrs = [self.lr] * len(lrs)
 
         def step() -> None:
-            w = self.center[: self.n_params]
-            self.buffer = async_rules.sgd_update(
-                w, grad[: self.n_params], eta, momentum=self.momentum, buffer=self.buffer, weight_decay=wd
-            )
+            optimizer_step_on(self.optimizer, self.params, grad[: self.n_params], mask, lrs)
             self.center[self.n_params :].copy_(grad[self.n_params :])
 
         if self._pool is None:
@@ -380,6 +541,10 @@ class ParameterServer:
 
     # ---------------------------------------------------------------- loop
     def _keep_waiting(self) -> bool:
+        signum = self.interrupted() if self.interrupted is not None else None
+        if signum:
+            self._maybe_checkpoint(force=True)
+            raise _interruption(signum, f"parameter server (rank {self.rank})")
         self._maybe_checkpoint()
         if self.liveness is None:
             return True
@@ -414,14 +579,14 @@ class ParameterServer:
         payload = torch.empty_like(self.center)
         while self.active:
             self._maybe_checkpoint()
-            hdr = torch.zeros(HEADER, dtype=torch.float64)
+            hdr = torch.zeros(self.header_size, dtype=torch.float64)
             start = time.perf_counter()
             work = ops.irecv(hdr, src=None, kind=self.kind, tag=TAG_REQ)
             if not self._waiter.wait(work, self._keep_waiting, self.poll_s, keep=hdr):
                 break
             get_meter().add_time(self.kind, time.perf_counter() - start)
             sender = _source_rank(work)
-            op, step, lr, wd = int(hdr[0]), int(hdr[1]), float(hdr[2]), float(hdr[3])
+            op, step = int(hdr[0]), int(hdr[1])
             if sender in self.dead:  # it was only slow
                 self.dead.remove(sender)
                 if sender not in self.done:
@@ -430,7 +595,7 @@ class ParameterServer:
             try:
                 if op in (OP_ELASTIC, OP_GRAD):
                     ops.recv(payload, src=sender, kind=self.kind, tag=TAG_REQ_DATA)
-                    reply = self._apply(op, payload, lr, wd)
+                    reply = self._apply(op, payload, hdr)
                     self.updates += 1
                     self.served[sender] += 1
                     self.service_log.append(sender)
@@ -460,14 +625,12 @@ class ParameterServer:
         self._maybe_checkpoint(force=True)
 
     def _reply_state(self, dst: int) -> None:
-        has_mom = self.buffer is not None
-        if not self._reply(dst, OP_STATE, self.center, extra=float(has_mom)):
+        """The center, then the rest of :meth:`state_dict` as one serialized blob."""
+        blob = _to_blob(self.state_dict())
+        if not self._reply(dst, OP_STATE, self.center, extra=float(blob.numel())):
             return
-        meta = torch.tensor(self.served + self.worker_steps, dtype=torch.float64)
         try:
-            if has_mom:
-                ops.send(self.buffer, dst, kind=self.kind, tag=TAG_REP_STATE)
-            ops.send(meta, dst, kind=self.kind, tag=TAG_REP_STATE)
+            ops.send(blob, dst, kind=self.kind, tag=TAG_REP_STATE)
         except RuntimeError as err:
             self._lost(dst, err)
 
@@ -501,6 +664,8 @@ class ServerClient:
         n_params: leading entries of the payload that are parameters (sizes the momentum).
         kind: meter traffic class.
         liveness: heartbeat reader (used while waiting for the final center).
+        header_size: entries of a request header (the server's :func:`request_header_size`).
+        interrupted: returns a signal number once this process got SIGTERM (waits stop).
     """
 
     def __init__(
@@ -513,10 +678,13 @@ class ServerClient:
         kind: str = "parameter_server",
         liveness: Liveness | None = None,
         poll_s: float = 0.1,
+        header_size: int = HEADER,
+        interrupted: Callable[[], int | None] | None = None,
     ) -> None:
         self.server, self.like, self.world = server_rank, like, world_size
         self.n_params = like.numel() if n_params is None else n_params
         self.kind, self.liveness, self.poll_s = kind, liveness, poll_s
+        self.header_size, self.interrupted = header_size, interrupted
         self.stop = False
         self.updates = 0
 
@@ -525,9 +693,16 @@ class ServerClient:
             f"the parameter server (rank {self.server}) stopped answering: {err}"
         )
 
-    def begin(self, op: int, payload: torch.Tensor | None, step: int, lr: float = 0.0, wd: float = 0.0) -> _Pending:
+    def _header(self, op: int, step: int, lr: float, wd: float, extras: list[float] | None) -> torch.Tensor:
+        hdr = torch.zeros(self.header_size, dtype=torch.float64)
+        values = [op, step, lr, wd, *(extras or [])]
+        hdr[: len(values)] = torch.tensor(values, dtype=torch.float64)
+        return hdr
+
+    def begin(self, op: int, payload: torch.Tensor | None, step: int, lr: float = 0.0, wd: float = 0.0,
+              extras: list[float] | None = None) -> _Pending:
         """Send a request and post the reply receives; returns a handle for :meth:`end`."""
-        hdr = torch.tensor([op, step, lr, wd], dtype=torch.float64)
+        hdr = self._header(op, step, lr, wd, extras)
         works = [ops.isend(hdr, self.server, kind=self.kind, tag=TAG_REQ)]
         if payload is not None:
             works.append(ops.isend(payload, self.server, kind=self.kind, tag=TAG_REQ_DATA))
@@ -549,8 +724,9 @@ class ServerClient:
         self.stop = self.stop or bool(pending.reply_hdr[2])
         return pending.reply
 
-    def call(self, op: int, payload: torch.Tensor | None, step: int, lr: float = 0.0, wd: float = 0.0) -> torch.Tensor:
-        return self.end(self.begin(op, payload, step, lr, wd))
+    def call(self, op: int, payload: torch.Tensor | None, step: int, lr: float = 0.0, wd: float = 0.0,
+             extras: list[float] | None = None) -> torch.Tensor:
+        return self.end(self.begin(op, payload, step, lr, wd, extras))
 
     def pull(self, step: int) -> torch.Tensor:
         """The server's current center."""
@@ -560,23 +736,18 @@ class ServerClient:
         """The center and the server's state (for checkpoints)."""
         pending = self.begin(OP_STATE, None, step)
         center = self.end(pending)
-        state: dict = {"center": center.detach().cpu().clone(), "updates": self.updates, "momentum": None}
+        blob = torch.empty(int(pending.reply_hdr[3]), dtype=torch.uint8)
         try:
-            if bool(pending.reply_hdr[3]):
-                mom = torch.empty(self.n_params, dtype=self.like.dtype, device=self.like.device)
-                ops.recv(mom, self.server, kind=self.kind, tag=TAG_REP_STATE)
-                state["momentum"] = mom.cpu()
-            meta = torch.zeros(2 * self.world, dtype=torch.float64)
-            ops.recv(meta, self.server, kind=self.kind, tag=TAG_REP_STATE)
+            ops.recv(blob, self.server, kind=self.kind, tag=TAG_REP_STATE)
         except RuntimeError as err:
             raise self._error(err) from err
-        state["served"] = [int(v) for v in meta[: self.world]]
-        state["worker_steps"] = [int(v) for v in meta[self.world :]]
+        state = _from_blob(blob)
+        state["center"] = center.detach().cpu().clone()
         return state
 
     def finish(self, step: int) -> torch.Tensor:
         """Tell the server this worker is done; wait for (and return) the final center."""
-        hdr = torch.tensor([OP_DONE, step, 0.0, 0.0], dtype=torch.float64)
+        hdr = self._header(OP_DONE, step, 0.0, 0.0, None)
         reply_hdr = torch.zeros(HEADER, dtype=torch.float64)
         final = torch.empty_like(self.like)
         try:
@@ -596,6 +767,9 @@ class ServerClient:
         return final
 
     def _server_alive(self) -> bool:
+        signum = self.interrupted() if self.interrupted is not None else None
+        if signum:
+            raise _interruption(signum, "worker waiting for the final center")
         return self.liveness is None or self.liveness.alive(self.server)
 
 
@@ -633,8 +807,11 @@ class _ServerTransport:
     def end_elastic(self, handle: Any) -> torch.Tensor:
         return self.client.end(handle)
 
-    def push_gradient(self, g: torch.Tensor, step: int, lr: float, wd: float) -> torch.Tensor:
-        return self.client.call(OP_GRAD, g, step, lr, wd)
+    #: the worker's own optimizer does not step: the server steps the user's optimizer
+    steps_locally = False
+
+    def push_gradient(self, g: torch.Tensor, step: int, extras: list[float]) -> torch.Tensor:
+        return self.client.call(OP_GRAD, g, step, extras=extras)
 
     def pull(self, step: int) -> torch.Tensor:
         return self.client.pull(step)
@@ -650,6 +827,24 @@ class _ServerTransport:
 
 
 # ---------------------------------------------------------------------------- strategies
+def _optimizer_from_hint(hint: dict | None) -> Optimizer | None:
+    """A stand-in of the optimizer the CLI's module will build (``optim.*``), to check it
+    before launch; None when the hint names none this knows (the config check reports it)."""
+    if not hint:
+        return None
+    probe = [torch.zeros(1, requires_grad=True)]
+    try:
+        lr = float(hint.get("lr") or 0.0)
+        wd = float(hint.get("weight_decay") or 0.0)
+        if hint.get("optimizer") == "sgd":
+            return torch.optim.SGD(probe, lr=lr, momentum=float(hint.get("momentum") or 0.0), weight_decay=wd)
+        if hint.get("optimizer") == "adamw":
+            return torch.optim.AdamW(probe, lr=lr, weight_decay=wd)
+    except (TypeError, ValueError):  # a bad optim.* value: the config check names it
+        return None
+    return None
+
+
 class AsyncCenterStrategy(CenterStrategy):
     """Shared machinery of the asynchronous strategies (see the module docstring)."""
 
@@ -684,6 +879,7 @@ class AsyncCenterStrategy(CenterStrategy):
         checkpoint_path: str | None = None,
         overlap: bool = True,
         num_nodes_hint: int | None = None,
+        optim_hint: dict | None = None,
         compression: Any = None,
         **kwargs: Any,
     ) -> None:
@@ -729,6 +925,9 @@ class AsyncCenterStrategy(CenterStrategy):
         self._overlap = bool(overlap)
         self._num_nodes_hint = num_nodes_hint
         self._check_nodes(num_nodes_hint)
+        hinted = _optimizer_from_hint(optim_hint)
+        if hinted is not None:  # the CLI: refuse before any process starts
+            self._check_optimizer(hinted)
         # run state
         self._detached = False
         self._finished = False
@@ -745,11 +944,43 @@ class AsyncCenterStrategy(CenterStrategy):
         self._center_ckpt_file: Path | None = None
         self._last_center_ckpt = 0.0
         self._error: str | None = None
+        self._scored: dict | None = None  # the center (and server state) of the last validation
+        self._signals = _SignalWatch(f"{name} rank ?")
+        self._interrupted: int | None = None
 
     @classmethod
     def cli_kwargs(cls, cfg: Any) -> dict:
         """Extra constructor arguments from the full config (the CLI calls this)."""
-        return {"num_nodes_hint": int(cfg.trainer.get("num_nodes", 1) or 1)}
+        optim = cfg.get("optim") or {}
+        hint = {k: optim.get(k) for k in ("optimizer", "lr", "momentum", "weight_decay")}
+        return {"num_nodes_hint": int(cfg.trainer.get("num_nodes", 1) or 1), "optim_hint": hint}
+
+    def _check_optimizer(self, optimizer: Optimizer) -> None:
+        """Refuse (one line, before training) an optimizer this strategy would not run as given.
+
+        * ``async_measgd`` runs EAMSGD: its Nesterov momentum replaces SGD's momentum. On top
+          of another optimizer (Adam's first moment, RMSprop's momentum) it would compound two
+          momenta, a rule neither the paper nor the user asked for, so it is refused rather
+          than warned about (``async_easgd`` runs any optimizer on the workers).
+        * ``async_msgd`` and ``hogwild_sgd`` with ``strategy.momentum`` > 0 apply that
+          heavy-ball momentum as SGD's: torch.optim.SGD only, and no other momentum.
+        * ``strategy.lr`` replaces every group's learning rate: refused over groups that differ.
+        """
+        who = self.strategy_name
+        if self.worker_momentum and not isinstance(optimizer, torch.optim.SGD):
+            raise ValueError(
+                f"optim.optimizer: {who} adds EAMSGD Nesterov momentum (strategy.momentum) to SGD steps; "
+                f"{type(optimizer).__name__} has momentum of its own and the two would compound: use "
+                f"optim.optimizer=sgd, or strategy=async_easgd to run {type(optimizer).__name__} on the workers"
+            )
+        if self.rule != "sgd":
+            return
+        problem = None
+        if self.server_momentum and self._momentum > 0:
+            problem = async_rules.check_sgd_momentum(optimizer, self._momentum, who)
+        problem = problem or async_rules.check_fixed_lr(optimizer, self._lr, who)
+        if problem:
+            raise ValueError(problem)
 
     def _check_nodes(self, num_nodes: int | None) -> None:
         """Hook: Hogwild refuses several nodes without a server."""
@@ -871,6 +1102,44 @@ class AsyncCenterStrategy(CenterStrategy):
         loop._broadcast_sigterm_tensor = local_check
 
     # ------------------------------------------------------------------ set-up
+    def _on_sigterm(self, signum: int, _frame: Any) -> None:
+        """Lightning's SIGTERM notifier without its ``dist.broadcast`` (ranks that run apart
+        never join one, so it would hang in the handler): record it, forward it to the
+        processes Lightning's launcher started, and let the loops stop on it."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        first = self._interrupted is None
+        self._interrupted = self._interrupted or signum
+        if first and self.launcher is not None:
+            self.launcher.kill(signum)
+        if trainer is not None:
+            trainer._signal_connector.received_sigterm = True
+
+    def _interrupted_by(self) -> int | None:
+        return self._interrupted
+
+    def _install_signal_handling(self, trainer) -> None:
+        """Every rank ends promptly on SIGTERM / SIGINT, even one blocked in a wait."""
+        connector = getattr(trainer, "_signal_connector", None)
+        if connector is not None:  # read by register_signal_handlers(), which runs after setup
+            connector._sigterm_notifier_fn = self._on_sigterm
+        self._signals.who = f"{self.strategy_name} rank {self.global_rank}"
+        self._signals.start()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Say why a collective timed out: after set-up, ranks of this strategy never meet."""
+        super().on_exception(exception)
+        text = str(exception)
+        collective = isinstance(exception, getattr(dist, "DistBackendError", ())) or "imed out" in text
+        if self._detached and collective and not text.startswith("the parameter server"):
+            server = f"the parameter server (rank {self.server_rank}) never joins one and " if self.uses_server else ""
+            exception.args = (
+                f"rank {self.global_rank}: a torch.distributed collective over every rank did not complete "
+                f"within timeout_s: {self.strategy_name} ranks run apart after set-up ({server}workers train "
+                "at their own pace), so the module and callbacks must not call one (self.log(sync_dist=...) "
+                f"and torchmetrics metrics are computed per rank by this strategy). Cause: {text}",
+            )
+
     @override
     def setup(self, trainer) -> None:
         if trainer.state.fn != TrainerFn.FITTING:
@@ -881,6 +1150,8 @@ class AsyncCenterStrategy(CenterStrategy):
             self.precision_plugin.convert_module(self.model)
             self.model_to_device()
             self.setup_precision_plugin()
+            local_metrics(self.lightning_module)
+            self._install_signal_handling(trainer)
             return
         DDPStrategy.setup(self, trainer)
         if len(self.optimizers) != 1:
@@ -888,8 +1159,10 @@ class AsyncCenterStrategy(CenterStrategy):
                 f"{type(self).__name__} supports exactly one optimizer "
                 f"(configure_optimizers returned {len(self.optimizers)})"
             )
+        self._check_optimizer(self.optimizers[0])
         self._validate_world(self.world_size)
         module = self.lightning_module
+        local_metrics(module)
         tensors = self._elastic_tensors()
         self._n_params = sum(p.numel() for p in module.parameters())
         flat = flatten(tensors)
@@ -914,6 +1187,7 @@ class AsyncCenterStrategy(CenterStrategy):
             self._own_momentum(self.optimizers[0])
             self._velocity = torch.zeros_like(flat)
         self._patch_sigterm(trainer)
+        self._install_signal_handling(trainer)
         self._detached = True
 
     def _setup_checkpoint_file(self, trainer) -> None:
@@ -934,23 +1208,28 @@ class AsyncCenterStrategy(CenterStrategy):
                 n_params=self._n_params,
                 rule=self.rule,
                 alpha=self._alpha or 0.0,
-                momentum=self._momentum if self.server_momentum else 0.0,
                 lr=self._lr,
+                optimizer=self.optimizers[0] if self.rule == "sgd" else None,
+                params=list(self.lightning_module.parameters()) if self.rule == "sgd" else None,
                 lockfree=self.lockfree,
                 liveness=self._liveness,
                 stop_policy=self._stop_policy,
                 kind=self.comm_kind,
                 on_checkpoint=self._write_center_checkpoint if self._center_ckpt_file else None,
                 checkpoint_every_s=self._checkpoint_every_s,
+                interrupted=self._interrupted_by,
             )
             if self._resume_state is not None:
                 srv = self._resume_state.get("server") or {}
                 self._server.load_state_dict(srv)
                 self._resumed = _describe_resume(self._center, srv)
         else:
+            sgd = self.rule == "sgd"
+            header = request_header_size(self.optimizers[0] if sgd else None, list(self.lightning_module.parameters()))
             self._transport = _ServerTransport(
                 ServerClient(self.world_size - 1, self._center, self.world_size, n_params=self._n_params,
-                             kind=self.comm_kind, liveness=self._liveness)
+                             kind=self.comm_kind, liveness=self._liveness, header_size=header,
+                             interrupted=self._interrupted_by)
             )
 
     def _own_momentum(self, optimizer: Optimizer) -> None:
@@ -988,10 +1267,11 @@ class AsyncCenterStrategy(CenterStrategy):
             self.lightning_module.trainer.should_stop = True
             return None
         self._local_steps += 1
+        self._scored = None  # the center moves on: a checkpoint from now on pulls a fresh one
         if self.rule == "sgd":
-            compute = lambda: DDPStrategy.optimizer_step(  # noqa: E731
-                self, _GradOnlyOptimizer(optimizer), closure, model, **kwargs
-            )
+            local = self._transport.steps_locally  # Hogwild on shared memory: the worker steps
+            step_with = optimizer if local else _GradOnlyOptimizer(optimizer)
+            compute = lambda: DDPStrategy.optimizer_step(self, step_with, closure, model, **kwargs)  # noqa: E731
             out = self._sgd_exchange(compute, optimizer)
         else:
             take = lambda: DDPStrategy.optimizer_step(self, optimizer, closure, model, **kwargs)  # noqa: E731
@@ -1024,6 +1304,7 @@ class AsyncCenterStrategy(CenterStrategy):
         return out
 
     def _grad_vector(self) -> torch.Tensor:
+        """Gradients (zeros where none: the request's mask says which) then float buffers."""
         module = self.lightning_module
         parts = [
             (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
@@ -1033,11 +1314,24 @@ class AsyncCenterStrategy(CenterStrategy):
         return torch.cat(parts)
 
     def _sgd_exchange(self, compute: Callable[[], Any], optimizer: Optimizer) -> Any:
-        out = compute()
-        group = optimizer.param_groups[0]
-        lr = self._lr if self._lr is not None else float(group["lr"])
-        wd = float(group.get("weight_decay", 0.0) or 0.0)
-        weights = self._transport.push_gradient(self._grad_vector(), self._local_steps, lr, wd)
+        """Async SGD / MSGD: push the gradient, the server steps the user's optimizer and
+        returns w. Hogwild SGD on shared memory: the worker's optimizer steps here and its
+        displacement is added to the shared w without a lock."""
+        params = list(self.lightning_module.parameters())
+        if self._lr is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = self._lr
+        if self._transport.steps_locally:
+            before = flatten(params)
+            out = compute()
+            moves = async_rules.optimizer_displacement(before, params)
+            buffers = [b.detach().reshape(-1) for b in self.lightning_module.buffers() if b.is_floating_point()]
+            sizes = [p.numel() for p in params]
+            weights = self._transport.push_displacement(moves, sizes, buffers, self._local_steps)
+        else:
+            out = compute()
+            extras = request_extras(optimizer, params)
+            weights = self._transport.push_gradient(self._grad_vector(), self._local_steps, extras)
         self._exchanges += 1
         unflatten_into(weights, self._elastic_tensors())
         return out
@@ -1054,14 +1348,22 @@ class AsyncCenterStrategy(CenterStrategy):
 
     @override
     def _fetch_center(self) -> None:
+        """Pull the center to validate. Rank 0, which writes the checkpoints, pulls it with the
+        server's state and keeps both: a checkpoint saved after this validation holds the
+        center that was scored (ModelCheckpoint(monitor=...) selects by that score)."""
         # before training starts (sanity check) every rank already holds the set-up center
         if self._finished or self.is_server or self._transport is None or self._fit_start is None:
             return
-        self._center = self._transport.pull(self._local_steps)
+        if self.is_global_zero:
+            self._scored = self._transport.pull_state(self._local_steps)
+            self._center = self._scored["center"].to(self._center.device, self._center.dtype)
+        else:
+            self._center = self._transport.pull(self._local_steps)
 
     @override
     def on_train_end(self) -> None:
         DDPStrategy.on_train_end(self)
+        self._scored = None  # from here on the module holds the final center: checkpoints save it
         if self._center is None:
             return
         self._swap_out()
@@ -1098,16 +1400,18 @@ class AsyncCenterStrategy(CenterStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The center's weights (rank 0 pulls the center and the server state for the file)."""
+        """The center's weights: on rank 0, the center of the last validation when this rank has
+        not trained since (what a monitored metric scored), else one pulled now with the
+        server's state."""
         if self._center is None:
             return DDPStrategy.lightning_module_state_dict(self)
         if self.is_global_zero:
-            self._ckpt_state = self._server_state_now()
+            self._ckpt_state = self._scored if self._scored is not None else self._server_state_now()
             self._center = self._ckpt_state["center"].to(self._center.device, self._center.dtype)
         return self._center_state_dict(self._center)
 
     def _easgd_payload(self, state: dict) -> dict:
-        server = {k: state.get(k) for k in ("updates", "served", "worker_steps", "momentum")}
+        server = {k: state.get(k) for k in ("updates", "served", "worker_steps", "momentum", "optimizer")}
         steps = state.get("worker_steps")
         return {
             "strategy": self.strategy_name,
@@ -1192,6 +1496,7 @@ class AsyncCenterStrategy(CenterStrategy):
     def teardown(self) -> None:
         if self._liveness is not None:  # done serving or failed: either way, stop the heartbeat
             self._liveness.stop()
+        self._signals.stop()
         super().teardown()
 
 

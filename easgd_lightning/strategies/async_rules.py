@@ -19,7 +19,13 @@ center, alpha the moving rate, eta the learning rate, delta (mu) the momentum.
   optimizer's own displacement (:func:`nesterov_velocity_update`), so any optimizer's step
   (weight decay included) replaces ``- eta * g``.
 
-* Async SGD / MSGD / Hogwild SGD (server or shared-memory rule, PyTorch SGD semantics)::
+* Async SGD / MSGD / Hogwild SGD: the update applied to the shared weights w is the step of
+  the user's own optimizer (its class, parameter groups, learning rates, weight decay and
+  state) for the gradient g a worker computed at its copy of w
+  (:func:`optimizer_step_on`). Parameters without a gradient (frozen ones,
+  ``requires_grad=False``, or unused in the step) are skipped, as ``torch.optim`` skips them.
+  Async MSGD's (and Hogwild SGD's, when set) heavy-ball momentum mu is SGD's momentum, PyTorch
+  semantics (:func:`sgd_update` is the reference)::
 
       g' = g + wd * w;  b <- mu * b + g'  (b = g' the first time);  w <- w - eta * b
 
@@ -36,6 +42,12 @@ __all__ = [
     "nesterov_velocity_update",
     "sgd_update",
     "check_momentum",
+    "bind_views",
+    "optimizer_step_on",
+    "momentum_buffers",
+    "optimizer_displacement",
+    "check_sgd_momentum",
+    "check_fixed_lr",
 ]
 
 
@@ -117,3 +129,105 @@ def sgd_update(
         step = buffer
     weights.add_(step, alpha=-lr)
     return buffer if momentum else None
+
+
+def bind_views(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Make each tensor of ``params`` a view of consecutive slices of ``flat`` (values of
+    ``flat`` kept): stepping an optimizer over ``params`` then moves ``flat`` in place."""
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.data = flat[offset : offset + n].view_as(p)
+        offset += n
+
+
+@torch.no_grad()
+def optimizer_step_on(
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    grad: torch.Tensor,
+    has_grad: list[bool],
+    lrs: list[float],
+) -> None:
+    """One step of ``optimizer`` for the flat gradient ``grad`` (a worker's push).
+
+    Args:
+        optimizer: the user's optimizer over ``params`` (its state is updated).
+        params: its parameters, in the order of ``grad``'s slices.
+        grad: consecutive gradients of ``params``.
+        has_grad: per parameter, whether the worker had a gradient; those without get
+            ``grad = None``, which ``torch.optim`` skips (no weight decay, no state change).
+        lrs: learning rate of each parameter group for this step.
+    """
+    offset = 0
+    for p, has in zip(params, has_grad):
+        n = p.numel()
+        p.grad = grad[offset : offset + n].view_as(p) if has else None
+        offset += n
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    try:
+        optimizer.step()
+    finally:
+        for p in params:
+            p.grad = None
+
+
+@torch.no_grad()
+def optimizer_displacement(before: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """Per parameter, what an optimizer step moved it (``p - before``); None when it has no
+    gradient (the step did not touch it)."""
+    out: list[torch.Tensor | None] = []
+    offset = 0
+    for p in params:
+        n = p.numel()
+        out.append(None if p.grad is None else p.detach().reshape(-1) - before[offset : offset + n])
+        offset += n
+    return out
+
+
+def momentum_buffers(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> torch.Tensor | None:
+    """SGD's heavy-ball buffers of ``params``, flat (zeros where none yet); None when none."""
+    bufs = [optimizer.state.get(p, {}).get("momentum_buffer") for p in params]
+    if all(b is None for b in bufs):
+        return None
+    return torch.cat(
+        [(b if b is not None else torch.zeros_like(p)).detach().reshape(-1).cpu() for b, p in zip(bufs, params)]
+    )
+
+
+def check_sgd_momentum(optimizer: torch.optim.Optimizer, mu: float, who: str) -> str | None:
+    """Refusal of an optimizer under a strategy that applies heavy-ball momentum ``mu``
+    itself (one line), else None; groups whose momentum is 0 get ``mu`` (in place).
+
+    Momentum on top of another optimizer's (Adam's first moment, a different SGD momentum)
+    would be a rule neither the paper nor the user asked for, so it is refused, not mixed.
+    """
+    if not isinstance(optimizer, torch.optim.SGD):
+        return (
+            f"strategy.momentum: {who} applies heavy-ball SGD momentum ({mu}) and needs "
+            f"torch.optim.SGD, got {type(optimizer).__name__} (optim.optimizer=sgd; or set strategy.momentum=0)"
+        )
+    for i, group in enumerate(optimizer.param_groups):
+        own = float(group.get("momentum", 0.0) or 0.0)
+        if own not in (0.0, mu):
+            return (
+                f"strategy.momentum={mu} and the optimizer's momentum={own} (param group {i}, "
+                f"optim.momentum) differ: {who} applies one momentum; make them equal or set one to 0"
+            )
+    for group in optimizer.param_groups:
+        group["momentum"] = mu
+    return None
+
+
+def check_fixed_lr(optimizer: torch.optim.Optimizer, lr: float | None, who: str) -> str | None:
+    """Refusal (one line) of a single fixed ``strategy.lr`` over groups with different lrs."""
+    if lr is None:
+        return None
+    own = sorted({float(g["lr"]) for g in optimizer.param_groups})
+    if len(own) > 1:
+        return (
+            f"strategy.lr={lr} would replace the different learning rates of the optimizer's "
+            f"param groups {own} ({who}); set strategy.lr=null to use each group's"
+        )
+    return None

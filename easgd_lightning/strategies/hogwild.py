@@ -8,10 +8,13 @@ al.'s Hogwild!, NeurIPS 2011):
   ``d = alpha (x_i - c)``, adds d to c in place with no lock, and sets
   ``x_i <- opt_step(x_i, g_i) - d``. Concurrent elastic terms may race; that is the point.
   Default beta = p * alpha = 0.9 over the p workers, tau = 1.
-* ``hogwild_sgd``: the lock-free SGD baseline. Every step worker i computes g at its copy of
-  the shared weights w, applies ``w <- w - eta (g + wd w)`` to the shared w in place with no
-  lock (heavy-ball ``momentum`` with a per-worker buffer if set, default 0), and reads w back
-  for its next gradient. eta is the worker optimizer's current learning rate unless ``lr``.
+* ``hogwild_sgd``: the lock-free SGD baseline. Every step worker i computes g at its copy w_i
+  of the shared weights w, takes its own optimizer's step from w_i (the user's optimizer:
+  its groups, learning rates, weight decay and state, kept per worker), adds that
+  displacement to the shared w in place with no lock, and reads w back for its next
+  gradient. With plain SGD that is ``w <- w - eta (g + wd w_i)``. Parameters without a
+  gradient (frozen) are not touched. ``momentum`` > 0 sets SGD's heavy-ball momentum (per
+  worker buffer; torch.optim.SGD only); ``lr`` replaces every group's learning rate.
 
 Where the shared variable lives (``strategy.server``):
 
@@ -47,8 +50,12 @@ from typing import Any
 import torch
 
 from easgd_lightning.comm import get_meter, ops
-from easgd_lightning.strategies import async_rules
-from easgd_lightning.strategies.async_easgd import AsyncCenterStrategy, Liveness, _reject_unknown
+from easgd_lightning.strategies.async_easgd import (
+    AsyncCenterStrategy,
+    Liveness,
+    _interruption,
+    _reject_unknown,
+)
 
 __all__ = ["HogwildEASGDStrategy", "HogwildSGDStrategy", "SharedCenter", "STRATEGIES"]
 
@@ -101,15 +108,17 @@ class _SharedMemoryTransport:
         world: int,
         alpha: float,
         n_params: int,
-        momentum: float,
         liveness: Liveness,
         stop_policy: str,
+        interrupted=None,
     ) -> None:
         self.shared, self.rank, self.world, self.alpha = shared, rank, world, alpha
-        self.n_params, self.momentum, self.liveness = n_params, momentum, liveness
-        self.stop_policy = stop_policy
-        self.buffer: torch.Tensor | None = None
+        self.n_params, self.liveness = n_params, liveness
+        self.stop_policy, self.interrupted = stop_policy, interrupted
         self.dead: list[int] = []
+
+    #: the worker's own optimizer steps; its displacement is added to the shared weights
+    steps_locally = True
 
     @property
     def stop(self) -> bool:
@@ -136,16 +145,24 @@ class _SharedMemoryTransport:
         return handle
 
     @torch.no_grad()
-    def push_gradient(self, g: torch.Tensor, step: int, lr: float, wd: float) -> torch.Tensor:
+    def push_displacement(self, moves: list[torch.Tensor | None], sizes: list[int],
+                          buffers: list[torch.Tensor], step: int) -> torch.Tensor:
+        """Add each parameter's optimizer displacement to the shared weights (no lock; None:
+        not moved, left exactly as it is), overwrite the buffers, read w back."""
         start = time.perf_counter()
         w = self.shared.center
-        n = self.n_params
-        self.buffer = async_rules.sgd_update(
-            w[:n], g[:n], lr, momentum=self.momentum, buffer=self.buffer, weight_decay=wd
-        )
-        w[n:].copy_(g[n:])
+        offset, sent = 0, 0
+        for move, size in zip(moves, sizes):
+            if move is not None:
+                w[offset : offset + size].add_(move)  # lock-free write
+                sent += ops.nbytes(move)
+            offset += size
+        if buffers:
+            flat = torch.cat(buffers)
+            w[self.n_params : self.n_params + flat.numel()].copy_(flat)
+            sent += ops.nbytes(flat)
         fresh = w.clone()
-        self._meter(g, fresh, start)
+        get_meter().record(self.kind, sent=sent, recv=ops.nbytes(fresh), seconds=time.perf_counter() - start)
         return fresh
 
     def pull(self, step: int) -> torch.Tensor:
@@ -164,6 +181,9 @@ class _SharedMemoryTransport:
             self.shared.flag.fill_(1)
         pending = [r for r in range(self.world) if r != self.rank]
         while pending:
+            signum = self.interrupted() if self.interrupted is not None else None
+            if signum:
+                raise _interruption(signum, f"rank {self.rank} waiting for the other workers")
             still = []
             for r in pending:
                 if self.liveness.is_done(r):
@@ -231,9 +251,9 @@ class _HogwildMixin:
             world=self.world_size,
             alpha=self._alpha or 0.0,
             n_params=self._n_params,
-            momentum=self._momentum,
             liveness=self._liveness,
             stop_policy=self._stop_policy,
+            interrupted=self._interrupted_by,
         )
 
     @property
@@ -293,8 +313,9 @@ class HogwildSGDStrategy(_HogwildMixin, AsyncCenterStrategy):
     """Hogwild SGD: lock-free gradient steps on shared weights (``strategy="hogwild_sgd"``).
 
     Args:
-        lr: learning rate applied to the shared weights (null: the worker optimizer's).
-        momentum: per-worker heavy-ball momentum in [0, 1) (default 0: plain Hogwild).
+        lr: learning rate of every param group (null: each group's own, schedules applied).
+        momentum: heavy-ball momentum in [0, 1) set on the workers' SGD (per-worker buffers;
+            default 0: the optimizer's own settings, as configured).
         server, shm_dir, stop_policy, ...: as :class:`HogwildEASGDStrategy`.
     """
 

@@ -3,7 +3,9 @@
 Checks first-come-first-served service (a slow worker does not hold the others back and is
 not served in rank order), the server's arithmetic against a plain-torch replay of its own
 service order, and that a worker that dies without saying "done" neither hangs the server
-nor the remaining workers.
+nor the remaining workers. The SGD rule steps the user's optimizer at the server: Adam with
+two parameter groups (one with lr 0) and a frozen parameter is replayed here with a fresh
+``torch.optim.Adam`` in one process, in the server's service order.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ def _load(out: Path, mode: str, ranks=(0, 1, 2, 3)) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("async_ps")
-    launch_ranks(SCRIPT, 4, ["fcfs,sgd,lockfree,dead", str(out)], timeout=240)
+    launch_ranks(SCRIPT, 4, ["fcfs,sgd,adam,lockfree,dead", str(out)], timeout=240)
     return out
 
 
@@ -72,6 +74,53 @@ def test_sgd_server_with_momentum_matches_replay(runs: Path) -> None:
     assert server["updates"] == 24
     torch.testing.assert_close(server["center"], w, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(server["state"]["momentum"], buf, rtol=1e-5, atol=1e-6)
+
+
+def test_user_adam_at_the_server_matches_a_single_process_replay(runs: Path) -> None:
+    """The server runs the user's Adam (its groups, per-request lrs, its state); the replay is
+    an independent Adam over fresh tensors fed the same gradients in the server's order."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("async_ps_run", SCRIPT)
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    recs = _load(runs, "adam")
+    server = recs[3]
+    start = run.adam_start()
+    shapes = run.SHAPES
+    sizes = [torch.Size(s).numel() for s in shapes]
+    params, offset = [], 0
+    for shape, n in zip(shapes, sizes):
+        params.append(start[offset : offset + n].clone().view(shape))
+        offset += n
+    adam = torch.optim.Adam(
+        [{"params": [params[0], params[2]], "lr": run.ADAM_LR, "weight_decay": run.ADAM_WD},
+         {"params": [params[1]], "lr": 0.0}]
+    )
+    k = {r: 0 for r in WORKERS}
+    for sender in server["order"]:
+        g = recs[sender]["sent"][k[sender]]
+        params[0].grad = g[: sizes[0]].view(shapes[0]).clone()
+        params[1].grad = g[sizes[0] : sizes[0] + sizes[1]].clone()
+        params[2].grad = None  # the workers had no gradient for it
+        adam.param_groups[0]["lr"] = run.adam_lr(k[sender])
+        adam.step()
+        w = torch.cat([p.detach().reshape(-1) for p in params] + [g[256:]])
+        torch.testing.assert_close(recs[sender]["got"][k[sender]], w, rtol=1e-6, atol=1e-7)
+        k[sender] += 1
+    assert server["updates"] == 24
+    center = server["center"]
+    torch.testing.assert_close(center, w, rtol=1e-6, atol=1e-7)
+    # the lr-0 group and the frozen parameter are bitwise where they started; the rest moved
+    lo, hi = sizes[0], sizes[0] + sizes[1]
+    assert torch.equal(center[lo:hi], start[lo:hi])
+    assert torch.equal(center[hi:256], start[hi:256])
+    assert not torch.equal(center[:lo], start[:lo])
+    # the server holds Adam's state (moments and step count), as the replay's
+    state = server["state"]["optimizer"]["state"]
+    assert int(state[0]["step"]) == 24 and 1 not in state  # state id 1: the frozen one, never stepped
+    torch.testing.assert_close(state[0]["exp_avg"], adam.state[params[0]]["exp_avg"], rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(state[0]["exp_avg_sq"], adam.state[params[0]]["exp_avg_sq"], rtol=1e-6, atol=1e-10)
 
 
 def test_lockfree_server_applies_every_update(runs: Path) -> None:

@@ -9,7 +9,10 @@ reference computed there.
 
 Modes:
     fcfs: elastic rule, 12 requests per worker, worker 1 sleeps 40 ms before each request.
-    sgd: SGD rule with server momentum and weight decay, 8 gradient pushes per worker.
+    sgd: SGD rule (torch.optim.SGD with momentum and weight decay at the server), 8 pushes each.
+    adam: SGD rule with a user's Adam at the server: two param groups (the second with lr 0),
+        one parameter the workers never have a gradient for (frozen), per-request learning
+        rates (a schedule on the workers), a random start; 8 pushes per worker.
     lockfree: elastic rule on a Hogwild server (updates applied on a thread pool, no lock).
     dead: elastic rule; worker 2 exits abruptly (no "done") after 3 requests.
 """
@@ -31,12 +34,45 @@ from easgd_lightning.strategies.async_easgd import (
     Liveness,
     ParameterServer,
     ServerClient,
+    request_header_size,
 )
 
 N = 257
 SERVER = 3
 ALPHA = 0.25
 LR, MOMENTUM, WD = 0.1, 0.5, 0.01
+ADAM_LR, ADAM_WD = 0.05, 0.01
+SHAPES = [(16, 8), (64,), (64,)]  # adam mode: 256 parameters + 1 buffer; the third is frozen
+HAS_GRAD = [1.0, 1.0, 0.0]
+
+
+def adam_start() -> torch.Tensor:
+    return torch.randn(N, generator=torch.Generator().manual_seed(7))
+
+
+def adam_lr(k: int) -> float:
+    """The workers' schedule: request k carries this lr for the first group."""
+    return ADAM_LR * (1.0 - 0.05 * k)
+
+
+def server_optimizer(mode: str) -> tuple[torch.optim.Optimizer, list[torch.Tensor]]:
+    """The optimizer the server steps (its parameters get bound to the center)."""
+    if mode == "sgd":
+        params = [torch.zeros(N - 1)]
+        return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, weight_decay=WD), params
+    params = [torch.zeros(s) for s in SHAPES]
+    groups = [
+        {"params": [params[0], params[2]], "lr": ADAM_LR, "weight_decay": ADAM_WD},
+        {"params": [params[1]], "lr": 0.0},
+    ]
+    return torch.optim.Adam(groups), params
+
+
+def extras_of(mode: str, k: int) -> list[float]:
+    """The header extras a worker sends: group lrs, then which parameters have a gradient."""
+    if mode == "sgd":
+        return [LR, 1.0]
+    return [adam_lr(k), 0.0, *HAS_GRAD]
 
 
 def x_of(rank: int, k: int) -> torch.Tensor:
@@ -58,11 +94,13 @@ def run(mode: str, out: Path) -> None:
     live = Liveness(f"test/{mode}", rank, interval_s=0.2, dead_after_s=2.0).start()
     dist.barrier()
     record: dict = {"rank": rank}
+    sgd_rule = mode in ("sgd", "adam")
+    optimizer, params = server_optimizer(mode) if sgd_rule else (None, [])
     if rank == SERVER:
         server = ParameterServer(
-            rank=SERVER, workers=[0, 1, 2], center=torch.zeros(N), n_params=N - 1,
-            rule="sgd" if mode == "sgd" else "elastic", alpha=ALPHA,
-            momentum=MOMENTUM if mode == "sgd" else 0.0, liveness=live, stop_policy="all",
+            rank=SERVER, workers=[0, 1, 2], center=adam_start() if mode == "adam" else torch.zeros(N),
+            n_params=N - 1, rule="sgd" if sgd_rule else "elastic", alpha=ALPHA,
+            optimizer=optimizer, params=params, liveness=live, stop_policy="all",
             lockfree=mode == "lockfree",
         )
         start = time.monotonic()
@@ -71,8 +109,9 @@ def run(mode: str, out: Path) -> None:
                       dead=server.dead, updates=server.updates, seconds=time.monotonic() - start,
                       state=server.state_dict())
     else:
-        client = ServerClient(SERVER, torch.zeros(N), 4, n_params=N - 1, liveness=live)
-        count = {"fcfs": 12, "sgd": 8, "lockfree": 12, "dead": 10}[mode]
+        client = ServerClient(SERVER, torch.zeros(N), 4, n_params=N - 1, liveness=live,
+                              header_size=request_header_size(optimizer, params))
+        count = {"fcfs": 12, "sgd": 8, "adam": 8, "lockfree": 12, "dead": 10}[mode]
         sent, got, times = [], [], []
         for k in range(count):
             if mode == "dead" and rank == 2 and k == 3:
@@ -80,8 +119,10 @@ def run(mode: str, out: Path) -> None:
             if mode == "fcfs":
                 time.sleep(0.04 if rank == 1 else 0.001)
             x = x_of(rank, k)
-            if mode == "sgd":
-                got.append(client.call(OP_GRAD, x, k + 1, LR, WD).clone())
+            if sgd_rule:
+                if mode == "adam":
+                    x[192:256] = 0.0  # no gradient for the frozen parameter: zeros, as a worker sends
+                got.append(client.call(OP_GRAD, x, k + 1, extras=extras_of(mode, k)).clone())
             else:
                 got.append(client.call(OP_ELASTIC, x, k + 1, 0.0).clone())
             sent.append(x)

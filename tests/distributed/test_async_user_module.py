@@ -1,0 +1,144 @@
+"""A user's ordinary LightningModule under the asynchronous strategies, by name, real ranks.
+
+One run per family (parameter server with the SGD rule, parameter server with the elastic
+rule, Hogwild on shared memory): a ``torchmetrics`` accuracy logged with ``on_epoch=True``
+completes and reports the accuracy of the center it was computed on; the user's Adam with
+two groups runs where the update is applied (a group with lr 0 and a frozen layer stay
+bitwise where they started); the checkpoint ``ModelCheckpoint(monitor="val_loss")`` kept
+holds exactly the center that scored that loss. Then the failure paths: a collective the
+parameter server never joins fails with a clear error, and SIGTERM ends every rank of a run
+hung in one.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from tests.helpers import PY, base_env, free_port, launch_ranks
+
+SCRIPT = Path(__file__).parent / "scripts" / "async_user_run.py"
+RUNS = [("async_sgd", 4), ("async_easgd", 4), ("hogwild_sgd", 3)]
+
+
+def _val_set() -> tuple[torch.Tensor, torch.Tensor]:
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.data / 16.0, dtype=torch.float32)
+    return x[1500:], torch.tensor(d.target)[1500:]
+
+
+def _scores(state: dict) -> tuple[float, float]:
+    """(accuracy, mean cross-entropy) on the validation set of the net with ``state``: the
+    same layers as the script's module, computed here with plain torch."""
+    x, y = _val_set()
+    h = torch.tanh(F.linear(x, state["frozen.weight"], state["frozen.bias"]))
+    h = torch.tanh(F.linear(h, state["hidden.weight"], state["hidden.bias"]))
+    logits = F.linear(h, state["head.weight"], state["head.bias"])
+    return float((logits.argmax(1) == y).float().mean()), float(F.cross_entropy(logits, y))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,devices", RUNS)
+def test_user_module_metrics_optimizer_frozen_and_checkpoint(tmp_path: Path, strategy: str, devices: int) -> None:
+    launch_ranks(SCRIPT, devices, [strategy, str(devices), str(tmp_path), "train"], timeout=300)
+    recs = {r: torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(devices)}
+    rank0 = recs[0]
+    workers = [r for r in recs if recs[r]["role"] == "worker"]
+    assert len(workers) == 3 and all(recs[r]["steps"] > 0 for r in workers)
+
+    # the metric completed on every worker and reports the accuracy of the center it scored
+    assert len(rank0["scored"]) == 3  # one per epoch, none hung
+    for scored in rank0["scored"]:
+        acc, loss = _scores(scored["state"])
+        assert scored["val_acc"] == pytest.approx(acc, abs=1e-6)
+        assert scored["val_loss"] == pytest.approx(loss, rel=1e-5)
+    assert rank0["scored"][-1]["val_acc"] > 0.5
+
+    # every rank ends with the same center; it trained, but the lr-0 group (head) and the
+    # frozen layer are bitwise where they started, on every rank
+    final = rank0["final"]
+    for r in recs:
+        for key, value in recs[r]["final"].items():
+            assert torch.equal(value, final[key]), (r, key)
+    for key in ("head.weight", "head.bias", "frozen.weight", "frozen.bias"):
+        assert torch.equal(final[key], rank0["initial"][key]), key
+    assert not torch.equal(final["hidden.weight"], rank0["initial"]["hidden.weight"])
+
+    # the checkpoint ModelCheckpoint(monitor="val_loss") kept holds the center that scored it
+    ckpt = torch.load(rank0["best_path"], weights_only=False)
+    scored = next(s for s in rank0["scored"] if s["epoch"] == ckpt["epoch"])
+    assert rank0["best_score"] == pytest.approx(scored["val_loss"], rel=1e-6)
+    for key, value in scored["state"].items():
+        assert torch.equal(ckpt["state_dict"][key], value), key
+    assert _scores(ckpt["state_dict"])[1] == pytest.approx(rank0["best_score"], rel=1e-5)
+    if strategy == "async_sgd":  # the server held the user's Adam and its state
+        server = ckpt["easgd"]["server"]["optimizer"]
+        assert [g["lr"] for g in server["param_groups"]][1] == 0.0
+        assert all("exp_avg" in s for s in server["state"].values()) and server["state"]
+
+
+def _start(devices: int, args: list[str]) -> list[subprocess.Popen]:
+    port = free_port()
+    procs = []
+    for rank in range(devices):
+        env = base_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(devices), NODE_RANK="0",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([PY, str(SCRIPT), *args], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
+    try:
+        for p in procs:
+            p.communicate(timeout=timeout)
+    finally:
+        codes = [p.poll() for p in procs]
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return codes
+
+
+@pytest.mark.slow
+def test_a_collective_the_server_never_joins_fails_with_a_clear_error(tmp_path: Path) -> None:
+    """The module's own all_reduce (timeout 8 s) fails on every worker, saying why."""
+    procs = _start(4, ["async_sgd", "4", str(tmp_path), "collective"])
+    codes = _wait_all(procs, timeout=240)
+    assert all(code is not None for code in codes), codes  # nobody hung
+    for rank in (0, 1, 2):
+        assert codes[rank] != 0
+        text = (tmp_path / f"rank{rank}.err").read_text().splitlines()[0]
+        assert "collective over every rank did not complete within timeout_s" in text, text
+        assert "parameter server (rank 3) never joins" in text and "torchmetrics" in text, text
+
+
+@pytest.mark.slow
+def test_sigterm_ends_every_rank_of_a_run_hung_in_a_collective(tmp_path: Path) -> None:
+    """Workers blocked in a collective that would wait 300 s, the server serving: SIGTERM to
+    every rank ends them all (the workers through the wakeup-fd watch, the server itself)."""
+    procs = _start(4, ["async_easgd", "4", str(tmp_path), "hang"])
+    try:
+        deadline = time.monotonic() + 180
+        while not all((tmp_path / f"hung{r}").exists() for r in (0, 1, 2)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "never reached the hang"
+            time.sleep(0.2)
+        time.sleep(1.0)  # they are inside the all_reduce now
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        codes = _wait_all(procs, timeout=60)  # far below the collective's 300 s
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(code is not None and code != 0 for code in codes), codes
+    assert codes[:3] == [128 + signal.SIGTERM] * 3, codes  # the watch ended the blocked workers
