@@ -1130,14 +1130,17 @@ class AsyncCenterStrategy(CenterStrategy):
         """Say why a collective timed out: after set-up, ranks of this strategy never meet."""
         super().on_exception(exception)
         text = str(exception)
-        collective = isinstance(exception, getattr(dist, "DistBackendError", ())) or "imed out" in text
-        if self._detached and collective and not text.startswith("the parameter server"):
+        gloo = isinstance(exception, getattr(dist, "DistBackendError", ())) or any(
+            mark in text for mark in ("imed out", "gloo", "Connection closed")
+        )
+        if self._fit_start is not None and gloo and not text.startswith("the parameter server"):
             server = f"the parameter server (rank {self.server_rank}) never joins one and " if self.uses_server else ""
             exception.args = (
-                f"rank {self.global_rank}: a torch.distributed collective over every rank did not complete "
-                f"within timeout_s: {self.strategy_name} ranks run apart after set-up ({server}workers train "
-                "at their own pace), so the module and callbacks must not call one (self.log(sync_dist=...) "
-                f"and torchmetrics metrics are computed per rank by this strategy). Cause: {text}",
+                f"rank {self.global_rank}: a torch.distributed collective over every rank cannot complete "
+                f"(it ends at timeout_s, or when a peer that timed out leaves): {self.strategy_name} ranks run "
+                f"apart after set-up ({server}workers train at their own pace), so the module and callbacks "
+                "must not call one (self.log(sync_dist=True) and torchmetrics metrics are computed per rank "
+                f"by this strategy). Cause: {text}",
             )
 
     @override

@@ -101,6 +101,11 @@ BAD = [
     (["strategy=async_easgd", "trainer.devices=4", "strategy.server=thread"], "strategy.server"),
     (["strategy=async_sgd", "trainer.devices=4", "+strategy.tau=4"], "strategy.tau"),
     (["strategy=async_easgd", "trainer.devices=4", "compression=fp16"], "compression"),
+    # the user's optimizer is what runs: refused where the strategy would change its rule
+    (["strategy=async_measgd", "trainer.devices=4", "optim.optimizer=adamw"], "optim.optimizer"),
+    (["strategy=async_msgd", "trainer.devices=4", "optim.optimizer=adamw"], "strategy.momentum"),
+    (["strategy=async_msgd", "trainer.devices=4", "optim.momentum=0.5"], "optim.momentum"),
+    (["strategy=hogwild_sgd", "strategy.momentum=0.5", "optim.optimizer=adamw"], "strategy.momentum"),
 ]
 
 
@@ -129,3 +134,7 @@ def test_good_async_configs_validate() -> None:
         validate_config(_compose([f"strategy={strategy}", f"trainer.devices={_devices(strategy)}"]))
     validate_config(_compose(["strategy=hogwild_easgd", "strategy.server=dedicated",
                               "trainer.devices=4", "trainer.num_nodes=2"]))
+    for strategy in ("async_easgd", "async_sgd", "hogwild_sgd"):  # any optimizer runs as given
+        validate_config(_compose([f"strategy={strategy}", f"trainer.devices={_devices(strategy)}",
+                                  "optim.optimizer=adamw"]))
+    validate_config(_compose(["strategy=async_msgd", "trainer.devices=4", "optim.momentum=0"]))

@@ -166,3 +166,83 @@ def test_world_size_checks() -> None:
     HogwildEASGDStrategy().validate_world_size(2)
     with pytest.raises(ValueError, match="strategy.alpha"):
         AsyncEASGDStrategy(alpha=0.5).validate_world_size(4)  # beta = 3 * 0.5 >= 1
+
+
+# ------------------------------------------------------------------ the user's optimizer
+def _model_params() -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.nn.Parameter(torch.randn(4, 3, generator=g)), torch.nn.Parameter(torch.randn(3, generator=g)),
+            torch.nn.Parameter(torch.randn(5, generator=g))]
+
+
+def test_optimizer_step_on_views_moves_the_flat_center_like_the_optimizer_itself() -> None:
+    """AdamW over views of a flat center, fed flat gradients, equals AdamW on the tensors."""
+    ref, mine = _model_params(), _model_params()
+    flat = torch.cat([p.detach().reshape(-1) for p in mine]).clone()
+    async_rules.bind_views(mine, flat)
+    groups = lambda ps: [{"params": ps[:2], "lr": 0.1, "weight_decay": 0.1}, {"params": ps[2:], "lr": 0.0}]  # noqa: E731
+    opt_ref, opt_mine = torch.optim.AdamW(groups(ref)), torch.optim.AdamW(groups(mine))
+    start = flat.clone()
+    for k in range(4):
+        grads = [torch.full_like(p, 0.3 * (k + 1) - i) for i, p in enumerate(ref)]
+        for p, gr in zip(ref, grads):
+            p.grad = gr
+        ref[1].grad = None  # no gradient this step: skipped (no decoupled decay either)
+        opt_ref.step()
+        async_rules.optimizer_step_on(opt_mine, mine, torch.cat([gr.reshape(-1) for gr in grads]),
+                                      [True, False, True], [0.1, 0.0])
+    torch.testing.assert_close(flat, torch.cat([p.detach().reshape(-1) for p in ref]), rtol=0, atol=0)
+    assert torch.equal(flat[12:15], start[12:15])  # never had a gradient
+    assert torch.equal(flat[15:], start[15:])  # lr 0
+    assert all(p.grad is None for p in mine)
+
+
+def test_optimizer_displacement_skips_parameters_without_gradient() -> None:
+    params = _model_params()
+    before = torch.cat([p.detach().reshape(-1) for p in params]).clone()
+    opt = torch.optim.SGD(params, lr=0.5, weight_decay=0.1)
+    params[0].grad = torch.ones_like(params[0])
+    opt.step()
+    moves = async_rules.optimizer_displacement(before, params)
+    assert moves[1] is None and moves[2] is None
+    torch.testing.assert_close(moves[0], -0.5 * (1.0 + 0.1 * before[:12]))
+
+
+def test_sgd_momentum_rule_sets_zero_momenta_and_refuses_others() -> None:
+    sgd = torch.optim.SGD([{"params": _model_params()[:1]}, {"params": _model_params()[1:], "momentum": 0.9}], lr=0.1)
+    assert async_rules.check_sgd_momentum(sgd, 0.9, "async_msgd") is None
+    assert [g["momentum"] for g in sgd.param_groups] == [0.9, 0.9]
+    other = torch.optim.SGD(_model_params(), lr=0.1, momentum=0.5)
+    line = async_rules.check_sgd_momentum(other, 0.9, "async_msgd")
+    assert "strategy.momentum=0.9" in line and "optim.momentum" in line and "\n" not in line
+    line = async_rules.check_sgd_momentum(torch.optim.Adam(_model_params()), 0.9, "async_msgd")
+    assert "needs torch.optim.SGD, got Adam" in line
+    mixed = torch.optim.SGD([{"params": _model_params()[:1], "lr": 0.1}, {"params": _model_params()[1:], "lr": 0.0}])
+    assert "strategy.lr=0.5" in async_rules.check_fixed_lr(mixed, 0.5, "async_sgd")
+    assert async_rules.check_fixed_lr(mixed, None, "async_sgd") is None
+
+
+@pytest.mark.parametrize("cls,hint,key", [
+    (AsyncMEASGDStrategy, {"optimizer": "adamw", "lr": 0.01}, "optim.optimizer"),
+    (AsyncMSGDStrategy, {"optimizer": "adamw", "lr": 0.01}, "strategy.momentum"),
+    (AsyncMSGDStrategy, {"optimizer": "sgd", "lr": 0.01, "momentum": 0.5}, "optim.momentum"),
+])
+def test_strategies_refuse_an_optimizer_they_would_not_run_as_given(cls, hint: dict, key: str) -> None:
+    with pytest.raises(ValueError) as err:
+        cls(optim_hint=hint)
+    assert key in str(err.value) and "\n" not in str(err.value)
+    for ok in (AsyncEASGDStrategy, AsyncSGDStrategy, HogwildSGDStrategy):  # any optimizer runs there
+        ok(optim_hint=hint)
+
+
+def test_local_metrics_switch_off_every_torchmetrics_sync() -> None:
+    import torchmetrics
+
+    from easgd_lightning.strategies.async_easgd import local_metrics
+
+    module = torch.nn.Module()
+    module.acc = torchmetrics.classification.MulticlassAccuracy(num_classes=3)
+    module.group = torchmetrics.MetricCollection({"mean": torchmetrics.MeanMetric()})
+    assert local_metrics(module) == 2
+    for metric in (module.acc, module.group["mean"]):
+        assert metric.distributed_available_fn() is False
