@@ -1357,7 +1357,8 @@ class AsyncCenterStrategy(CenterStrategy):
         # before training starts (sanity check) every rank already holds the set-up center
         if self._finished or self.is_server or self._transport is None or self._fit_start is None:
             return
-        if self.is_global_zero:
+        trainer = self.lightning_module.trainer
+        if self.is_global_zero and trainer.checkpoint_callbacks:
             self._scored = self._transport.pull_state(self._local_steps)
             self._center = self._scored["center"].to(self._center.device, self._center.dtype)
         else:
