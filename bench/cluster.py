@@ -18,10 +18,17 @@ delay; traffic towards a host passes a second token bucket of the same rate on i
 port (its download), as on a switch port. Host-to-host one-way latency is therefore
 ``--latency-ms`` and the round trip twice that.
 
+Every throughput scenario also runs a ``limit`` row: the same hosts, workers and workload
+with no communication at all; each row's ``efficiency`` is the limit's step time over its
+own. Scenarios (``--scenario``, several comma-separated run one after the other): ``quick``,
+``default``, ``sc17`` (link rate calibrated until round-robin EASGD communicates >= 87% of
+its time) and ``tta`` (time to a validation accuracy); each prints its targets as PASS/MISS.
+
 Usage (as root)::
 
     .venv/bin/python bench/cluster.py --quick
     .venv/bin/python bench/cluster.py                       # the default scenario
+    .venv/bin/python bench/cluster.py --scenario quick,default,sc17,tta
     .venv/bin/python bench/cluster.py --workers 4 --rate-mbit 100 --latency-ms 1 \\
         --configs "ddp/none,ddp/powersgd,ddp/dgc;optim.momentum=0" --steps 50 \
         --extra "optim.lr=0.01"
@@ -55,12 +62,23 @@ from pathlib import Path
 from typing import Self
 
 __all__ = [
+    "SCENARIOS",
     "BenchConfig",
     "ClusterUnavailable",
     "EmulatedCluster",
     "LinkSpec",
     "RunResult",
+    "Scenario",
+    "Target",
+    "add_efficiency",
+    "add_tta_speedup",
     "build_table",
+    "calibrate_sc17_rate",
+    "evaluate_targets",
+    "sc17_next_rate",
+    "steady_figures",
+    "time_to_target",
+    "train_clock",
     "check_privileges",
     "cleanup_stale",
     "main",
@@ -75,13 +93,17 @@ REPO = Path(__file__).resolve().parent.parent
 PREFIX = "easgd-bench"
 BASELINE = ("ddp", "none")
 
+# The "limit" row: the same hosts, workers and workload with no communication at all.
+# It runs as local SGD whose averaging period is longer than any run, so every worker
+# trains alone; what local SGD still sends happens outside the timed window (the set-up
+# broadcast before training starts, one final average after the last step; both are the
+# same in the long and the short run of the steady-state subtraction and cancel).
+LIMIT = ("limit", "none")
+LIMIT_RUN = ("local_sgd", "none", ("strategy.period=1000000000",))
+
 # DGC is measured at its final sparsity (no warm-up) and, as its config asks, with the
 # momentum inside the compressor rather than in the optimizer.
-DEFAULT_CONFIGS = (
-    "ddp/none,ddp/fp16,ddp/dgc;compression.warmup_ratio_steps=0;optim.momentum=0,ddp/powersgd,"
-    "sync_easgd/none,easgd_round_robin/none,sync_easgd/topk,async_easgd/none"
-)
-QUICK_CONFIGS = "ddp/none,sync_easgd/none"
+DGC_ROW = "ddp/dgc;compression.warmup_ratio_steps=0;optim.momentum=0"
 # AlexNet at 64x64 on synthetic data: ~57M parameters, ~230 MB of fp32 gradients per step.
 # 2560 training samples = 20 steps x 32 per worker x 4 workers: the timed steps stay inside
 # one epoch (no validation pass inside the timed fit); the final train loss is evaluated
@@ -94,10 +116,10 @@ DEFAULT_WORKLOAD = (
     "data.val_size=128",
     "data.train_eval_size=256",
 )
-QUICK_WORKLOAD: tuple[str, ...] = ()  # the CLI's default: small MLP on digits
-DEFAULT_STEPS = 20
-# The default scenario also runs each configuration for 2 steps and reports the difference.
-DEFAULT_WARMUP_STEPS = 2
+# The digits MLP made wide (64 -> 2048 -> 10, 153k parameters, 614 kB of fp32 per
+# exchange): steps of a few tens of milliseconds, so a slow link makes it
+# communication-bound at little cost in bench time.
+WIDE_MLP_WORKLOAD = ("model.hidden=2048",)
 # Defaults of every benchmark run (each can be replaced through --extra KEY=VALUE): no
 # logger, no checkpoint files, no progress bar, and as many epochs as --steps needs.
 BENCH_OVERRIDES = (
@@ -107,7 +129,9 @@ BENCH_OVERRIDES = (
     "logger=none",
     "checkpoint.enabled=false",
 )
-QUICK_STEPS = 100
+# SC17 (You, Buluc, Demmel): the original EASGD spends 87% of its time communicating.
+SC17_BASELINE_SHARE = 0.87
+SC17_FIRST_PROBE_MBIT = 1000.0
 
 _CAP_SYS_ADMIN = 21
 _CAP_NET_ADMIN = 12
@@ -220,9 +244,286 @@ def parse_configs(text: str) -> list[BenchConfig]:
     return configs
 
 
+def _spec(text: str) -> BenchConfig:
+    """One ``strategy/compression[;key=value...]`` item as a :class:`BenchConfig`."""
+    (config,) = parse_configs(text)
+    return config
+
+
+@dataclass(frozen=True)
+class Target:
+    """A ratio a scenario must reach, judged PASS/MISS in the table.
+
+    Kinds: ``efficiency`` (the row's ``efficiency`` against ``bound``), ``comm_share``
+    (the row's comm share), ``speedup`` (``figure`` of the row ``ref`` divided by the same
+    figure of this row: how many times faster this row is).
+    """
+
+    row: str
+    kind: str
+    op: str
+    bound: float
+    ref: str | None = None
+    figure: str = "step_time_s"
+    note: str = ""
+
+    def describe(self) -> str:
+        what = {
+            "efficiency": "efficiency",
+            "comm_share": "comm share",
+            "speedup": f"{'time to target' if self.figure == 'time_to_target_s' else 'per-step'}"
+            f" speedup over {self.ref}",
+        }[self.kind]
+        bound = f"{100 * self.bound:.0f}%" if self.kind == "comm_share" else f"{self.bound:g}"
+        if self.kind == "speedup":
+            bound += "x"
+        return f"{self.row}: {what} {self.op} {bound}" + (f" ({self.note})" if self.note else "")
+
+    def short(self) -> str:
+        bound = f"{100 * self.bound:.0f}%" if self.kind == "comm_share" else f"{self.bound:g}"
+        name = {"efficiency": "eff", "comm_share": "comm", "speedup": "x"}[self.kind]
+        if self.kind == "speedup":
+            ref = _spec(self.ref or "").label
+            return f"{bound}x vs {ref}"
+        return f"{name} {self.op} {bound}"
+
+
+def _row_key(row: dict) -> tuple:
+    return (row["strategy"], row["compression"], tuple(row.get("overrides") or ()))
+
+
+def _find_row(rows: list[dict], spec: str) -> dict | None:
+    config = _spec(spec)
+    key = (config.strategy, config.compression, config.overrides)
+    return next((r for r in rows if _row_key(r) == key), None)
+
+
+def evaluate_targets(rows: list[dict], targets: Sequence[Target]) -> list[dict]:
+    """Judge every target against the rows of one run.
+
+    Returns one dict per target: ``target`` (its description), ``row``, ``measured``
+    (None when a row it needs did not run or failed), ``status`` (``PASS``, ``MISS``, or
+    ``n/a: ...`` saying which row is missing or failed), and ``short`` (the table's label).
+    """
+    results = []
+    for t in targets:
+        out = {"target": t.describe(), "row": t.row, "short": t.short(), "measured": None}
+        needed = [t.row] + ([t.ref] if t.ref else [])
+        found = {spec: _find_row(rows, spec) for spec in needed}
+        problem = next(
+            (
+                f"n/a: {spec} " + ("not run" if r is None else f"{r.get('status')}")
+                for spec, r in found.items()
+                if r is None or r.get("status") != "ok"
+            ),
+            None,
+        )
+        if problem is None:
+            row = found[t.row]
+            if t.kind == "efficiency":
+                value = row.get("efficiency")
+            elif t.kind == "comm_share":
+                value = row.get("comm_share")
+            else:
+                mine, theirs = row.get(t.figure), found[t.ref].get(t.figure)
+                value = theirs / mine if mine and theirs is not None else None
+            if value is None:
+                problem = f"n/a: no {t.kind} figure"
+            else:
+                out["measured"] = value
+                ok = value >= t.bound if t.op == ">=" else value <= t.bound
+                out["status"] = "PASS" if ok else "MISS"
+        if problem is not None:
+            out["status"] = problem
+        results.append(out)
+    return results
+
+
+def add_efficiency(rows: list[dict]) -> None:
+    """``efficiency`` = limit ``step_time_s`` / the row's ``step_time_s`` (1.0: comm is free).
+
+    Only rows that completed get a value; without a completed limit row every value is
+    None.
+    """
+    limit = next(
+        (r for r in rows if (r["strategy"], r["compression"]) == LIMIT and r.get("status") == "ok"),
+        None,
+    )
+    ref = limit.get("step_time_s") if limit else None
+    for row in rows:
+        mine = row.get("step_time_s")
+        row["efficiency"] = (
+            float(ref) / float(mine) if ref and mine and row.get("status") == "ok" else None
+        )
+
+
+def sc17_next_rate(rate_mbit: float, share: float, wanted: float, margin: float = 0.85) -> float:
+    """The next link rate to probe so that round-robin EASGD reaches ``wanted`` comm share.
+
+    Model: per step, compute K is fixed and communication C scales with 1 / rate, so the
+    share s = C / (C + K) has odds s / (1 - s) proportional to 1 / rate. The rate that
+    gives the wanted odds is ``rate * odds(share) / odds(wanted)``; ``margin`` (< 1) aims
+    a little below it, and the result is rounded down to two significant digits.
+
+    Args:
+        rate_mbit: the rate just probed.
+        share: the comm share measured there (clipped to [0.01, 0.99]).
+        wanted: the comm share to reach.
+        margin: factor applied to the model's rate.
+
+    Returns:
+        The next rate in Mbit/s (at least 1).
+    """
+    s = min(max(share, 0.01), 0.99)
+    odds = s / (1.0 - s)
+    target_odds = wanted / (1.0 - wanted)
+    rate = rate_mbit * odds / target_odds * margin
+    if rate <= 1.0:
+        return 1.0
+    digits = 10 ** (len(str(int(rate))) - 2)
+    return float(max(1, int(rate // digits) * digits))
+
+
+def time_to_target(history: list[dict], target: float) -> dict | None:
+    """The first validation in ``val_history`` at or above ``target`` accuracy.
+
+    Returns ``{"time_s", "step", "epoch"}`` (seconds since training started, as the
+    summary records them) or None when it was never reached.
+    """
+    for entry in history:
+        acc = entry.get("val_acc")
+        if acc is not None and acc >= target:
+            return {"time_s": float(entry["time_s"]), "step": entry.get("step"), "epoch": entry.get("epoch")}
+    return None
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A preset: hosts, link, workload, rows, run length and the targets it is judged by.
+
+    ``kind`` ``throughput`` measures per-step figures over ``steps`` (steady state after
+    ``warmup_steps``) and always adds the limit row; ``tta`` trains each row for
+    ``epochs`` and reports the time to ``target_acc``. ``rate_mbit`` None: calibrate the
+    rate (sc17).
+    """
+
+    name: str
+    description: str
+    workers: int
+    rate_mbit: float | None
+    workload: tuple[str, ...]
+    configs: str
+    targets: tuple[Target, ...] = ()
+    steps: int = 20
+    warmup_steps: int = 2
+    extra: tuple[str, ...] = ()
+    kind: str = "throughput"
+    epochs: int = 0
+    target_acc: float = 0.0
+    timeout_s: float = 1800.0
+
+
+SC17_OVERLAPPED = "sync_easgd/none;strategy.overlap=true"
+SC17_BLOCKING = "sync_easgd/none;strategy.overlap=false"
+TTA_CONFIGS = (
+    f"ddp/none,{DGC_ROW},ddp/powersgd,sync_easgd/none;strategy.tau=4,sync_easgd/topk,"
+    "local_sgd/none;strategy.period_rule=qsr;strategy.h_base=2;strategy.gamma=0.1,"
+    "async_easgd/none;strategy.tau=4"
+)
+SCENARIOS: dict[str, Scenario] = {
+    "quick": Scenario(
+        name="quick",
+        description="2 hosts, 100 Mbit/s, the digits MLP made wide (model.hidden=2048)",
+        workers=2,
+        rate_mbit=100.0,
+        workload=WIDE_MLP_WORKLOAD,
+        configs=f"ddp/none,{DGC_ROW},ddp/powersgd,sync_easgd/none,sync_easgd/topk",
+        targets=(
+            Target(DGC_ROW, "efficiency", ">=", 0.8),
+            Target("sync_easgd/topk", "efficiency", ">=", 0.8),
+        ),
+        steps=210,
+        warmup_steps=10,
+        timeout_s=300.0,
+    ),
+    "default": Scenario(
+        name="default",
+        description="4 hosts, 1 Gbit/s, AlexNet 64x64 on synthetic data",
+        workers=4,
+        rate_mbit=1000.0,
+        workload=DEFAULT_WORKLOAD,
+        configs=f"ddp/none,{DGC_ROW},ddp/powersgd,sync_easgd/none,sync_easgd/topk",
+        targets=(
+            Target(DGC_ROW, "efficiency", ">=", 0.8),
+            Target("ddp/powersgd", "efficiency", ">=", 0.8),
+            Target("sync_easgd/topk", "efficiency", ">=", 0.8),
+            Target(DGC_ROW, "speedup", ">=", 2.0, ref="ddp/none"),
+        ),
+        steps=8,
+        warmup_steps=2,
+        timeout_s=1200.0,
+    ),
+    "sc17": Scenario(
+        name="sc17",
+        description=(
+            "4 hosts, the wide digits MLP, link rate calibrated so that easgd_round_robin "
+            "spends >= 87% of its time communicating (SC17's baseline)"
+        ),
+        workers=4,
+        rate_mbit=None,
+        workload=WIDE_MLP_WORKLOAD,
+        configs=f"ddp/none,easgd_round_robin/none,{SC17_BLOCKING},{SC17_OVERLAPPED}",
+        targets=(
+            Target(
+                "easgd_round_robin/none", "comm_share", ">=", SC17_BASELINE_SHARE,
+                note="the calibration: SC17's baseline",
+            ),
+            Target(SC17_OVERLAPPED, "speedup", ">=", 5.3, ref="easgd_round_robin/none"),
+            Target(SC17_OVERLAPPED, "comm_share", "<=", 0.14),
+        ),
+        steps=40,
+        warmup_steps=10,
+        timeout_s=600.0,
+    ),
+    "tta": Scenario(
+        name="tta",
+        description=(
+            "time to accuracy: 4 hosts, 100 Mbit/s (ddp/none communication-bound), the wide "
+            "digits MLP, lr halved every 4 epochs"
+        ),
+        workers=4,
+        rate_mbit=100.0,
+        workload=WIDE_MLP_WORKLOAD,
+        extra=("optim.schedule=step", "optim.step_size_epochs=4", "optim.gamma=0.5"),
+        configs=TTA_CONFIGS,
+        targets=tuple(
+            Target(spec, "speedup", ">=", 2.0, ref="ddp/none", figure="time_to_target_s")
+            for spec in TTA_CONFIGS.split(",")[1:]
+        ),
+        kind="tta",
+        epochs=12,
+        target_acc=0.95,
+        timeout_s=600.0,
+    ),
+}
+
+
 def _mean(values: Iterable[float]) -> float | None:
     vals = [float(v) for v in values]
     return statistics.fmean(vals) if vals else None
+
+
+def comm_share_of(summary: dict) -> tuple[float | None, str]:
+    """The comm share a summary reports, and which field it came from.
+
+    ``comm.exposed_fraction`` (the time the training loop actually waited for
+    communication) when the summary has it, else ``comm.time_fraction`` (all
+    communication time, overlapped or not).
+    """
+    comm = summary.get("comm") or {}
+    if comm.get("exposed_fraction") is not None:
+        return comm["exposed_fraction"], "exposed"
+    return comm.get("time_fraction"), "total"
 
 
 def row_from_summary(summary: dict) -> dict:
@@ -235,14 +536,15 @@ def row_from_summary(summary: dict) -> dict:
     * ``bytes_per_step_per_worker``: all ranks' ``comm.bytes_sent`` summed, divided by all
       ranks' steps summed (for synchronous strategies: one rank's bytes per step; for a
       parameter server it charges the server's replies to the workers' steps).
-    * ``comm_share``: ``comm.time_fraction``.
+    * ``comm_share``: ``comm.exposed_fraction``, or ``comm.time_fraction`` where the summary
+      has no exposed figure (``comm_share_source``: ``exposed`` / ``total``).
     * ``final_loss``: ``train_loss``.
 
     Args:
         summary: the parsed summary.json.
 
     Returns:
-        A dict with the five figures (``None`` where the summary lacks the field).
+        A dict with the figures (``None`` where the summary lacks the field).
     """
     steps = [int(s) if s is not None else 0 for s in summary.get("steps_per_rank") or []]
     stepping = [s for s in steps if s > 0]
@@ -253,11 +555,13 @@ def row_from_summary(summary: dict) -> dict:
     mean_steps = _mean(stepping)
     step_time = wall / mean_steps if (wall is not None and mean_steps) else None
     bytes_per_step = sum(sent_list) / sum(stepping) if (sent_list and stepping) else None
+    share, source = comm_share_of(summary)
     return {
         "step_time_s": step_time,
         "samples_per_s": summary.get("samples_per_s"),
         "bytes_per_step_per_worker": bytes_per_step,
-        "comm_share": comm.get("time_fraction"),
+        "comm_share": share,
+        "comm_share_source": source,
         "final_loss": summary.get("train_loss"),
         "steps_per_rank": steps,
         "wall_time_s": wall,
@@ -265,17 +569,36 @@ def row_from_summary(summary: dict) -> dict:
     }
 
 
-def _totals(summary: dict) -> dict:
+def train_clock(summary: dict) -> float | None:
+    """Seconds from the start of training to the end of the last step's validation.
+
+    ``val_history`` entries carry the time since training started (after process-group
+    set-up and the strategy's initial broadcast); Lightning validates when ``max_steps``
+    is reached, so the last entry closes the run. None when the history does not end at
+    a step some rank finished on (then use ``wall_time_s``, which also counts the wait
+    for the slowest rank to start).
+    """
+    hist = summary.get("val_history") or []
+    steps = [int(s) for s in summary.get("steps_per_rank") or [] if s]
+    if not hist or hist[-1].get("time_s") is None or hist[-1].get("step") not in steps:
+        return None
+    return float(hist[-1]["time_s"])
+
+
+def _totals(summary: dict, clock: str) -> dict:
     """Whole-run totals of one summary, the quantities :func:`steady_figures` subtracts."""
     steps = [int(s) if s is not None else 0 for s in summary.get("steps_per_rank") or []]
     comm = summary.get("comm") or {}
     wall = float(summary.get("wall_time_s") or 0.0)
+    exposed = comm.get("exposed_time_s")
+    comm_times = exposed if isinstance(exposed, list) else comm.get("time_s") or []
     return {
-        "wall": wall,
+        "time": train_clock(summary) if clock == "train" else wall,
         "steps": steps,
         "samples": float(summary.get("samples_per_s") or 0.0) * wall,
         "sent": [int(b or 0) for b in comm.get("bytes_sent") or []],
-        "comm_time": [float(t or 0.0) for t in comm.get("time_s") or []],
+        "comm_time": [float(t or 0.0) for t in comm_times],
+        "comm_source": "exposed" if isinstance(exposed, list) else "total",
     }
 
 
@@ -286,38 +609,43 @@ def steady_figures(long: dict, short: dict) -> dict | None:
     takes the first few, ``long`` all of them) share their start-up costs: DDP's bucket
     rebuild and the compression hooks' dense first iterations, lazy allocations, the first
     rendezvous of every collective. Their difference is the steady state:
-    ``step_time = (wall_L - wall_S) / (steps_L - steps_S)``, and likewise for bytes (summed
+    ``step_time = (T_L - T_S) / (steps_L - steps_S)``, and likewise for bytes (summed
     over ranks, per step summed over ranks), samples/s and each rank's communication time
-    over the wall-time difference.
+    (exposed where the summaries record it) over the time difference. T is the training
+    clock (:func:`train_clock`) when both runs have it, else ``wall_time_s``.
 
     Args:
         long: summary.json of the full run.
         short: summary.json of the short run of the same configuration.
 
     Returns:
-        The figures as :func:`row_from_summary` names them (``final_loss`` from ``long``),
-        or ``None`` when the difference is not positive (then use the whole-run figures).
+        The figures as :func:`row_from_summary` names them (``final_loss`` from ``long``)
+        plus ``clock`` (``train`` / ``wall``), or ``None`` when the difference is not
+        positive (then use the whole-run figures).
     """
-    a, b = _totals(long), _totals(short)
+    clock = "train" if train_clock(long) is not None and train_clock(short) is not None else "wall"
+    a, b = _totals(long, clock), _totals(short, clock)
     if len(a["steps"]) != len(b["steps"]):
         return None
-    d_wall = a["wall"] - b["wall"]
+    d_time = a["time"] - b["time"]
     d_steps = [x - y for x, y in zip(a["steps"], b["steps"])]
     stepping = [d for x, d in zip(a["steps"], d_steps) if x > 0]
     mean_steps = _mean(stepping)
-    if d_wall <= 0 or not mean_steps or mean_steps <= 0 or sum(stepping) <= 0:
+    if d_time <= 0 or not mean_steps or mean_steps <= 0 or sum(stepping) <= 0:
         return None
     d_sent = sum(a["sent"]) - sum(b["sent"])
-    fractions = [(x - y) / d_wall for x, y in zip(a["comm_time"], b["comm_time"])]
+    fractions = [(x - y) / d_time for x, y in zip(a["comm_time"], b["comm_time"])]
     return {
-        "step_time_s": d_wall / mean_steps,
-        "samples_per_s": (a["samples"] - b["samples"]) / d_wall,
+        "step_time_s": d_time / mean_steps,
+        "samples_per_s": (a["samples"] - b["samples"]) / d_time,
         "bytes_per_step_per_worker": d_sent / sum(stepping),
         # Not clipped: asynchronous collectives in flight at once (DDP's buckets during the
-        # backward pass) each count their own launch-to-completion time, so the sum can
-        # exceed the wall time; above 100% means communication overlapped itself.
+        # backward pass) each count their own launch-to-completion time, so a total share
+        # can exceed the wall time; above 100% means communication overlapped itself.
         "comm_share": _mean(fractions) if fractions else None,
+        "comm_share_source": a["comm_source"],
         "final_loss": long.get("train_loss"),
+        "clock": clock,
     }
 
 
@@ -381,19 +709,66 @@ def _fmt(value: float | None, kind: str) -> str:
         return f"{value:.2f}x" if value >= 0.1 else f"{value:.2g}x"
     if kind == "s":
         return f"{value:.3f}" if value < 10 else f"{value:.1f}"
+    if kind == "eff":
+        return f"{value:.2f}"
     return f"{value:.4g}"
 
 
-def render_markdown(rows: list[dict], scenario: dict) -> str:
-    """Render the table (and a scenario header) as markdown.
+def _share_label(rows: list[dict]) -> str:
+    sources = {r.get("comm_share_source") for r in rows if r.get("comm_share") is not None}
+    if sources == {"exposed"}:
+        return "exposed comm share"
+    if sources == {"total"}:
+        return "comm share (total)"
+    return "comm share"
 
-    Args:
-        rows: the output of :func:`build_table`.
-        scenario: the run's scenario dict (workers, link, workload, ...).
 
-    Returns:
-        Markdown text.
-    """
+def _targets_by_row(targets: list[dict]) -> dict[str, list[dict]]:
+    by_row: dict[str, list[dict]] = {}
+    for t in targets:
+        by_row.setdefault(t["row"], []).append(t)
+    return by_row
+
+
+def _target_cell(row: dict, by_row: dict[str, list[dict]]) -> str:
+    label = row_spec(row)
+    cells = []
+    for t in by_row.get(label, []):
+        status = t["status"] if t["status"] in ("PASS", "MISS") else "n/a"
+        cells.append(f"{t['short']}: {status}")
+    return "; ".join(cells) or "-"
+
+
+def _row_label(row: dict) -> str:
+    if (row["strategy"], row["compression"]) == LIMIT and not row.get("overrides"):
+        return "limit (no communication)"
+    return f"{row['strategy']}/{row['compression']}" + (
+        f" `{' '.join(row['overrides'])}`" if row.get("overrides") else ""
+    )
+
+
+def row_spec(row: dict) -> str:
+    """The ``--configs`` item of a row (``strategy/compression[;key=value...]``)."""
+    return ";".join([f"{row['strategy']}/{row['compression']}", *(row.get("overrides") or [])])
+
+
+def _format_measured(t: dict) -> str:
+    value = t.get("measured")
+    if value is None:
+        return "-"
+    return f"{100 * value:.1f}%" if "comm share" in t["target"] else f"{value:.2f}"
+
+
+def _targets_md(targets: list[dict]) -> list[str]:
+    if not targets:
+        return []
+    lines = ["", "| target | measured | result |", "|---|---:|---|"]
+    for t in targets:
+        lines.append(f"| {t['target']} | {_format_measured(t)} | {t['status']} |")
+    return lines
+
+
+def _header(scenario: dict) -> list[str]:
     link = scenario["link"]
     lat = f"{link['latency_ms']} ms one-way"
     if link["latency_ms"] > 0 and not link.get("latency_emulated"):
@@ -401,47 +776,95 @@ def render_markdown(rows: list[dict], scenario: dict) -> str:
     workload = " ".join(scenario["workload"]) or "(CLI defaults)"
     extra = " ".join(scenario["extra"]) or "-"
     machine = scenario["machine"]
+    name = scenario.get("name", "custom")
     lines = [
-        f"# Emulated cluster: {scenario['workers']} workers, {link['rate_mbit']} Mbit/s, {lat}",
+        f"# Emulated cluster, scenario {name}: {scenario['workers']} workers, "
+        f"{link['rate_mbit']:g} Mbit/s, {lat}",
         "",
-        f"- workload: `{workload}`, steps: {scenario['steps']}, extra: `{extra}`",
-        (
-            f"- figures per step over steps {scenario['warmup_steps'] + 1}..{scenario['steps']}"
+        f"- workload: `{workload}`, extra: `{extra}`",
+    ]
+    calib = scenario.get("calibration")
+    if calib:
+        probes = ", ".join(
+            f"{p['rate_mbit']:g} Mbit/s -> {_fmt(p.get('comm_share'), 'pct')}" for p in calib["probes"]
+        )
+        lines.append(
+            f"- link rate {link['rate_mbit']:g} Mbit/s chosen by measurement: the fastest probed "
+            f"rate at which easgd_round_robin's comm share reached "
+            f"{100 * calib['wanted']:.0f}% (probes: {probes})"
+            + ("" if calib.get("reached") else "; NOT reached within the probes")
+        )
+    lines += [
+        f"- machine: {machine['cpus']} CPUs, {machine['platform']}, {scenario['date']}"
+        + (f", load average before: {scenario['loadavg']}" if scenario.get("loadavg") else ""),
+        f"- command: `{scenario['command']}`",
+    ]
+    return lines
+
+
+def render_markdown(rows: list[dict], scenario: dict) -> str:
+    """Render the table (and a scenario header, and the targets) as markdown.
+
+    Args:
+        rows: the output of :func:`build_table`.
+        scenario: the run's scenario dict (workers, link, workload, targets, ...).
+
+    Returns:
+        Markdown text.
+    """
+    if scenario.get("kind") == "tta":
+        return render_tta_markdown(rows, scenario)
+    targets = scenario.get("targets") or []
+    by_row = _targets_by_row(targets)
+    share = _share_label(rows)
+    lines = _header(scenario) + [
+        f"- steps: {scenario['steps']}; "
+        + (
+            f"figures per step over steps {scenario['warmup_steps'] + 1}..{scenario['steps']}"
             f" (a {scenario['warmup_steps']}-step run of each configuration subtracted)"
             if scenario.get("warmup_steps")
-            else "- figures over the whole run (first steps included)"
+            else "figures over the whole run (first steps included)"
         ),
-        f"- machine: {machine['cpus']} CPUs, {machine['platform']}, {scenario['date']}",
-        f"- command: `{scenario['command']}`",
         (
-            "- ratio = value / value of ddp/none in this run (step time < 1x and samples/s > 1x"
-            " are faster; bytes ratio = 1 / compression factor)"
+            "- x = value / value of ddp/none in this run (step time < 1x and samples/s > 1x"
+            " are faster; bytes ratio = 1 / compression factor); efficiency = limit step time"
+            " / row step time (limit: every worker trains alone, no communication)"
+        ),
+        f"- {share}: "
+        + (
+            "comm.exposed_fraction (time the training loop waited for communication)"
+            if share == "exposed comm share"
+            else "comm.time_fraction (all communication time; these summaries have no "
+            "exposed figure)"
+            if share == "comm share (total)"
+            else "exposed where the summary has it, else total (marked *)"
         ),
         "",
         (
-            "| strategy/compression | step time (s) | x | samples/s | x | bytes/step/worker | x"
-            " | comm share | x | final loss | x | status |"
+            "| strategy/compression | step time (s) | x | efficiency | samples/s | x "
+            f"| bytes/step/worker | x | {share} | final loss | targets | status |"
         ),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
+    mixed = share == "comm share"
     for r in rows:
         q = r.get("ratio", {})
+        star = "*" if mixed and r.get("comm_share_source") == "total" else ""
         lines.append(
             "| "
             + " | ".join(
                 [
-                    f"{r['strategy']}/{r['compression']}"
-                    + (f" `{' '.join(r['overrides'])}`" if r.get("overrides") else ""),
+                    _row_label(r),
                     _fmt(r.get("step_time_s"), "s"),
                     _fmt(q.get("step_time_s"), "ratio"),
+                    _fmt(r.get("efficiency"), "eff"),
                     _fmt(r.get("samples_per_s"), "num"),
                     _fmt(q.get("samples_per_s"), "ratio"),
                     _fmt(r.get("bytes_per_step_per_worker"), "bytes"),
                     _fmt(q.get("bytes_per_step_per_worker"), "ratio"),
-                    _fmt(r.get("comm_share"), "pct"),
-                    _fmt(q.get("comm_share"), "ratio"),
+                    _fmt(r.get("comm_share"), "pct") + star,
                     _fmt(r.get("final_loss"), "num"),
-                    _fmt(q.get("final_loss"), "ratio"),
+                    _target_cell(r, by_row),
                     r.get("status", "?")
                     + (
                         " (whole run)"
@@ -452,7 +875,52 @@ def render_markdown(rows: list[dict], scenario: dict) -> str:
             )
             + " |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _targets_md(targets)) + "\n"
+
+
+def render_tta_markdown(rows: list[dict], scenario: dict) -> str:
+    """The time-to-accuracy table: one row per configuration, speedup over ddp/none."""
+    targets = scenario.get("targets") or []
+    by_row = _targets_by_row(targets)
+    acc = scenario["target_acc"]
+    lines = _header(scenario) + [
+        f"- each row trains for up to {scenario['epochs']} epochs and validates the model it "
+        "delivers (the center for elastic rows) after every epoch; time = seconds from the "
+        f"start of training to the first validation with val_acc >= {acc:g} "
+        "(`val_history[].time_s` of summary.json)",
+        "- speedup = ddp/none's time / the row's time; bytes and comm share over the whole run",
+        "",
+        (
+            f"| strategy/compression | time to {acc:g} (s) | speedup | epoch | step "
+            f"| best val_acc | bytes/step/worker | {_share_label(rows)} | step time (s) "
+            "| targets | status |"
+        ),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for r in rows:
+        reached = r.get("time_to_target_s") is not None
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    _row_label(r),
+                    _fmt(r.get("time_to_target_s"), "s")
+                    if reached
+                    else ("never" if r.get("status") == "ok" else "-"),
+                    _fmt(r.get("speedup"), "ratio"),
+                    str(r["target_epoch"] + 1) if reached and r.get("target_epoch") is not None else "-",
+                    str(r.get("target_step")) if reached else "-",
+                    _fmt(r.get("best_val_acc"), "num"),
+                    _fmt(r.get("bytes_per_step_per_worker"), "bytes"),
+                    _fmt(r.get("comm_share"), "pct"),
+                    _fmt(r.get("step_time_s"), "s"),
+                    _target_cell(r, by_row),
+                    r.get("status", "?"),
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines + _targets_md(targets)) + "\n"
 
 
 # --------------------------------------------------------------------------- privileges
@@ -883,6 +1351,15 @@ def _log_tail(path: Path, n: int = 15) -> str:
     return "\n".join("    " + line for line in lines[-n:])
 
 
+def _last_line(path: Path, limit: int = 200) -> str:
+    """The last non-empty line of a log (the one-line error of a refused config)."""
+    try:
+        lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:limit] if lines else ""
+
+
 def merge_overrides(*groups: Iterable[str]) -> list[str]:
     """Concatenate Hydra overrides, a later one replacing an earlier one of the same key.
 
@@ -909,12 +1386,14 @@ def train_command(
     run_dir: Path,
     workload: Sequence[str],
     extra: Sequence[str],
+    epochs: int | None = None,
 ) -> list[str]:
     """The ``easgd-train`` command line of one rank (all ranks share it).
 
     Precedence, lowest first: the harness defaults (:data:`BENCH_OVERRIDES`), the
     workload, ``extra``, and last what the harness must control (run directory, strategy,
-    compression, devices, nodes, steps).
+    compression, devices, nodes, and the run length: ``steps`` optimizer steps, or with
+    ``epochs`` that many epochs and no step limit).
     """
     exe = Path(sys.executable).parent / "easgd-train"
     fixed = [
@@ -923,9 +1402,19 @@ def train_command(
         f"compression={compression}",
         "trainer.devices=1",
         f"trainer.num_nodes={workers}",
-        f"trainer.max_steps={steps}",
     ]
+    if epochs:
+        fixed += [f"trainer.max_epochs={epochs}", "trainer.max_steps=-1"]
+    else:
+        fixed += [f"trainer.max_steps={steps}"]
     return [str(exe), *merge_overrides(BENCH_OVERRIDES, workload, extra, fixed)]
+
+
+def run_spec(config: BenchConfig) -> tuple[str, str, tuple[str, ...]]:
+    """What ``easgd-train`` runs for a row: the limit row is local SGD that never averages."""
+    if config.key == LIMIT:
+        return LIMIT_RUN[0], LIMIT_RUN[1], LIMIT_RUN[2] + config.overrides
+    return config.strategy, config.compression, config.overrides
 
 
 def _launch(
@@ -938,6 +1427,7 @@ def _launch(
     extra: Sequence[str],
     port: int,
     timeout_s: float,
+    epochs: int | None = None,
 ) -> tuple[str, dict | None]:
     """One ``easgd-train`` run on every host; returns (status, summary or None)."""
     if run_dir.exists():
@@ -945,14 +1435,17 @@ def _launch(
     label = f"{config.label} ({steps} steps)"
     # One run directory for all ranks, as on a cluster's shared file system: every rank
     # writes ranks/rank<R>.json there and global rank 0 merges them into summary.json.
+    strategy, compression, overrides = run_spec(config)
+    # The row's own overrides come last: they are more specific than --extra.
     cmd = train_command(
-        config.strategy,
-        config.compression,
+        strategy,
+        compression,
         cluster.workers,
         steps,
         run_dir,
         workload,
-        [*config.overrides, *extra],
+        [*extra, *overrides],
+        epochs=epochs,
     )
     procs, logs = [], []
     for rank in range(cluster.workers):
@@ -971,6 +1464,9 @@ def _launch(
         status = "failed (no summary.json)"
     if status != "ok":
         bad = next((i for i, c in enumerate(codes) if c not in (0, None)), 0)
+        reason = _last_line(logs[bad])
+        if reason:
+            status += f": {reason}"
         print(
             f"[cluster] {label}: {status}; rank {bad} log {logs[bad]}:\n{_log_tail(logs[bad])}",
             file=sys.stderr,
@@ -1034,6 +1530,131 @@ def run_config(
             result.figures["measured"] = f"steps {warmup_steps + 1}..{steps}"
     result.figures["whole_run"] = {k: whole[k] for k in FIGURES}
     return result
+
+
+def run_tta_config(
+    cluster: EmulatedCluster,
+    config: BenchConfig,
+    *,
+    epochs: int,
+    target_acc: float,
+    workload: Sequence[str],
+    extra: Sequence[str],
+    out_dir: Path,
+    port: int,
+    timeout_s: float,
+) -> RunResult:
+    """Train one configuration for ``epochs`` epochs; figures: time to ``target_acc``.
+
+    The time is the first entry of summary.json's ``val_history`` (one validation of the
+    delivered model per epoch, timed from the start of training) at or above the target.
+    """
+    run_dir = out_dir / config.slug
+    status, summary = _launch(
+        cluster, config, steps=-1, run_dir=run_dir, port=port, workload=workload,
+        extra=extra, timeout_s=timeout_s, epochs=epochs,
+    )
+    result = RunResult(config.strategy, config.compression, status, str(run_dir), summary)
+    if summary is None:
+        return result
+    whole = row_from_summary(summary)
+    history = summary.get("val_history") or []
+    hit = time_to_target(history, target_acc)
+    clock = train_clock(summary)
+    steps = [s for s in whole["steps_per_rank"] if s > 0]
+    accs = [h["val_acc"] for h in history if h.get("val_acc") is not None]
+    result.figures = {
+        "time_to_target_s": hit["time_s"] if hit else None,
+        "target_step": hit["step"] if hit else None,
+        "target_epoch": hit["epoch"] if hit else None,
+        "best_val_acc": max(accs) if accs else None,
+        "val_acc": summary.get("val_acc"),
+        "train_time_s": clock,
+        "step_time_s": clock / _mean(steps) if clock and steps else whole["step_time_s"],
+        "bytes_per_step_per_worker": whole["bytes_per_step_per_worker"],
+        "comm_share": whole["comm_share"],
+        "comm_share_source": whole["comm_share_source"],
+        "final_loss": whole["final_loss"],
+        "steps_per_rank": whole["steps_per_rank"],
+        "val_history": [
+            {"time_s": h.get("time_s"), "step": h.get("step"), "val_acc": h.get("val_acc")}
+            for h in history
+        ],
+    }
+    return result
+
+
+def add_tta_speedup(rows: list[dict]) -> None:
+    """``speedup`` = ddp/none's time to target / the row's (None where either never got there)."""
+    base = next(
+        (r for r in rows if (r["strategy"], r["compression"]) == BASELINE and not r.get("overrides")
+         and r.get("status") == "ok"),
+        None,
+    )
+    ref = base.get("time_to_target_s") if base else None
+    for row in rows:
+        mine = row.get("time_to_target_s")
+        row["speedup"] = ref / mine if ref and mine and row.get("status") == "ok" else None
+
+
+def calibrate_sc17_rate(
+    cluster: EmulatedCluster,
+    *,
+    latency_ms: float,
+    steps: int,
+    workload: Sequence[str],
+    extra: Sequence[str],
+    out_dir: Path,
+    port: int,
+    timeout_s: float,
+    wanted: float = SC17_BASELINE_SHARE,
+    max_probes: int = 4,
+) -> dict:
+    """Find a link rate at which ``easgd_round_robin`` communicates >= ``wanted`` of its time.
+
+    Probes round-robin EASGD for ``steps`` steps at 1 Gbit/s, then at the rate
+    :func:`sc17_next_rate` predicts, until the comm share (over the training clock, exposed
+    where recorded) reaches ``wanted``. Returns ``{"rate_mbit", "wanted", "reached",
+    "probes": [{"rate_mbit", "comm_share", "status"}]}``; the cluster is left shaped at
+    the chosen rate.
+    """
+    config = BenchConfig("easgd_round_robin", "none")
+    rate = SC17_FIRST_PROBE_MBIT
+    probes: list[dict] = []
+    chosen = None
+    for k in range(max_probes):
+        cluster.shape(LinkSpec(rate, latency_ms))
+        status, summary = _launch(
+            cluster, config, steps=steps, run_dir=out_dir / f"rr_{rate:g}mbit", port=port + k,
+            workload=workload, extra=extra, timeout_s=timeout_s,
+        )
+        share = _run_share(summary) if summary else None
+        probes.append({"rate_mbit": rate, "comm_share": share, "status": status})
+        print(
+            f"[cluster] sc17 calibration: easgd_round_robin at {rate:g} Mbit/s: comm "
+            f"{_fmt(share, 'pct')} ({status})",
+            flush=True,
+        )
+        if share is None:
+            break
+        chosen = rate
+        if share >= wanted:
+            break
+        rate = sc17_next_rate(rate, share, wanted)
+        if rate >= chosen:
+            break
+    reached = bool(probes) and (probes[-1]["comm_share"] or 0.0) >= wanted
+    final = chosen if chosen is not None else SC17_FIRST_PROBE_MBIT
+    cluster.shape(LinkSpec(final, latency_ms))
+    return {"rate_mbit": final, "wanted": wanted, "reached": reached, "probes": probes}
+
+
+def _run_share(summary: dict) -> float | None:
+    """Comm share of one run over its training clock (exposed where recorded)."""
+    totals = _totals(summary, "train" if train_clock(summary) is not None else "wall")
+    if not totals["time"] or not totals["comm_time"]:
+        return comm_share_of(summary)[0]
+    return _mean(t / totals["time"] for t in totals["comm_time"])
 
 
 def run_smoke(
@@ -1107,9 +1728,8 @@ def _missing_configs(selections: Iterable[str]) -> list[str]:
 
 
 def _config_missing(config: BenchConfig) -> list[str]:
-    return _missing_configs(
-        [f"strategy={config.strategy}", f"compression={config.compression}", *config.overrides]
-    )
+    strategy, compression, overrides = run_spec(config)
+    return _missing_configs([f"strategy={strategy}", f"compression={compression}", *overrides])
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -1117,56 +1737,61 @@ def _parser() -> argparse.ArgumentParser:
         description="Emulated cluster benchmark: N network namespaces behind a shaped bridge.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--workers", type=int, default=None, help="hosts (default 4; --quick: 2)")
-    p.add_argument("--rate-mbit", type=float, default=1000.0, help="link rate, Mbit/s")
+    p.add_argument(
+        "--scenario",
+        default=None,
+        help="preset(s), comma-separated, run one after the other: "
+        + ", ".join(f"{k} ({v.description})" for k, v in SCENARIOS.items())
+        + ". Default: default. The options below replace the preset's values.",
+    )
+    p.add_argument("--quick", action="store_true", help="same as --scenario quick")
+    p.add_argument("--workers", type=int, default=None, help="hosts (default: the preset's)")
+    p.add_argument(
+        "--rate-mbit",
+        type=float,
+        default=None,
+        help="link rate, Mbit/s (default: the preset's; sc17 calibrates it)",
+    )
     p.add_argument("--latency-ms", type=float, default=0.1, help="one-way latency, ms")
     p.add_argument(
         "--configs",
         default=None,
-        help=f"strategy/compression list (default: {DEFAULT_CONFIGS}; --quick: {QUICK_CONFIGS})",
+        help="strategy/compression list (default: the preset's). ddp/none is always run "
+        "first and, except in tta, the limit row (no communication) second",
     )
-    p.add_argument(
-        "--steps",
-        type=int,
-        default=None,
-        help=f"optimizer steps per run (default {DEFAULT_STEPS}; --quick {QUICK_STEPS})",
-    )
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
     p.add_argument(
         "--warmup-steps",
         type=int,
         default=None,
         help="also run each configuration for only this many steps and report the difference "
-        "(steady state, start-up steps subtracted); 0: whole-run figures "
-        f"(default {DEFAULT_WARMUP_STEPS}; --quick 0)",
+        "(steady state, start-up steps subtracted); 0: whole-run figures",
     )
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="2 workers, the CLI's small digits MLP, ddp/none + sync_easgd/none",
-    )
+    p.add_argument("--epochs", type=int, default=None, help="tta: epochs per run")
+    p.add_argument("--target-acc", type=float, default=None, help="tta: val accuracy to reach")
     p.add_argument(
         "--workload",
         default=None,
-        help="model/data Hydra overrides, space-separated (default: "
-        f"'{' '.join(DEFAULT_WORKLOAD)}'; --quick: CLI defaults)",
+        help="model/data Hydra overrides, space-separated (default: the preset's)",
     )
     p.add_argument(
         "--extra",
         action="append",
         default=[],
-        help="Hydra override passed to every run (repeatable; or several space-separated)",
+        help="Hydra override passed to every run (repeatable; or several space-separated); "
+        "added after the preset's own",
     )
     p.add_argument(
         "--out",
         type=Path,
         default=REPO / "bench" / "results",
-        help="where cluster.{json,md} and the run directories go",
+        help="results go to OUT/<scenario>/cluster.{json,md} and OUT/<scenario>/runs/",
     )
     p.add_argument(
         "--timeout-s",
         type=float,
         default=None,
-        help="per configuration (default 1800; --quick 300)",
+        help="per run (default: the preset's, 300-1200 s)",
     )
     p.add_argument("--port", type=int, default=29500, help="first rendezvous port")
     p.add_argument("--subnet", default="10.77.0", help="private /24 prefix behind the bridge")
@@ -1198,11 +1823,84 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+@dataclass
+class Settings:
+    """One scenario's preset with the command line's replacements applied."""
+
+    preset: Scenario
+    workers: int
+    rate_mbit: float | None
+    workload: list[str]
+    extra: list[str]
+    configs: list[BenchConfig]
+    steps: int
+    warmup_steps: int
+    epochs: int
+    target_acc: float
+    timeout_s: float
+
+
+def scenario_names(text: str | None, quick: bool) -> list[str]:
+    """The presets to run, in order (``--scenario a,b`` plus ``--quick``)."""
+    names = [n.strip() for n in (text or "").split(",") if n.strip()]
+    if quick and "quick" not in names:
+        names.insert(0, "quick")
+    names = names or ["default"]
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        raise ValueError(
+            f"--scenario: unknown {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}"
+        )
+    return list(dict.fromkeys(names))
+
+
+def resolve_settings(args: argparse.Namespace, preset: Scenario) -> Settings:
+    """The preset, each value replaced by the command line's where one was given."""
+    configs = parse_configs(args.configs or preset.configs)
+    base = next((c for c in configs if c.key == BASELINE and not c.overrides), BenchConfig(*BASELINE))
+    rows = [base] + [c for c in configs if c != base and c.key != LIMIT]
+    if preset.kind == "throughput":
+        limit = next((c for c in configs if c.key == LIMIT), BenchConfig(*LIMIT))
+        rows.insert(1, limit)
+    settings = Settings(
+        preset=preset,
+        workers=args.workers or preset.workers,
+        rate_mbit=args.rate_mbit if args.rate_mbit is not None else preset.rate_mbit,
+        workload=args.workload.split() if args.workload is not None else list(preset.workload),
+        extra=[*preset.extra, *(tok for item in args.extra for tok in item.split())],
+        configs=rows,
+        steps=args.steps or preset.steps,
+        warmup_steps=preset.warmup_steps if args.warmup_steps is None else args.warmup_steps,
+        epochs=args.epochs or preset.epochs,
+        target_acc=args.target_acc if args.target_acc is not None else preset.target_acc,
+        timeout_s=args.timeout_s or preset.timeout_s,
+    )
+    if preset.kind == "throughput" and (
+        settings.steps < 1 or not 0 <= settings.warmup_steps < settings.steps
+    ):
+        raise ValueError(
+            f"--steps must be >= 1 and --warmup-steps in [0, --steps), got --steps "
+            f"{settings.steps} --warmup-steps {settings.warmup_steps} (scenario {preset.name})"
+        )
+    if preset.kind == "tta" and (settings.epochs < 1 or not 0 < settings.target_acc <= 1):
+        raise ValueError(
+            f"--epochs must be >= 1 and --target-acc in (0, 1], got {settings.epochs} and "
+            f"{settings.target_acc} (scenario {preset.name})"
+        )
+    return settings
+
+
+def _loadavg() -> str | None:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return None
+
+
 def _scenario(
     args: argparse.Namespace,
     cluster: EmulatedCluster,
-    workload: Sequence[str],
-    extra: Sequence[str],
+    settings: Settings,
     argv: Sequence[str],
 ) -> dict:
     try:
@@ -1221,17 +1919,24 @@ def _scenario(
         ).stdout.strip()
         or None
     )
+    preset = settings.preset
     return {
+        "name": preset.name,
+        "kind": preset.kind,
+        "description": preset.description,
         "run_id": cluster.run_id,
         "workers": cluster.workers,
         "link": cluster.describe(),
-        "workload": list(workload),
-        "extra": list(extra),
-        "steps": args.steps,
-        "warmup_steps": args.warmup_steps,
-        "quick": args.quick,
+        "workload": list(settings.workload),
+        "extra": list(settings.extra),
+        "steps": settings.steps if preset.kind == "throughput" else None,
+        "warmup_steps": settings.warmup_steps if preset.kind == "throughput" else None,
+        "epochs": settings.epochs if preset.kind == "tta" else None,
+        "target_acc": settings.target_acc if preset.kind == "tta" else None,
+        "quick": preset.name == "quick",
         "command": " ".join(["bench/cluster.py", *argv]),
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
+        "loadavg": _loadavg(),
         "machine": {
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
@@ -1249,74 +1954,76 @@ def _write(out: Path, name: str, payload: dict, markdown: str) -> None:
         tmp.replace(out / f"{name}.{suffix}")
 
 
-def _main(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
-    if args.render is not None:
-        data = json.loads(args.render.read_text())
-        md = render_markdown(build_table(data["rows"]), data["scenario"])
-        args.render.with_suffix(".md").write_text(md)
-        print(md)
-        return 0
-    if args.cleanup_stale:
-        check_privileges()
-        stale = cleanup_stale()
-        print(f"[cluster] removed {len(stale)} stale namespace(s): {stale}")
-        return 0
-    args.workers = args.workers or (2 if args.quick else 4)
-    args.steps = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS)
-    if args.warmup_steps is None:
-        args.warmup_steps = 0 if args.quick else DEFAULT_WARMUP_STEPS
-    if args.steps < 1 or not 0 <= args.warmup_steps < args.steps:
-        raise ValueError(
-            f"--steps must be >= 1 and --warmup-steps in [0, --steps), got --steps "
-            f"{args.steps} --warmup-steps {args.warmup_steps}"
-        )
-    timeout_s = args.timeout_s or (300.0 if args.quick else 1800.0)
-    link = LinkSpec(args.rate_mbit, args.latency_ms)
-    configs = parse_configs(args.configs or (QUICK_CONFIGS if args.quick else DEFAULT_CONFIGS))
-    base = next((c for c in configs if c.key == BASELINE and not c.overrides), None)
-    if base is None:
-        base = BenchConfig(*BASELINE)
-        print("[cluster] added ddp/none: every ratio is taken against it", flush=True)
+def finish_table(rows: list[dict], scenario: dict, targets: Sequence[Target]) -> str:
+    """Ratios, efficiency or speedup, target verdicts; returns the markdown."""
+    build_table(rows)
+    if scenario.get("kind") == "tta":
+        add_tta_speedup(rows)
     else:
-        configs.remove(base)
-    configs.insert(0, base)  # the baseline runs first
-    if args.workload is not None:
-        workload = args.workload.split()
-    else:
-        workload = list(QUICK_WORKLOAD if args.quick else DEFAULT_WORKLOAD)
-    extra = [tok for item in args.extra for tok in item.split()]
+        add_efficiency(rows)
+    scenario["targets"] = evaluate_targets(rows, targets)
+    return render_markdown(rows, scenario)
 
-    check_privileges()
-    if not args.smoke:
-        # Without the workload or the baseline nothing can be compared: stop here.
-        problems = _missing_configs([*workload, *extra]) + _config_missing(base)
-        if problems:
-            raise ClusterUnavailable(
-                "missing Hydra configs: "
-                + ", ".join(sorted(set(problems)))
-                + " (pick another --workload/--extra or add them)"
-            )
-    stale = cleanup_stale(dry_run=True)
-    if stale:
-        print(
-            f"[cluster] note: stale namespaces from killed runs: {stale} "
-            "(remove with --cleanup-stale)",
-            file=sys.stderr,
-        )
 
-    install_signal_handlers()
-    out = args.out.resolve()
-    with EmulatedCluster(args.workers, link, subnet=args.subnet) as cluster:
+def _print_row(row: dict, kind: str) -> None:
+    if row.get("status") != "ok":
+        return
+    if kind == "tta":
+        t = row.get("time_to_target_s")
         print(
-            f"[cluster] {cluster.run_id}: {cluster.workers} hosts on {args.subnet}.0/24, "
-            f"{link.rate_mbit} Mbit/s, {link.latency_ms} ms",
+            f"[cluster]   time to target {_fmt(t, 's') if t is not None else 'never'} s, best val_acc "
+            f"{_fmt(row.get('best_val_acc'), 'num')}, step {_fmt(row.get('step_time_s'), 's')} s",
             flush=True,
         )
-        scenario = _scenario(args, cluster, workload, extra, argv)
-        if args.smoke:
-            return _smoke(cluster, args, out, scenario, timeout_s)
+        return
+    print(
+        f"[cluster]   step {_fmt(row['step_time_s'], 's')} s, "
+        f"{_fmt(row['samples_per_s'], 'num')} samples/s, "
+        f"{_fmt(row['bytes_per_step_per_worker'], 'bytes')}/step/worker, "
+        f"comm {_fmt(row['comm_share'], 'pct')}, "
+        f"loss {_fmt(row['final_loss'], 'num')}",
+        flush=True,
+    )
+
+
+def run_scenario(args: argparse.Namespace, settings: Settings, argv: Sequence[str]) -> tuple[int, str]:
+    """Build the cluster, run every row of one scenario, write its table; (exit code, md)."""
+    preset = settings.preset
+    problems = _missing_configs([*settings.workload, *settings.extra]) + _config_missing(
+        settings.configs[0]
+    )
+    if problems:
+        # Without the workload or the baseline nothing can be compared: stop here.
+        raise ClusterUnavailable(
+            "missing Hydra configs: "
+            + ", ".join(sorted(set(problems)))
+            + " (pick another --workload/--extra or add them)"
+        )
+    out = args.out.resolve() / preset.name
+    first_rate = settings.rate_mbit or SC17_FIRST_PROBE_MBIT
+    link = LinkSpec(first_rate, args.latency_ms)
+    with EmulatedCluster(settings.workers, link, subnet=args.subnet) as cluster:
+        print(
+            f"[cluster] scenario {preset.name} ({cluster.run_id}): {cluster.workers} hosts on "
+            f"{args.subnet}.0/24, {link.latency_ms} ms",
+            flush=True,
+        )
+        calibration = None
+        if settings.rate_mbit is None:
+            calibration = calibrate_sc17_rate(
+                cluster,
+                latency_ms=args.latency_ms,
+                steps=settings.steps,
+                workload=settings.workload,
+                extra=settings.extra,
+                out_dir=out / "calibration",
+                port=args.port + 500,
+                timeout_s=settings.timeout_s,
+            )
+        scenario = _scenario(args, cluster, settings, argv)
+        scenario["calibration"] = calibration
         rows: list[dict] = []
+        configs = settings.configs
         for k, config in enumerate(configs):
             row = {
                 "strategy": config.strategy,
@@ -1338,34 +2045,80 @@ def _main(argv: list[str]) -> int:
                 f"{' '.join(config.overrides)}...",
                 flush=True,
             )
-            res = run_config(
-                cluster,
-                config,
-                steps=args.steps,
-                warmup_steps=args.warmup_steps,
-                workload=workload,
-                extra=extra,
-                out_dir=out / "cluster_runs",
+            common = dict(
+                workload=settings.workload,
+                extra=settings.extra,
+                out_dir=out / "runs",
                 port=args.port + k,
-                timeout_s=timeout_s,
+                timeout_s=settings.timeout_s,
             )
-            row.update(status=res.status, run_dir=res.run_dir, **res.figures)
-            if res.status == "ok":
-                print(
-                    f"[cluster]   step {_fmt(row['step_time_s'], 's')} s, "
-                    f"{_fmt(row['samples_per_s'], 'num')} samples/s, "
-                    f"{_fmt(row['bytes_per_step_per_worker'], 'bytes')}/step/worker, "
-                    f"comm {_fmt(row['comm_share'], 'pct')}, "
-                    f"loss {_fmt(row['final_loss'], 'num')}",
-                    flush=True,
+            if preset.kind == "tta":
+                res = run_tta_config(
+                    cluster, config, epochs=settings.epochs, target_acc=settings.target_acc, **common
                 )
-        build_table(rows)
-        md = render_markdown(rows, scenario)
+            else:
+                res = run_config(
+                    cluster, config, steps=settings.steps, warmup_steps=settings.warmup_steps, **common
+                )
+            row.update(status=res.status, run_dir=res.run_dir, **res.figures)
+            _print_row(row, preset.kind)
+        scenario["loadavg_after"] = _loadavg()
+        md = finish_table(rows, scenario, preset.targets)
         _write(out, "cluster", {"scenario": scenario, "rows": rows}, md)
         print()
         print(md)
         print(f"[cluster] wrote {out / 'cluster.json'} and {out / 'cluster.md'}")
-        return 0 if all(r["status"] == "ok" for r in rows) else 1
+        return (0 if all(r["status"] == "ok" for r in rows) else 1), md
+
+
+def _main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    if args.render is not None:
+        data = json.loads(args.render.read_text())
+        scenario = data["scenario"]
+        preset = SCENARIOS.get(scenario.get("name", ""))
+        md = finish_table(data["rows"], scenario, preset.targets if preset else ())
+        args.render.with_suffix(".md").write_text(md)
+        print(md)
+        return 0
+    if args.cleanup_stale:
+        check_privileges()
+        stale = cleanup_stale()
+        print(f"[cluster] removed {len(stale)} stale namespace(s): {stale}")
+        return 0
+    names = scenario_names(args.scenario, args.quick)
+    all_settings = [resolve_settings(args, SCENARIOS[n]) for n in names]
+
+    check_privileges()
+    stale = cleanup_stale(dry_run=True)
+    if stale:
+        print(
+            f"[cluster] note: stale namespaces from killed runs: {stale} "
+            "(remove with --cleanup-stale)",
+            file=sys.stderr,
+        )
+    install_signal_handlers()
+    if args.smoke:
+        workers = args.workers or 4
+        args.rate_mbit = args.rate_mbit or 1000.0
+        link = LinkSpec(args.rate_mbit, args.latency_ms)
+        with EmulatedCluster(workers, link, subnet=args.subnet) as cluster:
+            settings = all_settings[0]
+            scenario = _scenario(args, cluster, settings, argv)
+            return _smoke(cluster, args, args.out.resolve(), scenario, settings.timeout_s)
+    codes, tables = [], []
+    started = time.monotonic()
+    for settings in all_settings:
+        t0 = time.monotonic()
+        code, md = run_scenario(args, settings, argv)
+        codes.append(code)
+        tables.append(md + f"\n(scenario {settings.preset.name}: {time.monotonic() - t0:.0f} s)\n")
+    if len(all_settings) > 1:
+        text = "\n".join(tables) + f"\nTotal: {time.monotonic() - started:.0f} s\n"
+        args.out.resolve().mkdir(parents=True, exist_ok=True)
+        (args.out.resolve() / "summary.md").write_text(text)
+        print(f"[cluster] all tables: {args.out.resolve() / 'summary.md'}")
+    return max(codes)
 
 
 def _smoke(

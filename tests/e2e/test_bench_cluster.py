@@ -77,43 +77,68 @@ def netns_ok() -> None:
 
 @pytest.mark.slow
 @pytest.mark.netns
-def test_quick_cluster_table_and_cleanup(netns_ok: None, tmp_path: Path) -> None:
+def test_quick_cluster_limit_efficiency_targets_and_cleanup(netns_ok: None, tmp_path: Path) -> None:
+    """Quick scenario, short: ddp/none, the limit row and DGC (a row with a target)."""
     before_veth = _root_veths()
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONUNBUFFERED="1")
+    cmd = [
+        sys.executable, str(SCRIPT), "--scenario", "quick", "--configs", cluster.DGC_ROW,
+        "--steps", "12", "--warmup-steps", "4", "--out", str(tmp_path),
+    ]
     proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-        env=env,
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env
     )
     try:
-        # Generous: the machine may be shared; --quick takes about a minute alone.
+        # Generous: the machine may be shared; this takes about a minute alone.
         stdout, stderr = proc.communicate(timeout=900)
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGTERM)  # the harness removes its namespaces on SIGTERM
         stdout, stderr = proc.communicate(timeout=120)
-        pytest.fail(f"bench/cluster.py --quick timed out:\n{stderr[-4000:]}")
+        pytest.fail(f"bench/cluster.py --scenario quick timed out:\n{stderr[-4000:]}")
     print(stdout[-4000:])
     print(stderr[-4000:], file=sys.stderr)
-    assert proc.returncode == 0, f"bench/cluster.py --quick exited {proc.returncode}"
+    assert proc.returncode == 0, f"bench/cluster.py --scenario quick exited {proc.returncode}"
 
-    table = json.loads((tmp_path / "cluster.json").read_text())
-    assert (tmp_path / "cluster.md").read_text().count("\n| ") >= 3  # header + 2 rows
+    table = json.loads((tmp_path / "quick" / "cluster.json").read_text())
+    md = (tmp_path / "quick" / "cluster.md").read_text()
     rows = {(r["strategy"], r["compression"]): r for r in table["rows"]}
-    assert set(rows) == {("ddp", "none"), ("sync_easgd", "none")}
+    assert list(rows) == [("ddp", "none"), ("limit", "none"), ("ddp", "dgc")]
     for key, row in rows.items():
         assert row["status"] == "ok", key
         assert row["samples_per_s"] > 0, key
-        assert row["bytes_per_step_per_worker"] > 0, key
         assert row["step_time_s"] > 0, key
-        assert 0.0 <= row["comm_share"] <= 1.0, key
+        assert row["measured"] == "steps 5..12", key  # steady state for every row
+        assert row["clock"] == "train", key  # timed on the training clock, not wall
+        assert row["comm_share_source"] in ("exposed", "total"), key
+    limit = rows[("limit", "none")]
+    # The limit row trains without communicating: nothing is sent inside the timed window
+    # (local SGD's set-up broadcast and final average cancel between the two runs) ...
+    assert limit["bytes_per_step_per_worker"] == 0
+    # ... while the whole run does contain them (so the subtraction is what removes them).
+    assert limit["whole_run"]["bytes_per_step_per_worker"] > 0
+    assert rows[("ddp", "none")]["bytes_per_step_per_worker"] > 0
+    # efficiency = limit step time / row step time, from the figures in the same json.
+    for key, row in rows.items():
+        assert row["efficiency"] == pytest.approx(limit["step_time_s"] / row["step_time_s"]), key
+    assert limit["efficiency"] == pytest.approx(1.0)
     base = rows[("ddp", "none")]["ratio"]
     for figure, ratio in base.items():
         if rows[("ddp", "none")][figure] not in (None, 0):
             assert ratio == pytest.approx(1.0), figure
     assert table["scenario"]["workers"] == 2
+    assert table["scenario"]["link"]["rate_mbit"] == 100.0
+
+    # Targets: DGC's efficiency target is judged on the measured value; topk did not run.
+    targets = {t["row"] + " " + t["short"]: t for t in table["scenario"]["targets"]}
+    dgc = targets[f"{cluster.DGC_ROW} eff >= 0.8"]
+    assert dgc["measured"] == pytest.approx(rows[("ddp", "dgc")]["efficiency"])
+    assert dgc["status"] == ("PASS" if dgc["measured"] >= 0.8 else "MISS")
+    assert targets["sync_easgd/topk eff >= 0.8"]["status"].startswith("n/a")
+    header = next(line for line in md.splitlines() if line.startswith("| strategy/compression"))
+    assert "| efficiency |" in header and "| targets |" in header
+    dgc_line = next(line for line in md.splitlines() if line.startswith("| ddp/dgc"))
+    assert f"eff >= 0.8: {dgc['status']}" in dgc_line
+    assert md.count(f"| {dgc['status']} |") >= 1  # the targets table under the rows
 
     # Nothing the run created is left: no namespace of its run id, no new veth on the host.
     run_id = table["scenario"]["run_id"]
@@ -141,7 +166,7 @@ def test_interrupt_mid_run_removes_everything(
     )
     prefix = f"easgd-bench-{proc.pid}-"
     try:
-        log = tmp_path / "cluster_runs" / "ddp__none" / "logs" / "rank0.log"
+        log = tmp_path / "quick" / "runs" / "ddp__none" / "logs" / "rank0.log"
         for _ in range(600):  # up to 60 s for the network and the first rank to start
             if log.exists() and any(n.startswith(prefix) for n in _netns_names()):
                 break
@@ -298,3 +323,156 @@ def test_tbf_params_scale_with_rate() -> None:
         cluster.LinkSpec(0.0, 0.1)
     with pytest.raises(ValueError, match="--latency-ms"):
         cluster.LinkSpec(10.0, -1.0)
+
+
+def _ok_row(spec: str, step: float, **figures) -> dict:
+    config = cluster.parse_configs(spec)[0]
+    return {
+        "strategy": config.strategy,
+        "compression": config.compression,
+        "overrides": list(config.overrides),
+        "status": "ok",
+        "step_time_s": step,
+        **figures,
+    }
+
+
+def test_efficiency_and_targets_pass_miss() -> None:
+    rows = [
+        _ok_row("ddp/none", 0.40, comm_share=0.7),
+        _ok_row("limit/none", 0.10, comm_share=0.0),
+        _ok_row(cluster.DGC_ROW, 0.125, comm_share=0.1),  # efficiency 0.8 exactly: PASS
+        _ok_row("ddp/powersgd", 0.20, comm_share=0.2),  # 0.5: MISS
+        {"strategy": "sync_easgd", "compression": "topk", "overrides": [], "status": "failed (rc=[2, 2])"},
+    ]
+    cluster.add_efficiency(rows)
+    assert [r["efficiency"] for r in rows[:4]] == pytest.approx([0.25, 1.0, 0.8, 0.5])
+    assert rows[4]["efficiency"] is None
+    got = cluster.evaluate_targets(rows, cluster.SCENARIOS["default"].targets)
+    by = {(t["row"], t["short"]): t for t in got}
+    assert by[(cluster.DGC_ROW, "eff >= 0.8")]["status"] == "PASS"
+    assert by[("ddp/powersgd", "eff >= 0.8")]["status"] == "MISS"
+    assert by[("ddp/powersgd", "eff >= 0.8")]["measured"] == pytest.approx(0.5)
+    topk = by[("sync_easgd/topk", "eff >= 0.8")]
+    assert topk["status"].startswith("n/a") and "failed" in topk["status"] and topk["measured"] is None
+    speed = by[(cluster.DGC_ROW, "2x vs ddp/none")]
+    assert speed["measured"] == pytest.approx(0.40 / 0.125) and speed["status"] == "PASS"
+    # Without a limit row there is no efficiency (and no PASS on it).
+    no_limit = [_ok_row("ddp/none", 0.4), _ok_row(cluster.DGC_ROW, 0.1)]
+    cluster.add_efficiency(no_limit)
+    assert all(r["efficiency"] is None for r in no_limit)
+    # The sc17 targets: speedup over round-robin and a comm-share ceiling.
+    sc = [
+        _ok_row("easgd_round_robin/none", 1.06, comm_share=0.9),
+        _ok_row(cluster.SC17_OVERLAPPED, 0.2, comm_share=0.15),
+    ]
+    res = {t["short"]: t for t in cluster.evaluate_targets(sc, cluster.SCENARIOS["sc17"].targets)}
+    assert res["comm >= 87%"]["status"] == "PASS"
+    assert res["5.3x vs easgd_round_robin/none"]["measured"] == pytest.approx(5.3)
+    assert res["5.3x vs easgd_round_robin/none"]["status"] == "PASS"
+    assert res["comm <= 14%"]["status"] == "MISS"
+
+
+def test_table_shows_efficiency_and_target_columns() -> None:
+    rows = [
+        _ok_row("ddp/none", 0.40, samples_per_s=100.0, bytes_per_step_per_worker=1e6,
+                comm_share=0.7, comm_share_source="exposed", final_loss=1.0),
+        _ok_row("limit/none", 0.10, samples_per_s=400.0, bytes_per_step_per_worker=0.0,
+                comm_share=0.0, comm_share_source="exposed", final_loss=1.0),
+        _ok_row(cluster.DGC_ROW, 0.2, samples_per_s=200.0, bytes_per_step_per_worker=1e3,
+                comm_share=0.1, comm_share_source="exposed", final_loss=1.0),
+    ]
+    scenario = {
+        "name": "quick", "kind": "throughput", "workers": 2,
+        "link": {"rate_mbit": 100.0, "latency_ms": 0.0, "latency_emulated": False},
+        "workload": ["model.hidden=2048"], "extra": [], "steps": 12, "warmup_steps": 4,
+        "machine": {"cpus": 2, "platform": "linux"}, "date": "today", "command": "x",
+    }
+    md = cluster.finish_table(rows, scenario, cluster.SCENARIOS["quick"].targets)
+    header = next(line for line in md.splitlines() if line.startswith("| strategy/compression"))
+    assert "| efficiency |" in header and "| exposed comm share |" in header and "| targets |" in header
+    dgc_line = next(line for line in md.splitlines() if line.startswith("| ddp/dgc"))
+    assert "| 0.50 |" in dgc_line and "eff >= 0.8: MISS" in dgc_line
+    assert "| sync_easgd/topk: efficiency >= 0.8 | - | n/a: sync_easgd/topk not run |" in md
+    # Summaries without an exposed figure: the column says it shows the total share.
+    for r in rows:
+        r["comm_share_source"] = "total"
+    assert "comm share (total)" in cluster.render_markdown(rows, scenario)
+
+
+def test_comm_share_prefers_exposed_and_steady_uses_training_clock() -> None:
+    def summary(wall, clock, steps, sent, comm, exposed=None):
+        s = {
+            "steps_per_rank": steps, "wall_time_s": wall, "samples_per_s": sum(steps) * 32 / wall,
+            "train_loss": 1.0,
+            "comm": {"bytes_sent": sent, "time_s": comm, "time_fraction": 0.5},
+            "val_history": [{"time_s": clock, "step": steps[0], "val_acc": 0.5}],
+        }
+        if exposed is not None:
+            s["comm"]["exposed_time_s"] = exposed
+            s["comm"]["exposed_fraction"] = 0.25
+        return s
+
+    assert cluster.comm_share_of(summary(1, 1, [1], [0], [0.0]))[1] == "total"
+    assert cluster.comm_share_of(summary(1, 1, [1], [0], [0.0], [0.0])) == (0.25, "exposed")
+    # Rendezvous waits make wall times noisy (the short run here waited 3 s longer); the
+    # training clock (val_history's last entry, at the last step) does not include them.
+    short = summary(9.0, 2.0, [10, 10], [100, 100], [1.0, 1.0], [0.5, 0.5])
+    long = summary(10.0, 6.0, [30, 30], [300, 300], [3.0, 3.0], [1.5, 1.5])
+    got = cluster.steady_figures(long, short)
+    assert got["clock"] == "train"
+    assert got["step_time_s"] == pytest.approx(4.0 / 20)
+    assert got["comm_share"] == pytest.approx(1.0 / 4.0)  # exposed time over the clock
+    assert got["comm_share_source"] == "exposed"
+    assert got["bytes_per_step_per_worker"] == pytest.approx(400 / 40)
+    # A history that does not end at the last step: fall back to wall time.
+    long["val_history"][-1]["step"] = 29
+    assert cluster.train_clock(long) is None
+    assert cluster.steady_figures(long, short)["clock"] == "wall"
+
+
+def test_sc17_rate_search_and_time_to_target() -> None:
+    # share 0.6 at 1000 Mbit/s: odds 1.5; wanted odds 0.87/0.13 = 6.69 -> 224 Mbit/s, x0.85.
+    nxt = cluster.sc17_next_rate(1000.0, 0.6, 0.87)
+    assert nxt == 190.0
+    assert cluster.sc17_next_rate(1000.0, 0.6, 0.87, margin=1.0) == 220.0
+    assert cluster.sc17_next_rate(3.0, 0.01, 0.87) == 1.0
+    history = [
+        {"time_s": 1.0, "step": 12, "epoch": 0, "val_acc": 0.80},
+        {"time_s": 2.0, "step": 24, "epoch": 1, "val_acc": None},
+        {"time_s": 3.5, "step": 36, "epoch": 2, "val_acc": 0.96},
+        {"time_s": 4.0, "step": 48, "epoch": 3, "val_acc": 0.99},
+    ]
+    assert cluster.time_to_target(history, 0.95) == {"time_s": 3.5, "step": 36, "epoch": 2}
+    assert cluster.time_to_target(history, 0.999) is None
+    rows = [
+        {"strategy": "ddp", "compression": "none", "overrides": [], "status": "ok", "time_to_target_s": 8.0},
+        {"strategy": "ddp", "compression": "dgc", "overrides": [], "status": "ok", "time_to_target_s": 2.0},
+        {"strategy": "sync_easgd", "compression": "topk", "overrides": [], "status": "ok", "time_to_target_s": None},
+    ]
+    cluster.add_tta_speedup(rows)
+    assert [r["speedup"] for r in rows] == [1.0, 4.0, None]
+
+
+def test_scenarios_always_add_limit_and_baseline() -> None:
+    args = cluster._parser().parse_args(["--scenario", "quick,tta", "--configs", "sync_easgd/topk"])
+    names = cluster.scenario_names(args.scenario, args.quick)
+    assert names == ["quick", "tta"]
+    quick = cluster.resolve_settings(args, cluster.SCENARIOS["quick"])
+    assert [c.key for c in quick.configs] == [("ddp", "none"), ("limit", "none"), ("sync_easgd", "topk")]
+    assert quick.workers == 2 and quick.rate_mbit == 100.0 and quick.workload == ["model.hidden=2048"]
+    tta = cluster.resolve_settings(args, cluster.SCENARIOS["tta"])
+    assert [c.key for c in tta.configs] == [("ddp", "none"), ("sync_easgd", "topk")]  # no limit
+    # The limit row runs as local SGD that never averages during the run.
+    strategy, compression, overrides = cluster.run_spec(cluster.BenchConfig("limit", "none"))
+    assert (strategy, compression) == ("local_sgd", "none")
+    assert overrides == ("strategy.period=1000000000",)
+    with pytest.raises(ValueError, match="--scenario"):
+        cluster.scenario_names("bogus", False)
+    assert cluster.scenario_names(None, True) == ["quick"]
+    assert cluster.scenario_names(None, False) == ["default"]
+    # Row overrides win over --extra; the harness's keys win over both.
+    cmd = cluster.train_command("ddp", "dgc", 2, 5, Path("/x"), [], ["optim.momentum=0.9", "optim.momentum=0"])
+    assert "optim.momentum=0" in cmd and "optim.momentum=0.9" not in cmd
+    epochs = cluster.train_command("ddp", "none", 2, -1, Path("/x"), [], [], epochs=12)
+    assert "trainer.max_epochs=12" in epochs and "trainer.max_steps=-1" in epochs
