@@ -361,13 +361,17 @@ def test_efficiency_and_targets_pass_miss() -> None:
     no_limit = [_ok_row("ddp/none", 0.4), _ok_row(cluster.DGC_ROW, 0.1)]
     cluster.add_efficiency(no_limit)
     assert all(r["efficiency"] is None for r in no_limit)
-    # The sc17 targets: speedup over round-robin and a comm-share ceiling.
+    # The sc17 targets: round-robin communication-bound (1 - efficiency), speedup over it
+    # and a comm-share ceiling.
     sc = [
-        _ok_row("easgd_round_robin/none", 1.06, comm_share=0.9),
+        _ok_row("limit/none", 0.1),
+        _ok_row("easgd_round_robin/none", 1.06, comm_share=0.5),  # 1 - 0.1/1.06 = 0.906
         _ok_row(cluster.SC17_OVERLAPPED, 0.2, comm_share=0.15),
     ]
+    cluster.add_efficiency(sc)
     res = {t["short"]: t for t in cluster.evaluate_targets(sc, cluster.SCENARIOS["sc17"].targets)}
-    assert res["comm >= 87%"]["status"] == "PASS"
+    assert res["1-eff >= 87%"]["measured"] == pytest.approx(1 - 0.1 / 1.06)
+    assert res["1-eff >= 87%"]["status"] == "PASS"
     assert res["5.3x vs easgd_round_robin/none"]["measured"] == pytest.approx(5.3)
     assert res["5.3x vs easgd_round_robin/none"]["status"] == "PASS"
     assert res["comm <= 14%"]["status"] == "MISS"
