@@ -340,7 +340,11 @@ def evaluate_targets(rows: list[dict], targets: Sequence[Target]) -> list[dict]:
             else:
                 mine, theirs = row.get(t.figure), found[t.ref].get(t.figure)
                 value = theirs / mine if mine and theirs is not None else None
-            if value is None:
+                if t.figure == "time_to_target_s" and value is None:
+                    problem = _unreached(row, found[t.ref], t)
+            if problem is not None:
+                pass
+            elif value is None:
                 problem = f"n/a: no {t.kind} figure"
             else:
                 out["measured"] = value
@@ -350,6 +354,19 @@ def evaluate_targets(rows: list[dict], targets: Sequence[Target]) -> list[dict]:
             out["status"] = problem
         results.append(out)
     return results
+
+
+def _unreached(row: dict, ref: dict, t: Target) -> str:
+    """Verdict of a time-to-target speedup when one of the two rows never got there."""
+    if row.get("time_to_target_s") is None:
+        return "MISS: never reached the target" if ref.get("time_to_target_s") is not None else (
+            f"n/a: neither this row nor {t.ref} reached the target"
+        )
+    # The reference never got there: its whole training time bounds its time from below.
+    bound = (ref.get("train_time_s") or 0.0) / row["time_to_target_s"]
+    if bound >= t.bound:
+        return f"PASS: {t.ref} never reached it (speedup > {bound:.2f}x)"
+    return f"n/a: {t.ref} never reached the target"
 
 
 def add_efficiency(rows: list[dict]) -> None:
@@ -747,7 +764,7 @@ def _target_cell(row: dict, by_row: dict[str, list[dict]]) -> str:
     label = row_spec(row)
     cells = []
     for t in by_row.get(label, []):
-        status = t["status"] if t["status"] in ("PASS", "MISS") else "n/a"
+        status = t["status"].split(":")[0] if t["status"].startswith(("PASS", "MISS")) else "n/a"
         cells.append(f"{t['short']}: {status}")
     return "; ".join(cells) or "-"
 

@@ -456,6 +456,18 @@ def test_sc17_rate_search_and_time_to_target() -> None:
     ]
     cluster.add_tta_speedup(rows)
     assert [r["speedup"] for r in rows] == [1.0, 4.0, None]
+    targets = [
+        cluster.Target(spec, "speedup", ">=", 2.0, ref="ddp/none", figure="time_to_target_s")
+        for spec in ("ddp/dgc", "sync_easgd/topk")
+    ]
+    got = cluster.evaluate_targets(rows, targets)
+    assert got[0]["status"] == "PASS" and got[0]["measured"] == pytest.approx(4.0)
+    assert got[1]["status"].startswith("MISS") and "never" in got[1]["status"]
+    # ddp/none never got there in its 30 s of training; a row at 10 s is > 3x faster.
+    rows[0].update(time_to_target_s=None, train_time_s=30.0)
+    rows[2].update(time_to_target_s=10.0)
+    got = cluster.evaluate_targets(rows, targets)
+    assert got[1]["status"].startswith("PASS") and "> 3.00x" in got[1]["status"]
 
 
 def test_scenarios_always_add_limit_and_baseline() -> None:
