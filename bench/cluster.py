@@ -1356,6 +1356,8 @@ def _rank_env(cluster: EmulatedCluster, rank: int, port: int) -> dict[str, str]:
         MASTER_ADDR=cluster.addr(0),
         MASTER_PORT=str(port),
         GLOO_SOCKET_IFNAME=cluster.host_ifname,
+        # The ranks train with the code of the checkout this script belongs to.
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p),
     )
     return env
 
@@ -1743,7 +1745,6 @@ def run_smoke(
             str(timeout_s),
         ]
         env = _rank_env(cluster, rank, port)
-        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
         procs.append(cluster.spawn(rank, cmd, env, res_dir / f"rank{rank}.log"))
     codes, timed_out = _wait_all(procs, timeout_s)
     cluster.kill_procs()
