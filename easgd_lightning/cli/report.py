@@ -2,7 +2,10 @@
 
 Writes ``DIR/report.md`` (one row per run), ``DIR/report.csv`` (the same rows, raw
 numbers) and PNG plots: validation accuracy vs wall time, accuracy vs bytes sent,
-communication share per run. Works on a sweep directory, a single run directory, and on
+communication share per run. The communication share is the *exposed* fraction of wall
+time (``comm.exposed_fraction``: the time the training loop waited on communication;
+overlapped communication is not counted), falling back to ``comm.time_fraction`` for
+summaries written before it existed. Works on a sweep directory, a single run directory, and on
 runs that failed (marked as failed, with the reason; a job that died before writing its
 summary.json is found by its Hydra ``.hydra/`` or ``ranks/`` directory).
 """
@@ -121,7 +124,7 @@ def rows(runs: list[tuple[Path, dict]], root: Path) -> list[dict[str, Any]]:
                 "samples_per_s": s.get("samples_per_s"),
                 "mb_sent": sent / 1e6 if sent is not None else None,
                 "ratio": (dense / sent) if sent and dense else None,
-                "comm_share": comm.get("time_fraction"),
+                "comm_share": comm.get("exposed_fraction", comm.get("time_fraction")),
                 "val_history": s.get("val_history") or [],
                 "bytes_sent_total": sum(comm.get("bytes_sent") or [0]),
                 "error": _failure_reason(s),
@@ -214,8 +217,8 @@ def _plots(table: list[dict[str, Any]], out: Path) -> list[Path]:
     labels = [_label(r) for r in ok]
     ax.bar(range(len(ok)), [r["comm_share"] or 0.0 for r in ok])
     ax.set_xticks(range(len(ok)), labels, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("communication share of wall time")
-    ax.set_title("Communication share per run")
+    ax.set_ylabel("exposed communication share of wall time")
+    ax.set_title("Communication share per run (time waited on communication)")
     ax.grid(alpha=0.3, axis="y")
     path = out / "comm_share.png"
     fig.tight_layout()

@@ -14,7 +14,9 @@ def _sum_kinds(reports: list[dict]) -> dict:
     kinds: dict[str, dict[str, Any]] = {}
     for rep in reports:
         for kind, tot in rep["comm"].get("by_kind", {}).items():
-            acc = kinds.setdefault(kind, {"bytes_sent": 0, "bytes_recv": 0, "dense_bytes": 0, "time_s": 0.0})
+            acc = kinds.setdefault(
+                kind, {"bytes_sent": 0, "bytes_recv": 0, "dense_bytes": 0, "time_s": 0.0, "exposed_s": 0.0}
+            )
             for key in acc:
                 acc[key] += tot.get(key, 0)
     return kinds
@@ -33,7 +35,7 @@ def build_summary(
     failed_ranks = [i for i, r in enumerate(reports) if not r or r.get("status") != "ok"]
 
     def per_rank(key: str, default: Any = 0) -> list:
-        return [(r["comm"][key] if r and r.get("status") == "ok" else default) for r in reports]
+        return [(r["comm"].get(key, default) if r and r.get("status") == "ok" else default) for r in reports]
 
     wall = max((r["wall_time_s"] for r in ok), default=0.0)
     samples = sum(r.get("samples", 0) for r in ok)
@@ -44,6 +46,9 @@ def build_summary(
         finals = [f for f in finals if f is not None]
         train_loss = sum(finals) / len(finals) if finals else None
     fractions = [r["comm"]["time_s"] / r["wall_time_s"] for r in ok if r["wall_time_s"] > 0]
+    exposed_fractions = [
+        r["comm"].get("exposed_s", r["comm"]["time_s"]) / r["wall_time_s"] for r in ok if r["wall_time_s"] > 0
+    ]
     first = next((r for r in ok if r.get("val_acc") is not None), ok[0] if ok else None)
     strategy = cfg.get("strategy", {}).get("name")
     compression = cfg.get("compression", {}).get("name")
@@ -69,6 +74,10 @@ def build_summary(
             "dense_bytes": per_rank("dense_bytes"),
             "time_s": per_rank("time_s", 0.0),
             "time_fraction": sum(fractions) / len(fractions) if fractions else 0.0,
+            "exposed_time_s": per_rank("exposed_s", 0.0),
+            "exposed_fraction": (
+                sum(exposed_fractions) / len(exposed_fractions) if exposed_fractions else 0.0
+            ),
             "by_kind": _sum_kinds(ok),
             "by_kind_per_rank": by_kind_per_rank,
         },

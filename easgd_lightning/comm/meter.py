@@ -10,6 +10,11 @@ through :mod:`easgd_lightning.comm.ops`, which records, per call:
   ``bytes_sent`` unless a compressor reports otherwise).
 * ``time_s`` -- wall time spent inside communication (blocking calls) or from launch to
   completion (asynchronous calls).
+* ``exposed_s`` -- the part of that time the training loop actually waited: equal to
+  ``time_s`` for a blocking call, the time spent waiting on the handle for an
+  asynchronous one (:func:`easgd_lightning.comm.ops.wait`). Communication hidden behind
+  computation counts in ``time_s`` but not in ``exposed_s``, so ``exposed_s <= time_s``
+  up to timer resolution.
 
 Each record carries a ``kind`` (``data_parallel``, ``elastic``, ``parameter_server``,
 ``pipeline``, ``tensor_parallel``, ``embedding``, ...) so summaries can break traffic down.
@@ -35,6 +40,7 @@ class KindTotals:
     bytes_recv: int = 0
     dense_bytes: int = 0
     time_s: float = 0.0
+    exposed_s: float = 0.0
     calls: int = 0
 
     def as_dict(self) -> dict:
@@ -43,6 +49,7 @@ class KindTotals:
             "bytes_recv": self.bytes_recv,
             "dense_bytes": self.dense_bytes,
             "time_s": self.time_s,
+            "exposed_s": self.exposed_s,
             "calls": self.calls,
         }
 
@@ -62,29 +69,57 @@ class CommMeter:
         recv: int = 0,
         dense: int | None = None,
         seconds: float = 0.0,
+        exposed: float | None = None,
     ) -> None:
-        """Add one communication event."""
+        """Add one communication event.
+
+        ``exposed`` is the part of ``seconds`` the caller waited (default: all of it, a
+        blocking call); an asynchronous call records ``exposed=0`` here and its wait
+        with :meth:`add_exposed`.
+        """
         with self._lock:
             totals = self.by_kind[kind]
             totals.bytes_sent += int(sent)
             totals.bytes_recv += int(recv)
             totals.dense_bytes += int(sent if dense is None else dense)
             totals.time_s += float(seconds)
+            totals.exposed_s += float(seconds if exposed is None else exposed)
             totals.calls += 1
 
-    def add_time(self, kind: str, seconds: float) -> None:
-        """Add time without bytes (e.g. waiting on an asynchronous result)."""
+    def add_time(self, kind: str, seconds: float, exposed: float | None = None) -> None:
+        """Add time without bytes (e.g. waiting on an asynchronous result).
+
+        ``exposed`` defaults to ``seconds``: time added here was waited for.
+        """
         with self._lock:
-            self.by_kind[kind].time_s += float(seconds)
+            totals = self.by_kind[kind]
+            totals.time_s += float(seconds)
+            totals.exposed_s += float(seconds if exposed is None else exposed)
+
+    def add_exposed(self, kind: str, seconds: float) -> None:
+        """Add waiting time on an asynchronous call whose total time is recorded
+        separately (at its completion)."""
+        with self._lock:
+            self.by_kind[kind].exposed_s += float(seconds)
 
     @contextmanager
     def timed(self, kind: str) -> Iterator[None]:
-        """Context manager adding the elapsed time of its body to ``kind``."""
+        """Context manager adding the elapsed time of its body to ``kind`` (exposed)."""
         start = time.perf_counter()
         try:
             yield
         finally:
             self.add_time(kind, time.perf_counter() - start)
+
+    @contextmanager
+    def waiting(self, kind: str) -> Iterator[None]:
+        """Context manager adding the elapsed time of its body to ``kind``'s exposed
+        time only (the body waits on an asynchronous call metered elsewhere)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add_exposed(kind, time.perf_counter() - start)
 
     @property
     def bytes_sent(self) -> int:
@@ -102,6 +137,10 @@ class CommMeter:
     def time_s(self) -> float:
         return sum(t.time_s for t in self.by_kind.values())
 
+    @property
+    def exposed_s(self) -> float:
+        return sum(t.exposed_s for t in self.by_kind.values())
+
     def snapshot(self) -> dict:
         """A JSON-ready dict of the totals and the per-kind breakdown."""
         with self._lock:
@@ -110,6 +149,7 @@ class CommMeter:
                 "bytes_recv": self.bytes_recv,
                 "dense_bytes": self.dense_bytes,
                 "time_s": self.time_s,
+                "exposed_s": self.exposed_s,
                 "by_kind": {k: v.as_dict() for k, v in sorted(self.by_kind.items())},
             }
 

@@ -18,6 +18,7 @@ __all__ = [
     "nbytes",
     "all_reduce",
     "all_reduce_async",
+    "wait",
     "all_gather",
     "all_gather_varlen",
     "broadcast",
@@ -36,8 +37,12 @@ def nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _finish(kind: str, start: float, sent: int, recv: int, dense: int | None) -> None:
-    get_meter().record(kind, sent=sent, recv=recv, dense=dense, seconds=time.perf_counter() - start)
+def _finish(
+    kind: str, start: float, sent: int, recv: int, dense: int | None, exposed: float | None = None
+) -> None:
+    get_meter().record(
+        kind, sent=sent, recv=recv, dense=dense, seconds=time.perf_counter() - start, exposed=exposed
+    )
 
 
 def all_reduce(
@@ -66,9 +71,10 @@ def all_reduce_async(
 ) -> torch.futures.Future:
     """Non-blocking all-reduce. The returned future resolves to ``[tensor]``.
 
-    Bytes are recorded at launch; the time from launch to completion is recorded when
-    the future completes (communication that overlaps compute is still counted as
-    communication time, but it does not add to the step time).
+    Bytes and the time from launch to completion are recorded when the future
+    completes, with no exposed time: the caller records the time it waits on the future
+    (:func:`wait`), so communication hidden behind compute counts in ``time_s`` but not in
+    ``exposed_s``.
     """
     start = time.perf_counter()
     size = nbytes(tensor)
@@ -76,10 +82,20 @@ def all_reduce_async(
     fut = work.get_future()
 
     def _done(f: torch.futures.Future):
-        _finish(kind, start, size, size, dense_bytes)
+        _finish(kind, start, size, size, dense_bytes, exposed=0.0)
         return f.value()
 
     return fut.then(_done)
+
+
+def wait(handle, *, kind: str):
+    """Wait for a non-blocking call (a future or a ``Work``), charging the wait to
+    ``kind``'s exposed time; returns what the handle's ``wait()`` returns."""
+    start = time.perf_counter()
+    try:
+        return handle.wait()
+    finally:
+        get_meter().add_exposed(kind, time.perf_counter() - start)
 
 
 def all_gather(

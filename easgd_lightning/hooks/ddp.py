@@ -17,6 +17,14 @@ calls :func:`register_compression_hook` itself, so the hook runs on CPU/gloo as 
 
 Metering (kind ``data_parallel``): ``bytes_sent`` is the real payload (indices, values,
 scales, factors, length headers), ``dense_bytes`` the bucket bytes.
+
+Exposed time (the part of communication the training loop waited for): the compressed
+hook is synchronous, so all its time is exposed. The dense hook's bucket all-reduces run
+behind the rest of backward; its exposed time is the time from the end of the backward
+computation to the completion of every bucket of that backward. It is measured by an
+autograd-engine callback queued at the first bucket: the engine runs it once the
+backward graph is done (before DDP's own finalizer, which is queued at the last bucket),
+and it waits for the backward's bucket futures (:func:`easgd_lightning.comm.ops.wait`).
 """
 
 # NOTE: no ``from __future__ import annotations`` here: DDP's register_comm_hook checks
@@ -47,13 +55,20 @@ __all__ = [
 class DenseHookState:
     """State of the metered dense hook."""
 
-    __slots__ = ("group", "world_size", "kind", "calls")
+    __slots__ = ("group", "world_size", "kind", "calls", "_inflight")
 
     def __init__(self, group: dist.ProcessGroup | None = None, kind: str = "data_parallel"):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.kind = kind
         self.calls = 0
+        self._inflight: list[torch.futures.Future] | None = None
+
+    def _wait_inflight(self) -> None:
+        """End of backward computation: wait for this backward's buckets (exposed time)."""
+        pending, self._inflight = self._inflight or [], None
+        for fut in pending:
+            ops.wait(fut, kind=self.kind)
 
     def compression_stats(self) -> dict:
         return {"compressor": "none", "calls": self.calls}
@@ -67,6 +82,10 @@ def dense_allreduce_hook(
     buf = bucket.buffer()
     buf.div_(state.world_size)
     fut = ops.all_reduce_async(buf, kind=state.kind, group=state.group)
+    if state._inflight is None:  # first bucket of this backward
+        state._inflight = []
+        torch.autograd.Variable._execution_engine.queue_callback(state._wait_inflight)
+    state._inflight.append(fut)
     return fut.then(lambda f: f.value()[0])
 
 

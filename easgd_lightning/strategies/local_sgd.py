@@ -419,7 +419,7 @@ class LocalSGDStrategy(CenterStrategy):
         if self._pending is None:
             return
         start = time.perf_counter()
-        value = self._pending.wait()
+        value = ops.wait(self._pending, kind=self.comm_kind)
         result = value[0] if isinstance(value, (list, tuple)) else value
         if result.data_ptr() != self._inflight.data_ptr():
             self._inflight.copy_(result)

@@ -22,6 +22,9 @@ def test_convergence_on_digits(tmp_path: Path, strategy: str) -> None:
     assert len(s["steps_per_rank"]) == 2 and min(s["steps_per_rank"]) > 0
     assert all(b > 0 for b in s["comm"]["bytes_sent"])
     assert 0.0 < s["comm"]["time_fraction"] < 1.0
+    assert 0.0 < s["comm"]["exposed_fraction"] <= s["comm"]["time_fraction"] + 1e-6
+    assert len(s["comm"]["exposed_time_s"]) == 2
+    assert all(0.0 < e <= t + 1e-6 for e, t in zip(s["comm"]["exposed_time_s"], s["comm"]["time_s"]))
     assert s["comm"]["dense_bytes"] == s["comm"]["bytes_sent"]  # no compression
     if strategy == "sync_easgd":
         # one all-reduce of the flat float32 elastic vector per step (+ the initial broadcast)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from easgd_lightning.cli.summary import build_summary
 from easgd_lightning.comm.meter import CommMeter
 from easgd_lightning.utils.atomic import atomic_torch_save, atomic_write_json
 
@@ -24,8 +25,38 @@ def test_meter_totals_and_kinds() -> None:
     assert snap["time_s"] == pytest.approx(1.0)
     assert snap["by_kind"]["data_parallel"]["dense_bytes"] == 400
     assert snap["by_kind"]["elastic"]["calls"] == 1
+    # blocking records and add_time are exposed in full
+    assert snap["exposed_s"] == pytest.approx(1.0)
+    assert snap["by_kind"]["elastic"]["exposed_s"] == pytest.approx(0.75)
     m.reset()
     assert m.snapshot()["bytes_sent"] == 0
+
+
+def test_meter_async_exposed_is_the_wait_only() -> None:
+    m = CommMeter()
+    m.record("elastic", sent=8, recv=8, seconds=0.4, exposed=0.0)  # an async call completed
+    m.add_exposed("elastic", 0.05)  # the loop waited 50 ms on its handle
+    m.add_time("parameter_server", 0.3, exposed=0.1)
+    snap = m.snapshot()
+    assert snap["by_kind"]["elastic"]["time_s"] == pytest.approx(0.4)
+    assert snap["by_kind"]["elastic"]["exposed_s"] == pytest.approx(0.05)
+    assert snap["time_s"] == pytest.approx(0.7) and snap["exposed_s"] == pytest.approx(0.15)
+    assert snap["by_kind"]["elastic"]["calls"] == 1  # add_exposed is not a call
+
+
+def test_summary_exposed_fields() -> None:
+    def report(wall, time_s, exposed_s):
+        comm = {"bytes_sent": 1, "bytes_recv": 1, "dense_bytes": 1, "time_s": time_s, "exposed_s": exposed_s,
+                "by_kind": {"elastic": {"bytes_sent": 1, "bytes_recv": 1, "dense_bytes": 1,
+                                        "time_s": time_s, "exposed_s": exposed_s, "calls": 1}}}
+        return {"status": "ok", "wall_time_s": wall, "steps": 1, "comm": comm}
+
+    s = build_summary({}, [report(10.0, 6.0, 1.0), report(5.0, 4.0, 2.0)])
+    comm = s["comm"]
+    assert comm["exposed_time_s"] == [1.0, 2.0]
+    assert comm["exposed_fraction"] == pytest.approx((0.1 + 0.4) / 2)
+    assert comm["time_fraction"] == pytest.approx((0.6 + 0.8) / 2)  # unchanged meaning
+    assert comm["by_kind"]["elastic"]["exposed_s"] == pytest.approx(3.0)
 
 
 def test_atomic_write_keeps_old_file_when_writer_fails(tmp_path: Path) -> None:

@@ -45,6 +45,8 @@ def _summary(strategy: str, compression: str, *, acc: float, sent: int, dense: i
             "dense_bytes": [dense, dense],
             "time_s": [0.25 * wall, 0.25 * wall],
             "time_fraction": 0.25,
+            "exposed_time_s": [0.1 * wall, 0.1 * wall],
+            "exposed_fraction": 0.1,
         },
         "val_history": [
             {"epoch": 1, "step": 5, "time_s": wall / 2, "val_acc": acc - 0.1},
@@ -87,7 +89,7 @@ def test_rows_cover_every_run_and_mark_failures(sweep: Path) -> None:
     ok, fp16, failed, dead = table
     assert ok["mb_sent"] == pytest.approx(4.0) and ok["ratio"] == pytest.approx(1.0)
     assert fp16["ratio"] == pytest.approx(2.0)  # dense / sent
-    assert fp16["comm_share"] == pytest.approx(0.25)
+    assert fp16["comm_share"] == pytest.approx(0.1)  # the exposed fraction, not time_fraction
     assert failed["error"] == "worker exit codes [0, 1] (rank 1: RuntimeError: boom)"
     assert dead["strategy"] == "sync_easgd" and dead["compression"] == "fp16"
     assert "no summary.json" in dead["error"] and "rank 1: OOM" in dead["error"]
