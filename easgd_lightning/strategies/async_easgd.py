@@ -714,14 +714,12 @@ class ServerClient:
 
     def end(self, pending: _Pending) -> torch.Tensor:
         """Wait for a request's reply; returns its payload (and records stop / updates)."""
-        waited = time.perf_counter()
         try:
             for work in pending.works:
                 work.wait()
         except RuntimeError as err:
             raise self._error(err) from err
-        now = time.perf_counter()  # total: since the request was posted; exposed: the wait
-        get_meter().add_time(self.kind, now - pending.start, exposed=now - waited)
+        get_meter().add_time(self.kind, time.perf_counter() - pending.start)
         self.updates = int(pending.reply_hdr[1])
         self.stop = self.stop or bool(pending.reply_hdr[2])
         return pending.reply
