@@ -1,5 +1,6 @@
 """Print the bad-input table of issue #14 from the real ``easgd-train``: input, exit status,
-whether a worker started, and the line printed.
+whether a worker started, and the line printed (errors from stderr, our warnings from the
+log, which Hydra prints on stdout).
 
     python -m tests.bad_input_table            # from the repository root (~7 s per input)
 
@@ -36,7 +37,9 @@ INPUTS = [
 def _row(args: str, run: Path) -> tuple[str, int, bool, str]:
     proc = run_cli([f"hydra.run.dir={run}", "logger=none", "trainer.enable_progress_bar=false", *args.split()],
                    check=False, timeout=300)
-    said = [ln for ln in proc.stderr.splitlines() if "easgd-train: error:" in ln or "never engages" in ln]
+    errors = [ln for ln in proc.stderr.splitlines() if "easgd-train: error:" in ln]
+    warnings = [ln.split(" - ", 1)[-1] for ln in proc.stdout.splitlines() if "[WARNING]" in ln]  # Hydra logs to stdout
+    said = errors + [f"warning: {w}" for w in warnings]
     return args, proc.returncode, (run / "ranks").exists(), " / ".join(said) or "(no message)"
 
 
