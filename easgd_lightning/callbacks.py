@@ -1,5 +1,6 @@
 """Lightning callbacks used by the CLI: comm metrics, validation history, fault injection,
-and an atomic CheckpointIO."""
+an atomic CheckpointIO, checkpoints that keep ``last.ckpt`` newest, and the graceful stop on
+SIGTERM / SIGINT."""
 
 from __future__ import annotations
 
@@ -8,10 +9,15 @@ import time
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
 from lightning_fabric.plugins import TorchCheckpointIO
 from lightning_fabric.utilities.types import _PATH
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.trainer.connectors.signal_connector import _SignalConnector
+from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from easgd_lightning.comm import get_meter
+from easgd_lightning.utils import stop
 from easgd_lightning.utils.atomic import atomic_torch_save
 
 __all__ = [
@@ -20,6 +26,8 @@ __all__ = [
     "ValHistoryCallback",
     "FaultInjectionCallback",
     "EpochPrinter",
+    "LastFirstCheckpoint",
+    "SignalStop",
 ]
 
 
@@ -125,3 +133,120 @@ class EpochPrinter(pl.Callback):
             f"comm={meter.time_s:.2f}s",
             flush=True,
         )
+
+
+class LastFirstCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` that writes ``last.ckpt`` *before* the epoch file.
+
+    Lightning writes ``epochNNN.ckpt`` and then ``last.ckpt``; a kill between the two leaves
+    ``last.ckpt`` one epoch older than the newest epoch file, and resuming from it loses that
+    epoch. In this order a kill in between leaves ``last.ckpt`` the newest, never older.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._last_written_at: tuple[int, int] | None = None
+
+    def _save_topk_checkpoint(self, trainer, monitor_candidates) -> None:
+        if self.save_last and self.save_top_k != 0:
+            self._save_last_checkpoint(trainer, monitor_candidates)
+        super()._save_topk_checkpoint(trainer, monitor_candidates)
+
+    def _save_last_checkpoint(self, trainer, monitor_candidates) -> None:
+        at = (trainer.current_epoch, trainer.global_step)
+        if self._last_written_at == at:  # already written just before the epoch file
+            return
+        super()._save_last_checkpoint(trainer, monitor_candidates)
+        self._last_written_at = at
+
+
+class _FlagSignalConnector(_SignalConnector):
+    """Lightning's signal connector without its SIGTERM handler (which runs a broadcast
+    inside the handler and hangs when a rank never joins). ``received_sigterm`` is True
+    once ``SignalStop`` has decided to stop; the signal itself only sets a flag."""
+
+    def __init__(self, trainer) -> None:
+        self.stopping = False
+        super().__init__(trainer)
+
+    @property  # type: ignore[override]
+    def received_sigterm(self) -> bool:
+        return self.stopping
+
+    @received_sigterm.setter
+    def received_sigterm(self, value: bool) -> None:  # Lightning resets it; the decision is ours
+        pass
+
+    def register_signal_handlers(self) -> None:
+        stop.install_stop_handlers(stop.grace_s())
+
+    def teardown(self) -> None:
+        pass  # keep routing signals to the flag until the process ends
+
+
+class SignalStop(pl.Callback):
+    """Stop training at a step boundary after SIGTERM / SIGINT, all ranks together.
+
+    * Strategies whose ranks step in lockstep (DDP, synchronous EASGD, local SGD, pipeline):
+      before every step each rank contributes the signal it received (0: none) and one
+      all-reduce tells every rank who was signalled; all stop at that same step (this
+      replaces Lightning's per-step broadcast of a SIGTERM flag, which cost the same).
+    * Strategies that replaced that per-step broadcast with a local check (the parameter
+      server and Hogwild families, whose workers never wait for each other): each rank
+      stops on its own signal.
+
+    On the stop, ``last.ckpt`` is written when checkpointing is on (all ranks take part:
+    saving may gather state), then ``SIGTERMException`` ends ``fit``.
+    """
+
+    def __init__(self, checkpoint_dir: str | None = None) -> None:
+        self.checkpoint_dir = checkpoint_dir
+        self.signalled_ranks: list[int] = []  # ranks whose own signal stopped the run
+        self.signal: int | None = None
+        self._connector: _FlagSignalConnector | None = None
+
+    def attach(self, trainer: pl.Trainer) -> None:
+        """Replace the trainer's signal connector (call before ``fit``)."""
+        self._connector = _FlagSignalConnector(trainer)
+        trainer._signal_connector = self._connector
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        loop = trainer.fit_loop.epoch_loop
+        if "_broadcast_sigterm_tensor" in vars(loop):
+            # the strategy checks locally (its workers run apart): a rank stops on its own flag
+            original = vars(loop)["_broadcast_sigterm_tensor"]
+
+            def local_stop() -> None:
+                signum = stop.stop_signal()
+                if signum is not None:
+                    self._decide(trainer, signum, [trainer.global_rank])
+                original()
+
+            loop._broadcast_sigterm_tensor = local_stop
+        else:
+            loop._broadcast_sigterm_tensor = lambda: self._agree(trainer)
+
+    def _agree(self, trainer) -> None:
+        import torch.distributed as dist
+
+        mine = stop.stop_signal()
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            flags = torch.zeros(trainer.world_size, dtype=torch.int64, device=trainer.strategy.root_device)
+            flags[trainer.global_rank] = mine or 0
+            dist.all_reduce(flags)  # errors propagate: a lost peer must fail the run, not be swallowed
+            signalled = [r for r, s in enumerate(flags.tolist()) if s]
+            if signalled:
+                self._decide(trainer, int(flags[signalled[0]]), signalled)
+        elif mine is not None:
+            self._decide(trainer, mine, [trainer.global_rank])
+
+    def _decide(self, trainer, signum: int, ranks: list[int]) -> None:
+        self.signal, self.signalled_ranks = signum, ranks
+        if self._connector is not None:
+            self._connector.stopping = True
+        raise SIGTERMException()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if not isinstance(exception, SIGTERMException) or self.signal is None or not self.checkpoint_dir:
+            return
+        trainer.save_checkpoint(os.path.join(self.checkpoint_dir, "last.ckpt"))

@@ -4,19 +4,22 @@
   allowed values and exits with status 2, before any process starts.
 * Launch: under an external launcher (``torchrun``, SLURM via submitit, DeepSpeed's
   launcher, the benchmark's namespaces: ``RANK`` and ``WORLD_SIZE`` set) this process is
-  one rank. Otherwise it spawns ``trainer.devices`` local workers with
-  ``torch.multiprocessing`` and this job's resolved config, so Hydra multirun jobs each
-  get their own workers and output directory (Lightning's subprocess launcher, which
-  re-runs the command line, is never used).
+  one rank. Otherwise it owns the run directory (``run.lock``) and starts
+  ``trainer.devices`` local worker processes with this job's resolved config and watches
+  them (``cli/launch.py``: bounded waits, signals forwarded, SIGKILL after a grace period),
+  so Hydra multirun jobs each get their own workers and output directory (Lightning's
+  subprocess launcher, which re-runs the command line, is never used).
 * Writes ``summary.json`` into the job's output directory; one failing job in a
-  multirun sweep is recorded as failed and the sweep goes on.
+  multirun sweep is recorded as failed and the sweep goes on, then exits 1 naming it.
+  A run ended by SIGINT / SIGTERM / SIGHUP exits 128 + the signal (130 / 143 / 129).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import socket
+import signal
 import sys
 import time
 import traceback
@@ -26,10 +29,11 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from easgd_lightning.cli import launch
 from easgd_lightning.cli.build import ConfigError, validate_config
 from easgd_lightning.cli.resolvers import register_resolvers
 from easgd_lightning.cli.summary import build_summary, write_summary
-from easgd_lightning.cli.worker import read_rank_reports, run_worker, spawn_entry
+from easgd_lightning.cli.worker import current_run_id, read_rank_reports, run_worker
 
 __all__ = ["main", "train", "CONF_DIR"]
 
@@ -38,12 +42,6 @@ log = logging.getLogger("easgd_lightning")
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 register_resolvers()  # ${linear_lr:...}, ${bf16_if_supported:} in recipes
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _external_rank_world() -> tuple[int, int] | None:
@@ -96,40 +94,29 @@ def _is_multirun() -> bool:
         return False
 
 
-def _spawn_local(cfg_yaml: str, out_dir: Path, world: int, timeout_s: float) -> list[int]:
-    """Start ``world`` worker processes and wait for them; returns their exit codes.
+def _launch_local(cfg_yaml: str, out_dir: Path, world: int, timeout_s: float, run_id: str,
+                  signals: launch.LauncherSignals) -> tuple[str, str | None, dict]:
+    """Start and watch the local ranks; returns (status, error, summary fields of the launch)."""
+    from easgd_lightning.utils.atomic import atomic_write_text
 
-    When one worker dies, the others get ``timeout_s`` seconds to finish (asynchronous
-    strategies go on without it) before they are terminated.
-    """
-    import torch.multiprocessing as mp
-
-    port = _free_port()
-    ctx = mp.start_processes(
-        spawn_entry,
-        args=(cfg_yaml, str(out_dir), port, world),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
-    )
-    procs = ctx.processes
-    first_death: float | None = None
-    while any(p.is_alive() for p in procs):
-        for p in procs:
-            p.join(timeout=0.2)
-        dead_bad = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
-        if dead_bad and first_death is None:
-            first_death = time.monotonic()
-            log.warning("a worker exited with code %s; waiting up to %.0fs for the others",
-                        dead_bad[0].exitcode, timeout_s)
-        if first_death is not None and time.monotonic() - first_death > timeout_s:
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-            for p in procs:
-                p.join(timeout=10)
-            break
-    return [p.exitcode if p.exitcode is not None else -1 for p in procs]
+    cfg_file = out_dir / "ranks" / "config.yaml"
+    atomic_write_text(cfg_file, cfg_yaml)
+    log.info("launching %d worker processes -> %s (run id %s)", world, out_dir, run_id)
+    outcome = launch.spawn_and_supervise(cfg_file, out_dir, world, timeout_s, run_id, signals)
+    for path in launch.remove_stray_temp_files(out_dir):  # every process of the run has ended
+        log.warning("removed %s, left by an interrupted write", path)
+    first = outcome.first_failure
+    fields = {
+        "exit_codes": outcome.exit_codes,
+        "first_failure": {k: v for k, v in first.items() if k not in ("after_interrupt",)} if first else None,
+        "killed_ranks": outcome.killed_ranks,
+        "interrupted_by": signal.Signals(outcome.interrupted_by).name if outcome.interrupted_by else None,
+    }
+    if outcome.interrupted_by is not None:
+        return "failed", f"interrupted by {fields['interrupted_by']}", fields
+    if any(c != 0 for c in outcome.exit_codes):
+        return "failed", launch.failure_message(first, outcome.exit_codes) or f"worker exit codes {outcome.exit_codes}", fields
+    return "ok", None, fields
 
 
 def _wait_for_rank_files(out_dir: Path, world: int, timeout_s: float) -> None:
@@ -146,46 +133,79 @@ def train(cfg: DictConfig, out_dir: Path | None = None) -> dict[str, Any]:
     """Validate, launch, merge; returns the summary dict (also written to summary.json).
 
     Raises:
-        ConfigError: a bad configuration value (nothing was started).
+        ConfigError: a bad configuration value (nothing was started), or the run
+            directory is held by another live run.
     """
     out_dir = Path(out_dir) if out_dir is not None else _output_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
+    if _external_rank_world() is not None:
+        return _train_as_rank(cfg, out_dir)
+    run_id = launch.new_run_id()
+    try:
+        launch.claim_run_dir(out_dir, run_id)
+    except launch.RunDirInUse as err:
+        raise ConfigError(str(err)) from None
+    try:
+        with launch.LauncherSignals() as signals:
+            return _train_local(cfg, out_dir, run_id, signals)
+    finally:
+        launch.release_run_dir(out_dir)
+
+
+def _train_local(cfg: DictConfig, out_dir: Path, run_id: str, signals: launch.LauncherSignals) -> dict[str, Any]:
     validate_config(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     world = int(cfg.trainer.devices) * int(cfg.trainer.get("num_nodes", 1))
     timeout_s = float(cfg.get("timeout_s", 300))
-    status, error = "ok", None
-    external = _external_rank_world()
-    if external is not None:
-        rank, world = external
-        report = run_worker(cfg, out_dir)
-        if int(cfg.trainer.get("num_nodes", 1)) > 1:
-            _share_reports(report, out_dir, rank)
-        if rank != 0:
-            return {}
-        _wait_for_rank_files(out_dir, world, timeout_s)
+    if int(cfg.trainer.get("num_nodes", 1)) != 1:
+        raise ConfigError(
+            "trainer.num_nodes > 1 needs an external launcher (torchrun, SLURM/submitit, "
+            "deepspeed): see the README section 'Launching across nodes'"
+        )
+    if signals.received:  # interrupted while validating: start nothing
+        status, error, fields = "failed", f"interrupted by {signal.Signals(signals.first).name}", {
+            "interrupted_by": signal.Signals(signals.first).name, "exit_codes": [], "first_failure": None,
+            "killed_ranks": []}
     else:
-        if int(cfg.trainer.get("num_nodes", 1)) != 1:
-            raise ConfigError(
-                "trainer.num_nodes > 1 needs an external launcher (torchrun, SLURM/submitit, "
-                "deepspeed): see the README section 'Launching across nodes'"
-            )
         cfg_yaml = OmegaConf.to_yaml(OmegaConf.create(resolved))
-        log.info("launching %d worker processes -> %s", world, out_dir)
-        codes = _spawn_local(cfg_yaml, out_dir, world, timeout_s)
-        if any(c != 0 for c in codes):
-            status = "failed"
-            error = f"worker exit codes {codes}"
-    reports = read_rank_reports(out_dir, world)
+        status, error, fields = _launch_local(cfg_yaml, out_dir, world, timeout_s, run_id, signals)
+    reports = read_rank_reports(out_dir, world, run_id)
     if any(r is None or r.get("status") != "ok" for r in reports) and status == "ok":
         status, error = "failed", "some ranks did not report"
     summary = build_summary(resolved, reports, status=status, error=error)
+    summary.update(run_id=run_id, **fields)
+    path = write_summary(out_dir, summary)
+    log.info("summary: %s (val_acc=%s, wall=%.1fs)", path, summary["val_acc"], summary["wall_time_s"])
+    return summary
+
+
+def _train_as_rank(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
+    """This process is one rank of an externally launched run; global rank 0 writes the summary."""
+    validate_config(cfg)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    timeout_s = float(cfg.get("timeout_s", 300))
+    rank, world = _external_rank_world()
+    report = run_worker(cfg, out_dir)
+    if int(cfg.trainer.get("num_nodes", 1)) > 1:
+        _share_reports(report, out_dir, rank)
+    if rank != 0:
+        return {}
+    _wait_for_rank_files(out_dir, world, timeout_s)
+    run_id = current_run_id()
+    reports = read_rank_reports(out_dir, world, run_id)
+    status, error = "ok", None
+    if any(r is None or r.get("status") != "ok" for r in reports):
+        status, error = "failed", "some ranks did not report"
+    summary = build_summary(resolved, reports, status=status, error=error)
+    summary["run_id"] = run_id
     path = write_summary(out_dir, summary)
     log.info("summary: %s (val_acc=%s, wall=%.1fs)", path, summary["val_acc"], summary["wall_time_s"])
     return summary
 
 
 def _fail(out_dir: Path, cfg: DictConfig, message: str) -> None:
+    if launch.held_by_another_run(out_dir):  # never overwrite the summary of a live run
+        return
     try:
         resolved = OmegaConf.to_container(cfg, resolve=True)
     except Exception:  # pragma: no cover - an unresolvable config still gets a summary
@@ -197,6 +217,8 @@ def _fail(out_dir: Path, cfg: DictConfig, message: str) -> None:
 def _hydra_main(cfg: DictConfig) -> float | None:
     out_dir = _output_dir()
     multirun = _is_multirun()
+    if multirun:
+        _SWEEP_JOBS.append(out_dir)
     try:
         summary = train(cfg, out_dir)
     except ConfigError as err:
@@ -212,10 +234,39 @@ def _hydra_main(cfg: DictConfig) -> float | None:
         traceback.print_exc()
         _fail(out_dir, cfg, f"{type(err).__name__}: {err}")
         return None
+    if summary and summary.get("interrupted_by"):  # a signal ends a sweep too: 128 + N
+        print(f"easgd-train: {summary.get('error')}", file=sys.stderr, flush=True)
+        sys.exit(128 + signal.Signals[summary["interrupted_by"]].value)
     if summary and summary.get("status") != "ok" and not multirun and not _externally_launched():
         print(f"easgd-train: run failed: {summary.get('error')}", file=sys.stderr, flush=True)
         sys.exit(1)
     return summary.get("val_acc") if summary else None
+
+
+_SWEEP_JOBS: list[Path] = []  # output directories of this process's multirun jobs
+
+
+def _failed_sweep_jobs(job_dirs: list[Path]) -> list[str]:
+    """'DIR: error' for each job whose summary.json is missing or not ``ok``."""
+    failed = []
+    for job in job_dirs:
+        try:
+            summary = json.loads((job / "summary.json").read_text())
+        except (OSError, ValueError):
+            failed.append(f"{job.name}: no summary.json")
+            continue
+        if summary.get("status") != "ok":
+            failed.append(f"{job.name}: {summary.get('error')}")
+    return failed
+
+
+def _exit_if_sweep_failed() -> None:
+    """After a multirun sweep (all jobs done): exit 1 naming the jobs that failed."""
+    failed = _failed_sweep_jobs(_SWEEP_JOBS)
+    if failed:
+        print(f"easgd-train: {len(failed)} of {len(_SWEEP_JOBS)} sweep jobs failed: " + "; ".join(failed),
+              file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 def main() -> None:
@@ -231,6 +282,7 @@ def main() -> None:
         print(f"easgd-train: error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
     _hydra_main()
+    _exit_if_sweep_failed()
 
 
 if __name__ == "__main__":

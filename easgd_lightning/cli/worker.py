@@ -1,7 +1,16 @@
 """One rank of an ``easgd-train`` run: build everything from the config, fit, report.
 
-Each rank writes ``<run dir>/ranks/rank<R>.json`` atomically; the launching process (or
-global rank 0 under an external launcher) merges them into ``summary.json``.
+Each rank writes ``<run dir>/ranks/rank<R>.json`` atomically (also when it fails or is
+stopped, with the reason); the launching process (or global rank 0 under an external
+launcher) merges them into ``summary.json``. Reports carry the run id (``EASGD_RUN_ID``)
+so a merge never takes another run's report.
+
+Exit status of a rank: 0 done; 128 + N when it received signal N (SIGTERM: 143, SIGINT:
+130) and stopped; 1 for any other failure (including being stopped because another rank
+was signalled).
+
+Run as ``python -m easgd_lightning.cli.worker CONFIG.yaml RUN_DIR`` by the local launcher
+(``cli/train.py``), which sets the rank's environment.
 """
 
 from __future__ import annotations
@@ -9,20 +18,34 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
+from easgd_lightning.utils import stop
 from easgd_lightning.utils.atomic import atomic_write_json
 
-__all__ = ["run_worker", "spawn_entry", "rank_file", "run_identity"]
+__all__ = ["run_worker", "worker_main", "rank_file", "read_rank_reports", "run_identity", "current_run_id"]
 
 log = logging.getLogger(__name__)
 
 
 def rank_file(out_dir: str | Path, rank: int) -> Path:
     return Path(out_dir) / "ranks" / f"rank{rank}.json"
+
+
+def current_run_id() -> str | None:
+    """This run's id: ``EASGD_RUN_ID`` (the local launcher sets it), else torchrun's
+    ``TORCHELASTIC_RUN_ID``, else SLURM's job and step ids, else None."""
+    for key in ("EASGD_RUN_ID", "TORCHELASTIC_RUN_ID"):
+        if os.environ.get(key):
+            return os.environ[key]
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', '0')}"
+    return None
 
 
 def _sweep_dir(out_dir: Path) -> Path | None:
@@ -121,13 +144,14 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
     """Train on this rank (rank/world from the environment) and write its report."""
     import pytorch_lightning as pl
     import torch
-    from pytorch_lightning.callbacks import ModelCheckpoint
 
     import easgd_lightning  # noqa: F401  (registers strategy names)
     from easgd_lightning.callbacks import (
         CommMetricsCallback,
         EpochPrinter,
         FaultInjectionCallback,
+        LastFirstCheckpoint,
+        SignalStop,
         ValHistoryCallback,
     )
     from easgd_lightning.cli.build import build_model_and_data, build_strategy
@@ -145,7 +169,9 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
     module, dm = build_model_and_data(cfg)
     strategy = build_strategy(cfg)
     val_history = ValHistoryCallback()
+    stopper = SignalStop(str(out_dir / "checkpoints") if cfg.checkpoint.enabled else None)
     callbacks: list = [
+        stopper,
         CommMetricsCallback(every=int(cfg.trainer.get("log_every_n_steps", 10))),
         val_history,
         FaultInjectionCallback(**dict(cfg.get("faults") or {})),
@@ -156,7 +182,7 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
         callbacks.append(EpochPrinter(label=f"{cfg.strategy.name}/{cfg.compression.name}"))
     if cfg.checkpoint.enabled:
         callbacks.append(
-            ModelCheckpoint(
+            LastFirstCheckpoint(
                 dirpath=str(out_dir / "checkpoints"),
                 filename="epoch{epoch:03d}",
                 auto_insert_metric_name=False,
@@ -192,6 +218,52 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
         if t.get(key) is not None:
             trainer_kwargs[key] = t.get(key)
     trainer = pl.Trainer(**trainer_kwargs)
+    stopper.attach(trainer)
+    try:
+        return _fit_and_report(cfg, out_dir, rank, trainer, module, dm, strategy, meter, val_history, stopper)
+    except BaseException as err:
+        _write_failure_report(out_dir, trainer.global_rank, err, stopper)
+        signum = stop.stop_signal()
+        if signum is not None:  # this rank was signalled: 128 + N, whatever it was doing
+            raise SystemExit(stop.exit_code_for(signum)) from err
+        if isinstance(err, SystemExit) and not err.code:  # stopped by another rank's signal
+            raise SystemExit(1) from err
+        raise
+
+
+def _failure_report(rank: int, err: BaseException, stopper) -> dict:
+    """What a failed rank says about itself: the error, its signal, whether a peer caused it."""
+    import torch.distributed as dist
+
+    signum = stop.stop_signal()
+    if signum is not None:
+        error = f"interrupted by {signal.Signals(signum).name}"
+    elif stopper.signal is not None:
+        name = signal.Signals(stopper.signal).name
+        error = f"stopped: rank(s) {stopper.signalled_ranks} received {name}"
+    else:
+        error = f"{type(err).__name__}: {err}"
+    return {
+        "rank": rank,
+        "run_id": current_run_id(),
+        "status": "failed",
+        "error": error,
+        "signal": signal.Signals(signum).name if signum is not None else None,
+        # lost or timed-out peers surface as torch.distributed errors: a consequence, not a cause
+        "peer_error": isinstance(err, getattr(dist, "DistError", ())) or stopper.signal is not None and signum is None,
+        "failed_at": time.time(),
+        "traceback": traceback.format_exc()[-4000:],
+    }
+
+
+def _write_failure_report(out_dir: Path, rank: int, err: BaseException, stopper) -> None:
+    try:
+        atomic_write_json(rank_file(out_dir, rank), _failure_report(rank, err, stopper))
+    except Exception:  # pragma: no cover - reporting must not hide the original error
+        log.exception("could not write the failure report of rank %d", rank)
+
+
+def _fit_and_report(cfg, out_dir: Path, rank: int, trainer, module, dm, strategy, meter, val_history, stopper) -> dict:
     start = time.perf_counter()
     trainer.fit(module, datamodule=dm, ckpt_path=cfg.checkpoint.get("resume"))
     wall = time.perf_counter() - start
@@ -222,8 +294,11 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
         "val_acc": val_metrics.get("val/acc"),
         "val_history": val_history.history,
         "extras": extras,
+        "run_id": current_run_id(),
         "status": "ok",
     }
+    if stop.stop_signal() is not None:  # signalled after training: still a stop, say so
+        raise SystemExit(stop.exit_code_for(stop.stop_signal()))
     atomic_write_json(rank_file(out_dir, trainer.global_rank), report)
     if rank == 0 and hasattr(trainer.logger, "experiment") and cfg.logger.name == "wandb":
         try:
@@ -269,35 +344,71 @@ def _run_info(cfg, trainer, module, dm) -> dict:
     return info
 
 
-def spawn_entry(local_rank: int, cfg_yaml: str, out_dir: str, port: int, world: int) -> None:
-    """Entry point of a locally spawned worker (``torch.multiprocessing``)."""
+def _die_with_launcher(launcher_pid: int | None) -> None:
+    """Ask Linux to send SIGTERM to this rank when its launcher dies (even by SIGKILL): the
+    rank then stops gracefully within the stop grace period. Exit now if it is gone already."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the launcher's own kill is the bound
+        pass
+    if launcher_pid is not None and os.getppid() != launcher_pid:
+        sys.exit(1)
+
+
+def worker_main(argv: list[str] | None = None) -> None:
+    """Entry of a rank started by the local launcher: ``CONFIG.yaml RUN_DIR`` (rank and
+    rendezvous in the environment). Signals only set the stop flag from the first line on."""
+    stop.install_stop_handlers(stop.grace_s())
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        sys.exit("usage: python -m easgd_lightning.cli.worker CONFIG.yaml RUN_DIR")
+    launcher = os.environ.get("EASGD_LAUNCHER_PID")
+    _die_with_launcher(int(launcher) if launcher else None)
     from omegaconf import OmegaConf
 
-    os.environ.update(
-        {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(local_rank),
-            "LOCAL_RANK": str(local_rank),
-            "WORLD_SIZE": str(world),
-            "NODE_RANK": "0",
-        }
-    )
-    cfg = OmegaConf.create(cfg_yaml)
+    cfg = OmegaConf.load(args[0])
+    rank = int(os.environ.get("RANK", "0"))
     try:
-        run_worker(cfg, out_dir)
-    except BaseException as err:  # record why this rank failed, then re-raise
-        atomic_write_json(
-            rank_file(out_dir, local_rank),
-            {"rank": local_rank, "status": "failed", "error": f"{type(err).__name__}: {err}",
-             "traceback": traceback.format_exc()[-4000:]},
-        )
+        run_worker(cfg, args[1])
+    except SystemExit:
         raise
+    except BaseException as err:  # failed before the trainer existed: still say why
+        if not rank_file(args[1], rank).exists() or _report_run_id(rank_file(args[1], rank)) != current_run_id():
+            atomic_write_json(rank_file(args[1], rank), {
+                "rank": rank, "run_id": current_run_id(), "status": "failed",
+                "error": f"{type(err).__name__}: {err}", "signal": None, "peer_error": False,
+                "failed_at": time.time(), "traceback": traceback.format_exc()[-4000:],
+            })
+        traceback.print_exc()
+        signum = stop.stop_signal()
+        sys.exit(stop.exit_code_for(signum) if signum is not None else 1)
 
 
-def read_rank_reports(out_dir: str | Path, world: int) -> list[dict | None]:
+def _report_run_id(path: Path) -> str | None:
+    try:
+        return json.loads(path.read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def read_rank_reports(out_dir: str | Path, world: int, run_id: str | None = None) -> list[dict | None]:
+    """The rank reports of ``out_dir``; with ``run_id``, a report of another run counts as missing."""
     reports: list[dict | None] = []
     for r in range(world):
         path = rank_file(out_dir, r)
-        reports.append(json.loads(path.read_text()) if path.exists() else None)
+        try:
+            rep = json.loads(path.read_text()) if path.exists() else None
+        except (OSError, ValueError):
+            rep = None
+        if rep is not None and run_id is not None and rep.get("run_id") != run_id:
+            rep = None
+        reports.append(rep)
     return reports
+
+
+if __name__ == "__main__":
+    worker_main()

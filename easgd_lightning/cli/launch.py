@@ -1,0 +1,407 @@
+"""The local launcher of ``easgd-train``: start the ranks, watch them, end them, every wait bounded.
+
+Rules (README, "Signals, exit codes and run directories"):
+
+* Each rank is a ``python -m easgd_lightning.cli.worker`` process in its own session, so a
+  terminal's Ctrl-C reaches only the launcher, which forwards it; a rank whose launcher
+  dies gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``).
+* The launcher hosts the rendezvous store itself, bound on a free port at once (port 0),
+  before any rank starts: no other program can take the port in between.
+* SIGINT / SIGTERM / SIGHUP to the launcher: forwarded to every rank, which stops at the
+  next step (writing ``last.ckpt`` when checkpointing is on); ``grace_s`` later the ranks
+  still alive get SIGKILL. A second signal kills at once.
+* A rank that exits non-zero or by a signal is a failure; the others get ``timeout_s`` to
+  finish (the asynchronous strategies go on without it), then SIGTERM, then SIGKILL.
+* A rank found stopped (``SIGSTOP``, state T in ``/proc``) for ``timeout_s`` has stopped
+  answering: it is killed and named as the failure. Synchronous peers time out in their
+  collectives after the same ``timeout_s``, so the run ends within ``timeout_s`` plus the
+  exit time of the processes.
+* The first failure is the earliest one seen; failures within ``_TIE_S`` seconds of it
+  that the rank reported as a consequence of a lost peer yield to one that was not.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "LaunchOutcome",
+    "LauncherSignals",
+    "RunDirInUse",
+    "claim_run_dir",
+    "release_run_dir",
+    "held_by_another_run",
+    "new_run_id",
+    "spawn_and_supervise",
+    "first_failure",
+    "describe_returncode",
+    "remove_stray_temp_files",
+    "stop_grace_s",
+]
+
+log = logging.getLogger("easgd_lightning")
+
+_POLL_S = 0.05
+_TIE_S = 2.0  # failures this close to the first are ordered by cause, not by when they were seen
+LOCK_NAME = "run.lock"
+
+
+def stop_grace_s(timeout_s: float) -> float:
+    """Seconds the ranks get to stop after SIGTERM before SIGKILL: min(30, timeout_s)."""
+    return min(30.0, float(timeout_s))
+
+
+def new_run_id() -> str:
+    """A fresh run id: time, launcher PID and a random part (unique across hosts and restarts)."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+# ---------------------------------------------------------------------------- run directory
+class RunDirInUse(RuntimeError):
+    """Another live run holds this run directory."""
+
+
+_held_locks: dict[str, int] = {}  # run dir -> fd of the lock this process holds
+
+
+def claim_run_dir(out_dir: Path, run_id: str) -> None:
+    """Own ``out_dir`` for this run: an exclusive ``flock`` on ``out_dir/run.lock``.
+
+    The kernel releases the lock when its holder dies, however it dies, so a lock left by a
+    killed run never blocks a new one. The file names the holder (PID, host, run id).
+
+    Raises:
+        RunDirInUse: another live process holds the directory.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        holder = _read_holder(path)
+        raise RunDirInUse(
+            f"hydra.run.dir={out_dir} is in use by another live run "
+            f"(pid {holder.get('pid', '?')} on {holder.get('host', '?')}, run id {holder.get('run_id', '?')}); "
+            "give this run its own hydra.run.dir"
+        ) from None
+    os.ftruncate(fd, 0)
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "run_id": run_id, "started": time.time()}
+    os.write(fd, (json.dumps(info) + "\n").encode())
+    _held_locks[str(out_dir.resolve())] = fd
+
+
+def release_run_dir(out_dir: Path) -> None:
+    fd = _held_locks.pop(str(Path(out_dir).resolve()), None)
+    if fd is None:
+        return
+    try:
+        os.unlink(Path(out_dir) / LOCK_NAME)
+    except OSError:
+        pass
+    os.close(fd)  # closing releases the flock
+
+
+def held_by_another_run(out_dir: Path) -> bool:
+    """True when a process other than this one holds ``out_dir``'s run lock."""
+    if str(Path(out_dir).resolve()) in _held_locks:
+        return False
+    path = Path(out_dir) / LOCK_NAME
+    if not path.exists():
+        return False
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def _read_holder(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+
+
+# ---------------------------------------------------------------------------- signals
+class LauncherSignals:
+    """While active, SIGINT / SIGTERM / SIGHUP are recorded (not raised) for the supervisor."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._previous: dict[int, Any] = {}
+
+    def _handler(self, signum, _frame) -> None:
+        self.received.append(int(signum))
+
+    @property
+    def first(self) -> int | None:
+        return self.received[0] if self.received else None
+
+    def __enter__(self) -> LauncherSignals:
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+# ---------------------------------------------------------------------------- outcome
+def describe_returncode(code: int | None) -> dict:
+    """``Popen.returncode`` as summary fields: ``{"exitcode": N}`` or ``{"signal": "SIGKILL"}``."""
+    if code is None:
+        return {"state": "running"}
+    if code < 0:
+        try:
+            return {"signal": signal.Signals(-code).name}
+        except ValueError:
+            return {"signal": f"signal {-code}"}
+    return {"exitcode": code}
+
+
+def first_failure(failures: list[dict]) -> dict | None:
+    """The failure that came first.
+
+    ``failures``: dicts with ``rank``, ``t_s`` (seconds since launch when it happened or was
+    seen) and ``consequence`` (True when the rank itself reported a lost peer or a stop
+    caused by another rank). The earliest wins, except that within ``_TIE_S`` of the
+    earliest a failure that is not a consequence is preferred.
+    """
+    if not failures:
+        return None
+    ordered = sorted(failures, key=lambda f: f["t_s"])
+    window = [f for f in ordered if f["t_s"] - ordered[0]["t_s"] <= _TIE_S]
+    causes = [f for f in window if not f.get("consequence")]
+    return (causes or ordered)[0]
+
+
+def failure_message(first: dict | None, codes: list[int | None]) -> str | None:
+    """One line for ``summary.error``: who failed first and how, then every rank's exit."""
+    if first is None:
+        return None
+    rank, at = first["rank"], first["t_s"]
+    if first.get("state") == "stopped":
+        what = f"rank {rank} stopped answering (process stopped at {at:.1f}s, killed after timeout_s)"
+    elif "signal" in first:
+        what = f"rank {rank} failed first: killed by {first['signal']} at {at:.1f}s"
+    else:
+        what = f"rank {rank} failed first: exit code {first.get('exitcode')} at {at:.1f}s"
+    if first.get("error"):
+        what += f" ({first['error']})"
+    return f"{what}; worker exit codes {codes}"
+
+
+@dataclass
+class LaunchOutcome:
+    """What the supervisor saw."""
+
+    exit_codes: list[int | None]
+    failures: list[dict] = field(default_factory=list)
+    killed_ranks: list[int] = field(default_factory=list)
+    interrupted_by: int | None = None
+
+    @property
+    def first_failure(self) -> dict | None:
+        before = [f for f in self.failures if not f.get("after_interrupt")]
+        return first_failure(before)
+
+
+# ---------------------------------------------------------------------------- processes
+def _rendezvous_store(timeout_s: float):
+    """A TCPStore served by the launcher on a port bound now (port 0 = any free one)."""
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def _proc_state(pid: int) -> str | None:
+    """The one-letter state of ``pid`` from /proc (T: stopped), None when unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """Send ``sig`` to the rank's process group (the rank and its data-loader processes)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _report_of(out_dir: Path, rank: int, run_id: str) -> dict | None:
+    from easgd_lightning.cli.worker import read_rank_reports
+
+    return read_rank_reports(out_dir, rank + 1, run_id)[rank]
+
+
+def spawn_and_supervise(
+    cfg_file: Path,
+    out_dir: Path,
+    world: int,
+    timeout_s: float,
+    run_id: str,
+    signals: LauncherSignals,
+) -> LaunchOutcome:
+    """Start ``world`` ranks and watch them until every one has exited (bounded; see module doc)."""
+    grace = stop_grace_s(timeout_s)
+    store = _rendezvous_store(timeout_s)
+    env = dict(os.environ)
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(store.port),
+        TORCHELASTIC_USE_AGENT_STORE="True",  # every rank is a client of the launcher's store
+        WORLD_SIZE=str(world),
+        NODE_RANK="0",
+        EASGD_RUN_ID=run_id,
+        EASGD_LAUNCHER_PID=str(os.getpid()),
+        EASGD_STOP_GRACE_S=str(grace),
+    )
+    procs: list[subprocess.Popen] = []
+    try:
+        for rank in range(world):
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "easgd_lightning.cli.worker", str(cfg_file), str(out_dir)],
+                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                    start_new_session=True,
+                )
+            )
+        from easgd_lightning.utils.atomic import atomic_write_json
+
+        atomic_write_json(out_dir / "ranks" / "launch.json", {  # who is who, for users and tests
+            "run_id": run_id, "launcher_pid": os.getpid(), "worker_pids": [p.pid for p in procs],
+            "rendezvous_port": store.port,
+        })
+        return _supervise(procs, out_dir, timeout_s, grace, run_id, signals)
+    finally:
+        for p in procs:  # whatever happened above, nothing we started outlives the launcher
+            if p.poll() is None:
+                _signal_group(p, signal.SIGKILL)
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not refusable
+                    log.error("rank pid %d did not die after SIGKILL", p.pid)
+        del store
+
+
+def _supervise(
+    procs: list[subprocess.Popen], out_dir: Path, timeout_s: float, grace: float, run_id: str, signals: LauncherSignals
+) -> LaunchOutcome:
+    world = len(procs)
+    t0 = time.monotonic()
+    done = [False] * world
+    stopped_since: list[float | None] = [None] * world
+    outcome = LaunchOutcome(exit_codes=[None] * world)
+    failed_at: float | None = None  # when the first failure was seen (the survivors' clock)
+    term_at: float | None = None  # when SIGTERM went to the ranks still alive
+    kill_at: float | None = None
+    forwarded = 0
+    while True:
+        now = time.monotonic()
+        for r, p in enumerate(procs):
+            if done[r]:
+                continue
+            code = p.poll()
+            if code is not None:
+                done[r] = True
+                outcome.exit_codes[r] = code
+                if code != 0 and r not in outcome.killed_ranks:
+                    rep = _report_of(out_dir, r, run_id) or {}
+                    outcome.failures.append({
+                        "rank": r, "t_s": round(now - t0, 2), **describe_returncode(code),
+                        "error": rep.get("error"),
+                        # a rank we told to stop, or one that lost a peer, is not the cause
+                        "consequence": bool(rep.get("peer_error")) or term_at is not None,
+                        "after_interrupt": bool(signals.received),
+                    })
+                continue
+            if _proc_state(p.pid) in ("T", "t"):
+                stopped_since[r] = stopped_since[r] or now
+                if now - stopped_since[r] >= timeout_s:
+                    log.error("rank %d has been stopped for %.0fs (timeout_s): killing it", r, now - stopped_since[r])
+                    outcome.failures.append({
+                        "rank": r, "t_s": round(stopped_since[r] - t0, 2), "state": "stopped",
+                        "error": f"process stopped for {timeout_s:g}s", "consequence": False,
+                        "after_interrupt": bool(signals.received),
+                    })
+                    outcome.killed_ranks.append(r)
+                    _signal_group(p, signal.SIGKILL)
+            else:
+                stopped_since[r] = None
+        alive = [r for r in range(world) if not done[r]]
+        if not alive:
+            break
+        if outcome.failures and failed_at is None:
+            failed_at = now
+            log.warning("a worker failed; the others get up to %.0fs (timeout_s) to finish", timeout_s)
+        # the launcher was signalled: forward once, escalate on a second signal
+        if len(signals.received) > forwarded:
+            forwarded = len(signals.received)
+            if forwarded == 1:
+                sig = signals.received[0]
+                log.warning("received %s: stopping the workers (up to %.0fs)", signal.Signals(sig).name, grace)
+                for r in alive:
+                    _signal_group(procs[r], sig)
+                    _signal_group(procs[r], signal.SIGCONT)
+                term_at = term_at or now
+            elif kill_at is None:
+                kill_at = now
+        if failed_at is not None and term_at is None and now - failed_at >= timeout_s:
+            log.error("ranks %s still running %.0fs after a failure: SIGTERM", alive, timeout_s)
+            for r in alive:
+                _signal_group(procs[r], signal.SIGTERM)
+                _signal_group(procs[r], signal.SIGCONT)
+            term_at = now
+        if term_at is not None and kill_at is None and now - term_at >= grace:
+            kill_at = now
+        if kill_at is not None:
+            for r in alive:
+                if r not in outcome.killed_ranks:
+                    log.error("rank %d did not stop: SIGKILL", r)
+                    outcome.killed_ranks.append(r)
+                    _signal_group(procs[r], signal.SIGKILL)
+        time.sleep(_POLL_S)
+    outcome.interrupted_by = signals.first
+    return outcome
+
+
+def remove_stray_temp_files(out_dir: Path) -> list[Path]:
+    """Remove ``.NAME.*.tmp`` files of interrupted atomic writes under ``out_dir``.
+
+    Call only when no process of the run is alive: then nobody can be writing one.
+    """
+    removed = []
+    for path in Path(out_dir).rglob(".*.tmp"):
+        try:
+            path.unlink()
+            removed.append(path)
+        except OSError:
+            pass
+    return removed

@@ -1,0 +1,231 @@
+"""Fault injection through the real CLI (real processes, gloo): a worker that crashes, is
+killed (SIGKILL), frozen (SIGSTOP) or terminated (SIGTERM), and SIGTERM / SIGINT to the
+launcher, for one strategy of each family. Every case checks: the run ends (bounded by a
+subprocess timeout), its exit status, ``summary.json`` (status failed, naming the rank
+that failed first and how), an intact loadable ``last.ckpt``, and that no process of the
+run is left (by PID, from ``ranks/launch.json``).
+
+Run this file by hand to print the fault table: ``python tests/e2e/test_faults.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import PY, REPO, base_env
+
+#: small and quick: digits, the default MLP, one thread per rank
+COMMON = ["logger=csv", "trainer.enable_progress_bar=false", "data.num_workers=0"]
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (read from /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+class Run:
+    """``easgd-train`` started in the background, with handles on its processes."""
+
+    def __init__(self, run_dir: Path, overrides: list[str]) -> None:
+        self.run_dir = run_dir
+        self.log = open(run_dir.parent / f"{run_dir.name}.log", "w")  # noqa: SIM115 - closed in wait()
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            [PY, "-m", "easgd_lightning.cli.train", f"hydra.run.dir={run_dir}", *COMMON, *overrides],
+            env=base_env(), cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
+        )
+
+    def wait_for(self, path: str, timeout: float = 120) -> dict | None:
+        """Wait until ``run_dir/path`` exists (JSON files are returned parsed)."""
+        deadline = time.monotonic() + timeout
+        target = self.run_dir / path
+        while time.monotonic() < deadline:
+            if target.exists():
+                if target.suffix == ".json":
+                    try:
+                        return json.loads(target.read_text())
+                    except ValueError:  # being replaced right now: read again
+                        pass
+                else:
+                    return None
+            assert self.proc.poll() is None, f"the run ended before {path} appeared:\n{self.output()}"
+            time.sleep(0.1)
+        raise AssertionError(f"{path} did not appear within {timeout}s:\n{self.output()}")
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return self.wait_for("ranks/launch.json")["worker_pids"]
+
+    def wait(self, timeout: float) -> tuple[int, float]:
+        """(exit status, seconds since the fault) once the launcher ended; kills all on timeout."""
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_all()
+            raise AssertionError(f"the run did not end within {timeout}s:\n{self.output()}") from None
+        finally:
+            self.log.close()
+        return code, time.monotonic() - self.fault_at
+
+    def mark_fault(self) -> None:
+        self.fault_at = time.monotonic()
+
+    def kill_all(self) -> None:
+        for pid in [self.proc.pid, *self._known_pids()]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def _known_pids(self) -> list[int]:
+        try:
+            return json.loads((self.run_dir / "ranks" / "launch.json").read_text())["worker_pids"]
+        except (OSError, ValueError, KeyError):
+            return []
+
+    def leftovers(self) -> list[int]:
+        """PIDs of this run (launcher, ranks) still alive shortly after the launcher ended."""
+        pids = [self.proc.pid, *self._known_pids()]
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
+            time.sleep(0.1)
+        return [p for p in pids if pid_alive(p)]
+
+    def summary(self) -> dict:
+        return json.loads((self.run_dir / "summary.json").read_text())
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()[-6000:]
+
+
+def assert_loadable_last_checkpoint(run_dir: Path) -> dict:
+    """``last.ckpt`` loads, holds finite weights, and is not older than any epoch file."""
+    ckpt_dir = run_dir / "checkpoints"
+    last = ckpt_dir / "last.ckpt"
+    assert last.is_file(), sorted(p.name for p in ckpt_dir.iterdir()) if ckpt_dir.exists() else "no checkpoints"
+    state = torch.load(last, map_location="cpu", weights_only=False)
+    weights = state["state_dict"]
+    assert weights and all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point())
+    for epoch_file in ckpt_dir.glob("epoch*.ckpt"):
+        other = torch.load(epoch_file, map_location="cpu", weights_only=False)
+        assert (state["epoch"], state["global_step"]) >= (other["epoch"], other["global_step"]), epoch_file
+    assert not list(ckpt_dir.glob(".*.tmp"))
+    return state
+
+
+# ---------------------------------------------------------------------------- the cases
+TIMEOUT_S = 20  # timeout_s of the runs: collectives and stragglers
+MARGIN_S = 60  # what a bounded exit may add on a loaded 2-core machine (process exits, teardown)
+
+
+def _start(tmp_path: Path, name: str, overrides: list[str]) -> Run:
+    run_dir = tmp_path / name
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    return Run(run_dir, [f"timeout_s={TIMEOUT_S}", *overrides])
+
+
+def case_worker_crash(tmp_path: Path, strategy: str, devices: int) -> dict:
+    """faults.crash_rank: rank 1 calls os._exit(17) at its 30th step."""
+    run = _start(tmp_path, f"crash-{strategy}", [f"strategy={strategy}", f"trainer.devices={devices}",
+                                                  "trainer.max_epochs=20", "faults.crash_rank=1",
+                                                  "faults.crash_at_step=30"])
+    run.worker_pids  # noqa: B018 - wait for the launch
+    run.mark_fault()
+    code, took = run.wait(TIMEOUT_S + MARGIN_S + 60)
+    s = run.summary()
+    assert code == 1, run.output()
+    assert s["status"] == "failed" and s["first_failure"]["rank"] == 1, s["error"]
+    assert s["first_failure"]["exitcode"] == 17 and s["exit_codes"][1] == 17, s["first_failure"]
+    assert "rank 1" in s["error"]
+    assert_loadable_last_checkpoint(run.run_dir)
+    assert run.leftovers() == []
+    return {"code": code, "took": took, "summary": s}
+
+
+def case_worker_signal(tmp_path: Path, strategy: str, devices: int, sig: signal.Signals) -> dict:
+    """SIGKILL / SIGSTOP / SIGTERM to rank 1 once the first epoch checkpoint exists."""
+    run = _start(tmp_path, f"{sig.name.lower()}-{strategy}", [f"strategy={strategy}", f"trainer.devices={devices}",
+                                                              "trainer.max_epochs=400"])
+    pids = run.worker_pids
+    run.wait_for("checkpoints/epoch000.ckpt")
+    os.kill(pids[1], sig)
+    run.mark_fault()
+    code, took = run.wait(TIMEOUT_S + MARGIN_S + (TIMEOUT_S if sig == signal.SIGSTOP else 0))
+    s = run.summary()
+    assert code == 1, run.output()
+    first = s["first_failure"]
+    assert s["status"] == "failed" and first["rank"] == 1, s["error"]
+    if sig == signal.SIGSTOP:
+        assert first["state"] == "stopped" and "rank 1 stopped answering" in s["error"], s["error"]
+        assert took < TIMEOUT_S + MARGIN_S  # bounded: timeout_s plus the time processes take to end
+    elif sig == signal.SIGKILL:
+        assert first["signal"] == "SIGKILL", first
+    else:  # SIGTERM: the rank stops gracefully and says so, exit 128 + 15
+        assert first["exitcode"] == 143 and s["exit_codes"][1] == 143, first
+        assert "interrupted by SIGTERM" in first["error"]
+    assert_loadable_last_checkpoint(run.run_dir)
+    assert run.leftovers() == []
+    return {"code": code, "took": took, "summary": s}
+
+
+def case_launcher_signal(tmp_path: Path, strategy: str, devices: int, sig: signal.Signals) -> dict:
+    """SIGINT / SIGTERM to the launcher: workers stop, last.ckpt and summary written, 128 + N."""
+    run = _start(tmp_path, f"launcher-{sig.name.lower()}-{strategy}",
+                 [f"strategy={strategy}", f"trainer.devices={devices}", "trainer.max_epochs=400"])
+    run.worker_pids  # noqa: B018
+    run.wait_for("checkpoints/epoch000.ckpt")
+    run.proc.send_signal(sig)
+    run.mark_fault()
+    code, took = run.wait(TIMEOUT_S + MARGIN_S)
+    s = run.summary()
+    assert code == 128 + sig.value, run.output()
+    assert s["status"] == "failed" and s["error"] == f"interrupted by {sig.name}", s["error"]
+    assert s["interrupted_by"] == sig.name
+    state = assert_loadable_last_checkpoint(run.run_dir)
+    assert state["epoch"] >= 1 or state["global_step"] > 0
+    assert run.leftovers() == []
+    # the workers did not train on: far fewer steps than 400 epochs
+    assert state["epoch"] < 400
+    return {"code": code, "took": took, "summary": s}
+
+
+@pytest.mark.slow
+def test_sigstop_of_a_ddp_worker_ends_the_run_naming_it(tmp_path: Path) -> None:
+    case_worker_signal(tmp_path, "ddp", 2, signal.SIGSTOP)
+
+
+if __name__ == "__main__":  # the fault table
+    import tempfile
+
+    which = sys.argv[1:] or ["all"]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        cases = {
+            "sigstop-ddp": lambda: case_worker_signal(Path(tmp), "ddp", 2, signal.SIGSTOP),
+            "crash-sync_easgd": lambda: case_worker_crash(Path(tmp), "sync_easgd", 2),
+            "sigkill-local_sgd": lambda: case_worker_signal(Path(tmp), "local_sgd", 2, signal.SIGKILL),
+            "sigterm-worker-ddp": lambda: case_worker_signal(Path(tmp), "ddp", 2, signal.SIGTERM),
+            "launcher-sigint-sync_easgd": lambda: case_launcher_signal(Path(tmp), "sync_easgd", 2, signal.SIGINT),
+            "launcher-sigterm-async_easgd": lambda: case_launcher_signal(Path(tmp), "async_easgd", 3, signal.SIGTERM),
+        }
+        for name, fn in cases.items():
+            if "all" not in which and name not in which:
+                continue
+            r = fn()
+            rows.append((name, r["took"], r["code"], r["summary"].get("first_failure"), r["summary"]["error"]))
+            print(f"{name:32s} exit={r['code']:4d} took={r['took']:6.1f}s first={r['summary'].get('first_failure')}",
+                  flush=True)
