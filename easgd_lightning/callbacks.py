@@ -187,10 +187,12 @@ class _FlagSignalConnector(_SignalConnector):
 class SignalStop(pl.Callback):
     """Stop training at a step boundary after SIGTERM / SIGINT, all ranks together.
 
-    * Strategies whose ranks step in lockstep (DDP, synchronous EASGD, local SGD, pipeline):
-      before every step each rank contributes the signal it received (0: none) and one
-      all-reduce tells every rank who was signalled; all stop at that same step (this
-      replaces Lightning's per-step broadcast of a SIGTERM flag, which cost the same).
+    * Strategies whose ranks step in lockstep (DDP, synchronous EASGD, local SGD, round
+      robin, pipeline): global rank 0 decides. A signalled rank publishes its signal in the
+      rendezvous store (key ``easgd/stop/<run id>/<rank>``); before every step rank 0 reads
+      the store's stop counter and broadcasts who was signalled, and every rank stops at
+      that same step. This replaces Lightning's per-step broadcast of a SIGTERM flag at the
+      same cost (no extra synchronisation: only rank 0 touches the store).
     * Strategies that replaced that per-step broadcast with a local check (the parameter
       server and Hogwild families, whose workers never wait for each other): each rank
       stops on its own signal.
@@ -204,6 +206,8 @@ class SignalStop(pl.Callback):
         self.signalled_ranks: list[int] = []  # ranks whose own signal stopped the run
         self.signal: int | None = None
         self._connector: _FlagSignalConnector | None = None
+        self._store = None
+        self._published = False
 
     def attach(self, trainer: pl.Trainer) -> None:
         """Replace the trainer's signal connector (call before ``fit``)."""
@@ -224,21 +228,37 @@ class SignalStop(pl.Callback):
 
             loop._broadcast_sigterm_tensor = local_stop
         else:
+            self._store = _stop_store()
             loop._broadcast_sigterm_tensor = lambda: self._agree(trainer)
+
+    def _key(self, rank: int | str) -> str:
+        return f"easgd/stop/{os.environ.get('EASGD_RUN_ID', 'run')}/{rank}"
 
     def _agree(self, trainer) -> None:
         import torch.distributed as dist
 
         mine = stop.stop_signal()
-        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
-            flags = torch.zeros(trainer.world_size, dtype=torch.int64, device=trainer.strategy.root_device)
-            flags[trainer.global_rank] = mine or 0
-            dist.all_reduce(flags)  # errors propagate: a lost peer must fail the run, not be swallowed
-            signalled = [r for r, s in enumerate(flags.tolist()) if s]
-            if signalled:
-                self._decide(trainer, int(flags[signalled[0]]), signalled)
-        elif mine is not None:
-            self._decide(trainer, mine, [trainer.global_rank])
+        rank, world = trainer.global_rank, trainer.world_size
+        if not (dist.is_available() and dist.is_initialized() and world > 1):
+            if mine is not None:
+                self._decide(trainer, mine, [rank])
+            return
+        if mine is not None and not self._published and self._store is not None:
+            self._store.set(self._key(rank), str(mine))
+            self._store.add(self._key("count"), 1)
+            self._published = True
+        flags = torch.zeros(world, dtype=torch.int64, device=trainer.strategy.root_device)
+        if rank == 0:
+            if mine is not None:
+                flags[0] = mine
+            if self._store is not None and self._store.add(self._key("count"), 0) > 0:
+                for r in range(1, world):
+                    if self._store.check([self._key(r)]):
+                        flags[r] = int(self._store.get(self._key(r)))
+        dist.broadcast(flags, src=0)  # errors propagate: a lost peer must fail the run, not be swallowed
+        signalled = [r for r, s in enumerate(flags.tolist()) if s]
+        if signalled:
+            self._decide(trainer, int(flags[signalled[0]]), signalled)
 
     def _decide(self, trainer, signum: int, ranks: list[int]) -> None:
         self.signal, self.signalled_ranks = signum, ranks
@@ -250,3 +270,16 @@ class SignalStop(pl.Callback):
         if not isinstance(exception, SIGTERMException) or self.signal is None or not self.checkpoint_dir:
             return
         trainer.save_checkpoint(os.path.join(self.checkpoint_dir, "last.ckpt"))
+
+
+def _stop_store():
+    """A client of the rendezvous store (``MASTER_ADDR:MASTER_PORT``), or None without one."""
+    from datetime import timedelta
+
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        return None
+    try:
+        return torch.distributed.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=30))
+    except (RuntimeError, ValueError):  # no store to reach: rank 0's own signal still stops all
+        return None

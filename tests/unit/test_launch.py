@@ -1,0 +1,131 @@
+"""The launcher's pure parts: which failure came first, return codes, the run-directory
+lock, run ids in rank reports, sweep failures, and atomic writes cleaning up."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from easgd_lightning.cli import launch
+from tests.helpers import REPO, base_env
+
+
+def test_first_failure_is_the_earliest_cause() -> None:
+    crash = {"rank": 1, "t_s": 10.0, "exitcode": 17, "consequence": False}
+    peer = {"rank": 0, "t_s": 10.4, "exitcode": 1, "consequence": True}
+    assert launch.first_failure([peer, crash]) == crash
+    # seen first, but a consequence of a lost peer: within the tie window the cause wins
+    peer_first = {"rank": 0, "t_s": 9.9, "exitcode": 1, "consequence": True}
+    assert launch.first_failure([peer_first, crash]) == crash
+    # outside the window the order of events decides
+    early_peer = {"rank": 0, "t_s": 1.0, "exitcode": 1, "consequence": True}
+    assert launch.first_failure([crash, early_peer]) == early_peer
+    # a frozen rank is dated from when it was first seen stopped
+    stopped = {"rank": 2, "t_s": 3.0, "state": "stopped", "consequence": False}
+    timed_out = {"rank": 0, "t_s": 33.0, "exitcode": 1, "consequence": True}
+    assert launch.first_failure([timed_out, stopped]) == stopped
+    assert launch.first_failure([]) is None
+
+
+def test_returncodes_and_the_failure_line() -> None:
+    assert launch.describe_returncode(0) == {"exitcode": 0}
+    assert launch.describe_returncode(17) == {"exitcode": 17}
+    assert launch.describe_returncode(-9) == {"signal": "SIGKILL"}
+    assert launch.describe_returncode(-15) == {"signal": "SIGTERM"}
+    line = launch.failure_message({"rank": 1, "t_s": 12.34, "signal": "SIGKILL"}, [1, -9])
+    assert line == "rank 1 failed first: killed by SIGKILL at 12.3s; worker exit codes [1, -9]"
+    line = launch.failure_message({"rank": 1, "t_s": 3.0, "state": "stopped"}, [1, -9])
+    assert line.startswith("rank 1 stopped answering")
+    assert launch.stop_grace_s(300) == 30 and launch.stop_grace_s(5) == 5
+
+
+_HOLD = """
+import sys, time
+from pathlib import Path
+from easgd_lightning.cli import launch
+launch.claim_run_dir(Path(sys.argv[1]), "holder-run")
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_live_run_owns_its_directory_and_a_dead_one_does_not(tmp_path: Path) -> None:
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path)], env=base_env(), cwd=REPO,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert launch.held_by_another_run(tmp_path)
+        with pytest.raises(launch.RunDirInUse, match=rf"pid {holder.pid} .*run id holder-run"):
+            launch.claim_run_dir(tmp_path, "second-run")
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    # killed without cleanup: the kernel dropped its lock, the directory is free again
+    assert not launch.held_by_another_run(tmp_path)
+    launch.claim_run_dir(tmp_path, "third-run")
+    try:
+        assert json.loads((tmp_path / "run.lock").read_text())["run_id"] == "third-run"
+        assert not launch.held_by_another_run(tmp_path)  # held by this very process
+    finally:
+        launch.release_run_dir(tmp_path)
+    assert not (tmp_path / "run.lock").exists()
+
+
+def test_reports_of_another_run_are_ignored(tmp_path: Path) -> None:
+    from easgd_lightning.cli.worker import rank_file, read_rank_reports
+
+    rank_file(tmp_path, 0).parent.mkdir(parents=True)
+    rank_file(tmp_path, 0).write_text(json.dumps({"rank": 0, "status": "ok", "run_id": "mine"}))
+    rank_file(tmp_path, 1).write_text(json.dumps({"rank": 1, "status": "ok", "run_id": "other"}))
+    assert [r and r["rank"] for r in read_rank_reports(tmp_path, 2, "mine")] == [0, None]
+    assert [r["rank"] for r in read_rank_reports(tmp_path, 2)] == [0, 1]
+
+
+def test_a_sweep_names_its_failed_jobs(tmp_path: Path) -> None:
+    from easgd_lightning.cli.train import _failed_sweep_jobs
+
+    jobs = []
+    for i, (status, error) in enumerate([("ok", None), ("failed", "rank 1 failed first: exit code 17"), (None, None)]):
+        job = tmp_path / f"{i}_job"
+        job.mkdir()
+        if status:
+            (job / "summary.json").write_text(json.dumps({"status": status, "error": error}))
+        jobs.append(job)
+    assert _failed_sweep_jobs(jobs) == ["1_job: rank 1 failed first: exit code 17", "2_job: no summary.json"]
+
+
+def test_an_atomic_write_leaves_no_temporary_file_when_it_fails(tmp_path: Path) -> None:
+    from easgd_lightning.utils.atomic import _atomic_write
+
+    def fail(fh) -> None:
+        fh.write(b"partial")
+        raise KeyboardInterrupt  # any exception, even one that is not an Exception
+
+    with pytest.raises(KeyboardInterrupt):
+        _atomic_write(tmp_path / "center.ckpt", fail)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_stray_temporary_files_are_removed(tmp_path: Path) -> None:
+    (tmp_path / "checkpoints").mkdir()
+    stray = tmp_path / "checkpoints" / ".center.ckpt.abc123.tmp"
+    stray.write_bytes(b"x")
+    keep = tmp_path / "checkpoints" / "center.ckpt"
+    keep.write_bytes(b"y")
+    assert launch.remove_stray_temp_files(tmp_path) == [stray]
+    assert keep.exists() and not stray.exists()
+
+
+def test_launcher_signals_are_recorded_not_raised() -> None:
+    with launch.LauncherSignals() as signals:
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGTERM)
+        time.sleep(0.01)
+    assert signals.received == [signal.SIGINT, signal.SIGTERM] and signals.first == signal.SIGINT
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
