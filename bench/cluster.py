@@ -665,6 +665,10 @@ def steady_figures(long: dict, short: dict) -> dict | None:
         return None
     d_sent = sum(a["sent"]) - sum(b["sent"])
     fractions = [(x - y) / d_time for x, y in zip(a["comm_time"], b["comm_time"])]
+    if a["sent"] == b["sent"]:
+        # Nothing was sent in the window (the limit row): what the comm times differ by is
+        # how long the collectives outside it (set-up broadcast, final average) waited.
+        fractions = [0.0 for _ in fractions]
     return {
         "step_time_s": d_time / mean_steps,
         "samples_per_s": (a["samples"] - b["samples"]) / d_time,
