@@ -429,6 +429,11 @@ def test_comm_share_prefers_exposed_and_steady_uses_training_clock() -> None:
     assert got["comm_share"] == pytest.approx(1.0 / 4.0)  # exposed time over the clock
     assert got["comm_share_source"] == "exposed"
     assert got["bytes_per_step_per_worker"] == pytest.approx(400 / 40)
+    # No bytes in the window (the limit row): the comm-time difference comes from the
+    # collectives outside it (set-up broadcast, final average), so the share is 0.
+    quiet_short = summary(9.0, 2.0, [10, 10], [100, 100], [1.0, 1.0])
+    quiet_long = summary(10.0, 6.0, [30, 30], [100, 100], [0.7, 0.8])
+    assert cluster.steady_figures(quiet_long, quiet_short)["comm_share"] == 0.0
     # A history that does not end at the last step: fall back to wall time.
     long["val_history"][-1]["step"] = 29
     assert cluster.train_clock(long) is None
@@ -492,3 +497,4 @@ def test_scenarios_always_add_limit_and_baseline() -> None:
     assert "optim.momentum=0" in cmd and "optim.momentum=0.9" not in cmd
     epochs = cluster.train_command("ddp", "none", 2, -1, Path("/x"), [], [], epochs=12)
     assert "trainer.max_epochs=12" in epochs and "trainer.max_steps=-1" in epochs
+
