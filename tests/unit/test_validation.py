@@ -219,3 +219,22 @@ def test_compression_that_never_engages_warns_once_naming_min_numel(caplog: pyte
         _check(["compression=dgc", "optim.momentum=0", "compression.min_numel=8192"])
         _check(["compression=none"])
     assert _records(caplog) == []
+
+
+def test_pipeline_setup_refuses_manual_optimization_in_one_line() -> None:
+    """The Python API: ``Trainer(strategy=Pipeline3DStrategy(...))`` with a manual-optimization
+    module stops in the strategy's setup, before the engine is built (no process group)."""
+    from types import SimpleNamespace
+
+    from pytorch_lightning.accelerators import CPUAccelerator
+    from pytorch_lightning.trainer.states import TrainerFn
+
+    from easgd_lightning.strategies.pipeline import Pipeline3DStrategy
+
+    module = _UserModule(manual=True)
+    strategy = Pipeline3DStrategy(pp=1, tp=1, accelerator=CPUAccelerator())
+    strategy._lightning_module = module
+    trainer = SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING), accumulate_grad_batches=1)
+    with pytest.raises(ValueError, match=r"^strategy=pipeline_3d does not support manual optimization") as err:
+        strategy.setup(trainer)
+    assert "\n" not in str(err.value)
