@@ -14,11 +14,14 @@ in :mod:`easgd_lightning.strategies.async_rules`):
   ``momentum`` = delta in [0, 1) (default 0.9). The strategy owns that momentum: the
   optimizer's own ``momentum`` is set to 0 (with a warning) so it is not applied twice.
 * ``async_sgd``: every step the worker computes g at its copy of the weights and pushes g;
-  the server applies ``w <- w - eta (g + wd w)`` and returns w, which the worker loads.
-  eta is the worker optimizer's current learning rate (sent with the request; schedules
-  apply) unless ``lr`` is set; wd is the optimizer's weight decay.
+  the server takes one step of the user's optimizer (its class, parameter groups, weight
+  decay; the server holds its state) for g and returns w, which the worker loads. With plain
+  SGD that is ``w <- w - eta (g + wd w)``. Each group's eta is the worker optimizer's current
+  learning rate of that group (sent with the request; schedules apply) unless ``lr`` is set.
+  Parameters the worker has no gradient for (frozen) are skipped, as ``torch.optim`` does.
 * ``async_msgd``: Async SGD with heavy-ball momentum held by the server
-  (``b <- mu b + g; w <- w - eta b``, ``momentum`` = mu, default 0.9).
+  (``b <- mu b + g; w <- w - eta b``, ``momentum`` = mu, default 0.9): SGD's own momentum,
+  so the optimizer must be ``torch.optim.SGD`` with momentum 0 or mu (refused otherwise).
 
 Design decisions (and their trade-offs):
 
@@ -59,11 +62,17 @@ Design decisions (and their trade-offs):
   ``max_time_s``: a wall-clock budget per worker (from the start of its training).
   Workers send ``done`` at the end of fit; once every worker is done (or dead) the server
   sends each the final center, which the user's module then holds on every rank.
+* **Metrics and signals.** ``torchmetrics`` metrics compute from their own rank's state (see
+  :func:`local_metrics`); a user's own collective fails at ``timeout_s`` with an error that
+  says why. Lightning's SIGTERM handler broadcasts (a collective): it is replaced by a local
+  flag the server and the waits check; a rank blocked in a C++ wait is ended
+  ``SIGNAL_GRACE_S`` after SIGTERM/SIGINT by :class:`_SignalWatch`.
 * **Validation, checkpoints, final ``train_loss``** use the center: workers pull it from the
-  server for each validation and checkpoint. Rank 0's Lightning checkpoints
+  server for each validation and checkpoint (rank 0 with the server's state: a checkpoint
+  written after a validation holds the center that validation scored). Rank 0's Lightning checkpoints
   (``last.ckpt``, per epoch) hold the center as the module weights and, in
   ``checkpoint["easgd"]["server"]``, the server's state (update count, per-worker counts
-  and, for ``async_msgd``, the momentum buffer). The server also writes its own
+  and, for the SGD rule, the user's optimizer's state; ``momentum``: SGD's buffers, flat). The server also writes its own
   ``center.ckpt`` (atomically: temporary file + rename) every ``checkpoint_every_s`` seconds
   and at the end, so a crash of any worker leaves an intact, loadable center. Either file
   resumes a run (``checkpoint.resume=...``): the center and the server state are restored;
