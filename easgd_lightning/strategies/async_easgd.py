@@ -361,12 +361,14 @@ class _SignalWatch:
     Python runs signal handlers on the main thread between bytecodes only, so a rank blocked
     in a gloo wait (C++, the GIL released) never runs them. The C-level handler also writes
     the signal number to the wakeup file descriptor (``signal.set_wakeup_fd``): a daemon
-    thread reads it there, waits ``grace_s`` (a rank that is not stuck stops at its next
-    batch or request) and then exits the process with ``128 + signum``.
+    thread reads it there, calls ``on_signal(signum)`` at once (e.g. to pass the signal on
+    to the processes this rank started), waits ``grace_s`` (a rank that is not stuck stops
+    at its next batch or request) and then exits the process with ``128 + signum``.
     """
 
-    def __init__(self, who: str, grace_s: float = SIGNAL_GRACE_S) -> None:
-        self.who, self.grace_s = who, float(grace_s)
+    def __init__(self, who: str, grace_s: float = SIGNAL_GRACE_S,
+                 on_signal: Callable[[int], None] | None = None) -> None:
+        self.who, self.grace_s, self.on_signal = who, float(grace_s), on_signal
         self._old_fd = -1
         self._fds: tuple[int, int] | None = None
 
@@ -403,6 +405,11 @@ class _SignalWatch:
                     pass
             caught = [b for b in data if b in (signal.SIGTERM, signal.SIGINT)]
             if caught:
+                if self.on_signal is not None:
+                    try:
+                        self.on_signal(caught[0])
+                    except Exception:  # passing it on is best effort; ending this rank is not
+                        log.debug("on_signal failed", exc_info=True)
                 time.sleep(self.grace_s)  # a rank that ends by itself never wakes up here
                 name = signal.Signals(caught[0]).name
                 print(f"{self.who}: still running {self.grace_s:g} s after {name} (blocked in a wait "
@@ -954,8 +961,9 @@ class AsyncCenterStrategy(CenterStrategy):
         self._last_center_ckpt = 0.0
         self._error: str | None = None
         self._scored: dict | None = None  # the center (and server state) of the last validation
-        self._signals = _SignalWatch(f"{name} rank ?")
+        self._signals = _SignalWatch(f"{name} rank ?", on_signal=self._pass_signal_on)
         self._interrupted: int | None = None
+        self._passed_on = threading.Event()
 
     @classmethod
     def cli_kwargs(cls, cfg: Any) -> dict:
@@ -1116,12 +1124,19 @@ class AsyncCenterStrategy(CenterStrategy):
         never join one, so it would hang in the handler): record it, forward it to the
         processes Lightning's launcher started, and let the loops stop on it."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        first = self._interrupted is None
         self._interrupted = self._interrupted or signum
-        if first and self.launcher is not None:
-            self.launcher.kill(signum)
+        self._pass_signal_on(signum)
         if trainer is not None:
             trainer._signal_connector.received_sigterm = True
+
+    def _pass_signal_on(self, signum: int) -> None:
+        """Once: send the signal to the processes Lightning's launcher started from this one
+        (also from the signal watch, when this rank is blocked and its handler cannot run)."""
+        if self._passed_on.is_set():
+            return
+        self._passed_on.set()
+        if self.launcher is not None and signum == signal.SIGTERM:
+            self.launcher.kill(signum)
 
     def _interrupted_by(self) -> int | None:
         return self._interrupted

@@ -148,3 +148,37 @@ def test_sigterm_ends_every_rank_of_a_run_hung_in_a_collective(tmp_path: Path) -
     assert worker_codes == [128 + signal.SIGTERM] * 3, worker_codes
     assert server_code not in (None, 0), server_code
     assert "interrupted by SIGTERM" in (tmp_path / "rank3.err").read_text()
+
+
+WATCHED = """
+import signal, sys, threading
+from pathlib import Path
+from easgd_lightning.strategies.async_easgd import _SignalWatch
+signal.signal(signal.SIGTERM, lambda *_: None)  # a handler that only records, as Lightning's does
+out = Path(sys.argv[1])
+watch = _SignalWatch("test rank", grace_s=0.5, on_signal=lambda s: (out / f"passed_on_{s}").touch())
+assert watch.start()
+(out / "ready").touch()
+lock = threading.Lock()
+lock.acquire()
+lock.acquire()  # never returns: handlers run in between, nothing ends the process
+"""
+
+
+def test_signal_watch_ends_a_rank_whose_handler_cannot_end_it(tmp_path: Path) -> None:
+    """A process whose SIGTERM handler only records the signal and whose main thread stays
+    blocked: the watch passes the signal on at once and exits with 128 + SIGTERM."""
+    proc = subprocess.Popen([PY, "-c", WATCHED, str(tmp_path)], env=base_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "ready").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert (tmp_path / f"passed_on_{int(signal.SIGTERM)}").exists()
+    assert "still running 0.5 s after SIGTERM" in err
