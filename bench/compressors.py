@@ -46,8 +46,11 @@ from omegaconf import OmegaConf  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from easgd_lightning.hooks.compressors import build_compressor, compressor_names  # noqa: E402
-from easgd_lightning.hooks.compressors import _native  # noqa: E402
+from easgd_lightning.hooks.compressors import (  # noqa: E402
+    _native,  # noqa: E402
+    build_compressor,
+    compressor_names,
+)
 from easgd_lightning.hooks.memory import make_memory  # noqa: E402
 
 CONF = REPO / "conf" / "compression"

@@ -500,3 +500,214 @@ def test_sidco_reaches_the_target_on_light_tails():
         _, y = roundtrip(comp, g, state)
         counts.append(int((y != 0).sum()))
     assert 0.5 * 200 <= counts[-1] <= 1.5 * 200, (counts, state["stages"])
+
+
+# ----------------------------------------------------------------------------- fast paths
+# (issue #11: one-pass native kernels, scratch buffers, the residual hand-off, random-k draw)
+
+from easgd_lightning.hooks.compressors import _native  # noqa: E402
+from easgd_lightning.hooks.compressors.randomk import shared_random_indices  # noqa: E402
+from easgd_lightning.hooks.memory import ResidualMemory  # noqa: E402
+
+needs_native = pytest.mark.skipif(not _native.available(), reason="no C compiler: eager paths only")
+
+FAST = [
+    ("topk", {"ratio": 0.01}),
+    ("topk", {"ratio": 0.01, "exact": True}),
+    ("dgc", {"ratio": 0.01, "warmup_ratio_steps": 0}),
+    ("dgc", {"ratio": 0.01, "warmup_ratio_steps": 0, "nesterov": True}),
+    ("redsync", {"ratio": 0.002, "method": "bisect"}),
+    ("redsync", {"ratio": 0.002, "method": "trimmed"}),
+    ("sidco", {"ratio": 0.002, "sample_size": 5000}),
+    ("sidco", {"ratio": 0.002, "distribution": "gamma", "stages": 2, "sample_size": 0}),
+    ("randomk", {"ratio": 0.01}),
+    ("randomk", {"ratio": 0.013, "unbiased": True, "memory": False}),
+    ("qsgd", {"levels": 127, "bucket_size": 512, "seed": 3}),
+    ("qsgd", {"levels": 300, "bucket_size": 100, "seed": 3}),
+    ("signsgd", {}),
+]
+
+
+def _payload_equal(a, b) -> None:
+    assert len(a.tensors) == len(b.tensors)
+    for x, y in zip(a.tensors, b.tensors):
+        assert torch.equal(x, y)
+
+
+def _grads(dtype, steps=4, n=60_000, integer=False):
+    g = gen(70)
+    out = []
+    for _ in range(steps):
+        x = torch.randn(n, generator=g, dtype=torch.float64)
+        out.append((x * 8).round().to(dtype) if integer else x.to(dtype))
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name,params", FAST)
+def test_native_kernels_match_the_eager_path(name, params, dtype):
+    """Same payloads, decodes and residuals with the kernels and with eager ops (integer
+    valued inputs, so sums of squares and |x| are exact in both and QSGD's norms agree)."""
+    outs = {}
+    for native in (True, False):
+        comp = build_compressor(name, **params)
+        mem = ResidualMemory() if comp.memory else None
+        state: dict = {"key_hash": 7}
+        rows = []
+        with (_native.disabled() if not native else _null()):
+            for g in _grads(dtype, integer=True):
+                p = mem.compensate("k", g) if mem else g
+                payload = comp.compress(p, state)
+                y = comp.decompress(payload, g.shape)
+                if mem:
+                    mem.update("k", p, y)
+                payload = base.Payload(tuple(t.clone() for t in payload.tensors), payload.meta)
+                rows.append((payload, y.clone(), None if mem is None else mem.residual("k").clone()))
+        outs[native] = rows
+    for (pa, ya, ra), (pb, yb, rb) in zip(outs[True], outs[False]):
+        if name == "signsgd":  # the kernel sums |p| in another order (both in double)
+            assert torch.equal(pa.tensors[1], pb.tensors[1])
+            torch.testing.assert_close(pa.tensors[0], pb.tensors[0], rtol=1e-6, atol=0)
+            torch.testing.assert_close(ya, yb, rtol=1e-6, atol=0)
+            torch.testing.assert_close(ra, rb, rtol=1e-5, atol=1e-5)
+            continue
+        if name == "dgc" or name == "topk" and params.get("exact"):
+            # top-k among ties may order the same set differently: compare decodes
+            assert comp.payload_bytes(pa) == comp.payload_bytes(pb)
+        else:
+            _payload_equal(pa, pb)
+        assert torch.equal(ya, yb)
+        assert (ra is None and rb is None) or torch.equal(ra, rb)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("name,params", FAST)
+def test_scratch_reuse_matches_a_fresh_state(name, params):
+    """Buffers reused from state["_scratch"] give what a state without them gives (the
+    checkpoint helper drops "_scratch"; nothing that must survive a resume lives there)."""
+    comp_a, comp_b = build_compressor(name, **params), build_compressor(name, **params)
+    state: dict = {"key_hash": 3}
+    for g in _grads(torch.float32):
+        fresh = {k: (v.clone() if torch.is_tensor(v) else (list(v) if isinstance(v, list) else v))
+                 for k, v in state.items() if k != "_scratch"}
+        if name == "qsgd":  # the same noise words for both
+            comp_b._generator.set_state(comp_a._generator.get_state())
+        pa = comp_a.compress(g, state)
+        pb = comp_b.compress(g, fresh)
+        _payload_equal(pa, pb)
+        assert torch.equal(comp_a.decompress(pa, g.shape), comp_b.decompress(pb, g.shape))
+        for key, value in fresh.items():
+            if torch.is_tensor(value):
+                assert torch.equal(state[key], value), key
+    assert "_scratch" in state or name in ("randomk",)
+
+
+@pytest.mark.parametrize(
+    "name,params",
+    [p for p in FAST if build_compressor(p[0], **p[1]).memory],
+)
+def test_residual_hand_off_is_the_plain_rule(name, params):
+    """e_{t+1} = p_t - decompress(C(p_t)) bit for bit, whether the compressor wrote the
+    residual into the compensated buffer or the memory subtracted it."""
+    comp = build_compressor(name, **params)
+    mem = ResidualMemory()
+    state: dict = {"key_hash": 5}
+    e = torch.zeros(60_000, dtype=torch.float64)
+    for g in _grads(torch.float64):
+        p = mem.compensate("w", g)
+        assert torch.equal(p, g + e)
+        p_before = p.clone()
+        _, local = comp.aggregate(p, state, SoloCollective())
+        mem.update("w", p, local)
+        e = p_before - local
+        assert torch.equal(mem.residual("w"), e)
+
+
+def test_residual_memory_reuses_its_two_buffers():
+    mem = ResidualMemory()
+    comp = build_compressor("topk", ratio=0.1)
+    state: dict = {}
+    ptrs = set()
+    for i in range(6):
+        g = torch.randn(1000, generator=gen(80 + i))
+        p = mem.compensate("w", g)
+        ptrs.add(p.data_ptr())
+        _, local = comp.aggregate(p, state, SoloCollective())
+        mem.update("w", p, local)
+    assert len(ptrs) == 2  # the first step's clone and one more buffer, swapped
+
+
+def test_randomk_draw_is_shared_sorted_stratified_and_changes_every_step():
+    n, k = 10_007, 100
+    rank0, rank1 = build_compressor("randomk", ratio=k / n), build_compressor("randomk", ratio=k / n)
+    s0, s1 = {"key_hash": 11}, {"key_hash": 11}
+    seen = []
+    for step in range(5):
+        p0 = rank0.compress(torch.randn(n, generator=gen(step)), s0)
+        p1 = rank1.compress(torch.randn(n, generator=gen(100 + step)), s1)
+        idx = p0.meta["indices"]
+        assert torch.equal(idx, p1.meta["indices"])  # two ranks, same seed: same draw
+        assert idx.numel() == k and torch.all(idx[1:] > idx[:-1])  # k distinct, sorted
+        strata = torch.arange(k + 1) * n // k
+        assert torch.all((idx >= strata[:-1]) & (idx < strata[1:]))  # one per stratum
+        assert torch.equal(idx, shared_random_indices(n, k, 0, step, 11))
+        seen.append(idx)
+    assert all(not torch.equal(a, b) for a, b in zip(seen, seen[1:]))  # new draw each step
+    other = build_compressor("randomk", ratio=k / n).compress(torch.randn(n), {"key_hash": 12})
+    assert not torch.equal(other.meta["indices"], seen[0])  # another tensor, another draw
+
+
+def test_randomk_uneven_strata_stay_unbiased():
+    """n % k != 0: strata of 3 and 4 entries; each index is drawn with probability
+    1 / (its stratum's size) and scaled by that size."""
+    x = torch.randn(10, generator=gen(81), dtype=torch.float64)
+    comp = build_compressor("randomk", ratio=0.3, unbiased=True, memory=False)  # k = 3
+    state: dict = {}
+    counts = torch.zeros(10)
+    total = torch.zeros_like(x)
+    steps = 6000
+    for _ in range(steps):
+        payload, y = roundtrip(comp, x, state)
+        counts[payload.meta["indices"]] += 1
+        total += y
+    sizes = torch.tensor([3, 3, 3, 3, 3, 3, 4, 4, 4, 4], dtype=torch.float64)
+    torch.testing.assert_close(counts / steps, 1 / sizes.float(), atol=0.03, rtol=0)
+    assert torch.allclose(total / steps, x, atol=0.15 * float(x.abs().max()))
+
+
+def test_sidco_sampled_fit_is_the_full_fit_on_a_sample():
+    """The norm cancels: the threshold fitted on |g| equals the u-threshold times ||g||; the
+    sampled fit selects about as many entries as the whole-tensor fit."""
+    rng = np.random.default_rng(3)
+    g = torch.from_numpy(rng.laplace(size=400_000))
+    u = g.abs() / torch.linalg.vector_norm(g)
+    for dist in ("exponential", "gamma", "gpareto"):
+        thr_u = multistage_threshold(u.double(), 0.01, 2, dist)
+        thr_g = multistage_threshold(g.abs(), 0.01, 2, dist)
+        assert math.isclose(thr_g, thr_u * float(torch.linalg.vector_norm(g)), rel_tol=1e-6)
+    g = g.float()
+    full = build_compressor("sidco", ratio=0.01, sample_size=0, adapt_every=0)
+    sampled = build_compressor("sidco", ratio=0.01, sample_size=20_000, adapt_every=0)
+    n_full = int(full.compress(g, {}).meta["nnz"])
+    n_sampled = int(sampled.compress(g, {}).meta["nnz"])
+    assert abs(n_sampled - n_full) <= 0.1 * n_full
+
+
+def test_redsync_sample_guide_keeps_the_rule():
+    x = torch.randn(300_000, generator=gen(82))
+    for k in (300, 3000):
+        idx, thr = threshold_bisect(x.abs(), k)
+        assert k <= idx.numel() <= 2 * k
+        assert torch.equal(torch.sort(idx).values, torch.nonzero(x.abs() > thr).squeeze(1))
+        idx = trimmed_topk(x.abs(), k)
+        mask = np.zeros(x.numel(), dtype=bool)
+        mask[idx.numpy()] = True
+        np.testing.assert_array_equal(mask, reference_topk_mask(x.numpy(), k))

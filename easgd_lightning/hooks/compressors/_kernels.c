@@ -7,7 +7,7 @@
  * caller says otherwise (sums accumulate in double). Single-threaded: the callers run one
  * codec per tensor on the training process's own thread.
  */
-#include <math.h>
+#include <tgmath.h> /* floor, fabs, sqrt follow the argument type (floorf for float) */
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX__) || defined(__AVX512F__)
@@ -110,16 +110,26 @@ int64_t select_abs_f64(const double *x, int64_t n, double thr, int ge, int64_t c
     return select_tail_f64(x, i, n, thr, ge, c, cap, idx, val);
 }
 
+/* Sums accumulate in double over LANES independent partial sums (the loops vectorize
+ * without reassociating anything), added up at the end. */
+#define LANES 16
+
 /* sum of |x| (in double) and max of |x| in one pass */
 #define DEF_ABS_SUM_MAX(T, SFX)                                                             \
     void abs_sum_max_##SFX(const T *x, int64_t n, double *sum, T *max) {                  \
+        double acc[LANES] = {0};                                                            \
+        T mx[LANES] = {0};                                                                  \
+        int64_t i = 0;                                                                      \
+        for (; i + LANES <= n; i += LANES)                                                  \
+            for (int l = 0; l < LANES; l++) {                                               \
+                T a = fabs(x[i + l]);                                                       \
+                acc[l] += a;                                                                \
+                mx[l] = a > mx[l] ? a : mx[l];                                              \
+            }                                                                               \
         double s = 0.0;                                                                     \
         T m = 0;                                                                            \
-        for (int64_t i = 0; i < n; i++) {                                                   \
-            T a = fabs(x[i]);                                                               \
-            s += a;                                                                         \
-            m = a > m ? a : m;                                                              \
-        }                                                                                   \
+        for (int l = 0; l < LANES; l++) { s += acc[l]; m = mx[l] > m ? mx[l] : m; }         \
+        for (; i < n; i++) { T a = fabs(x[i]); s += a; m = a > m ? a : m; }                 \
         *sum = s;                                                                           \
         *max = m;                                                                           \
     }
@@ -191,8 +201,8 @@ DEF_MOMENTUM(double, f64)
 
 /* ------------------------------------------------------------------ QSGD */
 
-/* A counter-based 32-bit hash (xor-shift-multiply rounds): the uniform noise of entry i
- * is hash(i + s0) ^ s1 mixed again, top 24 bits / 2^24, in [0, 1). */
+/* A counter-based 32-bit hash (an xor-shift-multiply mix): the uniform noise of entry i
+ * is mix32((i + s0) ^ s1), top 24 bits / 2^24, in [0, 1). */
 static inline uint32_t mix32(uint32_t x) {
     x ^= x >> 16;
     x *= 0x7feb352dU;
@@ -203,11 +213,54 @@ static inline uint32_t mix32(uint32_t x) {
 }
 
 static inline float uniform24(uint32_t i, uint32_t s0, uint32_t s1) {
-    return (float)(mix32(mix32(i + s0) ^ s1) >> 8) * (1.0f / 16777216.0f);
+    return (float)(mix32((i + s0) ^ s1) >> 8) * (1.0f / 16777216.0f);
+}
+
+/* ------------------------------------------------------------------ random-k */
+
+/* Stratified shared draw: index j lies in [j n / k, (j + 1) n / k), at
+ * start + floor(u_j size) with u_j = uniform24(j, s0, s1) (in double: exact); gathers
+ * x[idx_j] and zeroes it when zero is set. */
+#define DEF_RANDOMK(T, SFX)                                                                 \
+    void randomk_gather_##SFX(T *x, int64_t n, int64_t k, uint32_t s0, uint32_t s1,         \
+                              int zero, int64_t *idx, T *val) {                             \
+        for (int64_t j = 0; j < k; j++) {                                                   \
+            int64_t start = j * n / k, size = (j + 1) * n / k - start;                      \
+            double u = (double)(mix32(((uint32_t)j + s0) ^ s1) >> 8) / 16777216.0;          \
+            int64_t i = start + (int64_t)(u * (double)size);                                \
+            idx[j] = i;                                                                     \
+            val[j] = x[i];                                                                  \
+            if (zero) x[i] = 0;                                                             \
+        }                                                                                   \
+    }
+
+DEF_RANDOMK(float, f32)
+DEF_RANDOMK(double, f64)
+
+static inline double sum_squares_f32(const float *v, int64_t len) {
+    double acc[LANES] = {0};
+    int64_t j = 0;
+    for (; j + LANES <= len; j += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += (double)v[j + l] * (double)v[j + l];
+    double s = 0.0;
+    for (int l = 0; l < LANES; l++) s += acc[l];
+    for (; j < len; j++) s += (double)v[j] * (double)v[j];
+    return s;
+}
+
+static inline double sum_squares_f64(const double *v, int64_t len) {
+    double acc[LANES] = {0};
+    int64_t j = 0;
+    for (; j + LANES <= len; j += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += v[j + l] * v[j + l];
+    double s = 0.0;
+    for (int l = 0; l < LANES; l++) s += acc[l];
+    for (; j < len; j++) s += v[j] * v[j];
+    return s;
 }
 
 /* Per bucket of b entries: norm = ||v||_2; q_i = sign(v_i) min(s, floor(s |v_i| / norm + U)). */
-#define DEF_QSGD(T, Q, SFX)                                                                 \
+#define DEF_QSGD(T, Q, SFX, TS)                                                             \
     void qsgd_quantize_##SFX(const T *x, int64_t n, int64_t b, T levels, uint32_t s0,      \
                              uint32_t s1, T *norms, Q *q) {                                 \
         int64_t nb = (n + b - 1) / b;                                                       \
@@ -215,17 +268,17 @@ static inline float uniform24(uint32_t i, uint32_t s0, uint32_t s1) {
             const T *v = x + k * b;                                                         \
             Q *o = q + k * b;                                                               \
             int64_t len = (k + 1) * b <= n ? b : n - k * b;                                 \
-            double ss = 0.0;                                                                \
-            for (int64_t j = 0; j < len; j++) ss += (double)v[j] * (double)v[j];            \
-            T norm = (T)sqrt(ss);                                                           \
+            T norm = (T)sqrt(sum_squares_##TS(v, len));                                     \
             norms[k] = norm;                                                                \
             T scale = levels / (norm > 0 ? norm : (T)1);                                    \
-            uint32_t base = (uint32_t)(k * b);                                              \
+            uint32_t base = (uint32_t)(k * b) + s0;                                         \
             for (int64_t j = 0; j < len; j++) {                                             \
-                T a = fabs(v[j]) * scale;                                                   \
-                T xi = floor(a + (T)uniform24(base + (uint32_t)j, s0, s1));                 \
+                uint32_t h = mix32((base + (uint32_t)j) ^ s1);                              \
+                T u = (T)(int32_t)(h >> 8) * (T)(1.0 / 16777216.0);                         \
+                T xi = floor(fabs(v[j]) * scale + u);                                       \
                 xi = xi > levels ? levels : xi;                                             \
-                o[j] = (Q)(v[j] > 0 ? xi : (v[j] < 0 ? -xi : 0));                           \
+                T sg = (T)((v[j] > 0) - (v[j] < 0));                                        \
+                o[j] = (Q)(int32_t)(xi * sg);                                               \
             }                                                                               \
         }                                                                                   \
     }                                                                                       \
@@ -241,42 +294,99 @@ static inline float uniform24(uint32_t i, uint32_t s0, uint32_t s1) {
         }                                                                                   \
     }
 
-DEF_QSGD(float, int8_t, f32_i8)
-DEF_QSGD(double, int8_t, f64_i8)
-DEF_QSGD(float, int16_t, f32_i16)
-DEF_QSGD(double, int16_t, f64_i16)
+DEF_QSGD(float, int8_t, f32_i8_scalar, f32)
+DEF_QSGD(double, int8_t, f64_i8, f64)
+DEF_QSGD(float, int16_t, f32_i16, f32)
+
+#ifdef __AVX512F__
+static inline __m512i mix32v(__m512i x) {
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x846ca68bU));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+#endif
+
+/* The default QSGD case (float32, s <= 127) with the rounding of 16 entries at a time;
+ * the same arithmetic as the scalar loop above. */
+void qsgd_quantize_f32_i8(const float *x, int64_t n, int64_t b, float levels, uint32_t s0,
+                          uint32_t s1, float *norms, int8_t *q) {
+#ifdef __AVX512F__
+    int64_t nb = (n + b - 1) / b;
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 lv = _mm512_set1_ps(levels), inv24 = _mm512_set1_ps(1.0f / 16777216.0f);
+    const __m512 zero = _mm512_setzero_ps();
+    const __m512i key = _mm512_set1_epi32((int)s1);
+    for (int64_t k = 0; k < nb; k++) {
+        const float *v = x + k * b;
+        int8_t *o = q + k * b;
+        int64_t len = (k + 1) * b <= n ? b : n - k * b;
+        float norm = (float)sqrt(sum_squares_f32(v, len));
+        norms[k] = norm;
+        float scale = levels / (norm > 0 ? norm : 1.0f);
+        const __m512 sc = _mm512_set1_ps(scale);
+        uint32_t base = (uint32_t)(k * b) + s0;
+        int64_t j = 0;
+        for (; j + 16 <= len; j += 16) {
+            __m512i ctr = _mm512_add_epi32(_mm512_set1_epi32((int)(base + (uint32_t)j)), iota);
+            __m512i h = mix32v(_mm512_xor_si512(ctr, key));
+            __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)), inv24);
+            __m512 vv = _mm512_loadu_ps(v + j);
+            __m512 xi = _mm512_add_ps(_mm512_mul_ps(_mm512_abs_ps(vv), sc), u);
+            xi = _mm512_roundscale_ps(xi, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+            xi = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(xi, lv, _CMP_GT_OQ), xi, lv);
+            __m512i qi = _mm512_cvttps_epi32(xi);
+            __mmask16 pos = _mm512_cmp_ps_mask(vv, zero, _CMP_GT_OQ);
+            __mmask16 neg = _mm512_cmp_ps_mask(vv, zero, _CMP_LT_OQ);
+            qi = _mm512_maskz_mov_epi32(pos | neg, qi);
+            qi = _mm512_mask_sub_epi32(qi, neg, _mm512_setzero_si512(), qi);
+            _mm_storeu_si128((__m128i *)(o + j), _mm512_cvtepi32_epi8(qi));
+        }
+        for (; j < len; j++) {
+            uint32_t hh = mix32((base + (uint32_t)j) ^ s1);
+            float u = (float)(int32_t)(hh >> 8) * (float)(1.0 / 16777216.0);
+            float xi = floor(fabs(v[j]) * scale + u);
+            xi = xi > levels ? levels : xi;
+            float sg = (float)((v[j] > 0) - (v[j] < 0));
+            o[j] = (int8_t)(int32_t)(xi * sg);
+        }
+    }
+#else
+    qsgd_quantize_f32_i8_scalar(x, n, b, levels, s0, s1, norms, q);
+#endif
+}
+
+void qsgd_dequantize_f32_i8(const int8_t *q, int64_t n, int64_t b, const float *norms,
+                            float levels, float *out) {
+    qsgd_dequantize_f32_i8_scalar(q, n, b, norms, levels, out);
+}
+DEF_QSGD(double, int16_t, f64_i16, f64)
 
 /* ------------------------------------------------------------------ sign */
 
 /* bit j of byte i = (x[8i + j] >= 0); returns sum |x| (double). */
 #define DEF_SIGN(T, SFX)                                                                    \
-    double sign_pack_##SFX(const T *x, int64_t n, uint8_t *packed) {                        \
+    static double sign_pack_tail_##SFX(const T *x, int64_t i, int64_t n, uint8_t *packed) {\
         double s = 0.0;                                                                     \
-        int64_t full = n / 8;                                                               \
-        for (int64_t i = 0; i < full; i++) {                                                \
-            const T *v = x + 8 * i;                                                         \
+        for (; i < n; i += 8) {                                                             \
             uint32_t byte = 0;                                                              \
-            T part = 0;                                                                     \
-            for (int j = 0; j < 8; j++) {                                                   \
-                byte |= (uint32_t)(v[j] >= 0) << j;                                         \
-                part += fabs(v[j]);                                                         \
-            }                                                                               \
-            packed[i] = (uint8_t)byte;                                                      \
-            s += part;                                                                      \
-        }                                                                                   \
-        if (n % 8) {                                                                        \
-            uint32_t byte = 0;                                                              \
-            for (int64_t j = 8 * full; j < n; j++) {                                        \
-                byte |= (uint32_t)(x[j] >= 0) << (j - 8 * full);                            \
+            for (int64_t j = i; j < n && j < i + 8; j++) {                                  \
+                byte |= (uint32_t)(x[j] >= 0) << (j - i);                                   \
                 s += fabs(x[j]);                                                            \
             }                                                                               \
-            packed[full] = (uint8_t)byte;                                                   \
+            packed[i / 8] = (uint8_t)byte;                                                  \
         }                                                                                   \
         return s;                                                                           \
     }                                                                                       \
-    /* out_i = bit ? scale : -scale */                                                      \
+    /* out_i = bit ? scale : -scale, 8 entries at a time from a 256-row table */            \
     void sign_unpack_##SFX(const uint8_t *packed, int64_t n, T scale, T *out) {             \
-        for (int64_t i = 0; i < n; i++)                                                     \
+        static __thread T table[256][8];                                                    \
+        for (int b = 0; b < 256; b++)                                                       \
+            for (int j = 0; j < 8; j++) table[b][j] = ((b >> j) & 1) ? scale : -scale;      \
+        int64_t full = n / 8;                                                               \
+        for (int64_t i = 0; i < full; i++) memcpy(out + 8 * i, table[packed[i]], 8 * sizeof(T)); \
+        for (int64_t i = 8 * full; i < n; i++)                                              \
             out[i] = ((packed[i >> 3] >> (i & 7)) & 1) ? scale : -scale;                    \
     }                                                                                       \
     /* in place: x_i <- x_i - (x_i >= 0 ? scale : -scale) (the EF-signSGD residual) */      \
@@ -286,3 +396,39 @@ DEF_QSGD(double, int16_t, f64_i16)
 
 DEF_SIGN(float, f32)
 DEF_SIGN(double, f64)
+
+double sign_pack_f32(const float *x, int64_t n, uint8_t *packed) {
+    int64_t i = 0;
+    double acc[LANES] = {0};
+#ifdef __AVX512F__
+    const __m512 zero = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = _mm512_loadu_ps(x + i);
+        __mmask16 k = _mm512_cmp_ps_mask(v, zero, _CMP_GE_OQ);
+        packed[i / 8] = (uint8_t)(k & 0xFF);
+        packed[i / 8 + 1] = (uint8_t)(k >> 8);
+        for (int l = 0; l < 16; l++) acc[l] += fabsf(x[i + l]);
+    }
+#endif
+    double s = 0.0;
+    for (int l = 0; l < LANES; l++) s += acc[l];
+    return s + sign_pack_tail_f32(x, i, n, packed);
+}
+
+double sign_pack_f64(const double *x, int64_t n, uint8_t *packed) {
+    int64_t i = 0;
+    double acc[LANES] = {0};
+#ifdef __AVX512F__
+    const __m512d zero = _mm512_setzero_pd();
+    for (; i + 16 <= n; i += 16) {
+        __mmask8 k0 = _mm512_cmp_pd_mask(_mm512_loadu_pd(x + i), zero, _CMP_GE_OQ);
+        __mmask8 k1 = _mm512_cmp_pd_mask(_mm512_loadu_pd(x + i + 8), zero, _CMP_GE_OQ);
+        packed[i / 8] = (uint8_t)k0;
+        packed[i / 8 + 1] = (uint8_t)k1;
+        for (int l = 0; l < 16; l++) acc[l] += fabs(x[i + l]);
+    }
+#endif
+    double s = 0.0;
+    for (int l = 0; l < LANES; l++) s += acc[l];
+    return s + sign_pack_tail_f64(x, i, n, packed);
+}

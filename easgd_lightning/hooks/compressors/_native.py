@@ -65,6 +65,9 @@ for _t, _c in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
     _SIGNATURES[f"scatter_i32_{_t}"] = (None, [ctypes.c_void_p] * 3 + [_i64])
     _SIGNATURES[f"scatter_i64_{_t}"] = (None, [ctypes.c_void_p] * 3 + [_i64])
     _SIGNATURES[f"zero_at_{_t}"] = (None, [ctypes.c_void_p] * 2 + [_i64])
+    _SIGNATURES[f"randomk_gather_{_t}"] = (
+        None, [ctypes.c_void_p, _i64, _i64, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int,
+               ctypes.c_void_p, ctypes.c_void_p])
     for _q in ("i8", "i16"):
         _SIGNATURES[f"qsgd_quantize_{_t}_{_q}"] = (
             None, [ctypes.c_void_p, _i64, _i64, _c, ctypes.c_uint32, ctypes.c_uint32,
@@ -158,6 +161,25 @@ def disabled():
         yield
     finally:
         _off -= 1
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """``mix32`` of _kernels.c on int64 tensors holding uint32 values (exact emulation)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def hash_uniform24(counter: torch.Tensor, s0: int, s1: int) -> torch.Tensor:
+    """The kernels' uniform noise in eager ops: mix32((i + s0) ^ s1) / 2^32 rounded down to
+    24 bits, in [0, 1), float64 (exact), for int64 counters ``i`` < 2^32."""
+    h = _mix32(((counter + s0) & _M32) ^ s1)
+    return (h >> 8).to(torch.float64) / 16777216.0
 
 
 def fn(lib: ctypes.CDLL, name: str, dtype: torch.dtype):

@@ -23,7 +23,8 @@ is not part of a compressor: see :mod:`easgd_lightning.hooks.memory`. Full-size 
 buffers reused from step to step live in ``state["_scratch"]`` (a dict); checkpoints drop
 that key, so nothing that must survive a resume is kept there. ``decompress`` returns a
 new tensor unless the caller put a dense buffer in ``payload.meta["out"]`` (the compressors
-that support it write into that buffer and return it). The two tensors ``aggregate``
+that support it write into that buffer and return it). Payload tensors may be scratch
+buffers too (QSGD's levels, signSGD's bits). The two tensors ``aggregate``
 returns are such scratch buffers: valid until the next call with the same ``state``; copy
 them to keep them longer.
 

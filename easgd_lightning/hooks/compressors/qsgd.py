@@ -7,15 +7,28 @@ Wire: one norm per bucket (value dtype) + one signed level per entry in the smal
 integer type holding [-s, s] (int8 for s <= 127); per-rank norms make it non-linear, so
 payloads are all-gathered. Defaults: levels s = 127 (8 bits), bucket_size = 512 (the
 paper's bucketing), memory = false (unbiased), seed = null (the global torch RNG).
+
+Noise: U_i comes from a counter-based hash of (i, two 32-bit words drawn per call from
+the generator -- the private one with ``seed``, else torch's global one), 24-bit uniform
+in [0, 1): the norm, rounding and cast are one pass per bucket in the native kernel
+(float32 / float64 CPU tensors), and the eager path computes the same numbers.
 """
 
 from __future__ import annotations
 
 import torch
 
-from easgd_lightning.hooks.compressors.base import Compressor, Payload, check_int
+from easgd_lightning.hooks.compressors import _native
+from easgd_lightning.hooks.compressors.base import (
+    Compressor,
+    Payload,
+    check_int,
+    dense_out,
+    scratch_buffer,
+    scratch_of,
+)
 
-__all__ = ["QSGDCompressor", "level_dtype", "qsgd_quantize", "qsgd_dequantize"]
+__all__ = ["QSGDCompressor", "level_dtype", "noise_seeds", "qsgd_quantize", "qsgd_dequantize"]
 
 
 def level_dtype(levels: int) -> torch.dtype:
@@ -27,12 +40,36 @@ def level_dtype(levels: int) -> torch.dtype:
     return torch.int32
 
 
+def noise_seeds(generator: torch.Generator | None = None) -> tuple[int, int]:
+    """Two 32-bit words for the rounding noise, drawn from ``generator`` (None: global RNG)."""
+    w = torch.randint(0, 2**32, (2,), dtype=torch.int64, generator=generator)
+    return int(w[0]), int(w[1])
+
+
 def qsgd_quantize(
-    flat: torch.Tensor, levels: int, bucket_size: int, generator: torch.Generator | None = None
+    flat: torch.Tensor,
+    levels: int,
+    bucket_size: int,
+    generator: torch.Generator | None = None,
+    *,
+    seeds: tuple[int, int] | None = None,
+    scratch: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (norms per bucket, signed integer levels) of the 1-D ``flat``."""
     n = flat.numel()
     b = bucket_size if bucket_size > 0 else max(1, n)
+    s0, s1 = seeds if seeds is not None else noise_seeds(generator)
+    qdt = level_dtype(levels)
+    lib = _native.use(flat) if qdt in (torch.int8, torch.int16) and n < 2**32 else None
+    if lib is not None:
+        nb = (n + b - 1) // b
+        norms = scratch_buffer(scratch, "qsgd_norms", nb, flat.dtype, flat.device)
+        q = scratch_buffer(scratch, "qsgd_levels", n, qdt, flat.device)
+        tag = f"{_native.SUFFIX[flat.dtype]}_{'i8' if qdt == torch.int8 else 'i16'}"
+        getattr(lib, f"qsgd_quantize_{tag}")(
+            flat.data_ptr(), n, b, float(levels), s0, s1, norms.data_ptr(), q.data_ptr()
+        )
+        return norms, q
     pad = (-n) % b
     work = flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat
     if pad:
@@ -41,26 +78,41 @@ def qsgd_quantize(
     norms = torch.linalg.vector_norm(mat, dim=1)
     safe = torch.where(norms > 0, norms, torch.ones_like(norms))
     scaled = mat.abs() * (levels / safe).unsqueeze(1)
-    if generator is not None:
-        noise = torch.rand(scaled.shape, generator=generator, dtype=scaled.dtype).to(scaled.device)
-    else:
-        noise = torch.rand(scaled.shape, dtype=scaled.dtype, device=scaled.device)
+    noise = _native.hash_uniform24(torch.arange(mat.numel(), dtype=torch.int64), s0, s1)
+    noise = noise.to(device=scaled.device, dtype=scaled.dtype).view_as(scaled)
     xi = torch.floor(scaled + noise).clamp_(max=levels)
-    q = (xi * torch.sign(mat)).to(level_dtype(levels)).view(-1)[:n]
+    q = (xi * torch.sign(mat)).to(qdt).view(-1)[:n]
     return norms.to(flat.dtype), q
 
 
 def qsgd_dequantize(
-    norms: torch.Tensor, q: torch.Tensor, levels: int, bucket_size: int, numel: int, dtype
+    norms: torch.Tensor,
+    q: torch.Tensor,
+    levels: int,
+    bucket_size: int,
+    numel: int,
+    dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Inverse map: norm_bucket * level / s."""
+    """Inverse map: norm_bucket * level / s (into ``out`` when given)."""
     b = bucket_size if bucket_size > 0 else max(1, numel)
+    lib = _native.use(norms) if q.dtype in (torch.int8, torch.int16) and q.is_contiguous() else None
+    if lib is not None and norms.dtype == dtype and q.device.type == "cpu":
+        res = dense_out({"out": out}, numel, dtype, norms.device, zero=False)
+        tag = f"{_native.SUFFIX[dtype]}_{'i8' if q.dtype == torch.int8 else 'i16'}"
+        getattr(lib, f"qsgd_dequantize_{tag}")(
+            q.data_ptr(), numel, b, norms.data_ptr(), float(levels), res.data_ptr()
+        )
+        return res
     pad = (-numel) % b
     qf = q.to(dtype if dtype not in (torch.float16, torch.bfloat16) else torch.float32)
     if pad:
         qf = torch.cat([qf, qf.new_zeros(pad)])
-    out = qf.view(-1, b) * (norms.to(qf.dtype) / levels).unsqueeze(1)
-    return out.view(-1)[:numel].to(dtype)
+    res = qf.view(-1, b) * (norms.to(qf.dtype) / levels).unsqueeze(1)
+    res = res.view(-1)[:numel].to(dtype)
+    if out is not None and out.numel() == numel and out.dtype == dtype:
+        return out.reshape(-1).copy_(res)
+    return res
 
 
 class QSGDCompressor(Compressor):
@@ -96,11 +148,15 @@ class QSGDCompressor(Compressor):
 
     def compress(self, tensor: torch.Tensor, state: dict) -> Payload:
         flat = tensor.reshape(-1)
-        norms, q = qsgd_quantize(flat, self.levels, self.bucket_size, self._generator)
+        norms, q = qsgd_quantize(
+            flat, self.levels, self.bucket_size, self._generator, scratch=scratch_of(state)
+        )
         return Payload((norms, q), {"numel": flat.numel(), "dtype": flat.dtype})
 
     def decompress(self, payload: Payload, shape: torch.Size) -> torch.Tensor:
         norms, q = payload.tensors
         meta = payload.meta
-        out = qsgd_dequantize(norms, q, self.levels, self.bucket_size, meta["numel"], meta["dtype"])
+        out = qsgd_dequantize(
+            norms, q, self.levels, self.bucket_size, meta["numel"], meta["dtype"], meta.get("out")
+        )
         return out.reshape(shape)

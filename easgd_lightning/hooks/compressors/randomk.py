@@ -3,9 +3,16 @@
 Rule: at step t every rank draws the same index set I_t (|I_t| = k = ceil(ratio * n))
 from seed (seed, t, tensor); payload = g[I_t] (indices are not sent: every rank knows
 them), summed with one all-reduce; decoded as scale * sum_i g_i[I_t] at I_t with
-scale = n / k when ``unbiased`` (E[decoded] = g; Stich et al. 2018, "Sparsified SGD with
-memory") and 1 otherwise (then use residuals). Defaults: ratio = 0.01, unbiased = false,
-memory = true, seed = 0.
+scale = 1 / P(i in I_t) when ``unbiased`` (E[decoded] = g; Stich et al. 2018, "Sparsified
+SGD with memory") and 1 otherwise (then use residuals). Defaults: ratio = 0.01,
+unbiased = false, memory = true, seed = 0.
+
+The draw is stratified: [0, n) is cut into k consecutive strata of floor(n/k) or
+ceil(n/k) entries (boundaries j n // k) and one index is drawn uniformly in each, so
+P(i in I_t) = 1 / (size of i's stratum) (= k / n when k divides n) and I_t comes out
+sorted: k uniform draws from the shared generator, no permutation of the whole tensor,
+and the gather reads the tensor front to back. With memory the sent entries are zeroed
+in the compensated buffer (the residual) in the same call.
 """
 
 from __future__ import annotations
@@ -14,25 +21,72 @@ import zlib
 
 import torch
 
+from easgd_lightning.hooks.compressors import _native
 from easgd_lightning.hooks.compressors.base import (
     Compressor,
     Payload,
     check_int,
     check_ratio,
+    dense_out,
+    may_write_residual,
     num_selected,
+    residual_written,
 )
 
-__all__ = ["RandomKCompressor", "shared_random_indices"]
+__all__ = ["RandomKCompressor", "shared_random_indices", "random_gather", "strata", "draw_seeds"]
+
+
+def strata(numel: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(starts, sizes) of the k strata of [0, numel): starts j * numel // k (int64)."""
+    bounds = torch.arange(k + 1, dtype=torch.int64) * numel // k
+    return bounds[:-1], bounds[1:] - bounds[:-1]
+
+
+def draw_seeds(seed: int, step: int, key_hash: int, numel: int) -> tuple[int, int]:
+    """The two 32-bit words every rank derives from (seed, step, tensor, numel)."""
+    text = f"{seed}:{step}:{key_hash}:{numel}"
+    return zlib.crc32(text.encode()), zlib.crc32(f"{text}:randomk".encode())
 
 
 def shared_random_indices(
     numel: int, k: int, seed: int, step: int, key_hash: int = 0, device=None
 ) -> torch.Tensor:
-    """k distinct indices of [0, numel), identical on every rank for equal arguments."""
-    mixed = zlib.crc32(f"{seed}:{step}:{key_hash}:{numel}".encode()) & 0x7FFFFFFF
-    gen = torch.Generator(device="cpu").manual_seed(mixed)
-    idx = torch.randperm(numel, generator=gen)[:k]
-    return idx.sort().values.to(device) if device is not None else idx.sort().values
+    """k distinct sorted indices of [0, numel), one uniform in each stratum; identical on
+    every rank for equal arguments (a counter-based hash of the shared seed: the same
+    numbers as the native gather)."""
+    s0, s1 = draw_seeds(seed, step, key_hash, numel)
+    j = torch.arange(k, dtype=torch.int64)
+    starts = j * numel // k
+    sizes = (j + 1) * numel // k - starts
+    u = _native.hash_uniform24(j, s0, s1)
+    idx = starts + (u * sizes.to(torch.float64)).long()  # u < 1: idx < start + size
+    return idx.to(device) if device is not None else idx
+
+
+def random_gather(
+    flat: torch.Tensor, k: int, seeds: tuple[int, int], *, zero: bool, scratch: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices, values) of the shared stratified draw; zeroes the drawn entries if ``zero``."""
+    n = flat.numel()
+    lib = _native.use(flat)
+    if lib is not None and k < 2**32:
+        idx = torch.empty(k, dtype=torch.int64)
+        val = torch.empty(k, dtype=flat.dtype)
+        _native.fn(lib, "randomk_gather", flat.dtype)(
+            flat.data_ptr(), n, k, seeds[0], seeds[1], int(zero), idx.data_ptr(), val.data_ptr()
+        )
+        return idx, val
+    s0, s1 = seeds
+    j = torch.arange(k, dtype=torch.int64)
+    starts = j * n // k
+    sizes = (j + 1) * n // k - starts
+    idx = (starts + (_native.hash_uniform24(j, s0, s1) * sizes.to(torch.float64)).long()).to(
+        flat.device
+    )
+    val = flat.index_select(0, idx)
+    if zero:
+        flat.index_fill_(0, idx, 0)
+    return idx, val
 
 
 class RandomKCompressor(Compressor):
@@ -71,13 +125,27 @@ class RandomKCompressor(Compressor):
         k = num_selected(n, self.ratio)
         step = int(state.get("step", 0))
         state["step"] = step + 1
-        idx = shared_random_indices(n, k, self.seed, step, int(state.get("key_hash", 0)), flat.device)
-        scale = n / k if self.unbiased else 1.0
-        return Payload((flat[idx],), {"indices": idx, "numel": n, "scale": scale, "dtype": flat.dtype})
+        seeds = draw_seeds(self.seed, step, int(state.get("key_hash", 0)), n)
+        scale: float | torch.Tensor = 1.0
+        if self.unbiased and n % k:
+            scale = strata(n, k)[1].to(device=flat.device, dtype=flat.dtype)
+        elif self.unbiased:
+            scale = n / k
+        in_place = may_write_residual(tensor) and flat.data_ptr() == tensor.data_ptr()
+        unit = isinstance(scale, float) and scale == 1.0
+        idx, vals = random_gather(flat, k, seeds, zero=in_place and unit)
+        if in_place:
+            if not unit:
+                flat.index_put_((idx,), vals - vals * scale)  # p - C(p) at the sent entries
+            residual_written(tensor)
+        return Payload((vals,), {"indices": idx, "numel": n, "scale": scale, "dtype": flat.dtype})
 
     def decompress(self, payload: Payload, shape: torch.Size) -> torch.Tensor:
         meta = payload.meta
         (vals,) = payload.tensors
-        out = torch.zeros(meta["numel"], dtype=vals.dtype, device=vals.device)
-        out[meta["indices"]] = vals * meta["scale"] if meta["scale"] != 1.0 else vals
+        out = dense_out(meta, meta["numel"], vals.dtype, vals.device)
+        scale = meta["scale"]
+        if not (isinstance(scale, float) and scale == 1.0):
+            vals = vals * scale
+        _native.scatter_into(out, meta["indices"], vals)
         return out.reshape(shape)

@@ -17,7 +17,14 @@ worse. (Extra stages fix both over-selection on heavy tails and under-selection 
 tails up to a point, and too many stages under-select on heavy tails, so no fixed
 direction is right for every layer.) Send {(i, g_i) : u_i > thr} with residuals; payloads are all-gathered.
 Defaults: ratio (delta) = 0.001, distribution = exponential, stages = 1 (initial),
-first_stage_ratio = 0.25, memory = true.
+first_stage_ratio = 0.25, sample_size = 100000, memory = true.
+
+Cost: every fit is scale-equivariant (the exponential, gamma and generalized-Pareto
+thresholds scale with the data), so the threshold on u = |g| / ||g|| times ||g|| is the
+same rule fitted on |g| directly and no norm pass is needed. The fits (all stages) run on a
+strided sample of ``sample_size`` entries of |g| (0: the whole tensor, as in the paper);
+then one pass on the whole tensor counts and gathers {i : |g_i| > thr}. The stage
+adaptation still compares the count achieved on the whole tensor with the target.
 """
 
 from __future__ import annotations
@@ -32,8 +39,9 @@ from easgd_lightning.hooks.compressors.base import (
     check_positive,
     check_ratio,
     num_selected,
+    scratch_of,
 )
-from easgd_lightning.hooks.compressors.sparse import SparseCompressor
+from easgd_lightning.hooks.compressors.sparse import SparseCompressor, select_above, strided_sample
 
 __all__ = [
     "SIDCoCompressor",
@@ -204,6 +212,7 @@ class SIDCoCompressor(SparseCompressor):
         first_stage_ratio: density kept by the first of several stages (0.25).
         adapt_every: steps between stage-count adaptations (0: never adapt).
         tolerance: accepted relative error of the achieved count (0.2).
+        sample_size: entries of the strided sample the fits run on (0: the whole tensor).
         min_numel, memory: attach-point policies (see :class:`Compressor`).
     """
 
@@ -218,6 +227,7 @@ class SIDCoCompressor(SparseCompressor):
         first_stage_ratio: float = 0.25,
         adapt_every: int = 5,
         tolerance: float = 0.2,
+        sample_size: int = 100_000,
         min_numel: int | None = None,
         memory: bool | None = None,
     ) -> None:
@@ -228,6 +238,7 @@ class SIDCoCompressor(SparseCompressor):
         self.first_stage_ratio = check_ratio("first_stage_ratio", first_stage_ratio, allow_one=False)
         self.adapt_every = check_int("adapt_every", adapt_every, 0)
         self.tolerance = check_positive("tolerance", tolerance)
+        self.sample_size = check_int("sample_size", sample_size, 0)
         self.max_stages = max_stages(self.ratio)
 
     def _adapt(self, state: dict, stages: int, mean_ratio: float) -> int:
@@ -238,18 +249,27 @@ class SIDCoCompressor(SparseCompressor):
         return stages
 
     def select(self, flat: torch.Tensor, state: dict) -> torch.Tensor:
+        return self.select_values(flat, state)[0]
+
+    def fit_sample(self, flat: torch.Tensor) -> torch.Tensor:
+        """|g| (float64) at the entries the fits use: a strided sample, or all of them."""
+        if self.sample_size and flat.numel() > self.sample_size:
+            sample = strided_sample(flat, self.sample_size).abs().double()
+            if bool((sample > 0).any()):
+                return sample
+        return flat.abs().double()  # whole tensor (also when the sample saw only zeros)
+
+    def select_values(self, flat: torch.Tensor, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
         n = flat.numel()
         k = num_selected(n, self.ratio)
-        mag = flat.abs()
         if k >= n:
-            return torch.arange(n, device=flat.device)
-        norm = float(torch.linalg.vector_norm(mag.double()))
-        if norm == 0.0:
-            return torch.empty(0, dtype=torch.long, device=flat.device)
+            return torch.arange(n, device=flat.device), flat
+        mag = self.fit_sample(flat)
         stages = int(state.get("stages", min(self.stages, self.max_stages)))
-        u = mag / norm
-        thr = multistage_threshold(u, self.ratio, stages, self.distribution, self.first_stage_ratio)
-        idx = torch.nonzero(u > thr).squeeze(1)
+        thr = multistage_threshold(mag, self.ratio, stages, self.distribution, self.first_stage_ratio)
+        if not math.isfinite(thr):  # nothing but zeros
+            return torch.empty(0, dtype=torch.long, device=flat.device), flat[:0]
+        idx, val = select_above(flat, thr, expect=k, scratch=scratch_of(state))
         # stage adaptation from the achieved / target count
         hist = state.setdefault("achieved", [])
         hist.append(idx.numel() / k)
@@ -257,5 +277,5 @@ class SIDCoCompressor(SparseCompressor):
             stages = self._adapt(state, stages, sum(hist) / len(hist))
             hist.clear()
         state["stages"] = stages
-        state["last_threshold"] = thr * norm
-        return idx
+        state["last_threshold"] = thr
+        return idx, val

@@ -30,7 +30,6 @@ from easgd_lightning.hooks.compressors.base import (
     pack_sparse,
     residual_written,
     scratch_buffer,
-    scratch_of,
     unpack_sparse,
     with_out,
 )
