@@ -186,6 +186,9 @@ void add_out_f64(const double *a, const double *b, double *out, int64_t n) {
     void scatter_i64_##SFX(T *out, const int64_t *idx, const T *val, int64_t k) {           \
         for (int64_t j = 0; j < k; j++) out[idx[j]] = val[j];                               \
     }                                                                                       \
+    void scatter_add_i64_##SFX(T *out, const int64_t *idx, const T *val, int64_t k) {       \
+        for (int64_t j = 0; j < k; j++) out[idx[j]] += val[j];                              \
+    }                                                                                       \
     void zero_at_##SFX(T *x, const int64_t *idx, int64_t k) {                               \
         for (int64_t j = 0; j < k; j++) x[idx[j]] = 0;                                      \
     }
@@ -198,6 +201,30 @@ DEF_ABS_SUM_MAX(float, f32)
 DEF_ABS_SUM_MAX(double, f64)
 DEF_MOMENTUM(float, f32)
 DEF_MOMENTUM(double, f64)
+
+/* DGC's first round in the same pass as the momentum correction: updates u and v chunk by
+ * chunk and gathers the entries with |v_i| >= thr from the chunk while it is in cache
+ * (same contract as select_abs). */
+#define CHUNK 4096
+#define DEF_MOMENTUM_SELECT(T, SFX)                                                         \
+    int64_t momentum_select_##SFX(T *u, T *v, const T *g, int64_t n, T m, int nesterov,    \
+                                  T thr, int64_t cap, int64_t *idx, T *val) {               \
+        int64_t c = 0;                                                                      \
+        for (int64_t i = 0; i < n; i += CHUNK) {                                            \
+            int64_t len = n - i < CHUNK ? n - i : CHUNK;                                    \
+            momentum_##SFX(u + i, v + i, g + i, len, m, nesterov);                          \
+            int64_t room = c < cap ? cap - c : 0;                                           \
+            int64_t got = select_abs_##SFX(v + i, len, thr, 1, room, idx + (c < cap ? c : 0), \
+                                           val + (c < cap ? c : 0));                        \
+            int64_t wrote = got < room ? got : room;                                        \
+            for (int64_t j = 0; j < wrote; j++) idx[c + j] += i;                            \
+            c += got;                                                                       \
+        }                                                                                   \
+        return c;                                                                           \
+    }
+
+DEF_MOMENTUM_SELECT(float, f32)
+DEF_MOMENTUM_SELECT(double, f64)
 
 /* ------------------------------------------------------------------ QSGD */
 
@@ -224,13 +251,17 @@ static inline float uniform24(uint32_t i, uint32_t s0, uint32_t s1) {
 #define DEF_RANDOMK(T, SFX)                                                                 \
     void randomk_gather_##SFX(T *x, int64_t n, int64_t k, uint32_t s0, uint32_t s1,         \
                               int zero, int64_t *idx, T *val) {                             \
+        int64_t q = n / k, r = n % k, start = 0, rem = 0; /* start = j n / k, rem = j r % k */ \
         for (int64_t j = 0; j < k; j++) {                                                   \
-            int64_t start = j * n / k, size = (j + 1) * n / k - start;                      \
+            int64_t size = q + (rem + r >= k);                                              \
             double u = (double)(mix32(((uint32_t)j + s0) ^ s1) >> 8) / 16777216.0;          \
             int64_t i = start + (int64_t)(u * (double)size);                                \
             idx[j] = i;                                                                     \
             val[j] = x[i];                                                                  \
             if (zero) x[i] = 0;                                                             \
+            start += size;                                                                  \
+            rem += r;                                                                       \
+            if (rem >= k) rem -= k;                                                         \
         }                                                                                   \
     }
 
@@ -357,13 +388,54 @@ void qsgd_quantize_f32_i8(const float *x, int64_t n, int64_t b, float levels, ui
 #endif
 }
 
+/* the same products as the scalar loop, written with streaming stores (the output is not
+ * read back here, so its old contents need not be fetched) */
 void qsgd_dequantize_f32_i8(const int8_t *q, int64_t n, int64_t b, const float *norms,
                             float levels, float *out) {
+#ifdef __AVX512F__
+    if (((uintptr_t)out & 63) == 0 && b % 16 == 0) {
+        int64_t nb = (n + b - 1) / b;
+        for (int64_t k = 0; k < nb; k++) {
+            int64_t len = (k + 1) * b <= n ? b : n - k * b;
+            float f = norms[k] / levels;
+            const __m512 fv = _mm512_set1_ps(f);
+            const int8_t *src = q + k * b;
+            float *dst = out + k * b;
+            int64_t j = 0;
+            for (; j + 16 <= len; j += 16) {
+                __m512i qi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + j)));
+                _mm512_stream_ps(dst + j, _mm512_mul_ps(_mm512_cvtepi32_ps(qi), fv));
+            }
+            for (; j < len; j++) dst[j] = (float)src[j] * f;
+        }
+        _mm_sfence();
+        return;
+    }
+#endif
     qsgd_dequantize_f32_i8_scalar(q, n, b, norms, levels, out);
 }
 DEF_QSGD(double, int16_t, f64_i16, f64)
 
 /* ------------------------------------------------------------------ sign */
+
+/* float32 rows of the table, two bytes (16 entries, one cache line) per streaming store;
+ * returns how many bytes it decoded */
+static int64_t sign_unpack_stream(const uint8_t *packed, int64_t full, const void *table,
+                                  void *out) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    const float(*t)[8] = (const float(*)[8])table;
+    float *o = (float *)out;
+    for (; i + 2 <= full; i += 2) {
+        __m256 lo = _mm256_loadu_ps(t[packed[i]]), hi = _mm256_loadu_ps(t[packed[i + 1]]);
+        _mm512_stream_ps(o + 8 * i, _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1));
+    }
+    _mm_sfence();
+#else
+    (void)packed; (void)full; (void)table; (void)out;
+#endif
+    return i;
+}
 
 /* bit j of byte i = (x[8i + j] >= 0); returns sum |x| (double). */
 #define DEF_SIGN(T, SFX)                                                                    \
@@ -384,8 +456,9 @@ DEF_QSGD(double, int16_t, f64_i16, f64)
         static __thread T table[256][8];                                                    \
         for (int b = 0; b < 256; b++)                                                       \
             for (int j = 0; j < 8; j++) table[b][j] = ((b >> j) & 1) ? scale : -scale;      \
-        int64_t full = n / 8;                                                               \
-        for (int64_t i = 0; i < full; i++) memcpy(out + 8 * i, table[packed[i]], 8 * sizeof(T)); \
+        int64_t full = n / 8, i = 0;                                                        \
+        if (sizeof(T) == 4 && ((uintptr_t)out & 63) == 0) i = sign_unpack_stream(packed, full, table, out); \
+        for (; i < full; i++) memcpy(out + 8 * i, table[packed[i]], 8 * sizeof(T));        \
         for (int64_t i = 8 * full; i < n; i++)                                              \
             out[i] = ((packed[i >> 3] >> (i & 7)) & 1) ? scale : -scale;                    \
     }                                                                                       \

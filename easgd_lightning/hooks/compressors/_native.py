@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "use", "disabled", "lib", "fn", "add_into", "scatter_into", "zero_at"]
+__all__ = ["available", "use", "disabled", "lib", "fn", "add_into", "scatter_into", "scatter_add_into", "zero_at"]
 
 _SRC = Path(__file__).with_name("_kernels.c")
 _FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
@@ -64,7 +64,11 @@ for _t, _c in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
     _SIGNATURES[f"add_out_{_t}"] = (None, [ctypes.c_void_p] * 3 + [_i64])
     _SIGNATURES[f"scatter_i32_{_t}"] = (None, [ctypes.c_void_p] * 3 + [_i64])
     _SIGNATURES[f"scatter_i64_{_t}"] = (None, [ctypes.c_void_p] * 3 + [_i64])
+    _SIGNATURES[f"scatter_add_i64_{_t}"] = (None, [ctypes.c_void_p] * 3 + [_i64])
     _SIGNATURES[f"zero_at_{_t}"] = (None, [ctypes.c_void_p] * 2 + [_i64])
+    _SIGNATURES[f"momentum_select_{_t}"] = (
+        ctypes.c_int64, [ctypes.c_void_p] * 3 + [_i64, _c, ctypes.c_int, _c, _i64,
+                                                 ctypes.c_void_p, ctypes.c_void_p])
     _SIGNATURES[f"randomk_gather_{_t}"] = (
         None, [ctypes.c_void_p, _i64, _i64, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int,
                ctypes.c_void_p, ctypes.c_void_p])
@@ -206,6 +210,15 @@ def scatter_into(out: torch.Tensor, idx: torch.Tensor, val: torch.Tensor) -> tor
         return out
     bits = "i32" if idx.dtype == torch.int32 else "i64"
     fn(lib, f"scatter_{bits}", out.dtype)(out.data_ptr(), idx.data_ptr(), val.data_ptr(), idx.numel())
+    return out
+
+
+def scatter_add_into(out: torch.Tensor, idx: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
+    """out[idx] += val in order (repeated indices add up), for 1-D ``out`` and int64 ``idx``."""
+    lib = use(out, val)
+    if lib is None or idx.dtype != torch.int64 or not idx.is_contiguous() or idx.device.type != "cpu":
+        return out.index_add_(0, idx, val)
+    fn(lib, "scatter_add_i64", out.dtype)(out.data_ptr(), idx.data_ptr(), val.data_ptr(), idx.numel())
     return out
 
 

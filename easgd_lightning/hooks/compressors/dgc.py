@@ -12,9 +12,10 @@ or of ``warmup_ratio_epochs`` * steps per epoch once :meth:`DGCCompressor.set_st
 is called; the paper warms up over 4 epochs), then ``ratio`` = 0.001 (99.9% sparsity). Defaults: momentum 0.9, nesterov false,
 clip_norm null (off), min_numel 16384 (smaller tensors go dense), memory false.
 With ``momentum > 0`` the momentum lives here: give the optimizer momentum 0.
-Cost: the momentum correction is one fused pass over (u, v, g) (native kernel on CPU);
-every threshold round is one pass that counts and gathers the survivors together
-(:func:`select_above`), and the masking writes only the sent entries of u and v.
+Cost: the threshold comes from the sample of the corrected v, computed from u, v, g at the
+sampled entries alone; the momentum correction and the first round's count-and-gather are
+then one pass over (u, v, g) (native kernel on CPU); a further round (rare) is one pass
+that counts and gathers, and the masking writes only the sent entries of u and v.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from easgd_lightning.hooks.compressors.base import (
     check_positive,
     check_ratio,
     num_selected,
+    scratch_buffer,
     scratch_of,
 )
 from easgd_lightning.hooks.compressors.sparse import (
@@ -44,6 +46,7 @@ __all__ = [
     "dgc_density",
     "dgc_select",
     "dgc_select_values",
+    "momentum_select_values",
     "clip_local",
     "momentum_correction",
 ]
@@ -124,6 +127,35 @@ def dgc_select(
     return idx, rounds
 
 
+def _sample_stride(n: int, sample_ratio: float) -> int:
+    return max(1, n // min(n, max(1000, int(sample_ratio * n))))
+
+
+def _sample_threshold(sample: torch.Tensor, k: int, n: int) -> torch.Tensor:
+    """The ceil(k s / n)-th largest of the |v| sample."""
+    ks = max(1, min(sample.numel(), math.ceil(k * sample.numel() / n)))
+    return torch.topk(sample, ks, sorted=False).values.min()
+
+
+def _rounds(v, k, thr, max_rounds, upper, lower, scratch, first=None):
+    """DGC's refinement: (indices, values, rounds); ``first`` = round 1's survivors if known."""
+    idx, val = v[:0].long(), v[:0]
+    rounds = 0
+    for rounds in range(1, max_rounds + 1):
+        if rounds == 1 and first is not None:
+            idx, val = first
+        else:
+            idx, val = select_above(v, thr, inclusive=True, expect=k, scratch=scratch)
+        nnz = idx.numel()
+        if nnz > upper * k:
+            top = torch.topk(val.abs(), k, sorted=False).indices
+            return idx[top], val[top], rounds
+        if nnz >= lower * k or rounds == max_rounds:
+            break
+        thr = thr * lower
+    return idx, val, rounds
+
+
 def dgc_select_values(
     v: torch.Tensor,
     k: int,
@@ -138,23 +170,54 @@ def dgc_select_values(
     n = v.numel()
     if k >= n:
         return torch.arange(n, device=v.device), v.clone(), 0
-    s = min(n, max(1000, int(sample_ratio * n)))
-    stride = max(1, n // s)
-    sample = v[::stride].abs()
-    ks = max(1, min(sample.numel(), math.ceil(k * sample.numel() / n)))
-    thr = torch.topk(sample, ks, sorted=False).values.min()
-    idx, val = v[:0].long(), v[:0]
-    rounds = 0
-    for rounds in range(1, max_rounds + 1):
-        idx, val = select_above(v, thr, inclusive=True, expect=k, scratch=scratch)
-        nnz = idx.numel()
-        if nnz > upper * k:
-            top = torch.topk(val.abs(), k, sorted=False).indices
-            return idx[top], val[top], rounds
-        if nnz >= lower * k or rounds == max_rounds:
-            break
-        thr = thr * lower
-    return idx, val, rounds
+    thr = _sample_threshold(v[:: _sample_stride(n, sample_ratio)].abs(), k, n)
+    return _rounds(v, k, thr, max_rounds, upper, lower, scratch)
+
+
+def momentum_select_values(
+    g: torch.Tensor,
+    u: torch.Tensor,
+    v: torch.Tensor,
+    momentum: float,
+    nesterov: bool,
+    k: int,
+    sample_ratio: float = 0.01,
+    max_rounds: int = 10,
+    upper: float = 1.3,
+    lower: float = 0.8,
+    scratch: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The momentum correction and :func:`dgc_select_values` with round 1 in the same pass.
+
+    The sample of the corrected v is computed first from u, v, g at the sampled entries
+    (the same arithmetic), so the threshold is known before the fused pass; the later
+    rounds, when needed, are single passes over v as in :func:`dgc_select_values`.
+    """
+    n = v.numel()
+    lib = _native.use(u, v, g)
+    if lib is None or k >= n or not u.shape == v.shape == g.shape:
+        momentum_correction(g, u, v, momentum, nesterov)
+        return dgc_select_values(v, k, sample_ratio, max_rounds, upper, lower, scratch)
+    stride = _sample_stride(n, sample_ratio)
+    us, vs, gs = u[::stride], v[::stride], g[::stride]
+    if nesterov:
+        u_new = (us + gs) * momentum
+        v_new = (vs + u_new) + gs
+    else:
+        u_new = us * momentum + gs
+        v_new = vs + u_new
+    thr = _sample_threshold(v_new.abs(), k, n)
+    cap = min(n, 2 * k + 1024)
+    if scratch is not None and "sel_idx" in scratch:
+        cap = min(n, max(cap, scratch["sel_idx"].numel()))
+    idx = scratch_buffer(scratch, "sel_idx", cap, torch.int64, v.device)
+    val = scratch_buffer(scratch, "sel_val", cap, v.dtype, v.device)
+    c = int(_native.fn(lib, "momentum_select", v.dtype)(
+        u.data_ptr(), v.data_ptr(), g.data_ptr(), n, momentum, int(nesterov), float(thr), cap,
+        idx.data_ptr(), val.data_ptr(),
+    ))
+    first = (idx[:c], val[:c]) if c <= cap else None  # None: recount in round 1
+    return _rounds(v, k, thr, max_rounds, upper, lower, scratch, first)
 
 
 class DGCCompressor(SparseCompressor):
@@ -244,15 +307,18 @@ class DGCCompressor(SparseCompressor):
             v = state["v"] = torch.zeros_like(flat)
             state["u"] = torch.zeros_like(flat)
         u = state["u"]
-        if self.momentum > 0:
-            momentum_correction(g, u, v, self.momentum, self.nesterov)
-        else:
-            v.add_(g)
         density = self.density(step)
         k = num_selected(flat.numel(), density)
-        idx, val, rounds = dgc_select_values(
-            v, k, self.sample_ratio, self.max_rounds, scratch=scratch_of(state)
-        )
+        if self.momentum > 0:
+            idx, val, rounds = momentum_select_values(
+                g, u, v, self.momentum, self.nesterov, k, self.sample_ratio, self.max_rounds,
+                scratch=scratch_of(state),
+            )
+        else:
+            v.add_(g)
+            idx, val, rounds = dgc_select_values(
+                v, k, self.sample_ratio, self.max_rounds, scratch=scratch_of(state)
+            )
         payload = sparse_payload(v, idx, val)  # packs a copy of the values
         # momentum factor masking: the sent entries restart from zero
         _native.zero_at(v, idx)

@@ -78,8 +78,8 @@ def qsgd_quantize(
     norms = torch.linalg.vector_norm(mat, dim=1)
     safe = torch.where(norms > 0, norms, torch.ones_like(norms))
     scaled = mat.abs() * (levels / safe).unsqueeze(1)
-    noise = _native.hash_uniform24(torch.arange(mat.numel(), dtype=torch.int64), s0, s1)
-    noise = noise.to(device=scaled.device, dtype=scaled.dtype).view_as(scaled)
+    counter = torch.arange(mat.numel(), dtype=torch.int64, device=mat.device)
+    noise = _native.hash_uniform24(counter, s0, s1).to(scaled.dtype).view_as(scaled)
     xi = torch.floor(scaled + noise).clamp_(max=levels)
     q = (xi * torch.sign(mat)).to(qdt).view(-1)[:n]
     return norms.to(flat.dtype), q

@@ -191,6 +191,6 @@ class SparseCompressor(Compressor):
             with_out(meta, state, "total", n, meta["dtype"], tensor.device),
             meta["numel"], meta["dtype"], tensor.device,
         )
-        total.index_add_(0, idx.to(tensor.device), val.to(tensor.device))
+        _native.scatter_add_into(total, idx.to(tensor.device), val.to(tensor.device))
         total.div_(collective.world_size)  # the scatter-add above is the only other pass
         return total.view(tensor.shape).to(tensor.dtype), local.to(tensor.dtype)
