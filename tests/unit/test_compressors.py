@@ -711,3 +711,22 @@ def test_redsync_sample_guide_keeps_the_rule():
         mask = np.zeros(x.numel(), dtype=bool)
         mask[idx.numpy()] = True
         np.testing.assert_array_equal(mask, reference_topk_mask(x.numpy(), k))
+
+
+@pytest.mark.parametrize("name", ["topk", "randomk", "dgc"])
+def test_reused_outputs_are_cleared_even_after_a_caller_writes_them(name):
+    """aggregate() returns per-tensor buffers; clearing only the last decode's entries is
+    safe because a buffer modified in place since (version counter) is zeroed in full."""
+    params = {"ratio": 0.01}
+    if name == "dgc":
+        params["warmup_ratio_steps"] = 0
+    comp, ref = build_compressor(name, **params), build_compressor(name, **params)
+    state, ref_state = {"key_hash": 2}, {"key_hash": 2}
+    for step, g in enumerate(_grads(torch.float32, steps=5, n=30_000)):
+        mean, local = comp.aggregate(g.clone(), state, SoloCollective())
+        payload = ref.compress(g.clone(), ref_state)
+        expected = ref.decompress(payload, g.shape)  # a fresh tensor every time
+        assert torch.equal(local, expected) and torch.equal(mean, expected)
+        if step == 2:
+            local.add_(1.0)  # a caller scribbles on the returned buffers
+            mean.mul_(3.0)

@@ -197,7 +197,30 @@ DEF_SCATTER(float, f32)
 DEF_SCATTER(double, f64)
 DEF_COUNT(float, f32)
 DEF_COUNT(double, f64)
-DEF_ABS_SUM_MAX(float, f32)
+DEF_ABS_SUM_MAX(float, f32_scalar)
+
+/* 16 floats at a time: |x| widened to double for the sum, max in float */
+void abs_sum_max_f32(const float *x, int64_t n, double *sum, float *max) {
+#ifdef __AVX512F__
+    __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
+    __m512 m = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x + i));
+        s0 = _mm512_add_pd(s0, _mm512_cvtps_pd(_mm512_castps512_ps256(a)));
+        s1 = _mm512_add_pd(s1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1))));
+        m = _mm512_max_ps(m, a);
+    }
+    double tail_sum;
+    float tail_max;
+    abs_sum_max_f32_scalar(x + i, n - i, &tail_sum, &tail_max);
+    float mm = _mm512_reduce_max_ps(m);
+    *sum = _mm512_reduce_add_pd(_mm512_add_pd(s0, s1)) + tail_sum;
+    *max = tail_max > mm ? tail_max : mm;
+#else
+    abs_sum_max_f32_scalar(x, n, sum, max);
+#endif
+}
 DEF_ABS_SUM_MAX(double, f64)
 DEF_MOMENTUM(float, f32)
 DEF_MOMENTUM(double, f64)
@@ -248,6 +271,7 @@ static inline float uniform24(uint32_t i, uint32_t s0, uint32_t s1) {
 /* Stratified shared draw: index j lies in [j n / k, (j + 1) n / k), at
  * start + floor(u_j size) with u_j = uniform24(j, s0, s1) (in double: exact); gathers
  * x[idx_j] and zeroes it when zero is set. */
+#define PREFETCH 32 /* entries ahead: the gather is latency-bound, not bandwidth-bound */
 #define DEF_RANDOMK(T, SFX)                                                                 \
     void randomk_gather_##SFX(T *x, int64_t n, int64_t k, uint32_t s0, uint32_t s1,         \
                               int zero, int64_t *idx, T *val) {                             \
@@ -255,13 +279,16 @@ static inline float uniform24(uint32_t i, uint32_t s0, uint32_t s1) {
         for (int64_t j = 0; j < k; j++) {                                                   \
             int64_t size = q + (rem + r >= k);                                              \
             double u = (double)(mix32(((uint32_t)j + s0) ^ s1) >> 8) / 16777216.0;          \
-            int64_t i = start + (int64_t)(u * (double)size);                                \
-            idx[j] = i;                                                                     \
-            val[j] = x[i];                                                                  \
-            if (zero) x[i] = 0;                                                             \
+            idx[j] = start + (int64_t)(u * (double)size);                                   \
             start += size;                                                                  \
             rem += r;                                                                       \
             if (rem >= k) rem -= k;                                                         \
+        }                                                                                   \
+        for (int64_t j = 0; j < k; j++) {                                                   \
+            if (j + PREFETCH < k) __builtin_prefetch(x + idx[j + PREFETCH], 1);             \
+            int64_t i = idx[j];                                                             \
+            val[j] = x[i];                                                                  \
+            if (zero) x[i] = 0;                                                             \
         }                                                                                   \
     }
 
@@ -472,19 +499,21 @@ DEF_SIGN(double, f64)
 
 double sign_pack_f32(const float *x, int64_t n, uint8_t *packed) {
     int64_t i = 0;
-    double acc[LANES] = {0};
+    double s = 0.0;
 #ifdef __AVX512F__
     const __m512 zero = _mm512_setzero_ps();
+    __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
     for (; i + 16 <= n; i += 16) {
         __m512 v = _mm512_loadu_ps(x + i);
         __mmask16 k = _mm512_cmp_ps_mask(v, zero, _CMP_GE_OQ);
         packed[i / 8] = (uint8_t)(k & 0xFF);
         packed[i / 8 + 1] = (uint8_t)(k >> 8);
-        for (int l = 0; l < 16; l++) acc[l] += fabsf(x[i + l]);
+        __m512 a = _mm512_abs_ps(v);
+        s0 = _mm512_add_pd(s0, _mm512_cvtps_pd(_mm512_castps512_ps256(a)));
+        s1 = _mm512_add_pd(s1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1))));
     }
+    s = _mm512_reduce_add_pd(_mm512_add_pd(s0, s1));
 #endif
-    double s = 0.0;
-    for (int l = 0; l < LANES; l++) s += acc[l];
     return s + sign_pack_tail_f32(x, i, n, packed);
 }
 

@@ -76,6 +76,8 @@ __all__ = [
     "dense_out",
     "scratch_buffer",
     "with_out",
+    "sparse_out",
+    "record_sparse",
 ]
 
 #: Tensors with fewer elements than this travel dense (DGC, Lin et al. 2018, use ~16k).
@@ -250,7 +252,39 @@ def with_out(meta: dict, state: dict | None, slot: str, numel: int, dtype, devic
     different slots); ``meta`` itself when ``state`` is None."""
     if state is None:
         return meta
-    return dict(meta, out=scratch_buffer(scratch_of(state), slot, numel, dtype, device))
+    scratch = scratch_of(state)
+    record = scratch.setdefault(f"{slot}:record", {})
+    return dict(meta, out=scratch_buffer(scratch, slot, numel, dtype, device), out_record=record)
+
+
+def sparse_out(meta: dict, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A zeroed dense output for a sparse decode. When ``meta["out"]`` still holds the
+    previous sparse decode untouched (same storage, same version counter: no in-place op
+    since), only the entries that decode wrote are cleared instead of the whole buffer."""
+    out = meta.get("out")
+    record = meta.get("out_record")
+    if out is None or record is None or out.numel() != numel or out.dtype != dtype:
+        return dense_out(meta, numel, dtype, device)
+    out = out.reshape(-1)
+    if (
+        record.get("ptr") == out.data_ptr()
+        and record.get("numel") == numel
+        and record.get("version") == out._version
+        and "idx" in record
+    ):
+        from easgd_lightning.hooks.compressors import _native
+
+        return _native.zero_at(out, record["idx"])
+    return out.zero_()
+
+
+def record_sparse(meta: dict, out: torch.Tensor, idx: torch.Tensor) -> None:
+    """Note that ``out`` (from :func:`sparse_out`) is zero outside ``idx``."""
+    record = meta.get("out_record")
+    if record is None or meta.get("out") is None or out.data_ptr() != meta["out"].data_ptr():
+        return
+    record.update(ptr=out.data_ptr(), numel=out.numel(), version=out._version,
+                  idx=idx.to(device=out.device, dtype=torch.int64).reshape(-1).clone())
 
 
 def dense_out(meta: dict, numel: int, dtype: torch.dtype, device, *, zero: bool = True) -> torch.Tensor:

@@ -27,10 +27,11 @@ from easgd_lightning.hooks.compressors.base import (
     Payload,
     check_int,
     check_ratio,
-    dense_out,
     may_write_residual,
     num_selected,
+    record_sparse,
     residual_written,
+    sparse_out,
 )
 
 __all__ = ["RandomKCompressor", "shared_random_indices", "random_gather", "strata", "draw_seeds"]
@@ -143,9 +144,10 @@ class RandomKCompressor(Compressor):
     def decompress(self, payload: Payload, shape: torch.Size) -> torch.Tensor:
         meta = payload.meta
         (vals,) = payload.tensors
-        out = dense_out(meta, meta["numel"], vals.dtype, vals.device)
+        out = sparse_out(meta, meta["numel"], vals.dtype, vals.device)
         scale = meta["scale"]
         if not (isinstance(scale, float) and scale == 1.0):
             vals = vals * scale
         _native.scatter_into(out, meta["indices"], vals)
+        record_sparse(meta, out, meta["indices"])
         return out.reshape(shape)

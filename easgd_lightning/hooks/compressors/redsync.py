@@ -67,7 +67,8 @@ def abs_mean_max(x: torch.Tensor) -> tuple[float, float]:
 
 
 def _sampled_count(sample: torch.Tensor, thr: float, scale: float) -> float:
-    return float((sample > thr).sum()) * scale
+    """Survivors of ``thr`` in the whole tensor, estimated from the (contiguous) sample."""
+    return count_above(sample, thr) * scale
 
 
 def trimmed_select(

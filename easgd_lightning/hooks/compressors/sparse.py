@@ -23,13 +23,14 @@ from easgd_lightning.hooks.compressors.base import (
     Collective,
     Compressor,
     Payload,
-    dense_out,
     index_dtype_for,
     may_write_residual,
     num_selected,
     pack_sparse,
+    record_sparse,
     residual_written,
     scratch_buffer,
+    sparse_out,
     unpack_sparse,
     with_out,
 )
@@ -168,8 +169,9 @@ class SparseCompressor(Compressor):
     def decompress(self, payload: Payload, shape: torch.Size) -> torch.Tensor:
         meta = payload.meta
         idx, val = unpack_sparse(payload.tensors[0], meta["index_dtype"], meta["dtype"])
-        out = dense_out(meta, meta["numel"], meta["dtype"], val.device)
+        out = sparse_out(meta, meta["numel"], meta["dtype"], val.device)
         _native.scatter_into(out, idx, val)
+        record_sparse(meta, out, idx)
         return out.reshape(shape)
 
     def aggregate(
@@ -187,10 +189,10 @@ class SparseCompressor(Compressor):
         parts = [unpack_sparse(rank[0], meta["index_dtype"], meta["dtype"]) for rank in gathered]
         idx = torch.cat([p[0].long() for p in parts])
         val = torch.cat([p[1] for p in parts])
-        total = dense_out(
-            with_out(meta, state, "total", n, meta["dtype"], tensor.device),
-            meta["numel"], meta["dtype"], tensor.device,
-        )
-        _native.scatter_add_into(total, idx.to(tensor.device), val.to(tensor.device))
-        total.div_(collective.world_size)  # the scatter-add above is the only other pass
+        total_meta = with_out(meta, state, "total", n, meta["dtype"], tensor.device)
+        total = sparse_out(total_meta, meta["numel"], meta["dtype"], tensor.device)
+        idx = idx.to(tensor.device)
+        _native.scatter_add_into(total, idx, val.to(tensor.device))
+        total.div_(collective.world_size)  # zero stays zero: still sparse at idx
+        record_sparse(total_meta, total, idx)
         return total.view(tensor.shape).to(tensor.dtype), local.to(tensor.dtype)
