@@ -51,6 +51,7 @@ from easgd_lightning.hooks.compressors import (  # noqa: E402
     build_compressor,
     compressor_names,
 )
+from easgd_lightning.hooks.compressors.base import Payload, with_out  # noqa: E402
 from easgd_lightning.hooks.memory import make_memory  # noqa: E402
 
 CONF = REPO / "conf" / "compression"
@@ -131,13 +132,12 @@ def bench_one(name: str, x: torch.Tensor, warmup: int, repeats: int, settle: int
         state["ratio"] = 0.01  # its sparse path at a 1% density
     if name == "dgc":
         comp.warmup_ratio_steps = 0  # steady state: the final density
-    out = torch.empty_like(x)  # the decoded tensor goes to a reused buffer, as in aggregate
-
     def step():
         p = memory.compensate("x", x)
         payload = comp.compress(p, state)
-        payload.meta["out"] = out
-        memory.update("x", p, comp.decompress(payload, x.shape))
+        # decoded into the per-tensor buffer aggregate() uses for this rank's part
+        meta = with_out(payload.meta, state, "local", x.numel(), x.dtype, x.device)
+        memory.update("x", p, comp.decompress(Payload(payload.tensors, meta), x.shape))
         return payload
 
     start = time.perf_counter()

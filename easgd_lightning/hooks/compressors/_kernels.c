@@ -249,6 +249,27 @@ DEF_MOMENTUM(double, f64)
 DEF_MOMENTUM_SELECT(float, f32)
 DEF_MOMENTUM_SELECT(double, f64)
 
+/* out[j] = |v'| at entry j * stride, where v' is v after the momentum correction (u, v, g
+ * are only read): DGC's sample of the corrected v before the fused pass. */
+#define DEF_MOMENTUM_SAMPLE(T, SFX)                                                         \
+    void momentum_sample_##SFX(const T *u, const T *v, const T *g, int64_t n, int64_t stride,\
+                               T m, int nesterov, T *out) {                                 \
+        int64_t s = (n + stride - 1) / stride;                                              \
+        for (int64_t j = 0; j < s; j++) {                                                   \
+            int64_t i = j * stride;                                                         \
+            if (j + 16 < s) {                                                               \
+                __builtin_prefetch(u + i + 16 * stride);                                    \
+                __builtin_prefetch(v + i + 16 * stride);                                    \
+                __builtin_prefetch(g + i + 16 * stride);                                    \
+            }                                                                               \
+            T vi = nesterov ? (v[i] + (u[i] + g[i]) * m) + g[i] : v[i] + (u[i] * m + g[i]); \
+            out[j] = fabs(vi);                                                              \
+        }                                                                                   \
+    }
+
+DEF_MOMENTUM_SAMPLE(float, f32)
+DEF_MOMENTUM_SAMPLE(double, f64)
+
 /* ------------------------------------------------------------------ QSGD */
 
 /* A counter-based 32-bit hash (an xor-shift-multiply mix): the uniform noise of entry i

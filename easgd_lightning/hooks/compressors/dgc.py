@@ -199,14 +199,12 @@ def momentum_select_values(
         momentum_correction(g, u, v, momentum, nesterov)
         return dgc_select_values(v, k, sample_ratio, max_rounds, upper, lower, scratch)
     stride = _sample_stride(n, sample_ratio)
-    us, vs, gs = u[::stride], v[::stride], g[::stride]
-    if nesterov:
-        u_new = (us + gs) * momentum
-        v_new = (vs + u_new) + gs
-    else:
-        u_new = us * momentum + gs
-        v_new = vs + u_new
-    thr = _sample_threshold(v_new.abs(), k, n)
+    sample = scratch_buffer(scratch, "sample", (n + stride - 1) // stride, v.dtype, v.device)
+    _native.fn(lib, "momentum_sample", v.dtype)(
+        u.data_ptr(), v.data_ptr(), g.data_ptr(), n, stride, momentum, int(nesterov),
+        sample.data_ptr(),
+    )
+    thr = _sample_threshold(sample, k, n)
     cap = min(n, 2 * k + 1024)
     if scratch is not None and "sel_idx" in scratch:
         cap = min(n, max(cap, scratch["sel_idx"].numel()))
