@@ -28,7 +28,7 @@ def _load(out: Path, mode: str, ranks=(0, 1, 2, 3)) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("async_ps")
-    launch_ranks(SCRIPT, 4, ["fcfs,sgd,adam,lockfree,dead", str(out)], timeout=240)
+    launch_ranks(SCRIPT, 4, ["fcfs,sgd,adam,adamfree,lockfree,dead", str(out)], timeout=240)
     return out
 
 
@@ -136,6 +136,22 @@ def test_lockfree_server_applies_every_update(runs: Path) -> None:
     assert bool(((server["center"] >= low - margin) & (server["center"] <= high + margin)).all())
     for r in WORKERS:
         torch.testing.assert_close(recs[r]["final"], server["center"])
+
+
+def test_lockfree_server_steps_the_users_adam_for_every_push(runs: Path) -> None:
+    """Hogwild SGD on a server: Adam's steps race with the replies' reads (no exact replay),
+    but every push is one Adam step and lr 0 / frozen parameters never move."""
+    recs = _load(runs, "adamfree")
+    server = recs[3]
+    assert server["updates"] == 24 and sorted(server["done"]) == [0, 1, 2]
+    state = server["state"]["optimizer"]["state"]
+    assert int(state[0]["step"]) == 24 and 1 not in state
+    start = torch.randn(257, generator=torch.Generator().manual_seed(7))  # the script's adam_start()
+    center = server["center"]
+    assert torch.equal(center[128:256], start[128:256])  # the lr-0 group and the frozen parameter
+    assert not torch.equal(center[:128], start[:128])
+    for r in WORKERS:
+        torch.testing.assert_close(recs[r]["final"], center)
 
 
 def test_dead_worker_neither_hangs_server_nor_others(runs: Path) -> None:

@@ -14,6 +14,7 @@ Modes:
         one parameter the workers never have a gradient for (frozen), per-request learning
         rates (a schedule on the workers), a random start; 8 pushes per worker.
     lockfree: elastic rule on a Hogwild server (updates applied on a thread pool, no lock).
+    adamfree: the adam mode on a Hogwild server (hogwild_sgd with server=dedicated).
     dead: elastic rule; worker 2 exits abruptly (no "done") after 3 requests.
 """
 
@@ -94,14 +95,14 @@ def run(mode: str, out: Path) -> None:
     live = Liveness(f"test/{mode}", rank, interval_s=0.2, dead_after_s=2.0).start()
     dist.barrier()
     record: dict = {"rank": rank}
-    sgd_rule = mode in ("sgd", "adam")
+    sgd_rule = mode in ("sgd", "adam", "adamfree")
     optimizer, params = server_optimizer(mode) if sgd_rule else (None, [])
     if rank == SERVER:
         server = ParameterServer(
-            rank=SERVER, workers=[0, 1, 2], center=adam_start() if mode == "adam" else torch.zeros(N),
+            rank=SERVER, workers=[0, 1, 2], center=adam_start() if mode.startswith("adam") else torch.zeros(N),
             n_params=N - 1, rule="sgd" if sgd_rule else "elastic", alpha=ALPHA,
             optimizer=optimizer, params=params, liveness=live, stop_policy="all",
-            lockfree=mode == "lockfree",
+            lockfree=mode in ("lockfree", "adamfree"),
         )
         start = time.monotonic()
         server.serve()
@@ -111,7 +112,7 @@ def run(mode: str, out: Path) -> None:
     else:
         client = ServerClient(SERVER, torch.zeros(N), 4, n_params=N - 1, liveness=live,
                               header_size=request_header_size(optimizer, params))
-        count = {"fcfs": 12, "sgd": 8, "adam": 8, "lockfree": 12, "dead": 10}[mode]
+        count = {"fcfs": 12, "sgd": 8, "adam": 8, "adamfree": 8, "lockfree": 12, "dead": 10}[mode]
         sent, got, times = [], [], []
         for k in range(count):
             if mode == "dead" and rank == 2 and k == 3:
@@ -120,7 +121,7 @@ def run(mode: str, out: Path) -> None:
                 time.sleep(0.04 if rank == 1 else 0.001)
             x = x_of(rank, k)
             if sgd_rule:
-                if mode == "adam":
+                if mode.startswith("adam"):
                     x[192:256] = 0.0  # no gradient for the frozen parameter: zeros, as a worker sends
                 got.append(client.call(OP_GRAD, x, k + 1, extras=extras_of(mode, k)).clone())
             else:
