@@ -54,6 +54,13 @@ class CompressedDDPStrategy(DDPStrategy):
             self._resume_rank_state = None
 
     # ------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Restore once the module has its training precision: Lightning's default restores
+        into the module before ``64-true`` converts it, rounding the weights to float32."""
+        return True
+
     def _rank_state(self) -> dict:
         """This rank's step count and hook state (residuals and compressor state differ
         per rank), as tensors and plain data."""
