@@ -30,6 +30,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -161,6 +162,8 @@ class LauncherSignals:
         return self.received[0] if self.received else None
 
     def __enter__(self) -> LauncherSignals:
+        if threading.current_thread() is not threading.main_thread():  # only the main thread may
+            return self
         for sig in self.SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handler)
         return self
@@ -290,6 +293,7 @@ def spawn_and_supervise(
                 subprocess.Popen(
                     [sys.executable, "-m", "easgd_lightning.cli.worker", str(cfg_file), str(out_dir)],
                     env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                    stdin=subprocess.DEVNULL,  # in their own session, a read from the terminal would stop them
                     start_new_session=True,
                 )
             )

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.e2e.test_faults import pid_alive
 from tests.helpers import run_cli, train_summary
 
 
@@ -41,6 +42,12 @@ def test_a_dead_worker_neither_hangs_the_server_nor_the_others(tmp_path: Path, s
     assert proc.returncode == 1, proc.stderr[-3000:]  # the run is reported failed...
     s = json.loads((run / "summary.json").read_text())
     assert s["status"] == "failed" and s["failed_ranks"] == [1]
+    # the summary names the rank that died and how (faults.crash_rank exits with code 17)
+    assert s["first_failure"]["rank"] == 1 and s["first_failure"]["exitcode"] == 17, s["first_failure"]
+    assert s["exit_codes"][1] == 17 and s["error"].startswith("rank 1 failed first: exit code 17")
+    # and no process of the run is left
+    pids = json.loads((run / "ranks" / "launch.json").read_text())["worker_pids"]
+    assert [p for p in pids if pid_alive(p)] == []
     # ...but it finished with the remaining workers: they reported (the launcher did not have
     # to terminate them after timeout_s) and their center converged
     survivors = [r for r in range(devices) if r != 1]

@@ -182,12 +182,21 @@ def case_worker_signal(tmp_path: Path, strategy: str, devices: int, sig: signal.
     return {"code": code, "took": took, "summary": s}
 
 
-def case_launcher_signal(tmp_path: Path, strategy: str, devices: int, sig: signal.Signals) -> dict:
+def case_launcher_signal(tmp_path: Path, strategy: str, devices: int, sig: signal.Signals,
+                         check_second_run: bool = False) -> dict:
     """SIGINT / SIGTERM to the launcher: workers stop, last.ckpt and summary written, 128 + N."""
     run = _start(tmp_path, f"launcher-{sig.name.lower()}-{strategy}",
                  [f"strategy={strategy}", f"trainer.devices={devices}", "trainer.max_epochs=400"])
     run.worker_pids  # noqa: B018
     run.wait_for("checkpoints/epoch000.ckpt")
+    if check_second_run:  # a second run pointed at the directory of this live one is refused
+        second = subprocess.run(
+            [PY, "-m", "easgd_lightning.cli.train", f"hydra.run.dir={run.run_dir}", *COMMON],
+            env=base_env(), cwd=REPO, capture_output=True, text=True, timeout=120,
+        )
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert "is in use by another live run" in second.stderr and f"pid {run.proc.pid}" in second.stderr
+        assert not (run.run_dir / "summary.json").exists()  # it wrote nothing there
     run.proc.send_signal(sig)
     run.mark_fault()
     code, took = run.wait(TIMEOUT_S + MARGIN_S)
@@ -203,29 +212,81 @@ def case_launcher_signal(tmp_path: Path, strategy: str, devices: int, sig: signa
     return {"code": code, "took": took, "summary": s}
 
 
+def case_failed_sweep_job(tmp_path: Path) -> dict:
+    """A sweep whose second job crashes: both jobs run, the sweep exits 1 naming the failed one."""
+    sweep = tmp_path / "sweep"
+    started = time.monotonic()
+    proc = subprocess.run(
+        [PY, "-m", "easgd_lightning.cli.train", "-m", f"hydra.sweep.dir={sweep}", *COMMON,
+         "trainer.max_epochs=1", "checkpoint.enabled=false", "faults.crash_at_step=3", "faults.crash_rank=null,1"],
+        env=base_env(), cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    took = time.monotonic() - started
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and (p / "summary.json").exists())
+    statuses = [json.loads((j / "summary.json").read_text())["status"] for j in jobs]
+    assert statuses == ["ok", "failed"], statuses  # the failure did not stop the other job
+    line = [ln for ln in proc.stderr.splitlines() if "sweep jobs failed" in ln]
+    assert line and line[0].startswith("easgd-train: 1 of 2 sweep jobs failed: 1_") and "rank 1" in line[0], line
+    return {"code": proc.returncode, "took": took, "summary": json.loads((jobs[1] / "summary.json").read_text())}
+
+
+# One fault per test, one strategy of each family across them: (fault, strategy).
 @pytest.mark.slow
-def test_sigstop_of_a_ddp_worker_ends_the_run_naming_it(tmp_path: Path) -> None:
+def test_frozen_worker_ends_the_run_within_timeout_naming_it_ddp(tmp_path: Path) -> None:
     case_worker_signal(tmp_path, "ddp", 2, signal.SIGSTOP)
+
+
+@pytest.mark.slow
+def test_crashed_worker_is_named_with_its_exit_code_sync_easgd(tmp_path: Path) -> None:
+    case_worker_crash(tmp_path, "sync_easgd", 2)
+
+
+@pytest.mark.slow
+def test_killed_worker_is_named_with_its_signal_local_sgd(tmp_path: Path) -> None:
+    case_worker_signal(tmp_path, "local_sgd", 2, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_worker_stops_every_rank_and_exits_nonzero_ddp(tmp_path: Path) -> None:
+    case_worker_signal(tmp_path, "ddp", 2, signal.SIGTERM)
+
+
+@pytest.mark.slow
+def test_sigint_to_the_launcher_sync_easgd(tmp_path: Path) -> None:
+    case_launcher_signal(tmp_path, "sync_easgd", 2, signal.SIGINT, check_second_run=True)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_async_easgd(tmp_path: Path) -> None:
+    case_launcher_signal(tmp_path, "async_easgd", 3, signal.SIGTERM)
+
+
+@pytest.mark.slow
+def test_a_sweep_with_a_failed_job_exits_1_naming_it(tmp_path: Path) -> None:
+    case_failed_sweep_job(tmp_path)
 
 
 if __name__ == "__main__":  # the fault table
     import tempfile
 
     which = sys.argv[1:] or ["all"]
-    rows = []
+    print("| case | time to exit | exit status | rank exit codes | first_failure | error |")
     with tempfile.TemporaryDirectory() as tmp:
         cases = {
             "sigstop-ddp": lambda: case_worker_signal(Path(tmp), "ddp", 2, signal.SIGSTOP),
             "crash-sync_easgd": lambda: case_worker_crash(Path(tmp), "sync_easgd", 2),
             "sigkill-local_sgd": lambda: case_worker_signal(Path(tmp), "local_sgd", 2, signal.SIGKILL),
             "sigterm-worker-ddp": lambda: case_worker_signal(Path(tmp), "ddp", 2, signal.SIGTERM),
-            "launcher-sigint-sync_easgd": lambda: case_launcher_signal(Path(tmp), "sync_easgd", 2, signal.SIGINT),
+            "launcher-sigint-sync_easgd": lambda: case_launcher_signal(Path(tmp), "sync_easgd", 2, signal.SIGINT,
+                                                                       check_second_run=True),
             "launcher-sigterm-async_easgd": lambda: case_launcher_signal(Path(tmp), "async_easgd", 3, signal.SIGTERM),
+            "sweep-job-crash": lambda: case_failed_sweep_job(Path(tmp)),
         }
         for name, fn in cases.items():
             if "all" not in which and name not in which:
                 continue
             r = fn()
-            rows.append((name, r["took"], r["code"], r["summary"].get("first_failure"), r["summary"]["error"]))
-            print(f"{name:32s} exit={r['code']:4d} took={r['took']:6.1f}s first={r['summary'].get('first_failure')}",
-                  flush=True)
+            s = r["summary"]
+            print(f"| {name} | {r['took']:.1f} s | {r['code']} | {s.get('exit_codes')} | "
+                  f"{s.get('first_failure')} | {s['error']} |", flush=True)
