@@ -33,7 +33,12 @@ from easgd_lightning.cli import launch
 from easgd_lightning.cli.build import ConfigError, validate_config
 from easgd_lightning.cli.resolvers import register_resolvers
 from easgd_lightning.cli.summary import build_summary, write_summary
-from easgd_lightning.cli.worker import current_run_id, read_rank_reports, run_worker
+from easgd_lightning.cli.worker import (
+    close_process_group,
+    current_run_id,
+    read_rank_reports,
+    run_worker,
+)
 
 __all__ = ["main", "train", "CONF_DIR"]
 
@@ -188,6 +193,7 @@ def _train_as_rank(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     report = run_worker(cfg, out_dir)
     if int(cfg.trainer.get("num_nodes", 1)) > 1:
         _share_reports(report, out_dir, rank)
+    close_process_group()  # the last collective is done (issue 14: an abort at exit)
     if rank != 0:
         return {}
     _wait_for_rank_files(out_dir, world, timeout_s)

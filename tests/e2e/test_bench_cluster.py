@@ -498,3 +498,31 @@ def test_scenarios_always_add_limit_and_baseline() -> None:
     epochs = cluster.train_command("ddp", "none", 2, -1, Path("/x"), [], [], epochs=12)
     assert "trainer.max_epochs=12" in epochs and "trainer.max_steps=-1" in epochs
 
+
+@pytest.mark.slow
+@pytest.mark.netns
+def test_shaped_10mbit_four_rank_compressed_sync_easgd_repeated(netns_ok: None, tmp_path: Path) -> None:
+    """issue 14: 4 ranks of sync_easgd/topk on 10 Mbit/s links, 5 runs in a row, all finish.
+
+    It hung in 2 of 3 runs (every rank blocked in a collective until gloo's timeout). The
+    collective timeout is cut to 60 s so that a hang fails the run in a minute; each run
+    crosses an epoch end (12 steps per epoch: validation with its metric all-reduce).
+    """
+    link = cluster.LinkSpec(10.0, 0.1)
+    config = cluster.BenchConfig("sync_easgd", "topk")
+    with cluster.EmulatedCluster(4, link) as c:
+        for rep in range(5):
+            res = cluster.run_config(
+                c, config, steps=14, warmup_steps=0, workload=["model.hidden=2048"],
+                extra=["timeout_s=60"], out_dir=tmp_path / f"rep{rep}", port=29700 + rep,
+                timeout_s=240,
+            )
+            assert res.status == "ok", f"run {rep}: {res.status}"
+            summary = res.summary
+            assert summary["steps_per_rank"] == [14] * 4, f"run {rep}"
+            # Compressed: every rank sent far less than the dense elastic differences.
+            by_rank = summary["comm"]["by_kind_per_rank"]
+            for rank, kinds in enumerate(by_rank):
+                elastic = kinds["elastic"]
+                assert 0 < elastic["bytes_sent"] < 0.2 * elastic["dense_bytes"], (rep, rank)
+    assert not {n for n in _netns_names() if n.startswith(f"easgd-bench-{os.getpid()}-")}
