@@ -21,6 +21,7 @@ __all__ = [
     "wait",
     "all_gather",
     "all_gather_varlen",
+    "all_gather_varlen_async",
     "broadcast",
     "send",
     "recv",
@@ -143,6 +144,46 @@ def all_gather_varlen(
     recv = sum(sizes) * flat.element_size() - nbytes(flat) + nbytes(length) * (world - 1)
     _finish(kind, start, sent, recv, dense_bytes)
     return [o[:n] for o, n in zip(out, sizes)]
+
+
+def all_gather_varlen_async(
+    tensor: torch.Tensor,
+    *,
+    kind: str,
+    group: dist.ProcessGroup | None = None,
+    dense_bytes: int | None = None,
+) -> torch.futures.Future:
+    """Non-blocking :func:`all_gather_varlen`; the future resolves to one tensor per rank.
+
+    The lengths (one integer per rank) are gathered first, blocking: the padded size of
+    the data depends on them. The data all-gather then runs in the background; its bytes
+    and launch-to-completion time are recorded when it completes, with no exposed time
+    (the caller waits with :func:`wait`). Bytes in total equal the blocking call's.
+    """
+    world = dist.get_world_size(group)
+    flat = tensor.reshape(-1)
+    length = torch.tensor([flat.numel()], dtype=torch.int64, device=flat.device)
+    lengths = [torch.empty_like(length) for _ in range(world)]
+    start = time.perf_counter()
+    dist.all_gather(lengths, length, group=group)
+    sizes = [int(n.item()) for n in lengths]
+    header = nbytes(length)
+    _finish(kind, start, header, header * (world - 1), dense_bytes)
+    padded_len = max(1, max(sizes))
+    padded = torch.zeros(padded_len, dtype=flat.dtype, device=flat.device)
+    padded[: flat.numel()] = flat
+    out = [torch.empty_like(padded) for _ in range(world)]
+    start = time.perf_counter()
+    work = dist.all_gather(out, padded, group=group, async_op=True)
+    sent = nbytes(flat)
+    recv = sum(sizes) * flat.element_size() - nbytes(flat)
+
+    def _done(f: torch.futures.Future) -> list[torch.Tensor]:
+        f.wait()
+        _finish(kind, start, sent, recv, 0 if dense_bytes is not None else None, exposed=0.0)
+        return [o[:n] for o, n in zip(out, sizes)]
+
+    return work.get_future().then(_done)
 
 
 def broadcast(

@@ -5,6 +5,16 @@ all-reduced dense (one message, as DGC and HiPress do for small layers); every o
 tensor is error-compensated by ``memory``, exchanged with ``compressor.aggregate`` (one
 ``state`` dict per tensor key) and its residual stored. Dense bytes are charged once per
 exchange, so the meter's ``dense_bytes`` is what the same tensors cost uncompressed.
+
+:func:`start_exchange_tensors` is the same exchange split in two, for overlap with
+computation: the launch compensates, compresses, updates the residual and starts the
+collectives without blocking; :meth:`PendingExchange.finish` waits, decompresses and sums.
+It splits the compressors whose exchange is one collective between ``compress`` and
+``decompress`` (the base class's or the sparse base's ``aggregate``); multi-round or
+stateful ones (PowerSGD, sketch, DGC, adaptive, fp16's own) run their whole
+``aggregate`` at launch. Both halves run every rank's arithmetic in the same order
+whether they are called back to back or far apart, so an overlapped exchange gives
+bitwise the result of one finished at once.
 """
 
 from __future__ import annotations
@@ -16,10 +26,18 @@ from dataclasses import dataclass
 import torch
 
 from easgd_lightning.comm.meter import get_meter
-from easgd_lightning.hooks.compressors.base import Compressor
+from easgd_lightning.hooks.compressors.base import Compressor, Payload, unpack_sparse
+from easgd_lightning.hooks.compressors.sparse import SparseCompressor
 from easgd_lightning.hooks.memory import Memory
 
-__all__ = ["ExchangeStats", "exchange_tensors", "key_hash"]
+__all__ = [
+    "ExchangeStats",
+    "PendingExchange",
+    "exchange_tensors",
+    "start_exchange_tensors",
+    "splits",
+    "key_hash",
+]
 
 
 def key_hash(key) -> int:
@@ -44,9 +62,9 @@ class ExchangeStats:
             setattr(self, f, getattr(self, f) + getattr(other, f))
 
 
-def _kind_totals(kind: str) -> tuple[int, int, int, float]:
+def _kind_totals(kind: str) -> tuple[int, int, int, float, float]:
     t = get_meter().by_kind[kind]
-    return t.bytes_sent, t.bytes_recv, t.dense_bytes, t.time_s
+    return t.bytes_sent, t.bytes_recv, t.dense_bytes, t.time_s, t.exposed_s
 
 
 def exchange_tensors(
@@ -113,3 +131,130 @@ def exchange_tensors(
     if locals_out is not None:
         locals_out.extend(mine)
     return out, stats  # type: ignore[return-value]
+
+
+# ----------------------------------------------------------------------------- split
+
+
+def splits(compressor: Compressor) -> bool:
+    """True when ``compressor``'s exchange is compress, one collective, decompress (its
+    ``aggregate`` is the base class's or the sparse base's), so it can be split."""
+    agg = type(compressor).aggregate
+    return agg is Compressor.aggregate or agg is SparseCompressor.aggregate
+
+
+def _sum_gathered(compressor: Compressor, gathered: list, meta: dict, shape, dtype, device):
+    """sum over ranks of the decompressed all-gathered payloads (rank order)."""
+    if isinstance(compressor, SparseCompressor):  # one scatter-add of every rank's entries
+        parts = [unpack_sparse(rank[0], meta["index_dtype"], meta["dtype"]) for rank in gathered]
+        idx = torch.cat([p[0].long() for p in parts]).to(device)
+        val = torch.cat([p[1] for p in parts]).to(device)
+        total = torch.zeros(meta["numel"], dtype=meta["dtype"], device=device)
+        return total.index_add_(0, idx, val).view(shape).to(dtype)
+    total = torch.zeros(shape, dtype=dtype, device=device)
+    for rank_tensors in gathered:
+        total += compressor.decompress(Payload(tuple(rank_tensors), meta), shape).to(dtype)
+    return total
+
+
+class PendingExchange:
+    """An exchange started by :func:`start_exchange_tensors`; :meth:`finish` completes it."""
+
+    def __init__(self, n: int, collective, before: tuple, busy_s: float) -> None:
+        self.means: list[torch.Tensor | None] = [None] * n
+        self.locals: list[torch.Tensor | None] = [None] * n
+        self._finishers: list = []
+        self._collective = collective
+        self._before = before
+        self._busy_s = busy_s
+        self.stats = ExchangeStats()
+
+    def finish(self) -> tuple[list[torch.Tensor], list[torch.Tensor], ExchangeStats]:
+        """Wait for the collectives; returns (means, this rank's parts, stats)."""
+        start = time.perf_counter()
+        for fin in self._finishers:
+            fin()
+        self._finishers = []
+        after = _kind_totals(self._collective.kind)
+        busy = self._busy_s + time.perf_counter() - start
+        st = self.stats
+        st.bytes_sent = after[0] - self._before[0]
+        st.bytes_recv = after[1] - self._before[1]
+        st.dense_bytes = after[2] - self._before[2]
+        st.comm_time_s = after[3] - self._before[3]
+        st.codec_time_s = max(0.0, busy - (after[4] - self._before[4]))
+        return self.means, self.locals, st  # type: ignore[return-value]
+
+
+def start_exchange_tensors(
+    tensors: list[torch.Tensor],
+    keys: list,
+    compressor: Compressor,
+    memory: Memory,
+    states: dict,
+    collective,
+    min_numel: int | None = None,
+) -> PendingExchange:
+    """Launch :func:`exchange_tensors` without waiting for the collectives it can split.
+
+    The input tensors are read during the launch only (they may change afterwards).
+    """
+    kind = collective.kind
+    world = collective.world_size
+    start = time.perf_counter()
+    pending = PendingExchange(len(tensors), collective, _kind_totals(kind), 0.0)
+    limit = compressor.min_numel if min_numel is None else int(min_numel)
+    small = [i for i, t in enumerate(tensors) if t.numel() < limit]
+    big = [i for i, t in enumerate(tensors) if t.numel() >= limit]
+    if small:
+        flat = torch.cat([tensors[i].reshape(-1) for i in small])
+        collective.charge_dense(flat.numel() * flat.element_size())
+        handle = collective.all_reduce_sum_async([flat])
+        mine = [tensors[i].clone() for i in small]
+
+        def finish_small() -> None:
+            (summed,) = handle.wait()
+            summed /= world
+            offset = 0
+            for i, own in zip(small, mine):
+                n = own.numel()
+                pending.means[i] = summed[offset : offset + n].view_as(own)
+                pending.locals[i] = own
+                offset += n
+
+        pending._finishers.append(finish_small)
+        pending.stats.dense_tensors += len(small)
+    split = splits(compressor)
+    for i in big:
+        t, key = tensors[i], keys[i]
+        st = states.setdefault(key, {})
+        st.setdefault("key_hash", key_hash(key))
+        comp = memory.compensate(key, t)
+        collective.charge_dense(t.numel() * t.element_size())
+        pending.stats.compressed_tensors += 1
+        if not split:
+            mean, local = compressor.aggregate(comp, st, collective)
+            memory.update(key, comp, local)
+            pending.means[i], pending.locals[i] = mean, local
+            continue
+        shape, dtype, device = t.shape, t.dtype, t.device
+        payload = compressor.compress(comp, st)
+        local = compressor.decompress(payload, shape).to(dtype)
+        memory.update(key, comp, local)
+        pending.locals[i] = local
+        if compressor.aggregation == "allreduce":
+            handle = collective.all_reduce_sum_async(list(payload.tensors))
+        else:
+            handle = collective.all_gather_async(list(payload.tensors))
+
+        def finish_big(i=i, handle=handle, meta=payload.meta, shape=shape, dtype=dtype, device=device):
+            result = handle.wait()
+            if compressor.aggregation == "allreduce":
+                total = compressor.decompress(Payload(tuple(result), meta), shape).to(dtype)
+            else:
+                total = _sum_gathered(compressor, result, meta, shape, dtype, device)
+            pending.means[i] = total / world
+
+        pending._finishers.append(finish_big)
+    pending._busy_s = time.perf_counter() - start
+    return pending

@@ -7,7 +7,20 @@ import torch.distributed as dist
 
 from easgd_lightning.comm import ops
 
-__all__ = ["ProcessGroupCollective"]
+__all__ = ["ProcessGroupCollective", "PendingCollective"]
+
+
+class PendingCollective:
+    """Collectives in flight: ``wait()`` waits for all of them (charging the wait to the
+    meter's exposed time) and returns their result."""
+
+    def __init__(self, futures: list, kind: str, result) -> None:
+        self._futures, self._kind, self._result = futures, kind, result
+
+    def wait(self):
+        for fut in self._futures:
+            ops.wait(fut, kind=self._kind)
+        return self._result()
 
 
 class ProcessGroupCollective:
@@ -38,6 +51,30 @@ class ProcessGroupCollective:
             ops.all_reduce(buf, kind=self.kind, group=self.group, dense_bytes=self._take_dense())
             out.append(buf)
         return out
+
+    def all_reduce_sum_async(self, tensors: list[torch.Tensor]) -> PendingCollective:
+        """Non-blocking :meth:`all_reduce_sum`; ``.wait()`` returns the summed tensors."""
+        bufs = [t.clone() for t in tensors]
+        futs = [
+            ops.all_reduce_async(b, kind=self.kind, group=self.group, dense_bytes=self._take_dense())
+            for b in bufs
+        ]
+        return PendingCollective(futs, self.kind, lambda: bufs)
+
+    def all_gather_async(self, tensors: list[torch.Tensor]) -> PendingCollective:
+        """Non-blocking :meth:`all_gather` (varlen); ``.wait()`` returns what it returns."""
+        futs = [
+            ops.all_gather_varlen_async(
+                t.reshape(-1), kind=self.kind, group=self.group, dense_bytes=self._take_dense()
+            )
+            for t in tensors
+        ]
+
+        def result() -> list[list[torch.Tensor]]:
+            per_tensor = [f.value() for f in futs]
+            return [list(rank_parts) for rank_parts in zip(*per_tensor)] if per_tensor else []
+
+        return PendingCollective(futs, self.kind, result)
 
     def all_reduce_max(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         out = []

@@ -9,6 +9,12 @@ compress per parameter: tensors under ``compressor.min_numel`` then travel dense
 message, and matrix compressors (PowerSGD) see matrices instead of one flat vector.
 Metered under ``kind`` (default ``elastic``): bytes sent = the payload, dense bytes = the
 flat buffer.
+
+``start_exchange_sum`` is the same exchange without waiting: it returns a
+:class:`PendingSum` whose ``wait()`` gives the sum (Sync EASGD's overlap). Uncompressed it
+is a non-blocking all-reduce in place on ``diff`` (leave ``diff`` alone until ``wait``);
+compressed, :func:`~easgd_lightning.hooks._exchange.start_exchange_tensors` compresses
+and updates the residual at once and waits, decompresses and sums in ``wait``.
 """
 
 from __future__ import annotations
@@ -17,12 +23,82 @@ import torch
 import torch.distributed as dist
 
 from easgd_lightning.comm import ops
-from easgd_lightning.hooks._exchange import exchange_tensors
+from easgd_lightning.hooks._exchange import exchange_tensors, start_exchange_tensors
 from easgd_lightning.hooks.collective import ProcessGroupCollective
 from easgd_lightning.hooks.compressors.none import NoneCompressor
 from easgd_lightning.hooks.memory import ResidualMemory, make_memory
 
-__all__ = ["exchange_sum"]
+__all__ = ["exchange_sum", "start_exchange_sum", "PendingSum"]
+
+
+def _memory_for(compressor, memory, state: dict | None):
+    """The error-feedback memory to use (kept in ``state`` when not given)."""
+    if state is None:
+        raise ValueError(
+            "exchange_sum with a compressor needs a persistent `state` dict (one per buffer)"
+        )
+    if memory is None:
+        memory = state.get("_memory")
+        if memory is None:
+            memory = state["_memory"] = make_memory(compressor)
+    if isinstance(memory, ResidualMemory) and not compressor.allows_memory:
+        raise ValueError(compressor.memory_error())
+    return memory
+
+
+def _pieces(diff: torch.Tensor, shapes: list | None, key: str):
+    """``diff`` cut into per-parameter views (with ``shapes``) and their state keys."""
+    flat = diff.reshape(-1)
+    if not shapes:
+        return [flat], [key]
+    sizes = [int(torch.Size(s).numel()) for s in shapes]
+    if sum(sizes) != flat.numel():
+        raise ValueError(
+            f"exchange_sum: shapes cover {sum(sizes)} elements, diff has {flat.numel()}"
+        )
+    pieces = [p.view(torch.Size(s)) for p, s in zip(torch.split(flat, sizes), shapes)]
+    return pieces, [f"{key}.{i}" for i in range(len(pieces))]
+
+
+class PendingSum:
+    """A sum over ranks in flight; :meth:`wait` returns it (once)."""
+
+    def __init__(self, finish) -> None:
+        self._finish = finish
+
+    def wait(self) -> torch.Tensor:
+        return self._finish()
+
+
+def start_exchange_sum(
+    diff: torch.Tensor,
+    *,
+    compressor=None,
+    memory=None,
+    state: dict | None = None,
+    group: dist.ProcessGroup | None = None,
+    kind: str = "elastic",
+    key: str = "flat",
+    shapes: list | None = None,
+) -> PendingSum:
+    """Start summing ``diff`` over the ranks of ``group``; arguments as :func:`exchange_sum`.
+
+    Uncompressed, the sum is formed in place in ``diff`` (do not touch it before
+    ``wait()``); compressed, ``diff`` is read now and ``wait()`` returns a new tensor.
+    """
+    if compressor is None or isinstance(compressor, NoneCompressor):
+        fut = ops.all_reduce_async(diff, kind=kind, group=group)
+        return PendingSum(lambda: (ops.wait(fut, kind=kind), diff)[1])
+    memory = _memory_for(compressor, memory, state)
+    pieces, keys = _pieces(diff, shapes, key)
+    collective = ProcessGroupCollective(group, kind=kind)
+    pending = start_exchange_tensors(pieces, keys, compressor, memory, state, collective)
+
+    def finish() -> torch.Tensor:
+        means, _, _ = pending.finish()
+        return torch.cat([m.reshape(-1) for m in means]).mul_(collective.world_size).view_as(diff)
+
+    return PendingSum(finish)
 
 
 def exchange_sum(
@@ -59,27 +135,8 @@ def exchange_sum(
         local = diff.clone() if return_local else None
         total = ops.all_reduce(diff, kind=kind, group=group)
         return (total, local) if return_local else total
-    if state is None:
-        raise ValueError(
-            "exchange_sum with a compressor needs a persistent `state` dict (one per buffer)"
-        )
-    if memory is None:
-        memory = state.get("_memory")
-        if memory is None:
-            memory = state["_memory"] = make_memory(compressor)
-    if isinstance(memory, ResidualMemory) and not compressor.allows_memory:
-        raise ValueError(compressor.memory_error())
-    flat = diff.reshape(-1)
-    if shapes:
-        sizes = [int(torch.Size(s).numel()) for s in shapes]
-        if sum(sizes) != flat.numel():
-            raise ValueError(
-                f"exchange_sum: shapes cover {sum(sizes)} elements, diff has {flat.numel()}"
-            )
-        pieces = [p.view(torch.Size(s)) for p, s in zip(torch.split(flat, sizes), shapes)]
-        keys = [f"{key}.{i}" for i in range(len(pieces))]
-    else:
-        pieces, keys = [flat], [key]
+    memory = _memory_for(compressor, memory, state)
+    pieces, keys = _pieces(diff, shapes, key)
     collective = ProcessGroupCollective(group, kind=kind)
     mine: list[torch.Tensor] = []
     means, _ = exchange_tensors(pieces, keys, compressor, memory, state, collective, mine)

@@ -7,10 +7,16 @@ subclass decides how workers and the center exchange information in ``optimizer_
 What the base provides:
 
 * the elastic variable: every parameter plus floating-point buffers, as one flat vector
-  ("single-layer communication", SC17);
+  ("single-layer communication", SC17). The vector is resident: at set-up the tensors
+  become views of one contiguous buffer ("weights resident", SC17), so exchanges read and
+  write the parameters in place, with no per-step flatten / unflatten copies
+  (:meth:`CenterStrategy._elastic_flat`); when the tensors differ in dtype or device they
+  stay separate and the flat vector is a copy;
 * workers and center start equal (broadcast from rank 0);
-* validation runs on the center (swapped in and out), and after ``fit`` the user's module
-  holds the center on every rank;
+* validation runs on the center (swapped in and out: the worker's flat buffer is stashed
+  and the center copied into it), and after ``fit`` the user's module holds the center on
+  every rank; an exchange still in flight (``strategy.overlap``) is finished first
+  (:meth:`CenterStrategy._complete_exchange`) wherever the center is read;
 * checkpoints: the module weights saved are the center; ``checkpoint["easgd"]`` holds the
   center, the step counter and every worker's parameters and optimizer state, so resuming
   restores each rank exactly;
@@ -56,6 +62,21 @@ def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         offset += n
 
 
+def _then(closure: Callable[[], Any], after: Callable[[], None]) -> Callable[[], Any]:
+    """``closure`` followed, on its first call only, by ``after()``."""
+    done = False
+
+    def wrapped() -> Any:
+        nonlocal done
+        out = closure()
+        if not done:
+            done = True
+            after()
+        return out
+
+    return wrapped
+
+
 def check_positive_int(key: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{key} must be a positive integer, got {value!r}")
@@ -99,6 +120,9 @@ class CenterStrategy(DDPStrategy):
         self._stash: torch.Tensor | None = None
         self._local_steps = 0
         self._resume_state: dict | None = None
+        #: the resident elastic buffer the tensors are views of (None: not resident)
+        self._flat: torch.Tensor | None = None
+        self._flat_ptrs: list[int] = []
 
     # ------------------------------------------------------------------ set-up
     @override
@@ -116,11 +140,12 @@ class CenterStrategy(DDPStrategy):
             return
         check_one_optimizer(self, len(self.optimizers))
         self._validate_world(self.world_size)
+        self._make_elastic_resident()
         tensors = self._elastic_tensors()
         if self._resume_state is None:
-            flat = flatten(tensors)
+            flat = self._elastic_flat()
             ops.broadcast(flat, src=0, kind="setup")
-            unflatten_into(flat, tensors)
+            self._store_elastic(flat)
             self._center = flat.clone()
         else:
             state = self._resume_state
@@ -165,9 +190,83 @@ class CenterStrategy(DDPStrategy):
         buffers = [b for b in module.buffers() if b.is_floating_point()]
         return params + buffers
 
+    # ------------------------------------------------------------------ resident buffer
+    @torch.no_grad()
+    def _make_elastic_resident(self) -> None:
+        """Turn the elastic tensors into views of one new contiguous buffer (their values
+        copied in). Parameters keep their identity (the optimizer's references stay
+        valid); only their storage moves. Skipped when dtypes or devices differ or a
+        tensor is not contiguous (channels-last weights keep their layout)."""
+        tensors = self._elastic_tensors()
+        if not tensors or any(
+            t.dtype != tensors[0].dtype or t.device != tensors[0].device or not t.is_contiguous()
+            for t in tensors
+        ):
+            self._flat, self._flat_ptrs = None, []
+            return
+        flat = torch.empty(
+            sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device
+        )
+        offset = 0
+        for t in tensors:
+            n = t.numel()
+            view = flat[offset : offset + n].view(t.shape)
+            view.copy_(t)
+            t.data = view
+            offset += n
+        self._flat = flat
+        self._flat_ptrs = [t.data_ptr() for t in tensors]
+
+    def _resident(self) -> bool:
+        """True while every elastic tensor is still a view of the resident buffer (code that
+        re-assigns a parameter's ``.data`` ends residency; the copying path takes over)."""
+        if self._flat is None:
+            return False
+        if [t.data_ptr() for t in self._elastic_tensors()] != self._flat_ptrs:
+            log.warning("elastic tensors are no longer views of the resident buffer; copying")
+            self._flat, self._flat_ptrs = None, []
+            return False
+        return True
+
+    def _elastic_flat(self) -> torch.Tensor:
+        """This worker's elastic variable as one flat vector: the resident buffer itself
+        (writes go to the parameters) or, when not resident, a new copy."""
+        if self._resident():
+            return self._flat
+        return flatten(self._elastic_tensors())
+
+    def _store_elastic(self, x: torch.Tensor) -> None:
+        """Make ``x`` (from :meth:`_elastic_flat`, changed in place) the elastic variable;
+        nothing to do when it is the resident buffer."""
+        if x is not self._flat or not self._resident():
+            unflatten_into(x, self._elastic_tensors())
+
+    @torch.no_grad()
+    def _load_elastic(self, src: torch.Tensor) -> None:
+        """Copy the flat vector ``src`` into the elastic variable."""
+        if self._resident():
+            self._flat.copy_(src)
+        else:
+            unflatten_into(src, self._elastic_tensors())
+
+    @torch.no_grad()
+    def _copy_elastic(self, out: torch.Tensor) -> torch.Tensor:
+        """Copy the elastic variable into the flat buffer ``out``; returns ``out``."""
+        if self._resident():
+            return out.copy_(self._flat)
+        offset = 0
+        for t in self._elastic_tensors():
+            n = t.numel()
+            out[offset : offset + n].copy_(t.detach().reshape(-1))
+            offset += n
+        return out
+
     def _worker_flat(self) -> torch.Tensor:
         """This worker's own variable (even while the center is swapped in)."""
-        return self._stash.clone() if self._stash is not None else flatten(self._elastic_tensors())
+        if self._stash is not None:
+            return self._stash.clone()
+        x = self._elastic_flat()
+        return x.clone() if x is self._flat else x
 
     @property
     def center(self) -> torch.Tensor | None:
@@ -182,6 +281,13 @@ class CenterStrategy(DDPStrategy):
     def _fetch_center(self) -> None:
         """Make ``self._center`` current on this rank (no-op when it is replicated)."""
 
+    def _complete_exchange(self) -> None:
+        """Finish an exchange still in flight, so that the center (and the worker state)
+        is current; no-op when nothing is pending (the default: blocking exchanges)."""
+
+    def _drop_exchange(self) -> None:
+        """Forget an exchange still in flight without waiting (teardown after a failure)."""
+
     # ------------------------------------------------------------------ training
     @override
     def optimizer_step(
@@ -192,13 +298,20 @@ class CenterStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         self._local_steps += 1
-        return self._exchange_step(
-            lambda: DDPStrategy.optimizer_step(self, optimizer, closure, model, **kwargs),
-            optimizer,
-        )
 
-    def _exchange_step(self, take_step: Callable[[], Any], optimizer: Optimizer) -> Any:
-        """Run ``take_step()`` (the optimizer's own step) and the strategy's exchange."""
+        def take_step(after_closure: Callable[[], None] | None = None) -> Any:
+            step_closure = closure if after_closure is None else _then(closure, after_closure)
+            return DDPStrategy.optimizer_step(self, optimizer, step_closure, model, **kwargs)
+
+        return self._exchange_step(take_step, optimizer)
+
+    def _exchange_step(self, take_step: Callable[..., Any], optimizer: Optimizer) -> Any:
+        """Run ``take_step()`` (the optimizer's own step) and the strategy's exchange.
+
+        ``take_step(after_closure=fn)`` runs ``fn()`` once, right after the closure's
+        forward and backward and before the optimizer updates the parameters (they are
+        still the point at which the gradient was computed).
+        """
         raise NotImplementedError
 
     def _optimizer_lr(self, optimizer: Optimizer) -> float:
@@ -215,17 +328,18 @@ class CenterStrategy(DDPStrategy):
             self._swap_out()
 
     def _swap_in(self) -> None:
+        """Stash the worker's variable and copy the center into it."""
         if self._center is None or self._stash is not None:
             return
+        self._complete_exchange()
         self._fetch_center()
-        tensors = self._elastic_tensors()
-        self._stash = flatten(tensors)
-        unflatten_into(self._center, tensors)
+        self._stash = self._worker_flat()
+        self._load_elastic(self._center)
 
     def _swap_out(self) -> None:
         if self._stash is None:
             return
-        unflatten_into(self._stash, self._elastic_tensors())
+        self._load_elastic(self._stash)
         self._stash = None
 
     @override
@@ -245,9 +359,10 @@ class CenterStrategy(DDPStrategy):
         """The deliverable: the user's module holds the center on every rank."""
         super().on_train_end()
         if self._center is not None:
+            self._complete_exchange()
             self._swap_out()
             self._fetch_center()
-            unflatten_into(self._center, self._elastic_tensors())
+            self._load_elastic(self._center)
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -255,6 +370,7 @@ class CenterStrategy(DDPStrategy):
         """The module weights in a checkpoint are the center's."""
         if self._center is None:
             return super().lightning_module_state_dict()
+        self._complete_exchange()
         self._fetch_center()
         swapped = self._stash is not None
         if not swapped:
@@ -299,6 +415,7 @@ class CenterStrategy(DDPStrategy):
     ) -> None:
         """Add every worker's state and the center, then write atomically on rank 0."""
         if self._center is not None:
+            self._complete_exchange()
             workers = self._gather_worker_states()
             steps = (
                 ops.all_gather_object(self._local_steps)
@@ -345,5 +462,7 @@ class CenterStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        self._drop_exchange()  # after a failure; on_train_end finished it on success
         self._stash = None
+        self._flat, self._flat_ptrs = None, []
         super().teardown()

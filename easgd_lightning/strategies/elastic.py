@@ -78,9 +78,11 @@ def is_exchange_step(step: int, tau: int) -> bool:
     return step % tau == 0
 
 
-def elastic_difference(x: torch.Tensor, center: torch.Tensor, alpha: float) -> torch.Tensor:
-    """d = alpha * (x - c)."""
-    return (x - center).mul_(alpha)
+def elastic_difference(
+    x: torch.Tensor, center: torch.Tensor, alpha: float, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """d = alpha * (x - c) (into ``out`` when given; bitwise the same either way)."""
+    return torch.sub(x, center, out=out).mul_(alpha) if out is not None else (x - center).mul_(alpha)
 
 
 def apply_elastic_pull(x: torch.Tensor, diff: torch.Tensor) -> torch.Tensor:

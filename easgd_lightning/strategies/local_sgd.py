@@ -67,7 +67,7 @@ from typing_extensions import override
 
 from easgd_lightning.comm import ops
 from easgd_lightning.hooks.elastic import exchange_sum
-from easgd_lightning.strategies.base import CenterStrategy, flatten, unflatten_into
+from easgd_lightning.strategies.base import CenterStrategy
 from easgd_lightning.utils.checkpoint import from_plain
 
 log = logging.getLogger(__name__)
@@ -382,12 +382,12 @@ class LocalSGDStrategy(CenterStrategy):
         """Blocking average: center <- mean_i x_i, then x_i <- center."""
         world = self.world_size
         if self._compression is None:
-            x = flatten_into(tensors, self._take_buffer())
+            x = self._copy_elastic(self._take_buffer())
             x.div_(world)
             ops.all_reduce(x, kind=self.comm_kind)
             self._spare, self._center = self._center, x
         else:
-            diff = flatten(tensors) - self._center
+            diff = self._elastic_flat() - self._center
             total = exchange_sum(
                 diff,
                 compressor=self._compression,
@@ -397,17 +397,17 @@ class LocalSGDStrategy(CenterStrategy):
                 shapes=[t.shape for t in tensors],
             )
             self._center = average_from_sum(self._center, total, world)
-        unflatten_into(self._center, tensors)
+        self._load_elastic(self._center)
 
     @torch.no_grad()
     def _overlap_boundary(self, tensors: list[torch.Tensor]) -> None:
         """CoCoD-SGD boundary: merge the previous round's average, launch this one's."""
         self._complete_pending()
-        x = flatten_into(tensors, self._take_buffer())
         if self._merge_ready:
-            cocod_merge(self._center, self._snapshot, x, out=x)
-            unflatten_into(x, tensors)
+            current = self._elastic_flat()
+            self._store_elastic(cocod_merge(self._center, self._snapshot, current, out=current))
             self._merge_ready = False
+        x = self._copy_elastic(self._take_buffer())
         if self._snapshot is None or self._snapshot.shape != x.shape:
             self._snapshot = torch.empty_like(x)
         self._snapshot.copy_(x)
@@ -434,9 +434,8 @@ class LocalSGDStrategy(CenterStrategy):
         tensors = self._elastic_tensors()
         self._complete_pending()
         if self._merge_ready:
-            x = flatten_into(tensors, self._take_buffer())
-            unflatten_into(cocod_merge(self._center, self._snapshot, x, out=x), tensors)
-            self._spare = x
+            current = self._elastic_flat()
+            self._store_elastic(cocod_merge(self._center, self._snapshot, current, out=current))
             self._merge_ready = False
             self._snapshot = None
         if self._round_steps > 0:

@@ -27,12 +27,7 @@ from typing_extensions import override
 
 from easgd_lightning.comm import ops
 from easgd_lightning.strategies import elastic
-from easgd_lightning.strategies.base import (
-    CenterStrategy,
-    check_positive_int,
-    flatten,
-    unflatten_into,
-)
+from easgd_lightning.strategies.base import CenterStrategy, check_positive_int
 
 __all__ = ["RoundRobinEASGDStrategy"]
 
@@ -95,8 +90,7 @@ class RoundRobinEASGDStrategy(CenterStrategy):
     def _exchange_step(self, take_step: Callable[[], Any], optimizer: Optimizer) -> Any:
         if not elastic.is_exchange_step(self._local_steps, self._tau):
             return take_step()
-        tensors = self._elastic_tensors()
-        x = flatten(tensors)
+        x = self._elastic_flat()  # the resident buffer: sent without a copy
         if self.global_rank == MASTER:
             diff = self._serve(x, MASTER)
             buf = torch.empty_like(x)
@@ -110,9 +104,9 @@ class RoundRobinEASGDStrategy(CenterStrategy):
         self.exchange_times.append((self._local_steps, time.time()))
         out = take_step()
         with torch.no_grad():
-            new_x = flatten(tensors)
+            new_x = self._elastic_flat()
             elastic.apply_elastic_pull(new_x, diff)
-            unflatten_into(new_x, tensors)
+            self._store_elastic(new_x)
         return out
 
     @override

@@ -13,6 +13,18 @@ becomes one all-reduce of a single contiguous buffer. Deterministic for a fixed 
 Defaults: tau = 1 (exchange every step, as SC17's Sync EASGD), beta = p * alpha = 0.9.
 Raise tau (4, 16, 64) to trade consensus for less traffic. With ``compression`` the
 elastic differences are compressed with error feedback and c adds the decompressed sum.
+
+Overlap (``overlap=true``, the default; SC17's third co-design step): the all-reduce of
+step t's differences is needed only when the next difference is formed, at step t + tau
+after that step's forward and backward. So it is launched non-blocking and waited for
+just before that: the closure's forward + backward runs (x is still the point where the
+gradient is computed), then the pending sum is added to c, d = alpha (x - c) is formed,
+the optimizer steps, x <- x - d and the exchange of d is launched. ``overlap=false``
+waits right after the launch. The arithmetic and its order are the same in both modes,
+so they give bitwise the same centers; validation, checkpoints and the end of fit finish
+a pending exchange first. With a compressor the exchange is split the same way
+(:func:`easgd_lightning.hooks.elastic.start_exchange_sum`): compression and the residual
+update at launch, decompression and the sum at the wait.
 """
 
 from __future__ import annotations
@@ -24,14 +36,9 @@ import torch
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from easgd_lightning.hooks.elastic import exchange_sum
+from easgd_lightning.hooks.elastic import PendingSum, start_exchange_sum
 from easgd_lightning.strategies import elastic
-from easgd_lightning.strategies.base import (
-    CenterStrategy,
-    check_positive_int,
-    flatten,
-    unflatten_into,
-)
+from easgd_lightning.strategies.base import CenterStrategy, check_positive_int
 from easgd_lightning.utils.checkpoint import from_plain
 
 __all__ = ["SyncEASGDStrategy"]
@@ -50,6 +57,8 @@ class SyncEASGDStrategy(CenterStrategy):
             choice, residuals for sparsifiers / PowerSGD / sign). The worker applies its
             exact difference; the center adds the decompressed sum, and what a compressor
             dropped reaches the center later through the residual.
+        overlap: run each exchange behind the next exchange step's forward and backward
+            (exact: the same centers as ``false``, bitwise).
     """
 
     strategy_name = "sync_easgd"
@@ -62,13 +71,20 @@ class SyncEASGDStrategy(CenterStrategy):
         rho: float | None = None,
         compression: Any = None,
         memory: Any = None,
+        overlap: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(compression=compression, **kwargs)
         self._tau = check_positive_int("strategy.tau", tau)
         self._set_moving_rate_options(alpha, beta, rho)
+        if not isinstance(overlap, bool):
+            raise ValueError(f"strategy.overlap must be true or false, got {overlap!r}")
+        self._overlap = overlap
         self._memory = memory
         self._compress_state: dict = {}
+        self._diff: torch.Tensor | None = None  # d, reused every exchange
+        self._pending: PendingSum | None = None
+        self._diff_formed = False
 
     @property
     def tau(self) -> int:
@@ -78,34 +94,68 @@ class SyncEASGDStrategy(CenterStrategy):
     def alpha(self) -> float | None:
         return self._alpha
 
+    @property
+    def overlap(self) -> bool:
+        return self._overlap
+
     @override
     def _validate_world(self, world_size: int) -> None:
         self._resolve_moving_rate(world_size)
 
     @override
-    def _exchange_step(self, take_step: Callable[[], Any], optimizer: Optimizer) -> Any:
+    def _exchange_step(self, take_step: Callable[..., Any], optimizer: Optimizer) -> Any:
         if not elastic.is_exchange_step(self._local_steps, self._tau):
             return take_step()
-        tensors = self._elastic_tensors()
-        diff = elastic.elastic_difference(flatten(tensors), self._center, self._alpha)
-        out = take_step()
+        self._diff_formed = False
+        out = take_step(after_closure=self._form_difference)
+        if not self._diff_formed:
+            raise RuntimeError(
+                "sync_easgd: the optimizer stepped without calling its closure, so the "
+                "elastic difference could not be formed at the gradient's point"
+            )
         with torch.no_grad():
-            x = flatten(tensors)
-            elastic.apply_elastic_pull(x, diff)
-            unflatten_into(x, tensors)
-        total = exchange_sum(
-            diff,
+            x = self._elastic_flat()
+            elastic.apply_elastic_pull(x, self._diff)
+            self._store_elastic(x)
+        self._pending = start_exchange_sum(
+            self._diff,
             compressor=self._compression,
             memory=self._memory,
             state=self._compress_state,
             kind=self.comm_kind,
-            shapes=[t.shape for t in tensors] if self._compression is not None else None,
+            shapes=(
+                [t.shape for t in self._elastic_tensors()] if self._compression is not None else None
+            ),
         )
-        elastic.apply_center_update(self._center, total)
+        if not self._overlap:
+            self._complete_exchange()
         return out
+
+    @torch.no_grad()
+    def _form_difference(self) -> None:
+        """After forward + backward, before the update: c += the pending sum, then
+        d = alpha (x - c) at the point where the gradient was computed."""
+        self._complete_exchange()
+        x = self._elastic_flat()
+        if self._diff is None or self._diff.shape != x.shape or self._diff.dtype != x.dtype:
+            self._diff = torch.empty_like(x)
+        elastic.elastic_difference(x, self._center, self._alpha, out=self._diff)
+        self._diff_formed = True
+
+    @override
+    def _complete_exchange(self) -> None:
+        """Wait for the exchange in flight and add its sum to the center."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            elastic.apply_center_update(self._center, pending.wait())
+
+    @override
+    def _drop_exchange(self) -> None:
+        self._pending = None
 
     @override
     def _worker_extra_state(self) -> dict:
+        self._complete_exchange()
         # the base turns this into tensors and plain data (utils.checkpoint.to_plain)
         mem = self._memory.state_dict() if hasattr(self._memory, "state_dict") else None
         return {"memory": mem, "compress_state": self._compress_state}
@@ -119,4 +169,9 @@ class SyncEASGDStrategy(CenterStrategy):
 
     @override
     def summary_extras(self) -> dict:
-        return {"tau": self._tau, "alpha": self._alpha, "beta": (self._alpha or 0) * self.world_size}
+        return {
+            "tau": self._tau,
+            "alpha": self._alpha,
+            "beta": (self._alpha or 0) * self.world_size,
+            "overlap": self._overlap,
+        }
