@@ -209,11 +209,11 @@ def start_exchange_tensors(
     if small:
         flat = torch.cat([tensors[i].reshape(-1) for i in small])
         collective.charge_dense(flat.numel() * flat.element_size())
-        handle = collective.all_reduce_sum_async([flat])
+        small_handle = collective.all_reduce_sum_async([flat])
         mine = [tensors[i].clone() for i in small]
 
         def finish_small() -> None:
-            (summed,) = handle.wait()
+            (summed,) = small_handle.wait()
             summed /= world
             offset = 0
             for i, own in zip(small, mine):

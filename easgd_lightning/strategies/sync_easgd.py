@@ -85,6 +85,7 @@ class SyncEASGDStrategy(CenterStrategy):
         self._diff: torch.Tensor | None = None  # d, reused every exchange
         self._pending: PendingSum | None = None
         self._diff_formed = False
+        self._overlapped = 0  # exchanges still in flight when the next difference was formed
 
     @property
     def tau(self) -> int:
@@ -97,6 +98,11 @@ class SyncEASGDStrategy(CenterStrategy):
     @property
     def overlap(self) -> bool:
         return self._overlap
+
+    @property
+    def exchanges_overlapped(self) -> int:
+        """Exchanges that were still in flight when the next difference was formed."""
+        return self._overlapped
 
     @override
     def _validate_world(self, world_size: int) -> None:
@@ -135,6 +141,7 @@ class SyncEASGDStrategy(CenterStrategy):
     def _form_difference(self) -> None:
         """After forward + backward, before the update: c += the pending sum, then
         d = alpha (x - c) at the point where the gradient was computed."""
+        self._overlapped += self._pending is not None
         self._complete_exchange()
         x = self._elastic_flat()
         if self._diff is None or self._diff.shape != x.shape or self._diff.dtype != x.dtype:
@@ -174,4 +181,5 @@ class SyncEASGDStrategy(CenterStrategy):
             "alpha": self._alpha,
             "beta": (self._alpha or 0) * self.world_size,
             "overlap": self._overlap,
+            "exchanges_overlapped": self._overlapped,
         }
