@@ -381,22 +381,24 @@ class LocalSGDStrategy(CenterStrategy):
     def _average(self, tensors: list[torch.Tensor]) -> None:
         """Blocking average: center <- mean_i x_i, then x_i <- center."""
         world = self.world_size
-        if self._compression is None:
-            x = self._copy_elastic(self._take_buffer())
+        if self._compression is None:  # in place in the (resident) elastic buffer
+            x = self._elastic_flat()
             x.div_(world)
             ops.all_reduce(x, kind=self.comm_kind)
-            self._spare, self._center = self._center, x
-        else:
-            diff = self._elastic_flat() - self._center
-            total = exchange_sum(
-                diff,
-                compressor=self._compression,
-                memory=self._memory,
-                state=self._compress_state,
-                kind=self.comm_kind,
-                shapes=[t.shape for t in tensors],
-            )
-            self._center = average_from_sum(self._center, total, world)
+            self._store_elastic(x)
+            center = self._take_buffer().copy_(x)
+            self._spare, self._center = self._center, center
+            return
+        diff = self._elastic_flat() - self._center
+        total = exchange_sum(
+            diff,
+            compressor=self._compression,
+            memory=self._memory,
+            state=self._compress_state,
+            kind=self.comm_kind,
+            shapes=[t.shape for t in tensors],
+        )
+        self._center = average_from_sum(self._center, total, world)
         self._load_elastic(self._center)
 
     @torch.no_grad()
