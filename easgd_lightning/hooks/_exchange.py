@@ -210,16 +210,19 @@ def start_exchange_tensors(
         flat = torch.cat([tensors[i].reshape(-1) for i in small])
         collective.charge_dense(flat.numel() * flat.element_size())
         small_handle = collective.all_reduce_sum_async([flat])
-        mine = [tensors[i].clone() for i in small]
+        offset = 0
+        for i in small:  # this rank's parts: views of its (copied) message
+            n = tensors[i].numel()
+            pending.locals[i] = flat[offset : offset + n].view_as(tensors[i])
+            offset += n
 
         def finish_small() -> None:
             (summed,) = small_handle.wait()
             summed /= world
             offset = 0
-            for i, own in zip(small, mine):
-                n = own.numel()
-                pending.means[i] = summed[offset : offset + n].view_as(own)
-                pending.locals[i] = own
+            for i in small:
+                n = tensors[i].numel()
+                pending.means[i] = summed[offset : offset + n].view(pending.locals[i].shape)
                 offset += n
 
         pending._finishers.append(finish_small)

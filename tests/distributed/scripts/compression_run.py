@@ -1,6 +1,6 @@
 """One rank of the compression checks (launched torchrun-style by the tests).
 
-Usage: compression_run.py OUT SCENARIO[,SCENARIO...]   (aggregate | ddp | elastic)
+Usage: compression_run.py OUT SCENARIO[,SCENARIO...]   (aggregate | ddp | elastic | elastic_split)
 
 Every scenario computes an independent reference from the *dense* local contributions
 gathered here with plain ``torch.distributed.all_gather`` and writes the comparison to
@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from easgd_lightning.comm.meter import get_meter
 from easgd_lightning.hooks import build_compressor, exchange_sum, register_compression_hook
 from easgd_lightning.hooks.collective import ProcessGroupCollective
+from easgd_lightning.hooks.elastic import start_exchange_sum
 
 SHAPE = (64, 48)
 N = SHAPE[0] * SHAPE[1]
@@ -214,6 +215,50 @@ def scenario_elastic(rank: int, world: int) -> dict:
             cons.append(float((local + res - (diff + owed)).abs().max()))
             owed = res
         out[name] = {"err": errs, "conservation": cons}
+    return out
+
+
+def scenario_elastic_split(rank: int, world: int) -> dict:
+    """The split (launch / wait) exchange against the one-call exchange, same inputs.
+
+    Two exchanges are in flight at once and a blocking collective runs between launch and
+    wait (as training's own traffic would); the sums and the residuals must agree.
+    """
+    out = {}
+    shapes = [(40, 30), (30,), (20, 25)]
+    total_numel = sum(math.prod(s) for s in shapes)
+    for name, params in (
+        ("topk", {"ratio": 0.05, "min_numel": 100}),
+        ("randomk", {"ratio": 0.1, "min_numel": 100}),
+        ("qsgd", {"levels": 7, "min_numel": 100, "memory": True}),
+        ("signsgd", {"min_numel": 100}),
+        ("powersgd", {"rank": 2, "min_numel": 100}),  # multi-round: runs whole at launch
+    ):
+        comp_a, comp_b = build_compressor(name, **params), build_compressor(name, **params)
+        state_a, state_b = {}, {}
+        errs, res_errs = [], []
+        for step in range(3):
+            g = torch.Generator().manual_seed(70 * rank + step)
+            diffs = [torch.randn(total_numel, generator=g) for _ in range(2)]
+            pendings = [
+                start_exchange_sum(d.clone(), compressor=comp_b, state=st, shapes=shapes, key=f"k{j}")
+                for j, (d, st) in enumerate(zip(diffs, (state_b, state_b)))
+            ]
+            dist.all_reduce(torch.ones(3))  # unrelated traffic between launch and wait
+            split = [p.wait() for p in pendings]
+            whole = [
+                exchange_sum(d.clone(), compressor=comp_a, state=state_a, shapes=shapes, key=f"k{j}")
+                for j, d in enumerate(diffs)
+            ]
+            errs.append(max(float((a - b).abs().max()) for a, b in zip(whole, split)))
+            mem_a, mem_b = state_a["_memory"], state_b["_memory"]
+            keys = [f"k{j}.{i}" for j in range(2) for i in range(len(shapes))]
+            res_errs.append(max(
+                (float((mem_a.residual(k) - mem_b.residual(k)).abs().max())
+                 if mem_a.residual(k) is not None else float(mem_b.residual(k) is not None))
+                for k in keys
+            ))
+        out[name] = {"err": errs, "residual_err": res_errs, "scale": float(whole[0].abs().max())}
     return out
 
 
