@@ -230,7 +230,7 @@ def scenario_elastic_split(rank: int, world: int) -> dict:
     for name, params in (
         ("topk", {"ratio": 0.05, "min_numel": 100}),
         ("randomk", {"ratio": 0.1, "min_numel": 100}),
-        ("qsgd", {"levels": 7, "min_numel": 100, "memory": True}),
+        ("qsgd", {"levels": 7, "min_numel": 100, "memory": True, "seed": 3}),  # same noise
         ("signsgd", {"min_numel": 100}),
         ("powersgd", {"rank": 2, "min_numel": 100}),  # multi-round: runs whole at launch
     ):
