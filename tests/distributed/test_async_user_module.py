@@ -147,7 +147,11 @@ def test_sigterm_ends_every_rank_of_a_run_hung_in_a_collective(tmp_path: Path) -
                 p.kill()
     assert worker_codes == [128 + signal.SIGTERM] * 3, worker_codes
     assert server_code not in (None, 0), server_code
-    assert "interrupted by SIGTERM" in (tmp_path / "rank3.err").read_text()
+    # Either the server stopped serving itself and said so, or (on a loaded machine, when
+    # that took longer than the grace period) the signal watch ended it with 128 + SIGTERM.
+    err_file = tmp_path / "rank3.err"
+    said = err_file.exists() and "interrupted by SIGTERM" in err_file.read_text()
+    assert said or server_code == 128 + signal.SIGTERM, server_code
 
 
 WATCHED = """

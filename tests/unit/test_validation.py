@@ -30,7 +30,7 @@ BAD = [
     (["+trainer.max_epocs=3"], "trainer.max_epocs", "did you mean trainer.max_epochs?"),
     (["trainer.max_epocs=3"], "trainer.max_epocs", "did you mean trainer.max_epochs?"),
     (["strategy=sync_easgd", "+strategy.tua=4"], "strategy.tua",
-     "did you mean strategy.tau? valid keys of strategy (strategy=sync_easgd): alpha, beta, name, rho, tau"),
+     "did you mean strategy.tau? valid keys of strategy (strategy=sync_easgd): alpha, beta, name, overlap, rho, tau"),
     (["+strategy.tau=4"], "strategy.tau", "valid keys of strategy (strategy=ddp): name"),
     (["strategy=async_sgd", "trainer.devices=4", "+strategy.tau=4"], "strategy.tau", "valid keys of strategy (strategy=async_sgd)"),
     (["~optim.nope"], "optim.nope", "valid keys of optim"),
