@@ -16,7 +16,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.trainer.connectors.signal_connector import _SignalConnector
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-from easgd_lightning.comm import get_meter
+from easgd_lightning.comm import get_meter, ops
 from easgd_lightning.utils import stop
 from easgd_lightning.utils.atomic import atomic_torch_save
 
@@ -255,7 +255,7 @@ class SignalStop(pl.Callback):
                 for r in range(1, world):
                     if self._store.check([self._key(r)]):
                         flags[r] = int(self._store.get(self._key(r)))
-        dist.broadcast(flags, src=0)  # errors propagate: a lost peer must fail the run, not be swallowed
+        ops.broadcast_control(flags, src=0)  # errors propagate: a lost peer must fail the run
         signalled = [r for r, s in enumerate(flags.tolist()) if s]
         if signalled:
             self._decide(trainer, int(flags[signalled[0]]), signalled)

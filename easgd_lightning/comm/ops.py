@@ -23,6 +23,7 @@ __all__ = [
     "all_gather_varlen",
     "all_gather_varlen_async",
     "broadcast",
+    "broadcast_control",
     "send",
     "recv",
     "isend",
@@ -199,6 +200,13 @@ def broadcast(
     size = nbytes(tensor)
     is_src = dist.get_rank() == src
     _finish(kind, start, size if is_src else 0, 0 if is_src else size, None if is_src else 0)
+    return tensor
+
+
+def broadcast_control(tensor: torch.Tensor, src: int = 0, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """In-place broadcast of a few control words (e.g. the per-step stop flags); not metered
+    as payload, like :func:`all_gather_object`. Errors propagate (a lost peer fails the run)."""
+    dist.broadcast(tensor, src=src, group=group)
     return tensor
 
 
