@@ -34,11 +34,11 @@ from easgd_lightning.cli.build import ConfigError, validate_config
 from easgd_lightning.cli.resolvers import register_resolvers
 from easgd_lightning.cli.summary import build_summary, write_summary
 from easgd_lightning.cli.worker import (
-    close_process_group,
     current_run_id,
     read_rank_reports,
     run_worker,
 )
+from easgd_lightning.comm.ops import close_process_group
 
 __all__ = ["main", "train", "CONF_DIR"]
 

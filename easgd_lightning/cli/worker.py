@@ -30,7 +30,6 @@ from easgd_lightning.utils.atomic import atomic_write_json
 
 __all__ = [
     "run_worker", "worker_main", "rank_file", "read_rank_reports", "run_identity", "current_run_id",
-    "close_process_group",
 ]
 
 log = logging.getLogger(__name__)
@@ -362,21 +361,6 @@ def _die_with_launcher(launcher_pid: int | None) -> None:
         sys.exit(1)
 
 
-def close_process_group() -> None:
-    """Destroy the default process group once this rank's last collective is done.
-
-    Left to interpreter shutdown, gloo's worker threads still hold finished work objects
-    whose tensors are freed after Python is gone: the rank aborts at exit ("terminate called
-    without an active exception", exit -6; 3 of 28 four-rank runs on 10 Mbit/s links,
-    issue 14), and a process that dies that way resets its sockets, dropping data its
-    peers have not read yet.
-    """
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def worker_main(argv: list[str] | None = None) -> None:
     """Entry of a rank started by the local launcher: ``CONFIG.yaml RUN_DIR`` (rank and
     rendezvous in the environment). Signals only set the stop flag from the first line on."""
@@ -392,6 +376,8 @@ def worker_main(argv: list[str] | None = None) -> None:
     rank = int(os.environ.get("RANK", "0"))
     try:
         run_worker(cfg, args[1])
+        from easgd_lightning.comm.ops import close_process_group
+
         close_process_group()
     except SystemExit:
         raise
