@@ -7,6 +7,7 @@ a compressor is involved, ``dense_bytes`` (what the uncompressed exchange would 
 
 from __future__ import annotations
 
+import atexit
 import time
 
 import torch
@@ -25,6 +26,7 @@ __all__ = [
     "broadcast",
     "broadcast_control",
     "close_process_group",
+    "close_process_group_at_exit",
     "send",
     "recv",
     "isend",
@@ -271,3 +273,18 @@ def close_process_group() -> None:
     """
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+_close_registered = False
+
+
+def close_process_group_at_exit() -> None:
+    """Make :func:`close_process_group` run at interpreter exit (once per process).
+
+    Our strategies call this when they set up the environment, so a user's own script that
+    never destroys the process group does not abort at exit the way
+    :func:`close_process_group` describes (seen in 2- and 3-rank ``sync_easgd`` runs)."""
+    global _close_registered
+    if not _close_registered:
+        atexit.register(close_process_group)
+        _close_registered = True

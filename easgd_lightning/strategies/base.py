@@ -126,6 +126,11 @@ class CenterStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ set-up
     @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        ops.close_process_group_at_exit()
+
+    @override
     def configure_ddp(self) -> None:
         """No DistributedDataParallel wrapper: workers train independent copies."""
 

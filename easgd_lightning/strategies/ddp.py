@@ -45,6 +45,11 @@ class CompressedDDPStrategy(DDPStrategy):
         self._resume_rank_state: dict | None = None
 
     @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        ops.close_process_group_at_exit()
+
+    @override
     def _register_ddp_hooks(self) -> None:
         self.hook_state = register_compression_hook(
             self.model, self._compression, **self._hook_options

@@ -232,6 +232,7 @@ class Pipeline3DStrategy(DDPStrategy):
         if self.root_device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         super().setup_environment()
+        ops.close_process_group_at_exit()
         dp = self._resolved_dp()
         validate_layout(
             self._pp, self._tp, dp, self.world_size,

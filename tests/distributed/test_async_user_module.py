@@ -126,8 +126,8 @@ def test_a_collective_the_server_never_joins_fails_with_a_clear_error(tmp_path: 
 @pytest.mark.slow
 def test_sigterm_ends_every_rank_of_a_run_hung_in_a_collective(tmp_path: Path) -> None:
     """Workers blocked in a collective that would wait 300 s (the server serving, alive):
-    SIGTERM ends each of them (the wakeup-fd watch: 128 + SIGTERM), then the server stops
-    serving on its own SIGTERM and says so."""
+    SIGTERM ends each of them (the wakeup-fd watch: 128 + SIGTERM), then the server ends
+    within the bound and says why."""
     procs = _start(4, ["async_easgd", "4", str(tmp_path), "hang"])
     try:
         deadline = time.monotonic() + 180
@@ -138,8 +138,8 @@ def test_sigterm_ends_every_rank_of_a_run_hung_in_a_collective(tmp_path: Path) -
         for p in procs[:3]:
             p.send_signal(signal.SIGTERM)
         worker_codes = _wait_all(procs[:3], timeout=60)  # far below the collective's 300 s
-        assert procs[3].poll() is None  # the server was not signalled yet: still serving
-        procs[3].send_signal(signal.SIGTERM)
+        if procs[3].poll() is None:  # it may already have noticed the store (rank 0) is gone
+            procs[3].send_signal(signal.SIGTERM)
         server_code = _wait_all(procs[3:], timeout=60)[0]
     finally:
         for p in procs:
@@ -147,11 +147,15 @@ def test_sigterm_ends_every_rank_of_a_run_hung_in_a_collective(tmp_path: Path) -
                 p.kill()
     assert worker_codes == [128 + signal.SIGTERM] * 3, worker_codes
     assert server_code not in (None, 0), server_code
-    # Either the server stopped serving itself and said so, or (on a loaded machine, when
-    # that took longer than the grace period) the signal watch ended it with 128 + SIGTERM.
+    # The server ends in one of three ways, all bounded and explained: it stops serving on
+    # its own SIGTERM and says so; it notices first that the rendezvous store died with
+    # rank 0 (the store lives in rank 0 in this torchrun-style launch) and says that; or
+    # the signal arrives while it is already exiting (the watch's 128 + SIGTERM, or the
+    # default disposition restored at exit: -SIGTERM).
     err_file = tmp_path / "rank3.err"
-    said = err_file.exists() and "interrupted by SIGTERM" in err_file.read_text()
-    assert said or server_code == 128 + signal.SIGTERM, server_code
+    err_text = err_file.read_text() if err_file.exists() else ""
+    said = "interrupted by SIGTERM" in err_text or "lost the rendezvous store" in err_text
+    assert said or server_code in (128 + signal.SIGTERM, -signal.SIGTERM), (server_code, err_text[-3000:])
 
 
 WATCHED = """
