@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(VENV)/bin/python -m easgd_lightning.cli.demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests -m "not slow"
