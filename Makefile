@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q --durations=25 tests
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q tests -m "not slow"
+	$(PY) -m pytest -q --durations=10 tests -m "(unit or distributed) and not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check easgd_lightning tests bench

@@ -1,4 +1,7 @@
-"""Test helpers: run the real CLI and real multi-process scripts in subprocesses."""
+"""Test helpers shared by the test files and the table scripts (``python -m tests.feature_matrix``):
+compose the config as ``easgd-train`` does, read the CLI's one error line, run the real CLI
+and real multi-process scripts in subprocesses. (The tiers, markers by directory, live in
+tests/conftest.py; this module is importable outside pytest too.)"""
 
 from __future__ import annotations
 
@@ -49,8 +52,28 @@ def train_summary(run_dir: Path, *overrides: str, timeout: float = 300) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def launch_ranks(script: Path, world: int, args: list[str], *, timeout: float = 240) -> list[subprocess.CompletedProcess]:
-    """Run ``script`` as ``world`` ranks (torchrun-style environment) and wait for all."""
+def compose(overrides: list[str], *, hydra_config: bool = False):
+    """The config ``easgd-train`` would build from ``overrides`` (Hydra's compose over the
+    package's config tree, the recipe resolvers registered), without checking it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from easgd_lightning.cli.train import CONF_DIR  # also registers the recipe resolvers
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name="train", overrides=list(overrides), return_hydra_config=hydra_config)
+
+
+def one_error_line(stderr: str) -> str:
+    """The CLI's refusal: exactly one ``easgd-train: error:`` line and no traceback."""
+    lines = [ln for ln in stderr.splitlines() if ln.startswith("easgd-train: error:")]
+    assert len(lines) == 1, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    return lines[0]
+
+
+def start_ranks(script: Path, world: int, args: list[str]) -> list[subprocess.Popen]:
+    """Start ``script`` as ``world`` ranks (torchrun-style environment); pipes for out/err."""
     port = free_port()
     procs = []
     for rank in range(world):
@@ -61,6 +84,12 @@ def launch_ranks(script: Path, world: int, args: list[str], *, timeout: float = 
         procs.append(
             subprocess.Popen([PY, str(script), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
+    return procs
+
+
+def launch_ranks(script: Path, world: int, args: list[str], *, timeout: float = 240) -> list[subprocess.CompletedProcess]:
+    """Run ``script`` as ``world`` ranks (torchrun-style environment) and wait for all."""
+    procs = start_ranks(script, world, args)
     results = []
     try:
         for p in procs:
@@ -74,6 +103,21 @@ def launch_ranks(script: Path, world: int, args: list[str], *, timeout: float = 
         if r.returncode != 0:
             raise AssertionError(f"rank failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}")
     return results
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def assert_valid_png(path: Path) -> None:
+    """A real, non-blank PNG: signature, size, decodable by matplotlib, not one flat colour."""
+    import matplotlib.image as mpimg
+
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, path
+    assert len(data) > 5_000, (path, len(data))
+    pixels = mpimg.imread(str(path))
+    assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 100
+    assert float(pixels[..., :3].std()) > 0.01  # axes, labels and data, not a blank canvas
 
 
 class SoloCollective:

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from tests.helpers import PY, base_env, free_port, launch_ranks
+from tests.helpers import PY, base_env, launch_ranks, start_ranks
 
 SCRIPT = Path(__file__).parent / "scripts" / "async_user_run.py"
 RUNS = [("async_sgd", 4), ("async_easgd", 4), ("hogwild_sgd", 3)]
@@ -86,17 +86,6 @@ def test_user_module_metrics_optimizer_frozen_and_checkpoint(tmp_path: Path, str
         assert all("exp_avg" in s for s in server["state"].values()) and server["state"]
 
 
-def _start(devices: int, args: list[str]) -> list[subprocess.Popen]:
-    port = free_port()
-    procs = []
-    for rank in range(devices):
-        env = base_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(devices), NODE_RANK="0",
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([PY, str(SCRIPT), *args], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    return procs
-
-
 def _wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
     try:
         for p in procs:
@@ -113,7 +102,7 @@ def _wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int | None]
 @pytest.mark.slow
 def test_a_collective_the_server_never_joins_fails_with_a_clear_error(tmp_path: Path) -> None:
     """The module's own all_reduce (timeout 8 s) fails on every worker, saying why."""
-    procs = _start(4, ["async_sgd", "4", str(tmp_path), "collective"])
+    procs = start_ranks(SCRIPT, 4, ["async_sgd", "4", str(tmp_path), "collective"])
     codes = _wait_all(procs, timeout=240)
     assert all(code is not None for code in codes), codes  # nobody hung
     for rank in (0, 1, 2):
@@ -128,7 +117,7 @@ def test_sigterm_ends_every_rank_of_a_run_hung_in_a_collective(tmp_path: Path) -
     """Workers blocked in a collective that would wait 300 s (the server serving, alive):
     SIGTERM ends each of them (the wakeup-fd watch: 128 + SIGTERM), then the server ends
     within the bound and says why."""
-    procs = _start(4, ["async_easgd", "4", str(tmp_path), "hang"])
+    procs = start_ranks(SCRIPT, 4, ["async_easgd", "4", str(tmp_path), "hang"])
     try:
         deadline = time.monotonic() + 180
         while not all((tmp_path / f"hung{r}").exists() for r in (0, 1, 2)):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import compose as _compose
 from tests.helpers import train_summary
 
 SERVER_STRATEGIES = ("async_easgd", "async_measgd", "async_sgd", "async_msgd")
@@ -107,15 +108,6 @@ BAD = [
     (["strategy=async_msgd", "trainer.devices=4", "optim.momentum=0.5"], "optim.momentum"),
     (["strategy=hogwild_sgd", "strategy.momentum=0.5", "optim.optimizer=adamw"], "strategy.momentum"),
 ]
-
-
-def _compose(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-
-    from easgd_lightning.cli.train import CONF_DIR
-
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(config_name="train", overrides=overrides)
 
 
 @pytest.mark.parametrize("overrides,key", BAD)

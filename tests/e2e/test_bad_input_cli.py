@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import PY, REPO, base_env, run_cli
+from tests.helpers import one_error_line as _one_error_line
 
 CASES = [
     (["+trainer.max_epocs=3"], "trainer.max_epocs: unknown key; did you mean trainer.max_epochs?"),
@@ -24,13 +25,6 @@ CASES = [
     (["model=gpt_tiny", "model.builder=tests.unit.test_validation:two_optimizers", "strategy=sync_easgd"],
      "model=gpt: configure_optimizers returns 2 optimizers; strategy=sync_easgd drives exactly 1"),
 ]
-
-
-def _one_error_line(stderr: str) -> str:
-    lines = [ln for ln in stderr.splitlines() if ln.startswith("easgd-train: error:")]
-    assert len(lines) == 1, stderr[-3000:]
-    assert "Traceback" not in stderr, stderr[-3000:]
-    return lines[0]
 
 
 @pytest.mark.parametrize("overrides,expected", CASES, ids=[" ".join(o) for o, _ in CASES])

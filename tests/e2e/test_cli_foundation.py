@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.helpers import PY, REPO, base_env, train_summary
+from tests.helpers import compose as _compose
 
 
 @pytest.mark.slow
@@ -93,15 +94,6 @@ BAD_INPUTS = [
     (["faults.slow_rank=5"], "faults.slow_rank"),
     (["timeout_s=0"], "timeout_s"),
 ]
-
-
-def _compose(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-
-    from easgd_lightning.cli.train import CONF_DIR
-
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(config_name="train", overrides=overrides)
 
 
 @pytest.mark.parametrize("overrides,key", BAD_INPUTS)

@@ -8,18 +8,9 @@ import math
 
 import pytest
 
-from tests.helpers import REPO, run_cli
+from tests.helpers import REPO, compose, run_cli
 
 RECIPES = sorted(p.stem for p in (REPO / "recipes" / "nlp3d").glob("*.yaml"))
-
-
-def _compose(*overrides: str):
-    from hydra import compose, initialize_config_dir
-
-    import easgd_lightning.cli.train  # noqa: F401  (registers the recipe resolvers)
-
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose("train", overrides=list(overrides))
 
 
 def test_all_recipes_listed():
@@ -33,7 +24,7 @@ def test_all_recipes_listed():
 def test_recipe_composes_and_validates(name):
     from easgd_lightning.cli.build import validate_config
 
-    cfg = _compose(f"recipe=nlp3d/{name}")
+    cfg = compose([f"recipe=nlp3d/{name}"])
     assert cfg.strategy.name == "pipeline_3d"
     world = cfg.trainer.devices * cfg.trainer.num_nodes
     assert cfg.strategy.pp * cfg.strategy.tp * cfg.strategy.dp == world

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from tests.helpers import PY, REPO, base_env, run_cli, train_summary
+from tests.helpers import compose as _compose
 
 RECIPE_DIR = REPO / "recipes" / "imagenet"
 RECIPES = ["alexnet_gpu", "alexnet_knl", "googlenet_gpu", "googlenet_knl", "resnet50_gpu", "resnet50_knl"]
@@ -50,15 +51,6 @@ def _cpu_has_native_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def _compose(overrides: list[str], *, hydra_config: bool = False):
-    from hydra import compose, initialize_config_dir
-
-    from easgd_lightning.cli.train import CONF_DIR  # also registers the resolvers
-
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(config_name="train", overrides=overrides, return_hydra_config=hydra_config)
 
 
 # ----------------------------------------------------------------------------- composition

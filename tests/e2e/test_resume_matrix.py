@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import one_error_line as _one_error_line
 from tests.helpers import run_cli, train_summary
 
 COMMON = [
@@ -103,13 +104,6 @@ def _tensors(obj) -> list[torch.Tensor]:
 
 
 # ---------------------------------------------------------------------- refusals (CLI)
-def _one_error_line(stderr: str) -> str:
-    lines = [ln for ln in stderr.splitlines() if ln.startswith("easgd-train: error:")]
-    assert len(lines) == 1, stderr[-3000:]
-    assert "Traceback" not in stderr, stderr[-3000:]
-    return lines[0]
-
-
 @pytest.fixture(scope="module")
 def ddp_checkpoint(tmp_path_factory) -> Path:
     """A real 2-rank ddp + topk checkpoint (1 epoch of 4 steps)."""

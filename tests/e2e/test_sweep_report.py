@@ -15,24 +15,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import PY, REPO, base_env, run_cli
+from tests.helpers import PY, REPO, assert_valid_png, base_env, run_cli
 
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PLOTS = ("val_acc_vs_time.png", "acc_vs_bytes.png", "comm_share.png")
 STRATEGIES = ("ddp", "sync_easgd")
 COMPRESSIONS = ("none", "fp16")
-
-
-def assert_valid_png(path: Path) -> None:
-    """A real, non-blank PNG: signature, size, decodable by matplotlib, not one flat colour."""
-    import matplotlib.image as mpimg
-
-    data = path.read_bytes()
-    assert data[:8] == PNG_SIGNATURE, path
-    assert len(data) > 5_000, (path, len(data))
-    pixels = mpimg.imread(str(path))
-    assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 100
-    assert float(pixels[..., :3].std()) > 0.01
 
 
 def _report(*args: str) -> subprocess.CompletedProcess:

@@ -21,6 +21,7 @@ from easgd_lightning.utils.checkpoint import (
     to_plain,
 )
 from tests.helpers import SoloCollective
+from tests.helpers import compose as _compose
 
 
 def _weights_only_roundtrip(obj, tmp_path: Path):
@@ -171,15 +172,6 @@ def test_unusable_files_are_refused(tmp_path: Path, kind: str) -> None:
 
 
 # ---------------------------------------------------------------------- pre-launch check
-def _compose(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-
-    from easgd_lightning.cli.train import CONF_DIR
-
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(config_name="train", overrides=overrides)
-
-
 def _mlp_state(hidden: int = 128) -> dict:
     return {
         "net.1.weight": torch.zeros(hidden, 64),

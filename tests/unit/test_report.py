@@ -9,21 +9,9 @@ from pathlib import Path
 import pytest
 
 from easgd_lightning.cli import report
+from tests.helpers import PNG_SIGNATURE, assert_valid_png
 
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PLOTS = ("val_acc_vs_time.png", "acc_vs_bytes.png", "comm_share.png")
-
-
-def assert_valid_png(path: Path) -> None:
-    """A real, non-blank PNG: signature, size, decodable by matplotlib, not one flat colour."""
-    import matplotlib.image as mpimg
-
-    data = path.read_bytes()
-    assert data[:8] == PNG_SIGNATURE, path
-    assert len(data) > 5_000, (path, len(data))
-    pixels = mpimg.imread(str(path))
-    assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 100
-    assert float(pixels[..., :3].std()) > 0.01  # axes, labels and data, not a blank canvas
 
 
 def _summary(strategy: str, compression: str, *, acc: float, sent: int, dense: int, wall: float) -> dict:

@@ -1,0 +1,30 @@
+"""The test tiers, applied by directory (markers registered in pyproject.toml):
+
+- ``unit``: tests/unit, in-process (pure math, validation, one process at most);
+- ``distributed``: tests/distributed, real gloo ranks in subprocesses, a few seconds each;
+- ``e2e``: tests/e2e, the real ``easgd-train`` CLI and the bench harness;
+- ``slow``: long runs (convergence, sweeps, fault injection), marked in the files.
+
+``make test`` runs every tier; ``make test-fast`` runs ``(unit or distributed) and not slow``.
+The helpers (compose, the CLI's one error line, rank launchers) are in tests/helpers.py,
+which the table scripts (``python -m tests.feature_matrix``) import outside pytest.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+TIERS = {"unit": "unit", "distributed": "distributed", "e2e": "e2e"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = Path(__file__).parent
+    for item in items:
+        try:
+            part = Path(str(item.path)).relative_to(root).parts[0]
+        except ValueError:
+            continue
+        if part in TIERS:
+            item.add_marker(TIERS[part])
