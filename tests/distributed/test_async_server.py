@@ -28,7 +28,8 @@ def _load(out: Path, mode: str, ranks=(0, 1, 2, 3)) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("async_ps")
-    launch_ranks(SCRIPT, 4, ["fcfs,sgd,adam,adamfree,lockfree,dead", str(out)], timeout=240)
+    ranks = launch_ranks(SCRIPT, 4, ["fcfs,sgd,adam,adamfree,lockfree,dead", str(out)], timeout=240)
+    (out / "server.err").write_text(ranks[3].stderr)  # the server's warnings (how it noticed the dead)
     return out
 
 
@@ -160,8 +161,8 @@ def test_dead_worker_neither_hangs_server_nor_others(runs: Path) -> None:
     server = recs[3]
     assert server["dead"] == [2] and sorted(server["done"]) == [0, 1]
     assert server["order"].count(2) == 3 and server["updates"] == 23
-    # the survivors got the final center; the wait for the dead one was bounded by the
-    # heartbeat timeout (2 s), not by the process-group timeout (60 s)
+    # the survivors got the final center; the server stopped waiting for the dead one because
+    # its heartbeats stopped (dead_after_s=2), not through the process group's timeout (60 s)
     for r in (0, 1):
         torch.testing.assert_close(recs[r]["final"], server["center"])
-    assert server["seconds"] < 30
+    assert "worker 2 stopped sending heartbeats; going on without it" in (runs / "server.err").read_text()

@@ -1,5 +1,6 @@
 """The asynchronous family through the real CLI: convergence on the center, real asynchrony
-under a slow worker (and the synchronous contrast), bad input.
+under a slow worker, bad input. (The synchronous contrast, sync_easgd waiting for the slow
+worker, is a time measurement: bench/async_time_to_accuracy.py, as a ratio to sync_easgd.)
 
 Async strategies with a server use ``trainer.devices=4`` (3 workers + the server, the last
 rank); Hogwild on one node uses ``trainer.devices=3`` (3 workers, shared memory).
@@ -7,7 +8,6 @@ rank); Hogwild on one node uses ``trainer.devices=3`` (3 workers, shared memory)
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -73,21 +73,6 @@ def test_sgd_baselines_converge_on_the_center(tmp_path: Path, strategy: str) -> 
     )
     _check_center_run(s, strategy)
     assert all(s["steps_per_rank"][r] == 10 * 15 for r in _workers(s))  # everyone did its epochs
-
-
-@pytest.mark.slow
-def test_sync_easgd_slows_down_together(tmp_path: Path) -> None:
-    """The same knob on the synchronous strategy: every rank waits for the slow one."""
-    s = train_summary(
-        tmp_path / "sync", "strategy=sync_easgd", "trainer.devices=3", "trainer.max_epochs=3",
-        "faults.slow_rank=1", f"faults.slow_ms={SLOW_MS}", "checkpoint.enabled=false",
-    )
-    assert s["status"] == "ok"
-    steps = s["steps_per_rank"]
-    assert steps[0] == steps[1] == steps[2] > 0
-    # rank 0 never slept, yet its fit lasted at least as long as the slow rank's sleeps
-    rank0 = json.loads((tmp_path / "sync" / "ranks" / "rank0.json").read_text())
-    assert rank0["wall_time_s"] >= 0.9 * steps[1] * SLOW_MS / 1000
 
 
 BAD = [
