@@ -1778,7 +1778,7 @@ def run_smoke(
 
 def _missing_configs(selections: Iterable[str]) -> list[str]:
     """Files of the Hydra tree that ``group=name`` selections need but that do not exist."""
-    conf = REPO / "conf"
+    conf = REPO / "easgd_lightning" / "conf"
     missing = []
     if not (conf / "train.yaml").exists():
         missing.append("conf/train.yaml")

@@ -54,7 +54,7 @@ from easgd_lightning.hooks.compressors import (  # noqa: E402
 from easgd_lightning.hooks.compressors.base import Payload, with_out  # noqa: E402
 from easgd_lightning.hooks.memory import make_memory  # noqa: E402
 
-CONF = REPO / "conf" / "compression"
+CONF = REPO / "easgd_lightning" / "conf" / "compression"
 DEFAULT_SIZES = (1_000_000, 25_000_000, 60_000_000)
 #: compressors held to ``x copy <= MAX_X_COPY`` (issue #11)
 COPY_TARGETS = ("topk", "dgc", "redsync", "sidco", "randomk", "adaptive", "qsgd", "signsgd")

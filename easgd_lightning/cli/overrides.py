@@ -22,16 +22,15 @@ import argparse
 import contextlib
 import difflib
 import io
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from easgd_lightning.cli.build import ConfigError
+from easgd_lightning.conf import CONF_DIR
 
 __all__ = ["check_command_line", "compose_checked", "CONF_DIR"]
 
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 #: Hydra flags after which nothing is composed or run (help, version, completion).
 _NO_RUN_FLAGS = ("help", "hydra_help", "version", "shell_completion", "info")

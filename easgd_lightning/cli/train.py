@@ -39,12 +39,11 @@ from easgd_lightning.cli.worker import (
     run_worker,
 )
 from easgd_lightning.comm.ops import close_process_group
+from easgd_lightning.conf import CONF_DIR, CONF_PACKAGE
 
 __all__ = ["main", "train", "CONF_DIR"]
 
 log = logging.getLogger("easgd_lightning")
-
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 register_resolvers()  # ${linear_lr:...}, ${bf16_if_supported:} in recipes
 
@@ -219,7 +218,7 @@ def _fail(out_dir: Path, cfg: DictConfig, message: str) -> None:
     write_summary(out_dir, build_summary(resolved, [], status="failed", error=message))
 
 
-@hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
+@hydra.main(config_path=CONF_PACKAGE, config_name="train", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> float | None:
     out_dir = _output_dir()
     multirun = _is_multirun()

@@ -19,7 +19,7 @@ import yaml
 from tests.helpers import PY, REPO, base_env, run_cli, train_summary
 from tests.helpers import compose as _compose
 
-RECIPE_DIR = REPO / "recipes" / "imagenet"
+RECIPE_DIR = REPO / "easgd_lightning" / "conf" / "recipe" / "imagenet"
 RECIPES = ["alexnet_gpu", "alexnet_knl", "googlenet_gpu", "googlenet_knl", "resnet50_gpu", "resnet50_knl"]
 
 # The papers' values, written out independently of the recipe files (see their comments).
