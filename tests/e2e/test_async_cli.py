@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import compose as _compose
 from tests.helpers import train_summary
 
 SERVER_STRATEGIES = ("async_easgd", "async_measgd", "async_sgd", "async_msgd")
@@ -75,43 +74,4 @@ def test_sgd_baselines_converge_on_the_center(tmp_path: Path, strategy: str) -> 
     assert all(s["steps_per_rank"][r] == 10 * 15 for r in _workers(s))  # everyone did its epochs
 
 
-BAD = [
-    (["strategy=async_easgd", "trainer.devices=4", "strategy.tau=0"], "strategy.tau"),
-    (["strategy=hogwild_easgd", "strategy.tau=-1"], "strategy.tau"),
-    (["strategy=async_measgd", "trainer.devices=4", "strategy.momentum=1.0"], "strategy.momentum"),
-    (["strategy=async_msgd", "trainer.devices=4", "strategy.momentum=-0.5"], "strategy.momentum"),
-    (["strategy=hogwild_sgd", "strategy.momentum=1.2"], "strategy.momentum"),
-    (["strategy=hogwild_easgd", "trainer.num_nodes=2"], "strategy.server"),
-    (["strategy=hogwild_sgd", "trainer.num_nodes=2"], "strategy.server"),
-    (["strategy=async_easgd", "trainer.devices=2"], "trainer.devices"),
-    (["strategy=async_easgd", "trainer.devices=4", "strategy.server=thread"], "strategy.server"),
-    (["strategy=async_sgd", "trainer.devices=4", "+strategy.tau=4"], "strategy.tau"),
-    (["strategy=async_easgd", "trainer.devices=4", "compression=fp16"], "compression"),
-    # the user's optimizer is what runs: refused where the strategy would change its rule
-    (["strategy=async_measgd", "trainer.devices=4", "optim.optimizer=adamw"], "optim.optimizer"),
-    (["strategy=async_msgd", "trainer.devices=4", "optim.optimizer=adamw"], "strategy.momentum"),
-    (["strategy=async_msgd", "trainer.devices=4", "optim.momentum=0.5"], "optim.momentum"),
-    (["strategy=hogwild_sgd", "strategy.momentum=0.5", "optim.optimizer=adamw"], "strategy.momentum"),
-]
-
-
-@pytest.mark.parametrize("overrides,key", BAD)
-def test_bad_config_names_the_key(overrides: list[str], key: str) -> None:
-    from easgd_lightning.cli.build import ConfigError, validate_config
-
-    with pytest.raises(ConfigError) as err:
-        validate_config(_compose(overrides))
-    assert key in str(err.value) and "\n" not in str(err.value)
-
-
-def test_good_async_configs_validate() -> None:
-    from easgd_lightning.cli.build import validate_config
-
-    for strategy in SERVER_STRATEGIES + ("hogwild_easgd", "hogwild_sgd"):
-        validate_config(_compose([f"strategy={strategy}", f"trainer.devices={_devices(strategy)}"]))
-    validate_config(_compose(["strategy=hogwild_easgd", "strategy.server=dedicated",
-                              "trainer.devices=4", "trainer.num_nodes=2"]))
-    for strategy in ("async_easgd", "async_sgd", "hogwild_sgd"):  # any optimizer runs as given
-        validate_config(_compose([f"strategy={strategy}", f"trainer.devices={_devices(strategy)}",
-                                  "optim.optimizer=adamw"]))
-    validate_config(_compose(["strategy=async_msgd", "trainer.devices=4", "optim.momentum=0"]))
+# bad and good async configs: in-process in tests/unit/test_validation.py

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from tests.helpers import PY, REPO, base_env, train_summary
-from tests.helpers import compose as _compose
 
 
 @pytest.mark.slow
@@ -77,43 +76,8 @@ def test_resume_reaches_the_same_train_loss(tmp_path: Path) -> None:
     assert resumed["val_acc"] == full["val_acc"]
 
 
-BAD_INPUTS = [
-    (["strategy=sync_easgd", "strategy.tau=0"], "strategy.tau"),
-    (["strategy=easgd_round_robin", "strategy.tau=-2"], "strategy.tau"),
-    (["strategy=sync_easgd", "strategy.alpha=1.5"], "strategy.alpha"),
-    (["strategy=sync_easgd", "strategy.alpha=0"], "strategy.alpha"),
-    (["strategy=sync_easgd", "strategy.alpha=0.7", "trainer.devices=2"], "strategy.alpha"),
-    (["strategy=easgd_round_robin", "strategy.beta=-0.1"], "strategy.beta"),
-    (["strategy=sync_easgd", "trainer.devices=1"], "trainer.devices"),
-    (["strategy=easgd_round_robin", "trainer.devices=1"], "trainer.devices"),
-    (["trainer.devices=0"], "trainer.devices"),
-    (["strategy.name=nonsense"], "strategy.name"),
-    (["model.name=nonsense"], "model.name"),
-    (["data.name=nonsense"], "data.name"),
-    (["logger.name=nonsense"], "logger.name"),
-    (["faults.slow_rank=5"], "faults.slow_rank"),
-    (["timeout_s=0"], "timeout_s"),
-]
-
-
-@pytest.mark.parametrize("overrides,key", BAD_INPUTS)
-def test_validate_config_names_the_key(overrides: list[str], key: str) -> None:
-    from easgd_lightning.cli.build import ConfigError, validate_config
-
-    with pytest.raises(ConfigError) as err:
-        validate_config(_compose(overrides))
-    message = str(err.value)
-    assert key in message and "\n" not in message
-
-
-def test_good_configs_validate() -> None:
-    from easgd_lightning.cli.build import validate_config
-
-    for strategy in ("ddp", "sync_easgd", "easgd_round_robin"):
-        validate_config(_compose([f"strategy={strategy}"]))
-
-
-# the CLI itself (exit 2, one line, no worker): tests/e2e/test_bad_input_cli.py
+# bad input: in-process in tests/unit/test_validation.py; the CLI itself (exit 2, one line,
+# no worker): tests/e2e/test_bad_input_cli.py
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Compressed DDP through the real CLI on digits, 2 workers (slow), and bad compression input.
+"""Compressed DDP through the real CLI on digits, 2 workers (slow).
 
 Same seed and epochs for every run. Batch 8 gives 1800 steps per worker in 20 epochs: DGC
 at 99.9% sparsity sends each coordinate about once per 1000 steps, so it needs that many
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_cli, train_summary
+from tests.helpers import train_summary
 
 COMMON = ["strategy=ddp", "trainer.devices=2", "data.batch_size=8", "trainer.max_epochs=20",
           "checkpoint.enabled=false", "seed=0"]
@@ -61,16 +61,4 @@ def test_compressed_ddp_matches_dense_accuracy(tmp_path: Path, baseline: dict, n
         assert _ratio(s) > 5
 
 
-@pytest.mark.parametrize(
-    "overrides,key",
-    [
-        (["compression=topk", "compression.ratio=1.5"], "compression.ratio"),
-        (["compression=powersgd", "compression.rank=0"], "compression.rank"),
-        (["compression=sidco", "compression.distribution=cauchy"], "compression.distribution"),
-    ],
-)
-def test_bad_compression_input_fails_fast(tmp_path: Path, overrides: list[str], key: str) -> None:
-    proc = run_cli([f"hydra.run.dir={tmp_path}", "logger=none", "strategy=ddp", *overrides],
-                   check=False, timeout=120)
-    assert proc.returncode != 0
-    assert key in proc.stderr + proc.stdout
+# bad compression values: in-process in tests/unit/test_validation.py

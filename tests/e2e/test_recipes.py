@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import PY, REPO, base_env, run_cli, train_summary
+from tests.helpers import PY, REPO, base_env, train_summary
 from tests.helpers import compose as _compose
 
 RECIPE_DIR = REPO / "easgd_lightning" / "conf" / "recipe" / "imagenet"
@@ -149,19 +149,16 @@ def test_missing_data_root_is_a_config_error() -> None:
         validate_config(_compose(["recipe=imagenet/alexnet_gpu", "trainer.accelerator=cpu", "trainer.devices=2"]))
 
 
-def test_bad_data_root_exits_2_before_any_process(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    proc = run_cli(
-        [f"hydra.run.dir={run}", "logger=none", "recipe=imagenet/alexnet_knl", f"data.root={tmp_path / 'nope'}"],
-        check=False, timeout=180,
-    )
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("easgd-train: error:")]
-    assert len(lines) == 1, proc.stderr[-3000:]
-    assert "data.root=" in lines[0] and "does not exist" in lines[0] and "<data.root>/train/<class>" in lines[0]
-    assert "Traceback" not in proc.stderr
-    assert not (run / "ranks").exists()  # no worker started
-    assert json.loads((run / "summary.json").read_text())["status"] == "failed"
+def test_bad_data_root_is_a_config_error(tmp_path: Path) -> None:
+    """In-process, as easgd-train checks it before any process (the CLI's exit 2 and single
+    line for a value error: tests/e2e/test_bad_input_cli.py)."""
+    from easgd_lightning.cli.build import ConfigError, validate_config
+
+    with pytest.raises(ConfigError) as err:
+        validate_config(_compose(["recipe=imagenet/alexnet_knl", f"data.root={tmp_path / 'nope'}"]))
+    line = str(err.value)
+    assert line.startswith("data.root=") and "\n" not in line
+    assert "does not exist" in line and "<data.root>/train/<class>" in line
 
 
 # ----------------------------------------------------------------------------- training

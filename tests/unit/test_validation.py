@@ -130,6 +130,50 @@ BAD += [
     (["recipe=nlp3d/gpt_tiny_pp2", f"{_USER}one_optimizer"], "model=gpt", "_UserModule has no pipeline form"),
 ]
 
+# the strategies' own values, the async family, compression values (were tables composed in
+# tests/e2e/test_cli_foundation.py and test_async_cli.py, and one CLI run each in
+# tests/e2e/test_compression_convergence.py)
+BAD += [
+    (["strategy=sync_easgd", "strategy.tau=0"], "strategy.tau", "a positive integer, got 0"),
+    (["strategy=easgd_round_robin", "strategy.tau=-2"], "strategy.tau", "a positive integer, got -2"),
+    (["strategy=sync_easgd", "strategy.alpha=1.5"], "strategy.alpha", "in (0, 1), got 1.5"),
+    (["strategy=sync_easgd", "strategy.alpha=0"], "strategy.alpha", "in (0, 1), got 0"),
+    (["strategy=sync_easgd", "strategy.alpha=0.7", "trainer.devices=2"], "strategy.alpha",
+     "beta = world_size * alpha must be < 1 for a stable center, got 2 * 0.7 = 1.4"),
+    (["strategy=easgd_round_robin", "strategy.beta=-0.1"], "strategy.beta", "in (0, 1), got -0.1"),
+    (["strategy=sync_easgd", "trainer.devices=1"], "trainer.devices", "strategy=sync_easgd: it needs at least 2"),
+    (["strategy=easgd_round_robin", "trainer.devices=1"], "trainer.devices", "it needs at least 2"),
+    (["trainer.devices=0"], "trainer.devices", "a positive integer, got 0"),
+    (["strategy.name=nonsense"], "strategy.name", "choose one of ddp, sync_easgd"),
+    (["model.name=nonsense"], "model.name", "choose one of alexnet"),
+    (["data.name=nonsense"], "data.name", "choose one of digits"),
+    (["logger.name=nonsense"], "logger.name", "choose one of wandb, csv, none"),
+    (["faults.slow_rank=5"], "faults.slow_rank", "a rank in [0, 1], got 5"),
+    (["timeout_s=0"], "timeout_s", "> 0 seconds, got 0"),
+    (["strategy=async_easgd", "trainer.devices=4", "strategy.tau=0"], "strategy.tau", "a positive integer"),
+    (["strategy=hogwild_easgd", "strategy.tau=-1"], "strategy.tau", "a positive integer"),
+    (["strategy=async_measgd", "trainer.devices=4", "strategy.momentum=1.0"], "strategy.momentum", "in [0, 1)"),
+    (["strategy=async_msgd", "trainer.devices=4", "strategy.momentum=-0.5"], "strategy.momentum", "in [0, 1)"),
+    (["strategy=hogwild_sgd", "strategy.momentum=1.2"], "strategy.momentum", "in [0, 1)"),
+    (["strategy=hogwild_sgd", "trainer.num_nodes=2"], "strategy.server", "needs a parameter server"),
+    (["strategy=async_easgd", "trainer.devices=2"], "trainer.devices", "it needs at least 3 processes"),
+    (["strategy=async_easgd", "trainer.devices=4", "strategy.server=thread"], "strategy.server", "choose 'dedicated'"),
+    (["strategy=async_easgd", "trainer.devices=4", "compression=fp16"], "compression", "use compression=none"),
+    # the user's optimizer is what runs: refused where the strategy would change its rule
+    (["strategy=async_measgd", "trainer.devices=4", "optim.optimizer=adamw"], "optim.optimizer",
+     "AdamW has momentum of its own"),
+    (["strategy=async_msgd", "trainer.devices=4", "optim.optimizer=adamw"], "strategy.momentum",
+     "needs torch.optim.SGD, got AdamW"),
+    (["strategy=async_msgd", "trainer.devices=4", "optim.momentum=0.5"], "strategy.momentum",
+     "the optimizer's momentum=0.5 (param group 0, optim.momentum) differ"),
+    (["strategy=hogwild_sgd", "strategy.momentum=0.5", "optim.optimizer=adamw"], "strategy.momentum",
+     "needs torch.optim.SGD"),
+    (["compression=topk", "compression.ratio=1.5"], "compression.ratio", "in (0, 1], got 1.5"),
+    (["compression=powersgd", "compression.rank=0"], "compression.rank", "an integer >= 1, got 0"),
+    (["compression=sidco", "compression.distribution=cauchy"], "compression.distribution",
+     "one of ['exponential', 'gamma', 'gpareto'], got 'cauchy'"),
+]
+
 
 def _check(overrides: list[str]) -> None:
     validate_config(compose_checked(overrides))
@@ -192,6 +236,14 @@ def test_every_job_of_a_sweep_is_checked_before_any_runs() -> None:
         ["hydra.run.dir=/tmp/x", "hydra/launcher=slurm", "hydra.job.chdir=false"],
         ["model=gpt_tiny", f"{_USER}two_optimizers", "strategy=ddp"],  # Lightning's DDP drives any number
         ["model=gpt_tiny", f"{_USER}one_optimizer", "strategy=sync_easgd"],
+        # every strategy at its minimum world size, and the async family's accepted variants
+        ["strategy=easgd_round_robin"],
+        *([f"strategy={s}", "trainer.devices=4"] for s in ("async_easgd", "async_measgd", "async_msgd")),
+        ["strategy=hogwild_sgd", "trainer.devices=3"],
+        ["strategy=hogwild_easgd", "strategy.server=dedicated", "trainer.devices=4", "trainer.num_nodes=2"],
+        *([f"strategy={s}", f"trainer.devices={n}", "optim.optimizer=adamw"]  # any optimizer runs as given
+          for s, n in (("async_easgd", 4), ("async_sgd", 4), ("hogwild_sgd", 3))),
+        ["strategy=async_msgd", "trainer.devices=4", "optim.momentum=0"],
     ],
 )
 def test_good_inputs_pass(overrides: list[str]) -> None:
