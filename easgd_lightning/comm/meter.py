@@ -23,10 +23,7 @@ Each record carries a ``kind`` (``data_parallel``, ``elastic``, ``parameter_serv
 from __future__ import annotations
 
 import threading
-import time
 from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 __all__ = ["CommMeter", "KindTotals", "get_meter", "reset_meter"]
@@ -101,25 +98,6 @@ class CommMeter:
         separately (at its completion)."""
         with self._lock:
             self.by_kind[kind].exposed_s += float(seconds)
-
-    @contextmanager
-    def timed(self, kind: str) -> Iterator[None]:
-        """Context manager adding the elapsed time of its body to ``kind`` (exposed)."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add_time(kind, time.perf_counter() - start)
-
-    @contextmanager
-    def waiting(self, kind: str) -> Iterator[None]:
-        """Context manager adding the elapsed time of its body to ``kind``'s exposed
-        time only (the body waits on an asynchronous call metered elsewhere)."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add_exposed(kind, time.perf_counter() - start)
 
     @property
     def bytes_sent(self) -> int:

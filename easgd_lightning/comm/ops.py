@@ -32,7 +32,6 @@ __all__ = [
     "isend",
     "irecv",
     "barrier",
-    "gather_object",
     "all_gather_object",
 ]
 
@@ -253,12 +252,6 @@ def all_gather_object(obj, group: dist.ProcessGroup | None = None) -> list:
     """Gather a picklable object from every rank (control traffic, not metered as payload)."""
     out: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def gather_object(obj, dst: int = 0, group: dist.ProcessGroup | None = None) -> list | None:
-    out: list | None = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
-    dist.gather_object(obj, out, dst=dst, group=group)
     return out
 
 

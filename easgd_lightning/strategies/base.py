@@ -26,8 +26,7 @@ What the base provides:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -323,15 +322,6 @@ class CenterStrategy(DDPStrategy):
         return float(optimizer.param_groups[0]["lr"])
 
     # ------------------------------------------------------------------ center swaps
-    @contextmanager
-    def center_swapped_in(self) -> Iterator[None]:
-        """Temporarily load the center into the module's tensors."""
-        self._swap_in()
-        try:
-            yield
-        finally:
-            self._swap_out()
-
     def _swap_in(self) -> None:
         """Stash the worker's variable and copy the center into it."""
         if self._center is None or self._stash is not None:
