@@ -184,15 +184,23 @@ class _FlagSignalConnector(_SignalConnector):
         pass  # keep routing signals to the flag until the process ends
 
 
+#: seconds between two stop checks of the lockstep strategies (a stop takes effect within
+#: about this long plus a step); STOP_CHECK_MAX_PERIOD bounds the steps between checks
+STOP_CHECK_INTERVAL_S = 0.2
+STOP_CHECK_MAX_PERIOD = 1000
+
+
 class SignalStop(pl.Callback):
     """Stop training at a step boundary after SIGTERM / SIGINT, all ranks together.
 
     * Strategies whose ranks step in lockstep (DDP, synchronous EASGD, local SGD, round
       robin, pipeline): global rank 0 decides. A signalled rank publishes its signal in the
-      rendezvous store (key ``easgd/stop/<run id>/<rank>``); before every step rank 0 reads
+      rendezvous store (key ``easgd/stop/<run id>/<rank>``); at a check step rank 0 reads
       the store's stop counter and broadcasts who was signalled, and every rank stops at
-      that same step. This replaces Lightning's per-step broadcast of a SIGTERM flag at the
-      same cost (no extra synchronisation: only rank 0 touches the store).
+      that same step. This replaces Lightning's broadcast of a SIGTERM flag before every
+      step: the broadcast also carries how many steps until the next check, chosen by rank
+      0 so that checks are about ``STOP_CHECK_INTERVAL_S`` apart (every step when steps
+      are slower than that), so short steps do not pay a round trip each.
     * Strategies that replaced that per-step broadcast with a local check (the parameter
       server and Hogwild families, whose workers never wait for each other): each rank
       stops on its own signal.
@@ -208,6 +216,9 @@ class SignalStop(pl.Callback):
         self._connector: _FlagSignalConnector | None = None
         self._store = None
         self._published = False
+        self._until_check = 0  # steps before the next agreed check (0: check now)
+        self._last_check: tuple[float, int] | None = None  # rank 0: (time, steps) of the last check
+        self._calls = 0
 
     def attach(self, trainer: pl.Trainer) -> None:
         """Replace the trainer's signal connector (call before ``fit``)."""
@@ -247,7 +258,11 @@ class SignalStop(pl.Callback):
             self._store.set(self._key(rank), str(mine))
             self._store.add(self._key("count"), 1)
             self._published = True
-        flags = torch.zeros(world, dtype=torch.int64, device=trainer.strategy.root_device)
+        self._calls += 1
+        if self._until_check > 1:
+            self._until_check -= 1
+            return
+        flags = torch.zeros(world + 1, dtype=torch.int64, device=trainer.strategy.root_device)
         if rank == 0:
             if mine is not None:
                 flags[0] = mine
@@ -255,10 +270,23 @@ class SignalStop(pl.Callback):
                 for r in range(1, world):
                     if self._store.check([self._key(r)]):
                         flags[r] = int(self._store.get(self._key(r)))
+            flags[world] = self._next_period()
         ops.broadcast_control(flags, src=0)  # errors propagate: a lost peer must fail the run
-        signalled = [r for r, s in enumerate(flags.tolist()) if s]
+        values = flags.tolist()
+        self._until_check = int(values[world])
+        signalled = [r for r, s in enumerate(values[:world]) if s]
         if signalled:
-            self._decide(trainer, int(flags[signalled[0]]), signalled)
+            self._decide(trainer, int(values[signalled[0]]), signalled)
+
+    def _next_period(self) -> int:
+        """Rank 0: steps until the next check, so that checks are ~STOP_CHECK_INTERVAL_S apart
+        (from the steps per second since the last check; 1 at first)."""
+        now = time.monotonic()
+        last, self._last_check = self._last_check, (now, self._calls)
+        if last is None or now <= last[0]:
+            return 1
+        per_step = (now - last[0]) / max(1, self._calls - last[1])
+        return max(1, min(STOP_CHECK_MAX_PERIOD, int(STOP_CHECK_INTERVAL_S / per_step)))
 
     def _decide(self, trainer, signum: int, ranks: list[int]) -> None:
         self.signal, self.signalled_ranks = signum, ranks

@@ -119,34 +119,59 @@ def all_gather(
     return out
 
 
-def all_gather_varlen(
-    tensor: torch.Tensor,
-    *,
-    kind: str,
-    group: dist.ProcessGroup | None = None,
-    dense_bytes: int | None = None,
-) -> list[torch.Tensor]:
-    """All-gather 1-D tensors whose lengths differ per rank (sizes first, then padded data).
+#: bytes of the length header in front of every all-gathered variable-length message
+VARLEN_HEADER = 8
 
-    Empty tensors are handled (gloo cannot gather zero-length buffers, so the padded length
-    is at least one element).
-    """
-    world = dist.get_world_size(group)
-    flat = tensor.reshape(-1)
-    length = torch.tensor([flat.numel()], dtype=torch.int64, device=flat.device)
-    lengths = [torch.empty_like(length) for _ in range(world)]
-    start = time.perf_counter()
-    dist.all_gather(lengths, length, group=group)
-    sizes = [int(n.item()) for n in lengths]
-    padded_len = max(1, max(sizes))
-    padded = torch.zeros(padded_len, dtype=flat.dtype, device=flat.device)
-    padded[: flat.numel()] = flat
-    out = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(out, padded, group=group)
-    sent = nbytes(flat) + nbytes(length)
-    recv = sum(sizes) * flat.element_size() - nbytes(flat) + nbytes(length) * (world - 1)
-    _finish(kind, start, sent, recv, dense_bytes)
-    return [o[:n] for o, n in zip(out, sizes)]
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def next_capacity(capacity: int, largest: int) -> int:
+    """The message capacity (bytes) after an all-gather whose largest message was
+    ``largest``: 1.25x it (a multiple of 64) when it outgrew the capacity or fell under half
+    of it, else unchanged. Every rank sees the same lengths, so every rank agrees on it."""
+    if largest > capacity or 2 * largest < capacity:
+        return _round_up(largest + largest // 4, 64)
+    return capacity
+
+
+def _slot_buffer(slot: dict, name: str, nbytes: int) -> torch.Tensor:
+    """A uint8 buffer of ``nbytes`` kept in ``slot`` (reallocated when the size changes)."""
+    buf = slot.get(name)
+    if buf is None or buf.numel() != nbytes:
+        buf = slot[name] = torch.empty(nbytes, dtype=torch.uint8)
+    return buf
+
+
+class VarlenGather:
+    """A variable-length all-gather in flight (:func:`all_gather_varlen_async`);
+    :meth:`wait` returns one 1-D tensor per rank."""
+
+    def __init__(self, fut, tail: torch.Tensor, dtype, slot: dict, kind: str, group) -> None:
+        self._fut, self._tail, self._dtype = fut, tail, dtype
+        self._slot, self._kind, self._group = slot, kind, group
+
+    def wait(self) -> list[torch.Tensor]:
+        rows, lengths = self._fut.wait()
+        cap = int(self._slot.get("cap", 0))
+        largest = max(lengths)
+        parts = [row[VARLEN_HEADER : VARLEN_HEADER + min(n, cap)] for row, n in zip(rows, lengths)]
+        if largest > cap:  # a message outgrew the capacity: its tail follows in a second round
+            extra = largest - cap
+            tail = torch.zeros(extra, dtype=torch.uint8)
+            tail[: self._tail.numel()] = self._tail
+            tails = [torch.empty_like(tail) for _ in lengths]
+            start = time.perf_counter()
+            dist.all_gather(tails, tail, group=self._group)
+            # bytes were counted with the first round; the wait is charged by ops.wait
+            _finish(self._kind, start, 0, 0, 0, exposed=0.0)
+            parts = [
+                torch.cat([p, t[: n - cap]]) if n > cap else p
+                for p, t, n in zip(parts, tails, lengths)
+            ]
+        self._slot["cap"] = next_capacity(cap, largest)
+        return [p.view(self._dtype) for p in parts]
 
 
 def all_gather_varlen_async(
@@ -155,38 +180,60 @@ def all_gather_varlen_async(
     kind: str,
     group: dist.ProcessGroup | None = None,
     dense_bytes: int | None = None,
-) -> torch.futures.Future:
-    """Non-blocking :func:`all_gather_varlen`; the future resolves to one tensor per rank.
+    slot: dict | None = None,
+) -> VarlenGather:
+    """Non-blocking all-gather of 1-D tensors whose lengths differ per rank.
 
-    The lengths (one integer per rank) are gathered first, blocking: the padded size of
-    the data depends on them. The data all-gather then runs in the background; its bytes
-    and launch-to-completion time are recorded when it completes, with no exposed time
-    (the caller waits with :func:`wait`). Bytes in total equal the blocking call's.
+    Every rank sends one message of the same size: an 8-byte length header, then its
+    bytes, padded to the capacity ``slot["cap"]`` (0 at first). A message longer than the
+    capacity sends the rest in a second all-gather at :meth:`VarlenGather.wait`; the
+    capacity then becomes :func:`next_capacity` of the largest message, the same on every
+    rank. So a caller that keeps ``slot`` (a dict, one per tensor it exchanges) between
+    calls pays one round trip per call once the capacity fits, not a gather of the lengths
+    before the data. The send and receive buffers live in ``slot`` too: one call per slot
+    in flight at a time, and the returned tensors are valid until the slot's next call.
+
+    Metered when the first round completes (the caller waits with :func:`wait`): bytes
+    sent = header + data, received = the other ranks' headers + data (the padding is not
+    payload), ``dense_bytes`` as given, no exposed time.
     """
     world = dist.get_world_size(group)
-    flat = tensor.reshape(-1)
-    length = torch.tensor([flat.numel()], dtype=torch.int64, device=flat.device)
-    lengths = [torch.empty_like(length) for _ in range(world)]
+    slot = {} if slot is None else slot
+    flat = tensor.reshape(-1).contiguous()
+    data = flat.view(torch.uint8)
+    cap = int(slot.get("cap", 0))
+    size = VARLEN_HEADER + cap
+    send = _slot_buffer(slot, "send", size)
+    send[:VARLEN_HEADER].view(torch.int64).fill_(data.numel())
+    used = min(data.numel(), cap)
+    send[VARLEN_HEADER : VARLEN_HEADER + used] = data[:used]
+    rows = list(_slot_buffer(slot, "recv", world * size).view(world, size))
     start = time.perf_counter()
-    dist.all_gather(lengths, length, group=group)
-    sizes = [int(n.item()) for n in lengths]
-    header = nbytes(length)
-    _finish(kind, start, header, header * (world - 1), dense_bytes)
-    padded_len = max(1, max(sizes))
-    padded = torch.zeros(padded_len, dtype=flat.dtype, device=flat.device)
-    padded[: flat.numel()] = flat
-    out = [torch.empty_like(padded) for _ in range(world)]
-    start = time.perf_counter()
-    work = dist.all_gather(out, padded, group=group, async_op=True)
-    sent = nbytes(flat)
-    recv = sum(sizes) * flat.element_size() - nbytes(flat)
+    work = dist.all_gather(rows, send, group=group, async_op=True)
+    sent = VARLEN_HEADER + data.numel()
 
-    def _done(f: torch.futures.Future) -> list[torch.Tensor]:
+    def _done(f: torch.futures.Future) -> tuple[list[torch.Tensor], list[int]]:
         f.wait()
-        _finish(kind, start, sent, recv, 0 if dense_bytes is not None else None, exposed=0.0)
-        return [o[:n] for o, n in zip(out, sizes)]
+        lengths = torch.stack([r[:VARLEN_HEADER] for r in rows]).view(torch.int64).view(-1).tolist()
+        recv = sum(lengths) + VARLEN_HEADER * world - sent
+        _finish(kind, start, sent, recv, dense_bytes, exposed=0.0)
+        return rows, lengths
 
-    return work.get_future().then(_done)
+    tail = data[cap:].clone()  # what does not fit (the input may change after the launch)
+    return VarlenGather(work.get_future().then(_done), tail, flat.dtype, slot, kind, group)
+
+
+def all_gather_varlen(
+    tensor: torch.Tensor,
+    *,
+    kind: str,
+    group: dist.ProcessGroup | None = None,
+    dense_bytes: int | None = None,
+    slot: dict | None = None,
+) -> list[torch.Tensor]:
+    """Blocking :func:`all_gather_varlen_async`: one tensor per rank (empty ones too)."""
+    pending = all_gather_varlen_async(tensor, kind=kind, group=group, dense_bytes=dense_bytes, slot=slot)
+    return wait(pending, kind=kind)
 
 
 def broadcast(

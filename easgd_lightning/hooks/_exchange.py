@@ -26,8 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from easgd_lightning.comm.meter import get_meter
-from easgd_lightning.hooks.compressors.base import Compressor, Payload, unpack_sparse
-from easgd_lightning.hooks.compressors.sparse import SparseCompressor
+from easgd_lightning.hooks.compressors.base import Compressor, start_collective
 from easgd_lightning.hooks.memory import Memory
 
 __all__ = [
@@ -35,7 +34,6 @@ __all__ = [
     "PendingExchange",
     "exchange_tensors",
     "start_exchange_tensors",
-    "splits",
     "key_hash",
 ]
 
@@ -67,106 +65,16 @@ def _kind_totals(kind: str) -> tuple[int, int, int, float, float]:
     return t.bytes_sent, t.bytes_recv, t.dense_bytes, t.time_s, t.exposed_s
 
 
-def exchange_tensors(
-    tensors: list[torch.Tensor],
-    keys: list,
-    compressor: Compressor,
-    memory: Memory,
-    states: dict,
-    collective,
-    locals_out: list | None = None,
-    min_numel: int | None = None,
-) -> tuple[list[torch.Tensor], ExchangeStats]:
-    """Mean over ranks of each tensor (same order, same shapes) under the policy above.
-
-    Every rank must call this with tensors of the same shapes in the same order. When
-    ``locals_out`` is a list, it receives this rank's transmitted (decompressed)
-    contribution per tensor. ``min_numel`` overrides ``compressor.min_numel``.
-    """
-    kind = collective.kind
-    stats = ExchangeStats()
-    out: list[torch.Tensor | None] = [None] * len(tensors)
-    mine: list[torch.Tensor | None] = [None] * len(tensors)
-    world = collective.world_size
-    limit = compressor.min_numel if min_numel is None else int(min_numel)
-    small = [i for i, t in enumerate(tensors) if t.numel() < limit]
-    big = [i for i, t in enumerate(tensors) if t.numel() >= limit]
-    before = _kind_totals(kind)
-    start = time.perf_counter()
-    if small:
-        flat = torch.cat([tensors[i].reshape(-1) for i in small])
-        collective.charge_dense(flat.numel() * flat.element_size())
-        (summed,) = collective.all_reduce_sum([flat])
-        summed /= world
-        offset = 0
-        for i in small:
-            n = tensors[i].numel()
-            out[i] = summed[offset : offset + n].view_as(tensors[i])
-            mine[i] = tensors[i]
-            offset += n
-        stats.dense_tensors += len(small)
-    observe_bw = getattr(compressor, "observe_bandwidth", None)
-    for i in big:
-        t, key = tensors[i], keys[i]
-        st = states.setdefault(key, {})
-        st.setdefault("key_hash", key_hash(key))
-        m0 = _kind_totals(kind)
-        comp = memory.compensate(key, t)
-        collective.charge_dense(t.numel() * t.element_size())
-        mean, local = compressor.aggregate(comp, st, collective)
-        memory.update(key, comp, local)
-        out[i] = mean
-        mine[i] = local
-        stats.compressed_tensors += 1
-        if callable(observe_bw):
-            m1 = _kind_totals(kind)
-            observe_bw((m1[0] - m0[0]) + (m1[1] - m0[1]), m1[3] - m0[3])
-    after = _kind_totals(kind)
-    elapsed = time.perf_counter() - start
-    stats.bytes_sent = after[0] - before[0]
-    stats.bytes_recv = after[1] - before[1]
-    stats.dense_bytes = after[2] - before[2]
-    stats.comm_time_s = after[3] - before[3]
-    stats.codec_time_s = max(0.0, elapsed - stats.comm_time_s)
-    if locals_out is not None:
-        locals_out.extend(mine)
-    return out, stats  # type: ignore[return-value]
-
-
-# ----------------------------------------------------------------------------- split
-
-
-def splits(compressor: Compressor) -> bool:
-    """True when ``compressor``'s exchange is compress, one collective, decompress (its
-    ``aggregate`` is the base class's or the sparse base's), so it can be split."""
-    agg = type(compressor).aggregate
-    return agg is Compressor.aggregate or agg is SparseCompressor.aggregate
-
-
-def _sum_gathered(compressor: Compressor, gathered: list, meta: dict, shape, dtype, device):
-    """sum over ranks of the decompressed all-gathered payloads (rank order)."""
-    if isinstance(compressor, SparseCompressor):  # one scatter-add of every rank's entries
-        parts = [unpack_sparse(rank[0], meta["index_dtype"], meta["dtype"]) for rank in gathered]
-        idx = torch.cat([p[0].long() for p in parts]).to(device)
-        val = torch.cat([p[1] for p in parts]).to(device)
-        total = torch.zeros(meta["numel"], dtype=meta["dtype"], device=device)
-        return total.index_add_(0, idx, val).view(shape).to(dtype)
-    total = torch.zeros(shape, dtype=dtype, device=device)
-    for rank_tensors in gathered:
-        total += compressor.decompress(Payload(tuple(rank_tensors), meta), shape).to(dtype)
-    return total
-
-
 class PendingExchange:
     """An exchange started by :func:`start_exchange_tensors`; :meth:`finish` completes it."""
 
-    def __init__(self, n: int, collective, before: tuple, busy_s: float) -> None:
+    def __init__(self, n: int, collective, before: tuple) -> None:
         self.means: list[torch.Tensor | None] = [None] * n
         self.locals: list[torch.Tensor | None] = [None] * n
         self._finishers: list = []
         self._collective = collective
         self._before = before
-        self._busy_s = busy_s
+        self._busy_s = 0.0
         self.stats = ExchangeStats()
 
     def finish(self) -> tuple[list[torch.Tensor], list[torch.Tensor], ExchangeStats]:
@@ -195,21 +103,23 @@ def start_exchange_tensors(
     collective,
     min_numel: int | None = None,
 ) -> PendingExchange:
-    """Launch :func:`exchange_tensors` without waiting for the collectives it can split.
+    """Launch the exchange of the module docstring; :meth:`PendingExchange.finish` ends it.
 
-    The input tensors are read during the launch only (they may change afterwards).
+    Every rank must call this with tensors of the same shapes in the same order; ``min_numel``
+    overrides ``compressor.min_numel``. The input tensors are read during the launch only
+    (they may change afterwards).
     """
     kind = collective.kind
     world = collective.world_size
     start = time.perf_counter()
-    pending = PendingExchange(len(tensors), collective, _kind_totals(kind), 0.0)
+    pending = PendingExchange(len(tensors), collective, _kind_totals(kind))
     limit = compressor.min_numel if min_numel is None else int(min_numel)
     small = [i for i, t in enumerate(tensors) if t.numel() < limit]
     big = [i for i, t in enumerate(tensors) if t.numel() >= limit]
     if small:
         flat = torch.cat([tensors[i].reshape(-1) for i in small])
         collective.charge_dense(flat.numel() * flat.element_size())
-        small_handle = collective.all_reduce_sum_async([flat])
+        small_handle = start_collective(collective, "all_reduce_sum", [flat])
         offset = 0
         for i in small:  # this rank's parts: views of its (copied) message
             n = tensors[i].numel()
@@ -227,37 +137,49 @@ def start_exchange_tensors(
 
         pending._finishers.append(finish_small)
         pending.stats.dense_tensors += len(small)
-    split = splits(compressor)
+    observe_bw = getattr(compressor, "observe_bandwidth", None)
     for i in big:
         t, key = tensors[i], keys[i]
         st = states.setdefault(key, {})
         st.setdefault("key_hash", key_hash(key))
         comp = memory.compensate(key, t)
-        collective.charge_dense(t.numel() * t.element_size())
-        pending.stats.compressed_tensors += 1
-        if not split:
-            mean, local = compressor.aggregate(comp, st, collective)
-            memory.update(key, comp, local)
-            pending.means[i], pending.locals[i] = mean, local
-            continue
-        shape, dtype, device = t.shape, t.dtype, t.device
-        payload = compressor.compress(comp, st)
-        local = compressor.decompress(payload, shape).to(dtype)
+        collective.charge_dense(t.numel() * t.element_size(), key=key)
+        m0 = _kind_totals(kind)
+        local, finish = compressor.start_aggregate(comp, st, collective)
         memory.update(key, comp, local)
         pending.locals[i] = local
-        if compressor.aggregation == "allreduce":
-            handle = collective.all_reduce_sum_async(list(payload.tensors))
-        else:
-            handle = collective.all_gather_async(list(payload.tensors))
+        pending.stats.compressed_tensors += 1
+        if callable(observe_bw):  # a whole-at-launch exchange: its bytes and time are in
+            m1 = _kind_totals(kind)
+            observe_bw((m1[0] - m0[0]) + (m1[1] - m0[1]), m1[3] - m0[3])
 
-        def finish_big(i=i, handle=handle, meta=payload.meta, shape=shape, dtype=dtype, device=device):
-            result = handle.wait()
-            if compressor.aggregation == "allreduce":
-                total = compressor.decompress(Payload(tuple(result), meta), shape).to(dtype)
-            else:
-                total = _sum_gathered(compressor, result, meta, shape, dtype, device)
-            pending.means[i] = total / world
+        def finish_big(i=i, finish=finish) -> None:
+            pending.means[i] = finish()
 
         pending._finishers.append(finish_big)
     pending._busy_s = time.perf_counter() - start
     return pending
+
+
+def exchange_tensors(
+    tensors: list[torch.Tensor],
+    keys: list,
+    compressor: Compressor,
+    memory: Memory,
+    states: dict,
+    collective,
+    locals_out: list | None = None,
+    min_numel: int | None = None,
+) -> tuple[list[torch.Tensor], ExchangeStats]:
+    """Mean over ranks of each tensor (same order, same shapes) under the policy above:
+    :func:`start_exchange_tensors` finished at once.
+
+    When ``locals_out`` is a list, it receives this rank's transmitted (decompressed)
+    contribution per tensor.
+    """
+    means, mine, stats = start_exchange_tensors(
+        tensors, keys, compressor, memory, states, collective, min_numel
+    ).finish()
+    if locals_out is not None:
+        locals_out.extend(mine)
+    return means, stats

@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 from easgd_lightning.comm import ops
-from easgd_lightning.hooks._exchange import exchange_tensors, start_exchange_tensors
+from easgd_lightning.hooks._exchange import start_exchange_tensors
 from easgd_lightning.hooks.collective import ProcessGroupCollective
+from easgd_lightning.hooks.compressors.base import scratch_buffer, scratch_of
 from easgd_lightning.hooks.compressors.none import NoneCompressor
 from easgd_lightning.hooks.memory import ResidualMemory, make_memory
 
@@ -60,14 +61,48 @@ def _pieces(diff: torch.Tensor, shapes: list | None, key: str):
     return pieces, [f"{key}.{i}" for i in range(len(pieces))]
 
 
-class PendingSum:
-    """A sum over ranks in flight; :meth:`wait` returns it (once)."""
+def _collective_for(state: dict, group, kind: str) -> ProcessGroupCollective:
+    """The collective of ``state``'s exchanges, kept in its scratch so that the message
+    capacities of its all-gathers persist from one exchange to the next."""
+    scratch = scratch_of(state)
+    coll = scratch.get("collective")
+    if coll is None or coll.group is not group or coll.kind != kind:
+        coll = scratch["collective"] = ProcessGroupCollective(group, kind=kind)
+    return coll
 
-    def __init__(self, finish) -> None:
+
+class PendingSum:
+    """A sum over ranks in flight; :meth:`wait` returns it (once). ``local`` is this rank's
+    transmitted part when it was asked for (else None)."""
+
+    def __init__(self, finish, local: torch.Tensor | None = None) -> None:
         self._finish = finish
+        self.local = local
 
     def wait(self) -> torch.Tensor:
         return self._finish()
+
+
+def _start(
+    diff: torch.Tensor, compressor, memory, state, group, kind: str, key: str, shapes, keep_local: bool
+) -> PendingSum:
+    if compressor is None or isinstance(compressor, NoneCompressor):
+        local = diff.clone() if keep_local else None
+        fut = ops.all_reduce_async(diff, kind=kind, group=group)
+        return PendingSum(lambda: (ops.wait(fut, kind=kind), diff)[1], local)
+    memory = _memory_for(compressor, memory, state)
+    pieces, keys = _pieces(diff, shapes, key)
+    collective = _collective_for(state, group, kind)
+    pending = start_exchange_tensors(pieces, keys, compressor, memory, state, collective)
+    local = torch.cat([m.reshape(-1) for m in pending.locals]).view_as(diff) if keep_local else None
+
+    def finish() -> torch.Tensor:
+        means, _, _ = pending.finish()
+        out = scratch_buffer(scratch_of(state), f"{key}.sum", diff.numel(), diff.dtype, diff.device)
+        total = torch.cat([m.reshape(-1) for m in means], out=out)
+        return total.mul_(collective.world_size).view_as(diff)
+
+    return PendingSum(finish, local)
 
 
 def start_exchange_sum(
@@ -84,21 +119,10 @@ def start_exchange_sum(
     """Start summing ``diff`` over the ranks of ``group``; arguments as :func:`exchange_sum`.
 
     Uncompressed, the sum is formed in place in ``diff`` (do not touch it before
-    ``wait()``); compressed, ``diff`` is read now and ``wait()`` returns a new tensor.
+    ``wait()``); compressed, ``diff`` is read now and ``wait()`` returns a buffer of
+    ``state`` (valid until the next exchange of ``key`` with that state).
     """
-    if compressor is None or isinstance(compressor, NoneCompressor):
-        fut = ops.all_reduce_async(diff, kind=kind, group=group)
-        return PendingSum(lambda: (ops.wait(fut, kind=kind), diff)[1])
-    memory = _memory_for(compressor, memory, state)
-    pieces, keys = _pieces(diff, shapes, key)
-    collective = ProcessGroupCollective(group, kind=kind)
-    pending = start_exchange_tensors(pieces, keys, compressor, memory, state, collective)
-
-    def finish() -> torch.Tensor:
-        means, _, _ = pending.finish()
-        return torch.cat([m.reshape(-1) for m in means]).mul_(collective.world_size).view_as(diff)
-
-    return PendingSum(finish)
+    return _start(diff, compressor, memory, state, group, kind, key, shapes, keep_local=False)
 
 
 def exchange_sum(
@@ -113,7 +137,8 @@ def exchange_sum(
     shapes: list | None = None,
     return_local: bool = False,
 ):
-    """Sum ``diff`` over the ranks of ``group`` (in place when uncompressed).
+    """Sum ``diff`` over the ranks of ``group`` (in place when uncompressed):
+    :func:`start_exchange_sum` waited for at once.
 
     Args:
         diff: this rank's flat difference.
@@ -128,21 +153,9 @@ def exchange_sum(
             caller can apply exactly what was sent.
 
     Returns:
-        The sum over ranks (a new tensor when compressed), or ``(sum, local)`` with
-        ``return_local``.
+        The sum over ranks (compressed: a buffer of ``state``, valid until the next
+        exchange of ``key``), or ``(sum, local)`` with ``return_local``.
     """
-    if compressor is None or isinstance(compressor, NoneCompressor):
-        local = diff.clone() if return_local else None
-        total = ops.all_reduce(diff, kind=kind, group=group)
-        return (total, local) if return_local else total
-    memory = _memory_for(compressor, memory, state)
-    pieces, keys = _pieces(diff, shapes, key)
-    collective = ProcessGroupCollective(group, kind=kind)
-    mine: list[torch.Tensor] = []
-    means, _ = exchange_tensors(pieces, keys, compressor, memory, state, collective, mine)
-    world = collective.world_size
-    total = torch.cat([m.reshape(-1) for m in means]).mul_(world).view_as(diff)
-    if not return_local:
-        return total
-    local = torch.cat([m.reshape(-1) for m in mine]).view_as(diff)
-    return total, local
+    pending = _start(diff, compressor, memory, state, group, kind, key, shapes, keep_local=return_local)
+    total = pending.wait()
+    return (total, pending.local) if return_local else total

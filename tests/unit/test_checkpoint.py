@@ -65,7 +65,7 @@ class _Solo(SoloCollective):
 
     kind = "elastic"
 
-    def charge_dense(self, nbytes: int) -> None:
+    def charge_dense(self, nbytes: int, key=None) -> None:
         pass
 
 

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Protocol
 
@@ -78,6 +79,8 @@ __all__ = [
     "with_out",
     "sparse_out",
     "record_sparse",
+    "start_collective",
+    "mean_of",
 ]
 
 #: Tensors with fewer elements than this travel dense (DGC, Lin et al. 2018, use ~16k).
@@ -167,6 +170,27 @@ class Compressor(ABC):
         self, tensor: torch.Tensor, state: dict, collective: Collective
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Exchange ``tensor``; return (mean over ranks, this rank's decompressed part)."""
+        local, finish = self._launch(tensor, state, collective)
+        return finish(), local
+
+    def start_aggregate(
+        self, tensor: torch.Tensor, state: dict, collective: Collective
+    ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+        """:meth:`aggregate` in two halves: compress, decode this rank's part and launch the
+        collective now (non-blocking where the collective can); returns (this rank's part,
+        ``finish``), and ``finish()`` waits and returns the mean over ranks.
+
+        Multi-round schemes that override :meth:`aggregate` run it whole here."""
+        if type(self).aggregate is not Compressor.aggregate:
+            mean, local = self.aggregate(tensor, state, collective)
+            return local, lambda: mean
+        return self._launch(tensor, state, collective)
+
+    def _launch(
+        self, tensor: torch.Tensor, state: dict, collective: Collective
+    ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+        """The one-collective exchange of :meth:`start_aggregate`: summed payloads decoded
+        once (``allreduce``) or every rank's payload decoded and added (``allgather``)."""
         shape = tensor.shape
         n, dt, dev = tensor.numel(), tensor.dtype, tensor.device
         payload = self.compress(tensor, state)
@@ -174,22 +198,23 @@ class Compressor(ABC):
         local = self.decompress(Payload(payload.tensors, with_out(meta, state, "local", n, dt, dev)), shape)
         world = collective.world_size
         if self.aggregation == "allreduce":
-            summed = collective.all_reduce_sum(list(payload.tensors))
-            total = self.decompress(
-                Payload(tuple(summed), with_out(meta, state, "total", n, dt, dev)), shape
-            )
+            pending = start_collective(collective, "all_reduce_sum", list(payload.tensors))
         else:
-            gathered = collective.all_gather(list(payload.tensors))
-            total = dense_out(with_out(meta, state, "total", n, dt, dev), n, dt, dev).view(shape)
-            part_meta = with_out(meta, state, "part", n, dt, dev)
-            for rank_tensors in gathered:
-                total += self.decompress(Payload(tuple(rank_tensors), part_meta), shape).to(dt)
-        if total.dtype == dt:
-            mean = scratch_buffer(scratch_of(state), "mean", n, dt, dev)
-            mean = torch.div(total.reshape(-1), world, out=mean).view(shape)
-        else:
-            mean = total.to(dt) / world
-        return mean, local.to(dt)
+            pending = start_collective(collective, "all_gather", list(payload.tensors))
+
+        def finish() -> torch.Tensor:
+            if self.aggregation == "allreduce":
+                total = self.decompress(
+                    Payload(tuple(pending.wait()), with_out(meta, state, "total", n, dt, dev)), shape
+                )
+            else:
+                total = dense_out(with_out(meta, state, "total", n, dt, dev), n, dt, dev).view(shape)
+                part_meta = with_out(meta, state, "part", n, dt, dev)
+                for rank_tensors in pending.wait():
+                    total += self.decompress(Payload(tuple(rank_tensors), part_meta), shape).to(dt)
+            return mean_of(total, dt, world, state)
+
+        return local.to(dt), finish
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
@@ -197,6 +222,34 @@ class Compressor(ABC):
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+class _Done:
+    """A blocking collective's result, in the shape of a pending one."""
+
+    def __init__(self, value) -> None:
+        self._value = value
+
+    def wait(self):
+        return self._value
+
+
+def start_collective(collective: Collective, name: str, tensors: list[torch.Tensor]):
+    """Launch ``collective.<name>(tensors)`` without waiting when the collective has a
+    ``<name>_async`` twin; returns a handle whose ``wait()`` gives the result."""
+    launch = getattr(collective, f"{name}_async", None)
+    if launch is not None:
+        return launch(tensors)
+    return _Done(getattr(collective, name)(tensors))
+
+
+def mean_of(total: torch.Tensor, dtype: torch.dtype, world: int, state: dict | None) -> torch.Tensor:
+    """``total / world`` as ``dtype`` (into the ``mean`` scratch buffer of ``state`` when
+    ``total`` has that dtype already)."""
+    if state is None or total.dtype != dtype:
+        return total.to(dtype) / world
+    mean = scratch_buffer(scratch_of(state), "mean", total.numel(), total.dtype, total.device)
+    return torch.div(total.reshape(-1), world, out=mean).view(total.shape)
 
 _OFFER = "_easgd_residual_offer"  # attribute on an offered tensor: 1 offered, 2 written
 

@@ -15,6 +15,7 @@ memory, the sent entries are zeroed in place: that is p - C(p), the next residua
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Callable
 
 import torch
 
@@ -31,6 +32,7 @@ from easgd_lightning.hooks.compressors.base import (
     residual_written,
     scratch_buffer,
     sparse_out,
+    start_collective,
     unpack_sparse,
     with_out,
 )
@@ -174,25 +176,25 @@ class SparseCompressor(Compressor):
         record_sparse(meta, out, idx)
         return out.reshape(shape)
 
-    def aggregate(
+    def _launch(
         self, tensor: torch.Tensor, state: dict, collective: Collective
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """All-gather every rank's (index, value) message and scatter-add them once."""
-        n, dt = tensor.numel(), tensor.dtype
+    ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+        """All-gather every rank's (index, value) message; ``finish`` scatter-adds them once."""
+        shape, n, dt, dev = tensor.shape, tensor.numel(), tensor.dtype, tensor.device
         payload = self.compress(tensor, state)
         meta = payload.meta
-        local = self.decompress(
-            Payload(payload.tensors, with_out(meta, state, "local", n, dt, tensor.device)),
-            tensor.shape,
-        )
-        gathered = collective.all_gather(list(payload.tensors))
-        parts = [unpack_sparse(rank[0], meta["index_dtype"], meta["dtype"]) for rank in gathered]
-        idx = torch.cat([p[0].long() for p in parts])
-        val = torch.cat([p[1] for p in parts])
-        total_meta = with_out(meta, state, "total", n, meta["dtype"], tensor.device)
-        total = sparse_out(total_meta, meta["numel"], meta["dtype"], tensor.device)
-        idx = idx.to(tensor.device)
-        _native.scatter_add_into(total, idx, val.to(tensor.device))
-        total.div_(collective.world_size)  # zero stays zero: still sparse at idx
-        record_sparse(total_meta, total, idx)
-        return total.view(tensor.shape).to(tensor.dtype), local.to(tensor.dtype)
+        local = self.decompress(Payload(payload.tensors, with_out(meta, state, "local", n, dt, dev)), shape)
+        pending = start_collective(collective, "all_gather", list(payload.tensors))
+
+        def finish() -> torch.Tensor:
+            parts = [unpack_sparse(rank[0], meta["index_dtype"], meta["dtype"]) for rank in pending.wait()]
+            idx = torch.cat([p[0].long() for p in parts]).to(dev)
+            val = torch.cat([p[1] for p in parts]).to(dev)
+            total_meta = with_out(meta, state, "total", n, meta["dtype"], dev)
+            total = sparse_out(total_meta, meta["numel"], meta["dtype"], dev)
+            _native.scatter_add_into(total, idx, val)
+            total.div_(collective.world_size)  # zero stays zero: still sparse at idx
+            record_sparse(total_meta, total, idx)
+            return total.view(shape).to(dt)
+
+        return local.to(dt), finish

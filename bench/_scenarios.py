@@ -1,0 +1,282 @@
+"""The emulated-cluster benchmark's vocabulary: rows (``BenchConfig``), targets and the
+scenario presets (``SCENARIOS``) that ``bench/cluster.py --scenario`` runs."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+BASELINE = ("ddp", "none")
+
+
+# The "limit" row: the same hosts, workers and workload with no communication at all.
+# It runs as local SGD whose averaging period is longer than any run, so every worker
+# trains alone; what local SGD still sends happens outside the timed window (the set-up
+# broadcast before training starts, one final average after the last step; both are the
+# same in the long and the short run of the steady-state subtraction and cancel).
+LIMIT = ("limit", "none")
+
+
+LIMIT_RUN = ("local_sgd", "none", ("strategy.period=1000000000",))
+
+
+# DGC is measured at its final sparsity (no warm-up) and, as its config asks, with the
+# momentum inside the compressor rather than in the optimizer.
+DGC_ROW = "ddp/dgc;compression.warmup_ratio_steps=0;optim.momentum=0"
+
+
+# AlexNet at 64x64 on synthetic data: ~57M parameters, ~230 MB of fp32 gradients per step.
+# 2560 training samples = 20 steps x 32 per worker x 4 workers: the timed steps stay inside
+# one epoch (no validation pass inside the timed fit); the final train loss is evaluated
+# on 256 of them.
+DEFAULT_WORKLOAD = (
+    "model=alexnet",
+    "data=synthetic",
+    "data.image_size=64",
+    "data.train_size=2560",
+    "data.val_size=128",
+    "data.train_eval_size=256",
+)
+
+
+# The digits MLP made wide (64 -> 2048 -> 10, 153k parameters, 614 kB of fp32 per
+# exchange): steps of a few tens of milliseconds, so a slow link makes it
+# communication-bound at little cost in bench time.
+WIDE_MLP_WORKLOAD = ("model.hidden=2048",)
+
+
+# SC17 (You, Buluc, Demmel): the original EASGD spends 87% of its time communicating.
+SC17_BASELINE_SHARE = 0.87
+
+
+SC17_FIRST_PROBE_MBIT = 1000.0
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One row of the table: a strategy, a compression and overrides for this row only."""
+
+    strategy: str
+    compression: str
+    overrides: tuple[str, ...] = ()
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.strategy, self.compression)
+
+    @property
+    def label(self) -> str:
+        return f"{self.strategy}/{self.compression}"
+
+    @property
+    def slug(self) -> str:
+        # Hydra's override grammar forbids '=' inside hydra.run.dir's value.
+        tail = "_".join(re.sub(r"[^A-Za-z0-9.-]", "-", o) for o in self.overrides)
+        return f"{self.strategy}__{self.compression}" + (f"__{tail}" if tail else "")
+
+
+def parse_configs(text: str) -> list[BenchConfig]:
+    """Parse ``"strategy/compression,strategy/compression;key=value;key=value"``.
+
+    Items are separated by commas; an item may carry Hydra overrides for that row only
+    after semicolons (e.g. ``ddp/dgc;compression.warmup_ratio_steps=0``).
+
+    Args:
+        text: the ``--configs`` value.
+
+    Returns:
+        The configurations in order, exact duplicates removed.
+
+    Raises:
+        ValueError: an item is not of the form ``strategy/compression[;key=value...]``.
+    """
+    configs: list[BenchConfig] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        head, *overrides = (tok.strip() for tok in item.split(";"))
+        parts = head.split("/")
+        bad = [o for o in overrides if "=" not in o]
+        if len(parts) != 2 or not all(re.fullmatch(r"[A-Za-z0-9_\-]+", p) for p in parts) or bad:
+            raise ValueError(
+                f"--configs: '{item}' is not 'strategy/compression[;key=value...]' "
+                "(e.g. ddp/none, sync_easgd/topk, ddp/dgc;compression.warmup_ratio_steps=0)"
+            )
+        config = BenchConfig(parts[0], parts[1], tuple(o for o in overrides if o))
+        if config not in configs:
+            configs.append(config)
+    if not configs:
+        raise ValueError("--configs: empty list; give e.g. 'ddp/none,sync_easgd/none'")
+    return configs
+
+
+def _spec(text: str) -> BenchConfig:
+    """One ``strategy/compression[;key=value...]`` item as a :class:`BenchConfig`."""
+    (config,) = parse_configs(text)
+    return config
+
+
+_SHARES = ("comm_share", "comm_bound")
+
+
+@dataclass(frozen=True)
+class Target:
+    """A ratio a scenario must reach, judged PASS/MISS in the table.
+
+    Kinds: ``efficiency`` (the row's ``efficiency`` against ``bound``), ``comm_share``
+    (the row's comm share), ``comm_bound`` (1 - efficiency: the share of the step that
+    communication adds over the limit), ``speedup`` (``figure`` of the row ``ref`` divided by the same
+    figure of this row: how many times faster this row is).
+    """
+
+    row: str
+    kind: str
+    op: str
+    bound: float
+    ref: str | None = None
+    figure: str = "step_time_s"
+    note: str = ""
+
+    def describe(self) -> str:
+        what = {
+            "efficiency": "efficiency",
+            "comm_share": "comm share",
+            "comm_bound": "share of the step spent on communication (1 - efficiency)",
+            "speedup": f"{'time to target' if self.figure == 'time_to_target_s' else 'per-step'}"
+            f" speedup over {self.ref}",
+        }[self.kind]
+        bound = f"{100 * self.bound:.0f}%" if self.kind in _SHARES else f"{self.bound:g}"
+        if self.kind == "speedup":
+            bound += "x"
+        return f"{self.row}: {what} {self.op} {bound}" + (f" ({self.note})" if self.note else "")
+
+    def short(self) -> str:
+        bound = f"{100 * self.bound:.0f}%" if self.kind in _SHARES else f"{self.bound:g}"
+        name = {"efficiency": "eff", "comm_share": "comm", "comm_bound": "1-eff", "speedup": "x"}[
+            self.kind
+        ]
+        if self.kind == "speedup":
+            ref = _spec(self.ref or "").label
+            return f"{bound}x vs {ref}"
+        return f"{name} {self.op} {bound}"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A preset: hosts, link, workload, rows, run length and the targets it is judged by.
+
+    ``kind`` ``throughput`` measures per-step figures over ``steps`` (steady state after
+    ``warmup_steps``) and always adds the limit row; ``tta`` trains each row for
+    ``epochs`` and reports the time to ``target_acc``. ``rate_mbit`` None: calibrate the
+    rate (sc17).
+    """
+
+    name: str
+    description: str
+    workers: int
+    rate_mbit: float | None
+    workload: tuple[str, ...]
+    configs: str
+    targets: tuple[Target, ...] = ()
+    steps: int = 20
+    warmup_steps: int = 2
+    extra: tuple[str, ...] = ()
+    kind: str = "throughput"
+    epochs: int = 0
+    target_acc: float = 0.0
+    timeout_s: float = 1800.0
+
+
+SC17_OVERLAPPED = "sync_easgd/none;strategy.overlap=true"
+
+
+SC17_BLOCKING = "sync_easgd/none;strategy.overlap=false"
+
+
+TTA_CONFIGS = (
+    f"ddp/none,{DGC_ROW},ddp/powersgd,sync_easgd/none;strategy.tau=4,sync_easgd/topk,"
+    "local_sgd/none;strategy.period_rule=qsr;strategy.h_base=2;strategy.gamma=0.1,"
+    "async_easgd/none;strategy.tau=4"
+)
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "quick": Scenario(
+        name="quick",
+        description="2 hosts, 100 Mbit/s, the digits MLP made wide (model.hidden=2048)",
+        workers=2,
+        rate_mbit=100.0,
+        workload=WIDE_MLP_WORKLOAD,
+        configs=f"ddp/none,{DGC_ROW},ddp/powersgd,sync_easgd/none,sync_easgd/topk",
+        targets=(
+            Target(DGC_ROW, "efficiency", ">=", 0.8),
+            Target("sync_easgd/topk", "efficiency", ">=", 0.8),
+        ),
+        steps=210,
+        warmup_steps=10,
+        timeout_s=300.0,
+    ),
+    "default": Scenario(
+        name="default",
+        description="4 hosts, 1 Gbit/s, AlexNet 64x64 on synthetic data",
+        workers=4,
+        rate_mbit=1000.0,
+        workload=DEFAULT_WORKLOAD,
+        configs=f"ddp/none,{DGC_ROW},ddp/powersgd,sync_easgd/none,sync_easgd/topk",
+        targets=(
+            Target(DGC_ROW, "efficiency", ">=", 0.8),
+            Target("ddp/powersgd", "efficiency", ">=", 0.8),
+            Target("sync_easgd/topk", "efficiency", ">=", 0.8),
+            Target(DGC_ROW, "speedup", ">=", 2.0, ref="ddp/none"),
+        ),
+        steps=8,
+        warmup_steps=2,
+        timeout_s=1200.0,
+    ),
+    "sc17": Scenario(
+        name="sc17",
+        description=(
+            "4 hosts, the wide digits MLP, link rate calibrated so that easgd_round_robin "
+            "spends >= 87% of its time communicating (SC17's baseline)"
+        ),
+        workers=4,
+        rate_mbit=None,
+        workload=WIDE_MLP_WORKLOAD,
+        configs=f"ddp/none,easgd_round_robin/none,{SC17_BLOCKING},{SC17_OVERLAPPED}",
+        targets=(
+            Target(
+                "easgd_round_robin/none", "comm_bound", ">=", SC17_BASELINE_SHARE,
+                note="the calibration: SC17's baseline",
+            ),
+            Target(SC17_OVERLAPPED, "speedup", ">=", 5.3, ref="easgd_round_robin/none"),
+            Target(SC17_OVERLAPPED, "comm_share", "<=", 0.14),
+        ),
+        steps=40,
+        warmup_steps=10,
+        timeout_s=600.0,
+    ),
+    "tta": Scenario(
+        name="tta",
+        description=(
+            "time to accuracy: 4 hosts, 100 Mbit/s (ddp/none communication-bound), the wide "
+            "digits MLP, lr halved every 4 epochs"
+        ),
+        workers=4,
+        rate_mbit=100.0,
+        workload=WIDE_MLP_WORKLOAD,
+        extra=("optim.schedule=step", "optim.step_size_epochs=4", "optim.gamma=0.5"),
+        configs=TTA_CONFIGS,
+        targets=tuple(
+            Target(spec, "speedup", ">=", 2.0, ref="ddp/none", figure="time_to_target_s")
+            for spec in TTA_CONFIGS.split(",")[1:]
+        ),
+        kind="tta",
+        epochs=12,
+        target_acc=0.95,
+        timeout_s=600.0,
+    ),
+}

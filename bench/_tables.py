@@ -1,0 +1,559 @@
+"""Figures and tables of ``bench/cluster.py``: per-step figures from the runs'
+``summary.json`` (steady state by subtracting a short run), ratios against ``ddp/none``,
+efficiency against the ``limit`` row, time to accuracy, target verdicts and markdown."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Sequence
+
+from _scenarios import _SHARES, BASELINE, LIMIT, Target, _spec
+
+
+def _row_key(row: dict) -> tuple:
+    return (row["strategy"], row["compression"], tuple(row.get("overrides") or ()))
+
+
+def _find_row(rows: list[dict], spec: str) -> dict | None:
+    config = _spec(spec)
+    key = (config.strategy, config.compression, config.overrides)
+    return next((r for r in rows if _row_key(r) == key), None)
+
+
+def evaluate_targets(rows: list[dict], targets: Sequence[Target]) -> list[dict]:
+    """Judge every target against the rows of one run.
+
+    Returns one dict per target: ``target`` (its description), ``row``, ``measured``
+    (None when a row it needs did not run or failed), ``status`` (``PASS``, ``MISS``, or
+    ``n/a: ...`` saying which row is missing or failed), and ``short`` (the table's label).
+    """
+    results = []
+    for t in targets:
+        out = {
+            "target": t.describe(), "row": t.row, "short": t.short(), "kind": t.kind,
+            "measured": None,
+        }
+        needed = [t.row] + ([t.ref] if t.ref else [])
+        found = {spec: _find_row(rows, spec) for spec in needed}
+        problem = next(
+            (
+                f"n/a: {spec} " + ("not run" if r is None else f"{r.get('status')}")
+                for spec, r in found.items()
+                if r is None or r.get("status") != "ok"
+            ),
+            None,
+        )
+        if problem is None:
+            row = found[t.row]
+            if t.kind == "efficiency":
+                value = row.get("efficiency")
+            elif t.kind == "comm_share":
+                value = row.get("comm_share")
+            elif t.kind == "comm_bound":
+                eff = row.get("efficiency")
+                value = None if eff is None else 1.0 - eff
+            else:
+                mine, theirs = row.get(t.figure), found[t.ref].get(t.figure)
+                value = theirs / mine if mine and theirs is not None else None
+                if t.figure == "time_to_target_s" and value is None:
+                    problem = _unreached(row, found[t.ref], t)
+            if problem is not None:
+                pass
+            elif value is None:
+                problem = f"n/a: no {t.kind} figure"
+            else:
+                out["measured"] = value
+                ok = value >= t.bound if t.op == ">=" else value <= t.bound
+                out["status"] = "PASS" if ok else "MISS"
+        if problem is not None:
+            out["status"] = problem
+        results.append(out)
+    return results
+
+
+def _unreached(row: dict, ref: dict, t: Target) -> str:
+    """Verdict of a time-to-target speedup when one of the two rows never got there."""
+    if row.get("time_to_target_s") is None:
+        return "MISS: never reached the target" if ref.get("time_to_target_s") is not None else (
+            f"n/a: neither this row nor {t.ref} reached the target"
+        )
+    # The reference never got there: its whole training time bounds its time from below.
+    bound = (ref.get("train_time_s") or 0.0) / row["time_to_target_s"]
+    if bound >= t.bound:
+        return f"PASS: {t.ref} never reached it (speedup > {bound:.2f}x)"
+    return f"n/a: {t.ref} never reached the target"
+
+
+def add_efficiency(rows: list[dict]) -> None:
+    """``efficiency`` = limit ``step_time_s`` / the row's ``step_time_s`` (1.0: comm is free).
+
+    Only rows that completed get a value; without a completed limit row every value is
+    None.
+    """
+    limit = next(
+        (r for r in rows if (r["strategy"], r["compression"]) == LIMIT and r.get("status") == "ok"),
+        None,
+    )
+    ref = limit.get("step_time_s") if limit else None
+    for row in rows:
+        mine = row.get("step_time_s")
+        row["efficiency"] = (
+            float(ref) / float(mine) if ref and mine and row.get("status") == "ok" else None
+        )
+
+
+def time_to_target(history: list[dict], target: float) -> dict | None:
+    """The first validation in ``val_history`` at or above ``target`` accuracy.
+
+    Returns ``{"time_s", "step", "epoch"}`` (seconds since training started, as the
+    summary records them) or None when it was never reached.
+    """
+    for entry in history:
+        acc = entry.get("val_acc")
+        if acc is not None and acc >= target:
+            return {"time_s": float(entry["time_s"]), "step": entry.get("step"), "epoch": entry.get("epoch")}
+    return None
+
+
+def _mean(values: Iterable[float]) -> float | None:
+    vals = [float(v) for v in values]
+    return statistics.fmean(vals) if vals else None
+
+
+def comm_share_of(summary: dict) -> tuple[float | None, str]:
+    """The comm share a summary reports, and which field it came from.
+
+    ``comm.exposed_fraction`` (the time the training loop actually waited for
+    communication) when the summary has it, else ``comm.time_fraction`` (all
+    communication time, overlapped or not).
+    """
+    comm = summary.get("comm") or {}
+    if comm.get("exposed_fraction") is not None:
+        return comm["exposed_fraction"], "exposed"
+    return comm.get("time_fraction"), "total"
+
+
+def row_from_summary(summary: dict) -> dict:
+    """Figures of one run, read from its ``summary.json`` (DESIGN.md 4.2).
+
+    * ``step_time_s``: ``wall_time_s`` / mean of ``steps_per_rank`` over ranks that stepped
+      (for asynchronous strategies the ranks' step counts differ; a pure server rank that
+      takes no optimizer steps is left out).
+    * ``samples_per_s``: as reported.
+    * ``bytes_per_step_per_worker``: all ranks' ``comm.bytes_sent`` summed, divided by all
+      ranks' steps summed (for synchronous strategies: one rank's bytes per step; for a
+      parameter server it charges the server's replies to the workers' steps).
+    * ``comm_share``: ``comm.exposed_fraction``, or ``comm.time_fraction`` where the summary
+      has no exposed figure (``comm_share_source``: ``exposed`` / ``total``).
+    * ``final_loss``: ``train_loss``.
+
+    Args:
+        summary: the parsed summary.json.
+
+    Returns:
+        A dict with the figures (``None`` where the summary lacks the field).
+    """
+    steps = [int(s) if s is not None else 0 for s in summary.get("steps_per_rank") or []]
+    stepping = [s for s in steps if s > 0]
+    wall = summary.get("wall_time_s")
+    comm = summary.get("comm") or {}
+    sent = comm.get("bytes_sent")
+    sent_list = [int(b) for b in sent] if isinstance(sent, list) else []
+    mean_steps = _mean(stepping)
+    step_time = wall / mean_steps if (wall is not None and mean_steps) else None
+    bytes_per_step = sum(sent_list) / sum(stepping) if (sent_list and stepping) else None
+    share, source = comm_share_of(summary)
+    return {
+        "step_time_s": step_time,
+        "samples_per_s": summary.get("samples_per_s"),
+        "bytes_per_step_per_worker": bytes_per_step,
+        "comm_share": share,
+        "comm_share_source": source,
+        "final_loss": summary.get("train_loss"),
+        "steps_per_rank": steps,
+        "wall_time_s": wall,
+        "val_acc": summary.get("val_acc"),
+    }
+
+
+def train_clock(summary: dict) -> float | None:
+    """Seconds from the start of training to the end of the last step's validation.
+
+    ``val_history`` entries carry the time since training started (after process-group
+    set-up and the strategy's initial broadcast); Lightning validates when ``max_steps``
+    is reached, so the last entry closes the run. None when the history does not end at
+    a step some rank finished on (then use ``wall_time_s``, which also counts the wait
+    for the slowest rank to start).
+    """
+    hist = summary.get("val_history") or []
+    steps = [int(s) for s in summary.get("steps_per_rank") or [] if s]
+    if not hist or hist[-1].get("time_s") is None or hist[-1].get("step") not in steps:
+        return None
+    return float(hist[-1]["time_s"])
+
+
+def _totals(summary: dict, clock: str) -> dict:
+    """Whole-run totals of one summary, the quantities :func:`steady_figures` subtracts."""
+    steps = [int(s) if s is not None else 0 for s in summary.get("steps_per_rank") or []]
+    comm = summary.get("comm") or {}
+    wall = float(summary.get("wall_time_s") or 0.0)
+    exposed = comm.get("exposed_time_s")
+    comm_times = exposed if isinstance(exposed, list) else comm.get("time_s") or []
+    return {
+        "time": train_clock(summary) if clock == "train" else wall,
+        "steps": steps,
+        "samples": float(summary.get("samples_per_s") or 0.0) * wall,
+        "sent": [int(b or 0) for b in comm.get("bytes_sent") or []],
+        "comm_time": [float(t or 0.0) for t in comm_times],
+        "comm_source": "exposed" if isinstance(exposed, list) else "total",
+    }
+
+
+def steady_figures(long: dict, short: dict) -> dict | None:
+    """Per-step figures with the start-up steps subtracted out.
+
+    Two runs of one configuration that differ only in their number of steps (``short``
+    takes the first few, ``long`` all of them) share their start-up costs: DDP's bucket
+    rebuild and the compression hooks' dense first iterations, lazy allocations, the first
+    rendezvous of every collective. Their difference is the steady state:
+    ``step_time = (T_L - T_S) / (steps_L - steps_S)``, and likewise for bytes (summed
+    over ranks, per step summed over ranks), samples/s and each rank's communication time
+    (exposed where the summaries record it) over the time difference. T is the training
+    clock (:func:`train_clock`) when both runs have it, else ``wall_time_s``.
+
+    Args:
+        long: summary.json of the full run.
+        short: summary.json of the short run of the same configuration.
+
+    Returns:
+        The figures as :func:`row_from_summary` names them (``final_loss`` from ``long``)
+        plus ``clock`` (``train`` / ``wall``), or ``None`` when the difference is not
+        positive (then use the whole-run figures).
+    """
+    clock = "train" if train_clock(long) is not None and train_clock(short) is not None else "wall"
+    a, b = _totals(long, clock), _totals(short, clock)
+    if len(a["steps"]) != len(b["steps"]):
+        return None
+    d_time = a["time"] - b["time"]
+    d_steps = [x - y for x, y in zip(a["steps"], b["steps"])]
+    stepping = [d for x, d in zip(a["steps"], d_steps) if x > 0]
+    mean_steps = _mean(stepping)
+    if d_time <= 0 or not mean_steps or mean_steps <= 0 or sum(stepping) <= 0:
+        return None
+    d_sent = sum(a["sent"]) - sum(b["sent"])
+    fractions = [(x - y) / d_time for x, y in zip(a["comm_time"], b["comm_time"])]
+    if a["sent"] == b["sent"]:
+        # Nothing was sent in the window (the limit row): what the comm times differ by is
+        # how long the collectives outside it (set-up broadcast, final average) waited.
+        fractions = [0.0 for _ in fractions]
+    return {
+        "step_time_s": d_time / mean_steps,
+        "samples_per_s": (a["samples"] - b["samples"]) / d_time,
+        "bytes_per_step_per_worker": d_sent / sum(stepping),
+        # Not clipped: asynchronous collectives in flight at once (DDP's buckets during the
+        # backward pass) each count their own launch-to-completion time, so a total share
+        # can exceed the wall time; above 100% means communication overlapped itself.
+        "comm_share": _mean(fractions) if fractions else None,
+        "comm_share_source": a["comm_source"],
+        "final_loss": long.get("train_loss"),
+        "clock": clock,
+    }
+
+
+FIGURES = (
+    "step_time_s",
+    "samples_per_s",
+    "bytes_per_step_per_worker",
+    "comm_share",
+    "final_loss",
+)
+
+
+def build_table(rows: list[dict], baseline: tuple[str, str] = BASELINE) -> list[dict]:
+    """Add ``ratio`` (value / baseline value) for every figure of every row.
+
+    The baseline is the row with ``(strategy, compression) == baseline`` that completed;
+    without one every ratio is ``None``.
+
+    Args:
+        rows: dicts with ``strategy``, ``compression``, ``status`` and the figures.
+        baseline: the configuration the ratios are taken against.
+
+    Returns:
+        The same rows (mutated), each with a ``ratio`` dict keyed by figure.
+    """
+    base = next(
+        (
+            r
+            for r in rows
+            if (r["strategy"], r["compression"]) == baseline and r.get("status") == "ok"
+        ),
+        None,
+    )
+    for row in rows:
+        ratios: dict[str, float | None] = {}
+        for name in FIGURES:
+            value = row.get(name)
+            ref = base.get(name) if base else None
+            ratios[name] = (
+                float(value) / float(ref)
+                if value is not None and ref not in (None, 0) and row.get("status") == "ok"
+                else None
+            )
+        row["ratio"] = ratios
+    return rows
+
+
+def _fmt(value: float | None, kind: str) -> str:
+    if value is None:
+        return "-"
+    if kind == "bytes":
+        for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+            if abs(value) >= scale:
+                return f"{value / scale:.2f} {unit}"
+        return f"{value:.0f} B"
+    if kind == "pct":
+        return f"{100 * value:.1f}%"
+    if kind == "ratio":
+        if value >= 100:
+            return f"{value:.0f}x"
+        return f"{value:.2f}x" if value >= 0.1 else f"{value:.2g}x"
+    if kind == "s":
+        return f"{value:.3f}" if value < 10 else f"{value:.1f}"
+    if kind == "eff":
+        return f"{value:.2f}"
+    return f"{value:.4g}"
+
+
+def _share_label(rows: list[dict]) -> str:
+    sources = {r.get("comm_share_source") for r in rows if r.get("comm_share") is not None}
+    if sources == {"exposed"}:
+        return "exposed comm share"
+    if sources == {"total"}:
+        return "comm share (total)"
+    return "comm share"
+
+
+def _targets_by_row(targets: list[dict]) -> dict[str, list[dict]]:
+    by_row: dict[str, list[dict]] = {}
+    for t in targets:
+        by_row.setdefault(t["row"], []).append(t)
+    return by_row
+
+
+def _target_cell(row: dict, by_row: dict[str, list[dict]]) -> str:
+    label = row_spec(row)
+    cells = []
+    for t in by_row.get(label, []):
+        status = t["status"].split(":")[0] if t["status"].startswith(("PASS", "MISS")) else "n/a"
+        cells.append(f"{t['short']}: {status}")
+    return "; ".join(cells) or "-"
+
+
+def _row_label(row: dict) -> str:
+    if (row["strategy"], row["compression"]) == LIMIT and not row.get("overrides"):
+        return "limit (no communication)"
+    return f"{row['strategy']}/{row['compression']}" + (
+        f" `{' '.join(row['overrides'])}`" if row.get("overrides") else ""
+    )
+
+
+def row_spec(row: dict) -> str:
+    """The ``--configs`` item of a row (``strategy/compression[;key=value...]``)."""
+    return ";".join([f"{row['strategy']}/{row['compression']}", *(row.get("overrides") or [])])
+
+
+def _format_measured(t: dict) -> str:
+    value = t.get("measured")
+    if value is None:
+        return "-"
+    return f"{100 * value:.1f}%" if t.get("kind") in _SHARES else f"{value:.2f}"
+
+
+def _targets_md(targets: list[dict]) -> list[str]:
+    if not targets:
+        return []
+    lines = ["", "| target | measured | result |", "|---|---:|---|"]
+    for t in targets:
+        lines.append(f"| {t['target']} | {_format_measured(t)} | {t['status']} |")
+    return lines
+
+
+def _header(scenario: dict) -> list[str]:
+    link = scenario["link"]
+    lat = f"{link['latency_ms']} ms one-way"
+    if link["latency_ms"] > 0 and not link.get("latency_emulated"):
+        lat += " requested, NOT emulated (sch_netem missing in this kernel)"
+    workload = " ".join(scenario["workload"]) or "(CLI defaults)"
+    extra = " ".join(scenario["extra"]) or "-"
+    machine = scenario["machine"]
+    name = scenario.get("name", "custom")
+    lines = [
+        f"# Emulated cluster, scenario {name}: {scenario['workers']} workers, "
+        f"{link['rate_mbit']:g} Mbit/s, {lat}",
+        "",
+        f"- workload: `{workload}`, extra: `{extra}`",
+    ]
+    calib = scenario.get("calibration")
+    if calib:
+        probes = ", ".join(
+            f"{p['rate_mbit']:g} Mbit/s -> {_fmt(p.get('comm_share'), 'pct')}" for p in calib["probes"]
+        )
+        lines.append(
+            f"- link rate {link['rate_mbit']:g} Mbit/s chosen by measurement: the fastest probed "
+            f"rate at which easgd_round_robin spent >= {100 * calib['wanted']:.0f}% of its step "
+            f"on communication, i.e. 1 - (limit step {_fmt(calib.get('limit_step_s'), 's')} s) / "
+            f"(its step) (probes: {probes})"
+            + ("" if calib.get("reached") else "; NOT reached within the probes")
+        )
+    lines += [
+        f"- machine: {machine['cpus']} CPUs, {machine['platform']}, {scenario['date']}"
+        + (f", load average before: {scenario['loadavg']}" if scenario.get("loadavg") else ""),
+        f"- command: `{scenario['command']}`",
+    ]
+    return lines
+
+
+def render_markdown(rows: list[dict], scenario: dict) -> str:
+    """Render the table (and a scenario header, and the targets) as markdown.
+
+    Args:
+        rows: the output of :func:`build_table`.
+        scenario: the run's scenario dict (workers, link, workload, targets, ...).
+
+    Returns:
+        Markdown text.
+    """
+    if scenario.get("kind") == "tta":
+        return render_tta_markdown(rows, scenario)
+    targets = scenario.get("targets") or []
+    by_row = _targets_by_row(targets)
+    share = _share_label(rows)
+    lines = _header(scenario) + [
+        f"- steps: {scenario['steps']}; "
+        + (
+            f"figures per step over steps {scenario['warmup_steps'] + 1}..{scenario['steps']}"
+            f" (a {scenario['warmup_steps']}-step run of each configuration subtracted)"
+            if scenario.get("warmup_steps")
+            else "figures over the whole run (first steps included)"
+        ),
+        (
+            "- x = value / value of ddp/none in this run (step time < 1x and samples/s > 1x"
+            " are faster; bytes ratio = 1 / compression factor); efficiency = limit step time"
+            " / row step time (limit: every worker trains alone, no communication)"
+        ),
+        f"- {share}: "
+        + (
+            "comm.exposed_fraction (time the training loop waited for communication)"
+            if share == "exposed comm share"
+            else "comm.time_fraction (all communication time; these summaries have no "
+            "exposed figure)"
+            if share == "comm share (total)"
+            else "exposed where the summary has it, else total (marked *)"
+        ),
+        "",
+        (
+            "| strategy/compression | step time (s) | x | efficiency | samples/s | x "
+            f"| bytes/step/worker | x | {share} | final loss | targets | status |"
+        ),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    mixed = share == "comm share"
+    for r in rows:
+        q = r.get("ratio", {})
+        star = "*" if mixed and r.get("comm_share_source") == "total" else ""
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    _row_label(r),
+                    _fmt(r.get("step_time_s"), "s"),
+                    _fmt(q.get("step_time_s"), "ratio"),
+                    _fmt(r.get("efficiency"), "eff"),
+                    _fmt(r.get("samples_per_s"), "num"),
+                    _fmt(q.get("samples_per_s"), "ratio"),
+                    _fmt(r.get("bytes_per_step_per_worker"), "bytes"),
+                    _fmt(q.get("bytes_per_step_per_worker"), "ratio"),
+                    _fmt(r.get("comm_share"), "pct") + star,
+                    _fmt(r.get("final_loss"), "num"),
+                    _target_cell(r, by_row),
+                    r.get("status", "?")
+                    + (
+                        " (whole run)"
+                        if scenario.get("warmup_steps") and r.get("measured") == "whole run"
+                        else ""
+                    ),
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines + _targets_md(targets)) + "\n"
+
+
+def render_tta_markdown(rows: list[dict], scenario: dict) -> str:
+    """The time-to-accuracy table: one row per configuration, speedup over ddp/none."""
+    targets = scenario.get("targets") or []
+    by_row = _targets_by_row(targets)
+    acc = scenario["target_acc"]
+    lines = _header(scenario) + [
+        f"- each row trains for up to {scenario['epochs']} epochs and validates the model it "
+        "delivers (the center for elastic rows) after every epoch; time = seconds from the "
+        f"start of training to the first validation with val_acc >= {acc:g} "
+        "(`val_history[].time_s` of summary.json)",
+        "- speedup = ddp/none's time / the row's time; bytes and comm share over the whole run",
+        "",
+        (
+            f"| strategy/compression | time to {acc:g} (s) | speedup | epoch | step "
+            f"| best val_acc | bytes/step/worker | {_share_label(rows)} | step time (s) "
+            "| targets | status |"
+        ),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for r in rows:
+        reached = r.get("time_to_target_s") is not None
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    _row_label(r),
+                    _fmt(r.get("time_to_target_s"), "s")
+                    if reached
+                    else ("never" if r.get("status") == "ok" else "-"),
+                    _fmt(r.get("speedup"), "ratio"),
+                    str(r["target_epoch"] + 1) if reached and r.get("target_epoch") is not None else "-",
+                    str(r.get("target_step")) if reached else "-",
+                    _fmt(r.get("best_val_acc"), "num"),
+                    _fmt(r.get("bytes_per_step_per_worker"), "bytes"),
+                    _fmt(r.get("comm_share"), "pct"),
+                    _fmt(r.get("step_time_s"), "s"),
+                    _target_cell(r, by_row),
+                    r.get("status", "?"),
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines + _targets_md(targets)) + "\n"
+
+
+def add_tta_speedup(rows: list[dict]) -> None:
+    """``speedup`` = ddp/none's time to target / the row's (None where either never got there)."""
+    base = next(
+        (r for r in rows if (r["strategy"], r["compression"]) == BASELINE and not r.get("overrides")
+         and r.get("status") == "ok"),
+        None,
+    )
+    ref = base.get("time_to_target_s") if base else None
+    for row in rows:
+        mine = row.get("time_to_target_s")
+        row["speedup"] = ref / mine if ref and mine and row.get("status") == "ok" else None
+
+
+def finish_table(rows: list[dict], scenario: dict, targets: Sequence[Target]) -> str:
+    """Ratios, efficiency or speedup, target verdicts; returns the markdown."""
+    build_table(rows)
+    if scenario.get("kind") == "tta":
+        add_tta_speedup(rows)
+    else:
+        add_efficiency(rows)
+    scenario["targets"] = evaluate_targets(rows, targets)
+    return render_markdown(rows, scenario)
