@@ -133,6 +133,7 @@ def compose_checked(overrides: list[str], *, config_name: str = "train", conf_di
     parsed = [o for o in everything if not _is_hydra(o)]
     with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
         loader = GlobalHydra.instance().config_loader()
+        _extend_searchpath(loader, everything)
         for o in everything:  # hydra/launcher=NAME: the option must exist too
             if _is_hydra(o) and "/" in o.key_or_group and loader.repository.group_exists(o.key_or_group):
                 _check_group_option(loader, o)
@@ -147,6 +148,22 @@ def compose_checked(overrides: list[str], *, config_name: str = "train", conf_di
             if o not in groups:
                 _check_key(reference, o, choices)
         return _compose(config_name, [o.input_line for o in parsed])
+
+
+def _extend_searchpath(loader: Any, overrides: list[Any]) -> None:
+    """``hydra.searchpath=[file:///my/conf, ...]`` adds a user's config directories after the
+    package's tree, as Hydra does when it runs: their groups and options are checked too."""
+    paths = [o.value() for o in overrides if o.key_or_group == "hydra.searchpath" and not o.is_delete()]
+    if not paths or not isinstance(paths[-1], list):
+        return
+    from hydra._internal.config_repository import ConfigRepository
+
+    elements = loader.config_search_path.get_path()
+    schema = elements.pop(-1)  # Hydra keeps structured:// (the schemas) last
+    for path in paths[-1]:
+        loader.config_search_path.append(provider="hydra.searchpath in command-line", path=str(path))
+    elements.append(schema)
+    loader.repository = ConfigRepository(config_search_path=loader.config_search_path)
 
 
 def _compose(config_name: str, overrides: list[str], *, with_hydra: bool = False) -> DictConfig:

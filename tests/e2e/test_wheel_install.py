@@ -1,0 +1,131 @@
+"""An installed ``easgd-train`` runs from any directory: nothing is read from the source tree.
+
+The test builds a wheel from a copy of the package sources, installs it (``--no-deps``) into
+a fresh venv made by this interpreter, and runs the venv's ``easgd-train`` console script
+from an empty directory with ``PYTHONPATH`` unset. Installing torch, Lightning and DeepSpeed
+from scratch would take minutes, so the venv sees them through a ``.pth`` file naming the
+site-packages of the interpreter running the tests (``sysconfig`` of ``sys.prefix``); a
+path added by a ``.pth`` file is no site directory, so the editable install of the source
+checkout that lives there (its own ``.pth`` hook) is never activated, and the venv's own
+site-packages, holding the wheel's ``easgd_lightning``, comes first on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers import REPO, base_env, one_error_line
+
+pytestmark = pytest.mark.slow  # wheel build + install + one 2-process run: ~1 minute on 2 cores
+
+#: A user's own config directory: a strategy option extending a shipped one, and a recipe.
+USER_STRATEGY = "defaults:\n  - sync_easgd\n  - _self_\ntau: 2\n"
+USER_RECIPE = "# @package _global_\ntrainer:\n  max_epochs: 1\n  max_steps: 3\n"
+
+
+def _run(cmd: list, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = base_env()
+    env.pop("PYTHONPATH")  # nothing from the source tree
+    return subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> dict[str, Path]:
+    """A fresh venv with the wheel installed: {venv, python, easgd_train, site, wheel}."""
+    root = tmp_path_factory.mktemp("wheel")
+    src = root / "src"  # a copy, so the build writes nothing into the checkout
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, src / name)
+    shutil.copytree(REPO / "easgd_lightning", src / "easgd_lightning",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    dist = root / "dist"
+    _ok(_run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+              "-q", "-w", dist, src], cwd=root))
+    wheel = next(dist.glob("easgd_lightning-*.whl"))
+
+    venv = root / "venv"
+    _ok(_run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=root))
+    python = venv / "bin" / "python"
+    site = Path(_ok(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         cwd=root)).stdout.strip())
+    deps = sysconfig.get_paths(vars={"base": sys.prefix, "platbase": sys.prefix})["purelib"]
+    (site / "project_deps.pth").write_text(deps + "\n")
+    _ok(_run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index",
+              "-q", wheel], cwd=root))
+    return {"venv": venv, "python": python, "easgd_train": venv / "bin" / "easgd-train",
+            "site": site, "wheel": wheel}
+
+
+def test_wheel_holds_the_config_tree_and_the_recipes(installed):
+    names = set(zipfile.ZipFile(installed["wheel"]).namelist())
+    shipped = {str(p.relative_to(REPO)) for p in (REPO / "easgd_lightning" / "conf").rglob("*")
+               if p.suffix in (".yaml", ".md")}
+    assert "easgd_lightning/conf/train.yaml" in shipped
+    assert "easgd_lightning/conf/recipe/imagenet/alexnet_knl.yaml" in shipped
+    assert "easgd_lightning/conf/recipe/nlp3d/gpt_tiny_pp2.yaml" in shipped
+    assert shipped <= names, sorted(shipped - names)
+
+
+def test_installed_package_and_config_tree_live_in_the_venv(installed, tmp_path):
+    code = ("import easgd_lightning, easgd_lightning.conf as c, hydra; "
+            "print(easgd_lightning.__file__); print(c.CONF_DIR); print(hydra.__file__)")
+    pkg, conf, hydra_file = _ok(_run([installed["python"], "-c", code], cwd=tmp_path)).stdout.split()
+    assert Path(pkg).is_relative_to(installed["site"]), pkg
+    assert Path(conf) == installed["site"] / "easgd_lightning" / "conf"
+    assert not Path(conf).is_relative_to(REPO)
+    assert not Path(hydra_file).is_relative_to(installed["venv"])  # dependencies: the .pth file
+
+
+def test_installed_easgd_train_runs_from_an_empty_directory(installed, tmp_path):
+    work = tmp_path / "empty"
+    work.mkdir()
+    exe = installed["easgd_train"]
+
+    helped = _ok(_run([exe, "--help"], cwd=work)).stdout
+    assert "strategy: async_easgd, async_measgd" in helped
+    assert "recipe/imagenet: alexnet_gpu, alexnet_knl" in helped
+    assert "recipe/nlp3d: gpt2_medium_3d" in helped
+
+    printed = yaml.safe_load(_ok(_run([exe, "recipe=nlp3d/gpt_tiny_pp2", "--cfg", "job"], cwd=work)).stdout)
+    assert printed["strategy"]["name"] == "pipeline_3d" and printed["model"]["name"] == "gpt"
+
+    bad = _run([exe, "strategy=sync_easgd", "strategy.tauu=3"], cwd=work)
+    assert bad.returncode == 2
+    assert one_error_line(bad.stderr).startswith("easgd-train: error: strategy.tauu: unknown key; did you mean strategy.tau?")
+    assert list(work.iterdir()) == []  # refused before any run directory existed
+
+    # A user's config directory extends the shipped tree (README, "Your own configs").
+    user = tmp_path / "my_conf"
+    (user / "strategy").mkdir(parents=True)
+    (user / "recipe" / "mine").mkdir(parents=True)
+    (user / "strategy" / "my_sync.yaml").write_text(USER_STRATEGY)
+    (user / "recipe" / "mine" / "short.yaml").write_text(USER_RECIPE)
+    _ok(_run([exe, f"hydra.searchpath=[file://{user}]", "strategy=my_sync", "recipe=mine/short",
+              "trainer.devices=2", "logger=none", "trainer.enable_progress_bar=false",
+              "hydra.run.dir=run"], cwd=work, timeout=300))
+
+    summary = json.loads((work / "run" / "summary.json").read_text())
+    assert summary["status"] == "ok", summary.get("error")
+    assert summary["strategy"] == "sync_easgd"
+    assert summary["config"]["strategy"]["tau"] == 2  # the user's option over the shipped one
+    assert summary["config"]["trainer"]["max_steps"] == 3  # the user's recipe
+    assert summary["steps_per_rank"] == [3, 3]
+    sources = yaml.safe_load((work / "run" / ".hydra" / "hydra.yaml").read_text())["hydra"]["runtime"]["config_sources"]
+    paths = {s["provider"]: s["path"] for s in sources}
+    assert paths["main"] == "easgd_lightning.conf" and paths.get("hydra.searchpath in command-line") == str(user)
