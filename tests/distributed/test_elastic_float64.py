@@ -83,18 +83,8 @@ def _overlap_pair(tmp_path: Path, world: int, tau: int, compression: str) -> lis
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 
-@pytest.mark.parametrize(
-    "world,tau,compression",
-    [
-        (2, 1, "none"),
-        (2, 4, "topk"),
-        (3, 4, "none"),
-        (3, 1, "topk"),
-        pytest.param(2, 4, "none", marks=pytest.mark.slow),
-        pytest.param(2, 1, "topk", marks=pytest.mark.slow),
-        pytest.param(3, 1, "none", marks=pytest.mark.slow),
-        pytest.param(3, 4, "topk", marks=pytest.mark.slow),
-    ],
+@pytest.mark.parametrize(  # each world size, tau and compression twice, each pair of them once
+    "world,tau,compression", [(2, 1, "none"), (2, 4, "topk"), (3, 4, "none"), (3, 1, "topk")]
 )
 def test_sync_easgd_overlap_is_bitwise_exact(tmp_path: Path, world: int, tau: int, compression: str) -> None:
     """overlap=true (exchange behind the next exchange step's forward/backward) gives the

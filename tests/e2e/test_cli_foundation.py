@@ -1,4 +1,4 @@
-"""The real CLI: convergence, round-robin order, resume, bad input, multirun."""
+"""The real CLI: convergence (one multirun over three strategies), round-robin order, resume."""
 
 from __future__ import annotations
 
@@ -11,11 +11,30 @@ import torch
 
 from tests.helpers import PY, REPO, base_env, train_summary
 
+STRATEGIES = ("ddp", "sync_easgd", "easgd_round_robin")
+
+
+@pytest.fixture(scope="module")
+def digits_sweep(tmp_path_factory) -> dict[str, Path]:
+    """One Hydra multirun over the three strategies (2 ranks, digits, the default 10 epochs):
+    {strategy: its job directory}. The convergence checks and the multirun's own checks
+    (every job its own workers and directory) read the same jobs."""
+    sweep = tmp_path_factory.mktemp("digits") / "sweep"
+    proc = subprocess.run(
+        [PY, "-m", "easgd_lightning.cli.train", "-m", f"strategy={','.join(STRATEGIES)}", "trainer.devices=2",
+         "logger=csv", "trainer.enable_progress_bar=false", f"hydra.sweep.dir={sweep}"],
+        env=base_env(), cwd=REPO, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    summaries = sorted(sweep.rglob("summary.json"))
+    assert len(summaries) == len(STRATEGIES)
+    return {json.loads(p.read_text())["strategy"]: p.parent for p in summaries}
+
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "sync_easgd", "easgd_round_robin"])
-def test_convergence_on_digits(tmp_path: Path, strategy: str) -> None:
-    s = train_summary(tmp_path / strategy, f"strategy={strategy}", "trainer.devices=2")
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_convergence_on_digits(digits_sweep: dict[str, Path], strategy: str) -> None:
+    s = json.loads((digits_sweep[strategy] / "summary.json").read_text())
     assert s["status"] == "ok"
     assert s["strategy"] == strategy and s["world_size"] == 2
     assert s["val_acc"] >= 0.90, s["val_acc"]
@@ -81,21 +100,11 @@ def test_resume_reaches_the_same_train_loss(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_multirun_jobs_get_their_own_workers_and_dirs(tmp_path: Path) -> None:
-    sweep = tmp_path / "sweep"
-    proc = subprocess.run(
-        [PY, "-m", "easgd_lightning.cli.train", "-m", "strategy=ddp,sync_easgd", "logger=csv",
-         "trainer.max_epochs=1", "trainer.limit_train_batches=5", "trainer.enable_progress_bar=false",
-         f"hydra.sweep.dir={sweep}"],
-        env=base_env(), cwd=REPO, capture_output=True, text=True, timeout=400,
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    summaries = sorted(sweep.rglob("summary.json"))
-    assert len(summaries) == 2
-    got = {json.loads(p.read_text())["strategy"]: p.parent for p in summaries}
-    assert set(got) == {"ddp", "sync_easgd"}
-    for strategy, job_dir in got.items():
+def test_multirun_jobs_get_their_own_workers_and_dirs(digits_sweep: dict[str, Path]) -> None:
+    assert set(digits_sweep) == set(STRATEGIES)
+    assert len(set(digits_sweep.values())) == len(STRATEGIES)  # a directory per job
+    for strategy, job_dir in digits_sweep.items():
         s = json.loads((job_dir / "summary.json").read_text())
-        assert s["status"] == "ok" and s["steps_per_rank"] == [5, 5]
+        assert s["status"] == "ok" and s["steps_per_rank"] == [230, 230]  # 10 epochs of ceil(1437 / 2 / 32)
         assert s["config"]["strategy"]["name"] == strategy
         assert (job_dir / "ranks" / "rank1.json").exists()
