@@ -1,7 +1,8 @@
 """Per-tensor compressed exchange shared by the DDP hook and the elastic exchange.
 
 Policy: tensors with fewer than ``compressor.min_numel`` elements are concatenated and
-all-reduced dense (one message, as DGC and HiPress do for small layers); every other
+all-reduced dense (one message, as DGC and HiPress do for small layers; a compressor with a
+``dense_part(tensor, state, world)`` method -- DGC's momentum -- says what they send); every other
 tensor is error-compensated by ``memory``, exchanged with ``compressor.aggregate`` (one
 ``state`` dict per tensor key) and its residual stored. Dense bytes are charged once per
 exchange, so the meter's ``dense_bytes`` is what the same tensors cost uncompressed.
@@ -58,6 +59,15 @@ class ExchangeStats:
     def add(self, other: ExchangeStats) -> None:
         for f in self.__dataclass_fields__:
             setattr(self, f, getattr(self, f) + getattr(other, f))
+
+
+def _dense_parts(tensors, keys, small, compressor, states, world) -> dict:
+    """index -> what each small tensor sends dense: itself, or the compressor's
+    ``dense_part(tensor, state, world)`` when it has one (DGC keeps momentum there)."""
+    dense_part = getattr(compressor, "dense_part", None)
+    if not callable(dense_part):
+        return {i: tensors[i] for i in small}
+    return {i: dense_part(tensors[i], states.setdefault(keys[i], {}), world) for i in small}
 
 
 def _kind_totals(kind: str) -> tuple[int, int, int, float, float]:
@@ -117,7 +127,8 @@ def start_exchange_tensors(
     small = [i for i, t in enumerate(tensors) if t.numel() < limit]
     big = [i for i, t in enumerate(tensors) if t.numel() >= limit]
     if small:
-        flat = torch.cat([tensors[i].reshape(-1) for i in small])
+        parts = _dense_parts(tensors, keys, small, compressor, states, world)
+        flat = torch.cat([parts[i].reshape(-1) for i in small])
         collective.charge_dense(flat.numel() * flat.element_size())
         small_handle = start_collective(collective, "all_reduce_sum", [flat])
         offset = 0

@@ -182,7 +182,14 @@ class CompressionHookState:
             "dense_tensors": t.dense_tensors,
             "comm_time_s": t.comm_time_s,
             "codec_time_s": t.codec_time_s,
+            "last_density": self._last_density(),
         }
+
+    def _last_density(self) -> float | None:
+        """The density a scheduled sparsifier (DGC's warm-up) used in its last step (the
+        largest over tensors), None for compressors without a schedule."""
+        dens = [st["last_density"] for st in self.tensor_states.values() if "last_density" in st]
+        return max(dens) if dens else None
 
     def state_dict(self) -> dict:
         """Checkpointable state (tensors and plain data): iteration counter, per-tensor

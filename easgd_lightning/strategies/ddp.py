@@ -10,11 +10,13 @@ CPU/gloo too, so every byte is metered and compressors work everywhere. With
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch.distributed as dist
 from lightning_fabric.utilities.types import _PATH
 from pytorch_lightning.strategies import DDPStrategy
+from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from easgd_lightning.comm import ops
@@ -23,6 +25,14 @@ from easgd_lightning.hooks.ddp import register_compression_hook
 log = logging.getLogger(__name__)
 
 __all__ = ["CompressedDDPStrategy"]
+
+
+def optimizer_steps_per_epoch(trainer) -> int | None:
+    """ceil(training batches / accumulate_grad_batches), None when the epoch length is unknown."""
+    batches = getattr(trainer, "num_training_batches", None)
+    if batches is None or not math.isfinite(batches) or batches <= 0:
+        return None
+    return math.ceil(int(batches) / max(1, int(getattr(trainer, "accumulate_grad_batches", 1))))
 
 
 class CompressedDDPStrategy(DDPStrategy):
@@ -57,6 +67,14 @@ class CompressedDDPStrategy(DDPStrategy):
         if self._resume_rank_state is not None:
             self._restore_rank_state(self._resume_rank_state)
             self._resume_rank_state = None
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        bind = getattr(self._compression, "bind_training", None)
+        if callable(bind):  # DGC: warm-up epochs -> steps, and it owns the momentum
+            for note in bind(self.optimizers, optimizer_steps_per_epoch(self.lightning_module.trainer)):
+                rank_zero_warn(note)
 
     # ------------------------------------------------------------------ checkpoints
     @property

@@ -21,7 +21,7 @@ def _run(tmp_path: Path, world: int, scenarios: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
-    return _run(tmp_path_factory.mktemp("two"), 2, "aggregate,ddp,elastic,elastic_split")
+    return _run(tmp_path_factory.mktemp("two"), 2, "aggregate,ddp,ddp_dgc,elastic,elastic_split")
 
 
 def _check_aggregate(ranks: list[dict]) -> None:
@@ -61,6 +61,16 @@ def test_ddp_hook_runs_on_cpu_with_the_payload_bytes(two_ranks):
         assert ddp["iterations"][1]["dense"] / ddp["iterations"][1]["sent"] > 15
         stats = ddp["stats"]
         assert stats["compressor"] == "topk" and stats["compression_ratio"] > 15
+
+
+def test_ddp_hook_dgc_keeps_momentum_on_dense_tensors(two_ranks):
+    """Sparsified weights follow DGC (momentum correction, masking); tensors under
+    min_numel travel dense with DGC's momentum (u <- m u + g, u sent), both against a
+    reference written in the script."""
+    for rank in two_ranks:
+        res = rank["ddp_dgc"]
+        assert max(res["err"]) < 1e-5, res
+        assert max(res["momentum_effect"][1:]) > 1e-3, res  # not the plain gradient
 
 
 def test_elastic_exchange_sums_transmitted_and_keeps_residual(two_ranks):

@@ -8,11 +8,13 @@ momentum 0); every tensor is compressed (min_numel=0) so the ratio measures the 
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import train_summary
+from tests.helpers import run_cli, train_summary
 
 COMMON = ["strategy=ddp", "trainer.devices=2", "data.batch_size=8", "trainer.max_epochs=20",
           "checkpoint.enabled=false", "seed=0"]
@@ -59,6 +61,33 @@ def test_compressed_ddp_matches_dense_accuracy(tmp_path: Path, baseline: dict, n
         assert _ratio(s) >= 100
     else:
         assert _ratio(s) > 5
+
+
+def test_dgc_warmup_epochs_and_its_own_momentum_through_the_trainer(tmp_path: Path) -> None:
+    """compression.warmup_ratio_epochs counts the Trainer's epochs (the strategy tells DGC
+    the steps per epoch; the step default, 100000 here, would still be warming up), and
+    DGC takes over the default optim.momentum=0.9 with a warning."""
+    proc = run_cli(
+        [f"hydra.run.dir={tmp_path}", "logger=none", "trainer.enable_progress_bar=false",
+         "strategy=ddp", "trainer.devices=2", "checkpoint.enabled=false", "compression=dgc",
+         "compression.min_numel=0", "compression.warmup_ratio_steps=100000",
+         "compression.warmup_ratio_epochs=2", "trainer.max_epochs=3"],
+        timeout=600,
+    )
+    assert "the optimizer's momentum was set to 0" in proc.stdout + proc.stderr
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["status"] == "ok"
+    # 1437 samples / 2 ranks / batch 32 = 23 steps per epoch; 2 warm-up epochs = 46 steps,
+    # the last step of epoch 3 (compress step 67, after the hook's dense first step) is past them
+    assert s["steps_per_rank"] == [69, 69]
+    for extras in s["extras"]:
+        assert extras["compression_stats"]["last_density"] == 0.001
+    # the warm-up happened, over those 46 steps: nominal bytes sum_t sum_tensors 8 ceil(d_t n)
+    densities = [(0.25, 0.0625, 0.0156, 0.004)[t * 4 // 46] if t < 46 else 0.001 for t in range(68)]
+    sizes = (64 * 128, 128, 128 * 10, 10)
+    nominal = sum(8 * math.ceil(d * n - 1e-9) for d in densities for n in sizes) + N_PARAMS * 4
+    for sent in s["comm"]["bytes_sent"]:
+        assert 0.7 * nominal < sent < 1.4 * nominal, (sent, nominal)
 
 
 # bad compression values: in-process in tests/unit/test_validation.py

@@ -17,6 +17,7 @@ from easgd_lightning.hooks.compressors import PLUGINS, base
 from easgd_lightning.hooks.compressors.adaptive import adaptive_ratio
 from easgd_lightning.hooks.compressors.dgc import DGCCompressor
 from easgd_lightning.hooks.compressors.powersgd import power_iteration
+from easgd_lightning.hooks.compressors.qsgd import qsgd_dequantize, qsgd_quantize, unpack_levels
 from easgd_lightning.hooks.compressors.redsync import threshold_bisect, trimmed_topk
 from easgd_lightning.hooks.compressors.sidco import (
     exponential_threshold,
@@ -118,8 +119,9 @@ def test_qsgd_unbiased_and_on_the_grid():
     x = torch.randn(1000, generator=gen(6))
     comp = build_compressor("qsgd", levels=4, bucket_size=100, seed=7)
     payload, y = roundtrip(comp, x)
-    norms, q = payload.tensors
-    assert q.dtype == torch.int8 and int(q.abs().max()) <= 4
+    norms, packed = payload.tensors
+    q = unpack_levels(packed, 1000, 4)  # s = 4: 3 bits of level + a sign bit
+    assert packed.numel() == 500 and int(q.abs().max()) <= 4
     bnorm = torch.linalg.vector_norm(x.view(10, 100), dim=1)
     torch.testing.assert_close(norms, bnorm)
     levels = (y.view(10, 100) / bnorm.unsqueeze(1) * 4)
@@ -137,11 +139,39 @@ def test_qsgd_unbiased_and_on_the_grid():
 
 
 def test_qsgd_payload_bytes_formula():
+    """ceil(log2(s + 1)) bits of level plus a sign bit per entry, and a norm per bucket:
+    s = 1 is 2 bits per entry, not a byte."""
     x = torch.randn(1300, generator=gen(7))
-    for levels, lbytes in ((127, 1), (128, 2), (40000, 4)):
+    for levels, bits in ((1, 2), (2, 3), (3, 3), (4, 4), (7, 4), (15, 5), (127, 8), (128, 9), (40000, 17)):
         comp = build_compressor("qsgd", levels=levels, bucket_size=512)
         payload, _ = roundtrip(comp, x)
-        assert comp.payload_bytes(payload) == 1300 * lbytes + math.ceil(1300 / 512) * 4
+        assert comp.payload_bytes(payload) == math.ceil(1300 * bits / 8) + math.ceil(1300 / 512) * 4
+
+
+@pytest.mark.parametrize("levels", [1, 3, 6, 127, 200, 40000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_qsgd_packed_decode_is_the_unpacked_rule(levels, dtype):
+    """Decoding the packed stream gives exactly norm_bucket * level / s of the unpacked
+    levels, and the stream is those levels as w-bit two's-complement fields, little-endian
+    (re-packed here bit by bit, independently of the codec)."""
+    x = torch.randn(2049, generator=gen(12), dtype=torch.float64).to(dtype)
+    comp = build_compressor("qsgd", levels=levels, bucket_size=100, seed=5)
+    payload, y = roundtrip(comp, x)
+    norms, packed = payload.tensors
+    w = int(levels).bit_length() + 1
+    n_b = math.ceil(2049 / 100)
+    # the unpacked rule from the same noise: a fresh generator with the same seed
+    ref_norms, q = qsgd_quantize(x, levels, 100, torch.Generator().manual_seed(5))
+    assert torch.equal(norms, ref_norms) and norms.numel() == n_b
+    q = q.to(torch.int64).tolist()
+    stream = "".join(format(v & ((1 << w) - 1), f"0{w}b")[::-1] for v in q)
+    stream += "0" * (-len(stream) % 8)
+    expect = bytes(int(stream[i:i + 8][::-1], 2) for i in range(0, len(stream), 8))
+    assert packed.numpy().tobytes() == expect
+    scale = (ref_norms.double() / levels).repeat_interleave(100)[:2049]
+    ref = (torch.tensor(q, dtype=torch.float64) * scale)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-6 if dtype == torch.float32 else 1e-15, atol=0)
+    assert torch.equal(y, qsgd_dequantize(ref_norms, torch.tensor(q), levels, 100, 2049, dtype))
 
 
 # ----------------------------------------------------------------------------- PowerSGD
@@ -288,6 +318,41 @@ def test_dgc_local_clipping_scaled_by_sqrt_p():
     state = {"world_size": 4}
     _, y = roundtrip(comp, g, state)
     assert math.isclose(float(torch.linalg.vector_norm(y)), 2.0 / math.sqrt(4), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_dgc_dense_part_keeps_momentum(nesterov):
+    """A tensor under min_numel sends DGC's momentum dense (no accumulation, no masking):
+    u <- m u + g, send u (Nesterov: u <- m (u + g), send u + g); clipping first."""
+    comp = DGCCompressor(momentum=0.9, nesterov=nesterov, clip_norm=1.0)
+    gs = [np.random.default_rng(30 + i).standard_normal(50) for i in range(4)]
+    state: dict = {}
+    u = np.zeros(50)
+    for g in gs:
+        sent = comp.dense_part(torch.tensor(g).view(5, 10), state, 4).numpy().reshape(-1)
+        gc = g * min(1.0, (1.0 / 2.0) / np.linalg.norm(g))  # clip at C / sqrt(p)
+        u = 0.9 * (u + gc) if nesterov else 0.9 * u + gc
+        np.testing.assert_allclose(sent, u + gc if nesterov else u, rtol=1e-12)
+    assert not np.allclose(sent, gs[-1])
+    # no momentum: the (clipped) gradient itself, and no state kept
+    plain = DGCCompressor(momentum=0.0).dense_part(torch.ones(3), {}, 1)
+    assert torch.equal(plain, torch.ones(3))
+
+
+def test_dgc_bind_training_owns_momentum_and_sets_epochs():
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    comp = DGCCompressor(ratio=0.001, warmup_ratio_steps=999, warmup_ratio_epochs=1)
+    notes = comp.bind_training([opt], 8)
+    assert opt.param_groups[0]["momentum"] == 0 and not opt.param_groups[0]["nesterov"]
+    assert any("momentum was set to 0" in n for n in notes)
+    assert comp.total_warmup_steps == 8 and comp.density(7) == 0.004 and comp.density(8) == 0.001
+    # unknown epoch length: the step default, said so; momentum 0 leaves the optimizer alone
+    comp = DGCCompressor(momentum=0.0, warmup_ratio_steps=20, warmup_ratio_epochs=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    notes = comp.bind_training([opt], None)
+    assert comp.total_warmup_steps == 20 and opt.param_groups[0]["momentum"] == 0.5
+    assert notes and "warmup_ratio_steps=20" in notes[0]
 
 
 def test_dgc_rejects_memory():
@@ -524,6 +589,8 @@ FAST = [
     ("randomk", {"ratio": 0.013, "unbiased": True, "memory": False}),
     ("qsgd", {"levels": 127, "bucket_size": 512, "seed": 3}),
     ("qsgd", {"levels": 300, "bucket_size": 100, "seed": 3}),
+    ("qsgd", {"levels": 1, "bucket_size": 512, "seed": 3}),
+    ("qsgd", {"levels": 15, "bucket_size": 100, "seed": 3}),
     ("signsgd", {}),
 ]
 

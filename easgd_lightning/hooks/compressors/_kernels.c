@@ -464,6 +464,66 @@ void qsgd_dequantize_f32_i8(const int8_t *q, int64_t n, int64_t b, const float *
 }
 DEF_QSGD(double, int16_t, f64_i16, f64)
 
+/* QSGD's wire format: level i as a w-bit two's-complement field (w = ceil(log2(s + 1)) + 1:
+ * the level's bits and a sign bit), packed little-endian: entry i holds stream bits
+ * [i w, (i + 1) w), bit j of the stream is bit j % 8 of byte j / 8. w <= 17 here. */
+#define DEF_QSGD_PACK(Q, SFX)                                                               \
+    void qsgd_pack_##SFX(const Q *q, int64_t n, int w, uint8_t *out) {                     \
+        const uint64_t mask = (1ULL << w) - 1;                                              \
+        uint64_t acc = 0;                                                                   \
+        int fill = 0;                                                                       \
+        for (int64_t i = 0; i < n; i++) {                                                   \
+            acc |= ((uint64_t)(int64_t)q[i] & mask) << fill;                                \
+            fill += w;                                                                      \
+            if (fill >= 32) {                                                               \
+                uint32_t word = (uint32_t)acc;                                              \
+                memcpy(out, &word, 4); /* little-endian hosts (x86, arm64) */               \
+                out += 4;                                                                   \
+                acc >>= 32;                                                                 \
+                fill -= 32;                                                                 \
+            }                                                                               \
+        }                                                                                   \
+        for (; fill > 0; fill -= 8, acc >>= 8) *out++ = (uint8_t)acc;                       \
+    }
+DEF_QSGD_PACK(int8_t, i8)
+DEF_QSGD_PACK(int16_t, i16)
+
+/* Decode the packed levels of n entries and scale them: out_i = level_i * (norm_k / s). */
+#define DEF_QSGD_UNPACK(T, SFX)                                                             \
+    void qsgd_dequantize_packed_##SFX(const uint8_t *p, int64_t n, int64_t b,              \
+                                      const T *norms, T levels, int w, T *out) {            \
+        const int64_t nbytes = (n * w + 7) / 8;                                             \
+        const uint64_t mask = (1ULL << w) - 1;                                              \
+        const int up = 64 - w;                                                              \
+        uint64_t acc = 0;                                                                   \
+        int fill = 0;                                                                       \
+        int64_t pos = 0;                                                                    \
+        for (int64_t k = 0; k * b < n; k++) {                                               \
+            int64_t len = (k + 1) * b <= n ? b : n - k * b;                                 \
+            T f = norms[k] / levels;                                                        \
+            T *dst = out + k * b;                                                           \
+            for (int64_t j = 0; j < len; j++) {                                             \
+                if (fill < w) {                                                             \
+                    if (pos + 4 <= nbytes) {                                                \
+                        uint32_t word;                                                      \
+                        memcpy(&word, p + pos, 4);                                          \
+                        acc |= (uint64_t)word << fill;                                      \
+                        pos += 4;                                                           \
+                        fill += 32;                                                         \
+                    } else {                                                                \
+                        for (; fill < w && pos < nbytes; fill += 8) acc |= (uint64_t)p[pos++] << fill; \
+                    }                                                                       \
+                }                                                                           \
+                int64_t v = (int64_t)((acc & mask) << up) >> up; /* sign-extend w bits */   \
+                acc >>= w;                                                                  \
+                fill -= w;                                                                  \
+                dst[j] = (T)v * f;                                                          \
+            }                                                                               \
+        }                                                                                   \
+    }
+DEF_QSGD_UNPACK(float, f32)
+DEF_QSGD_UNPACK(double, f64)
+
 /* ------------------------------------------------------------------ sign */
 
 /* float32 rows of the table, two bytes (16 entries, one cache line) per streaming store;

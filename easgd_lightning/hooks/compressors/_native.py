@@ -80,6 +80,10 @@ for _t, _c in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
                    ctypes.c_void_p, ctypes.c_void_p])
         _SIGNATURES[f"qsgd_dequantize_{_t}_{_q}"] = (
             None, [ctypes.c_void_p, _i64, _i64, ctypes.c_void_p, _c, ctypes.c_void_p])
+    _SIGNATURES[f"qsgd_dequantize_packed_{_t}"] = (
+        None, [ctypes.c_void_p, _i64, _i64, ctypes.c_void_p, _c, ctypes.c_int, ctypes.c_void_p])
+for _q in ("i8", "i16"):
+    _SIGNATURES[f"qsgd_pack_{_q}"] = (None, [ctypes.c_void_p, _i64, ctypes.c_int, ctypes.c_void_p])
 
 SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 

@@ -11,7 +11,9 @@ Warm-up: densities 0.25, 0.0625, 0.0156, 0.004 (equal shares of ``warmup_ratio_s
 or of ``warmup_ratio_epochs`` * steps per epoch once :meth:`DGCCompressor.set_steps_per_epoch`
 is called; the paper warms up over 4 epochs), then ``ratio`` = 0.001 (99.9% sparsity). Defaults: momentum 0.9, nesterov false,
 clip_norm null (off), min_numel 16384 (smaller tensors go dense), memory false.
-With ``momentum > 0`` the momentum lives here: give the optimizer momentum 0.
+With ``momentum > 0`` the momentum lives here: :meth:`DGCCompressor.bind_training` sets the
+optimizer's to 0 (with a warning). Tensors under ``min_numel`` travel dense but keep the
+momentum (:meth:`DGCCompressor.dense_part`: u <- m u + g, u sent; no accumulation, no masking).
 Cost: the threshold comes from the sample of the corrected v, computed from u, v, g at the
 sampled entries alone; the momentum correction and the first round's count-and-gather are
 then one pass over (u, v, g) (native kernel on CPU); a further round (rare) is one pass
@@ -49,6 +51,8 @@ __all__ = [
     "momentum_select_values",
     "clip_local",
     "momentum_correction",
+    "momentum_dense",
+    "release_optimizer_momentum",
 ]
 
 #: DGC's warm-up densities (sparsity 75%, 93.75%, 98.4375%, 99.6%), then ``ratio``.
@@ -91,6 +95,33 @@ def momentum_correction(
         v.add_(u)
 
 
+def momentum_dense(
+    g: torch.Tensor, u: torch.Tensor, momentum: float, nesterov: bool
+) -> torch.Tensor:
+    """A tensor that travels dense keeps DGC's momentum, without accumulation or masking
+    (as the authors' code does for the layers it does not sparsify): in place
+    u <- m u + g and send u (Nesterov: u <- m (u + g) and send u + g); returns a new tensor."""
+    if nesterov:
+        u.add_(g).mul_(momentum)
+        return u + g
+    u.mul_(momentum).add_(g)
+    return u.clone()
+
+
+def release_optimizer_momentum(optimizers) -> bool:
+    """Set every param group's ``momentum`` (and ``nesterov``) to 0 / False, in place;
+    True when some group had momentum (DGC applies its own, once)."""
+    changed = False
+    for opt in optimizers:
+        for group in opt.param_groups:
+            if group.get("momentum", 0):
+                group["momentum"] = 0.0
+                changed = True
+            if group.get("nesterov"):
+                group["nesterov"] = False
+    return changed
+
+
 def dgc_select(
     mag: torch.Tensor,
     k: int,
@@ -99,31 +130,14 @@ def dgc_select(
     upper: float = 1.3,
     lower: float = 0.8,
 ) -> tuple[torch.Tensor, int]:
-    """DGC's sampled threshold; returns (indices, rounds used).
+    """DGC's sampled threshold on magnitudes; returns (indices, rounds used).
 
     thr = the ceil(k s / n)-th largest of a strided sample of s = max(1, sample_ratio n)
     entries (at least min(n, 1000)); if more than ``upper`` k entries pass, exact top-k
-    among them; if fewer than ``lower`` k pass, thr <- ``lower`` * thr and recount.
+    among them; if fewer than ``lower`` k pass, thr <- ``lower`` * thr and recount
+    (:func:`dgc_select_values` on the non-negative ``mag``).
     """
-    n = mag.numel()
-    if k >= n:
-        return torch.arange(n, device=mag.device), 0
-    s = min(n, max(1000, int(sample_ratio * n)))
-    stride = max(1, n // s)
-    sample = mag[::stride]
-    ks = max(1, min(sample.numel(), math.ceil(k * sample.numel() / n)))
-    thr = torch.topk(sample, ks, sorted=False).values.min()
-    idx = torch.empty(0, dtype=torch.long, device=mag.device)
-    rounds = 0
-    for rounds in range(1, max_rounds + 1):
-        idx = torch.nonzero(mag >= thr).squeeze(1)
-        nnz = idx.numel()
-        if nnz > upper * k:
-            top = torch.topk(mag[idx], k, sorted=False).indices
-            return idx[top], rounds
-        if nnz >= lower * k or rounds == max_rounds:
-            break
-        thr = thr * lower
+    idx, _, rounds = dgc_select_values(mag, k, sample_ratio, max_rounds, upper, lower)
     return idx, rounds
 
 
@@ -276,6 +290,37 @@ class DGCCompressor(SparseCompressor):
         self.sample_ratio = check_ratio("sample_ratio", sample_ratio)
         self.max_rounds = check_int("max_rounds", max_rounds, 1)
         self._steps_per_epoch: int | None = None
+
+    def dense_part(self, tensor: torch.Tensor, state: dict, world_size: int) -> torch.Tensor:
+        """What a tensor under ``min_numel`` sends in the dense all-reduce: the clipped
+        gradient through :func:`momentum_dense` (its momentum u lives in ``state``)."""
+        flat = clip_local(tensor.reshape(-1), self.clip_norm, world_size)
+        if self.momentum == 0:
+            return flat.clone().view_as(tensor)
+        u = state.get("u")
+        if u is None or u.shape != flat.shape or u.device != flat.device or u.dtype != flat.dtype:
+            u = state["u"] = torch.zeros_like(flat)
+        return momentum_dense(flat, u, self.momentum, self.nesterov).view_as(tensor)
+
+    def bind_training(self, optimizers, steps_per_epoch: int | None) -> list[str]:
+        """Adopt a training run (called by the strategy before the first step): the epochs
+        of ``warmup_ratio_epochs`` become ``steps_per_epoch`` optimizer steps each, and with
+        ``momentum > 0`` the optimizers' own momentum is set to 0 (DGC applies its own;
+        both would compound). Returns the warnings to log."""
+        notes = []
+        if steps_per_epoch:
+            self.set_steps_per_epoch(int(steps_per_epoch))
+        elif self.warmup_ratio_epochs is not None:
+            notes.append(
+                "compression.warmup_ratio_epochs: the epoch length is unknown, so the DGC "
+                f"warm-up uses compression.warmup_ratio_steps={self.warmup_ratio_steps}"
+            )
+        if self.momentum > 0 and release_optimizer_momentum(optimizers):
+            notes.append(
+                f"compression=dgc applies its own momentum (compression.momentum={self.momentum}); "
+                "the optimizer's momentum was set to 0 so it is not applied twice"
+            )
+        return notes
 
     def set_steps_per_epoch(self, steps: int) -> None:
         """Turn ``warmup_ratio_epochs`` into steps (called by a strategy that knows the epoch size)."""

@@ -3,15 +3,19 @@
 Rule, per bucket v of ``bucket_size`` entries: q_i = ||v||_2 sign(v_i) xi_i / s with
 xi_i = floor(s |v_i| / ||v||_2 + U[0, 1)), i.e. s|v_i|/||v|| rounded up with probability
 equal to its fractional part, so E[q] = v (unbiased) and Var <= min(d/s^2, sqrt(d)/s) ||v||^2.
-Wire: one norm per bucket (value dtype) + one signed level per entry in the smallest
-integer type holding [-s, s] (int8 for s <= 127); per-rank norms make it non-linear, so
-payloads are all-gathered. Defaults: levels s = 127 (8 bits), bucket_size = 512 (the
-paper's bucketing), memory = false (unbiased), seed = null (the global torch RNG).
+Wire: one norm per bucket (value dtype) + each signed level packed in
+w = ceil(log2(s + 1)) + 1 bits (the level's bits and a sign bit, as a w-bit two's
+complement field, little-endian bit stream: :func:`pack_levels`), so s = 1 costs 2 bits
+per entry, s = 7 four, s = 127 eight; per-rank norms make it non-linear, so payloads are
+all-gathered. Defaults: levels s = 127 (8 bits), bucket_size = 512 (the paper's
+bucketing), memory = false (unbiased), seed = null (the global torch RNG).
 
 Noise: U_i comes from a counter-based hash of (i, two 32-bit words drawn per call from
 the generator -- the private one with ``seed``, else torch's global one), 24-bit uniform
 in [0, 1): the norm, rounding and cast are one pass per bucket in the native kernel
-(float32 / float64 CPU tensors), and the eager path computes the same numbers.
+(float32 / float64 CPU tensors), and the eager path computes the same numbers. Widths 8
+and 16 are the int8 / int16 levels themselves; other widths take one more pass over the
+levels to pack them (and the decode reads the packed stream directly).
 """
 
 from __future__ import annotations
@@ -23,12 +27,23 @@ from easgd_lightning.hooks.compressors.base import (
     Compressor,
     Payload,
     check_int,
+    pack_bits,
+    unpack_bits,
     dense_out,
     scratch_buffer,
     scratch_of,
 )
 
-__all__ = ["QSGDCompressor", "level_dtype", "noise_seeds", "qsgd_quantize", "qsgd_dequantize"]
+__all__ = [
+    "QSGDCompressor",
+    "level_dtype",
+    "level_width",
+    "pack_levels",
+    "unpack_levels",
+    "noise_seeds",
+    "qsgd_quantize",
+    "qsgd_dequantize",
+]
 
 
 def level_dtype(levels: int) -> torch.dtype:
@@ -38,6 +53,42 @@ def level_dtype(levels: int) -> torch.dtype:
     if levels <= 32767:
         return torch.int16
     return torch.int32
+
+
+def level_width(levels: int) -> int:
+    """Bits per entry on the wire: ceil(log2(s + 1)) for the level, one for the sign."""
+    return int(levels).bit_length() + 1
+
+
+def _packed_bytes(numel: int, width: int) -> int:
+    return (numel * width + 7) // 8
+
+
+def pack_levels(q: torch.Tensor, width: int, scratch: dict | None = None) -> torch.Tensor:
+    """The signed levels ``q`` as ``width``-bit two's-complement fields in a little-endian
+    bit stream (entry i in stream bits [i w, (i + 1) w); uint8, ceil(n w / 8) bytes).
+    Widths 8 and 16 are the int8 / int16 levels' own bytes (no copy)."""
+    q = q.reshape(-1)
+    if width == 8 * q.element_size():
+        return q.view(torch.uint8)
+    n = q.numel()
+    lib = _native.lib() if q.dtype in (torch.int8, torch.int16) and q.device.type == "cpu" else None
+    if lib is not None and q.is_contiguous() and width <= 17:
+        out = scratch_buffer(scratch, "qsgd_packed", _packed_bytes(n, width), torch.uint8, q.device)
+        getattr(lib, f"qsgd_pack_{'i8' if q.dtype == torch.int8 else 'i16'}")(
+            q.data_ptr(), n, width, out.data_ptr()
+        )
+        return out
+    codes = q.to(torch.int64) & ((1 << width) - 1)
+    shifts = torch.arange(width, device=q.device)
+    return pack_bits(((codes.unsqueeze(1) >> shifts) & 1).bool().view(-1))
+
+
+def unpack_levels(packed: torch.Tensor, numel: int, width: int) -> torch.Tensor:
+    """Inverse of :func:`pack_levels`: the ``numel`` signed levels (int64; eager)."""
+    bits = unpack_bits(packed.reshape(-1), numel * width).view(numel, width).to(torch.int64)
+    codes = (bits << torch.arange(width, device=packed.device)).sum(dim=1)
+    return codes - ((codes >> (width - 1)) & 1) * (1 << width)  # sign-extend
 
 
 def noise_seeds(generator: torch.Generator | None = None) -> tuple[int, int]:
@@ -115,8 +166,14 @@ def qsgd_dequantize(
     return res
 
 
+def _aligned(packed: torch.Tensor) -> torch.Tensor:
+    """``packed`` contiguous and 2-byte aligned (a received buffer may be neither)."""
+    packed = packed.contiguous()
+    return packed.clone() if packed.storage_offset() % 2 else packed
+
+
 class QSGDCompressor(Compressor):
-    """QSGD with bucketed norms and int8/int16 levels.
+    """QSGD with bucketed norms and levels packed in ceil(log2(s + 1)) + 1 bits each.
 
     Args:
         levels: s, the number of positive quantization levels (>= 1).
@@ -141,6 +198,7 @@ class QSGDCompressor(Compressor):
         super().__init__(min_numel=min_numel, memory=memory)
         self.levels = check_int("levels", levels, 1)
         self.bucket_size = check_int("bucket_size", bucket_size, 0)
+        self.width = level_width(self.levels)
         self.seed = None if seed is None else check_int("seed", seed, 0)
         self._generator: torch.Generator | None = None
         if self.seed is not None:
@@ -148,15 +206,27 @@ class QSGDCompressor(Compressor):
 
     def compress(self, tensor: torch.Tensor, state: dict) -> Payload:
         flat = tensor.reshape(-1)
-        norms, q = qsgd_quantize(
-            flat, self.levels, self.bucket_size, self._generator, scratch=scratch_of(state)
-        )
-        return Payload((norms, q), {"numel": flat.numel(), "dtype": flat.dtype})
+        scratch = scratch_of(state)
+        norms, q = qsgd_quantize(flat, self.levels, self.bucket_size, self._generator, scratch=scratch)
+        packed = pack_levels(q, self.width, scratch)
+        return Payload((norms, packed), {"numel": flat.numel(), "dtype": flat.dtype})
 
     def decompress(self, payload: Payload, shape: torch.Size) -> torch.Tensor:
-        norms, q = payload.tensors
+        norms, packed = payload.tensors
         meta = payload.meta
-        out = qsgd_dequantize(
-            norms, q, self.levels, self.bucket_size, meta["numel"], meta["dtype"], meta.get("out")
-        )
-        return out.reshape(shape)
+        numel, dtype, out = meta["numel"], meta["dtype"], meta.get("out")
+        w = self.width
+        if w in (8, 16):  # the levels' own bytes
+            q = _aligned(packed).view(torch.int8 if w == 8 else torch.int16)
+        else:
+            lib = _native.use(norms)
+            if lib is not None and norms.dtype == dtype and packed.device.type == "cpu" and w <= 17:
+                res = dense_out({"out": out}, numel, dtype, norms.device, zero=False)
+                _native.fn(lib, "qsgd_dequantize_packed", dtype)(
+                    packed.contiguous().data_ptr(), numel, self.bucket_size or max(1, numel),
+                    norms.data_ptr(), float(self.levels), w, res.data_ptr(),
+                )
+                return res.reshape(shape)
+            q = unpack_levels(packed, numel, w)
+        res = qsgd_dequantize(norms, q, self.levels, self.bucket_size, numel, dtype, out)
+        return res.reshape(shape)

@@ -1,6 +1,6 @@
 """One rank of the compression checks (launched torchrun-style by the tests).
 
-Usage: compression_run.py OUT SCENARIO[,SCENARIO...]   (aggregate | ddp | elastic | elastic_split)
+Usage: compression_run.py OUT SCENARIO[,SCENARIO...]   (aggregate | ddp | ddp_dgc | elastic | elastic_split)
 
 Every scenario computes an independent reference from the *dense* local contributions
 gathered here with plain ``torch.distributed.all_gather`` and writes the comparison to
@@ -53,7 +53,7 @@ CASES = {
     "powersgd": ({"rank": 3, "min_numel": 0}, lambda c, st: (64 + 48) * 3 * 4),
     "qsgd": (
         {"levels": 15, "bucket_size": 512, "min_numel": 0},
-        lambda c, st: N * 1 + 8 + math.ceil(N / 512) * 4 + 8,
+        lambda c, st: math.ceil(N * 5 / 8) + 8 + math.ceil(N / 512) * 4 + 8,  # 4 + 1 bits
     ),
     "signsgd": ({"min_numel": 0}, lambda c, st: 4 + 8 + math.ceil(N / 8) + 8),
     "sketch": (
@@ -180,6 +180,51 @@ def scenario_ddp(rank: int, world: int) -> dict:
     out["stats"] = state.compression_stats()
     out["comm_hook"] = str(ddp._get_ddp_logging_data().get("comm_hook", ""))
     return out
+
+
+def scenario_ddp_dgc(rank: int, world: int) -> dict:
+    """DGC in the DDP hook: the weights (>= min_numel) sparsified with momentum correction
+    and masking, the biases dense but with DGC's momentum (u <- m u + g, u sent); the
+    reference is both rules written out here with an exact top-k (sample_ratio 1)."""
+    m, ratio = 0.9, 0.01
+    comp = build_compressor("dgc", ratio=ratio, momentum=m, sample_ratio=1.0, min_numel=1000,
+                            warmup_ratio_steps=0)
+    model = Net()
+    ddp = DistributedDataParallel(model)
+    register_compression_hook(ddp, comp, warmup_steps=0)
+    ref_model = Net()
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    u = {n: torch.zeros_like(p).reshape(-1) for n, p in model.named_parameters()}
+    v = {n: torch.zeros_like(p).reshape(-1) for n, p in model.named_parameters()}
+    errs, bias_scale = [], []
+    for it in range(5):
+        g = torch.Generator().manual_seed(100 + 10 * rank + it)
+        x, y = torch.randn(16, 20, generator=g), torch.randint(0, 10, (16,), generator=g)
+        ref_model.load_state_dict(model.state_dict())
+        ref_model.zero_grad()
+        nn.functional.cross_entropy(ref_model(x), y).backward()
+        expected = {}
+        for name, p in ref_model.named_parameters():
+            grad = p.grad.reshape(-1)
+            u[name] = m * u[name] + grad
+            if p.numel() < 1000:
+                contrib = u[name].clone()
+            else:
+                v[name] = v[name] + u[name]
+                top = torch.topk(v[name].abs(), math.ceil(ratio * p.numel())).indices
+                contrib = torch.zeros_like(v[name])
+                contrib[top] = v[name][top]
+                v[name][top] = 0
+                u[name][top] = 0
+            expected[name] = torch.stack(gather(contrib)).mean(0).view_as(p)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        errs.append(max(float((p.grad - expected[n]).abs().max()) for n, p in model.named_parameters()))
+        # the dense biases carry momentum: after a few steps u differs from the plain gradient
+        bias = dict(ref_model.named_parameters())["fc2.bias"]
+        bias_scale.append(float((expected["fc2.bias"] - torch.stack(gather(bias.grad)).mean(0)).abs().max()))
+        opt.step()
+    return {"err": errs, "momentum_effect": bias_scale}
 
 
 def scenario_elastic(rank: int, world: int) -> dict:
