@@ -1,27 +1,30 @@
 """``sidco``: statistical threshold estimation (Abdelmoniem et al., MLSys 2021).
 
-Rule: u = |g| / ||g||_2 is modelled by a sparsity-inducing law; the threshold with tail
-mass delta is closed-form:
+Rule: u = |g| / ||g||_2 (zeros included) is modelled by a sparsity-inducing law; the
+threshold with tail mass delta is closed-form:
   exponential: thr = -mean(u) ln(delta)
-  gamma: s = ln mean(u) - mean(ln u), a = (3 - s + sqrt((s - 3)^2 + 24 s)) / (12 s),
+  gamma: s = ln mean(u) - mean(ln(u + eps)), a = (3 - s + sqrt((s - 3)^2 + 24 s)) / (12 s),
          b = mean(u) / a, thr = b Q^{-1}(a, delta)   (Q: regularized upper gamma)
   generalized Pareto (moments m, v): k = (m^2/v - 1)/2, sigma = m (m^2/v + 1)/2,
          thr = sigma (1 - delta^k) / k
-Multi-stage (S stages): stage 1 keeps 0.25, each later stage refits the exceedances
-(survivors minus the previous threshold: peaks over threshold, which the paper's
-Pickands-Balkema-de Haan argument models) with per-stage ratio (delta / 0.25)^(1/(S-1)).
-Every ``adapt_every`` = 5 steps the mean achieved/target count is compared with
-1 +- ``tolerance`` (0.2); outside it, S moves by one (1 <= S <= ceil(log delta / log 0.5))
-in the current direction (first +1), reversed when the previous move made |ln(ratio)|
-worse. (Extra stages fix both over-selection on heavy tails and under-selection on light
-tails up to a point, and too many stages under-select on heavy tails, so no fixed
-direction is right for every layer.) Send {(i, g_i) : u_i > thr} with residuals; payloads are all-gathered.
+Multi-stage (S stages): stage 1 fits the law above for 0.25; each later stage takes the
+survivors, shifts them by their minimum and refits the exceedances -- a generalized Pareto
+(Pickands-Balkema-de Haan), which for the exponential is the exponential itself -- with
+per-stage ratio (delta / 0.25)^(1/(S-1)) (as the authors' code does).
+Adaptation every ``adapt_every`` = 5 steps, from the mean achieved/target count r: within
+1 +- ``tolerance`` (0.2) nothing changes; otherwise S moves by one (up when r > 1, down when
+r < 1; 1 <= S <= ceil(log delta / log 0.5)) until S hits a bound or a move makes |ln r|
+worse (undone); from then on the fitted target is corrected, delta_fit = delta * c with
+c <- c / r per off-target window (the authors' code tunes the first-stage ratio for the same
+purpose; the stage count alone is too coarse to land within the tolerance on real layers).
+Send {(i, g_i) : u_i > thr} with residuals; payloads are all-gathered.
 Defaults: ratio (delta) = 0.001, distribution = exponential, stages = 1 (initial),
 first_stage_ratio = 0.25, sample_size = 100000, memory = true.
 
 Cost: every fit is scale-equivariant (the exponential, gamma and generalized-Pareto
 thresholds scale with the data), so the threshold on u = |g| / ||g|| times ||g|| is the
-same rule fitted on |g| directly and no norm pass is needed. The fits (all stages) run on a
+same rule fitted on |g| directly and no norm pass is needed (the gamma fit divides what it
+is given by that data's own norm, so its eps sits at the paper's scale). The fits (all stages) run on a
 strided sample of ``sample_size`` entries of |g| (0: the whole tensor, as in the paper);
 then one pass on the whole tensor counts and gathers {i : |g_i| > thr}. The stage
 adaptation still compares the count achieved on the whole tensor with the target.
@@ -53,11 +56,14 @@ __all__ = [
     "gpareto_threshold",
     "gammainccinv",
     "multistage_threshold",
+    "later_stage_fit",
     "max_stages",
-    "adapt_stages",
+    "adapt",
 ]
 
 DISTRIBUTIONS = ("exponential", "gamma", "gpareto")
+#: keeps ln(u) finite at exact zeros in the gamma fit (double precision's epsilon)
+GAMMA_EPS = 2.0**-52
 
 
 def exponential_threshold(x: torch.Tensor, delta: float) -> float:
@@ -66,14 +72,20 @@ def exponential_threshold(x: torch.Tensor, delta: float) -> float:
 
 
 def gamma_fit(x: torch.Tensor) -> tuple[float, float]:
-    """Gamma (shape a, scale b) by the closed-form MLE approximation (Minka / Thom)."""
+    """Gamma (shape a, scale b) by the closed-form MLE approximation (Minka / Thom) on
+    u = x / ||x||_2 as the paper fits it, zeros included (ln(u + eps), eps = 2^-52, keeps
+    them finite); b is returned on the scale of ``x``."""
     xd = x.double()
-    mean = float(xd.mean())
-    s = math.log(mean) - float(torch.log(xd).mean())
+    norm = float(torch.linalg.vector_norm(xd))
+    if norm == 0:
+        return float("inf"), 0.0
+    u = xd / norm
+    mean = float(u.mean())
+    s = math.log(mean) - float(torch.log(u + GAMMA_EPS).mean())
     if s <= 1e-12:
         return float("inf"), 0.0
     a = (3.0 - s + math.sqrt((s - 3.0) ** 2 + 24.0 * s)) / (12.0 * s)
-    return a, mean / a
+    return a, mean / a * norm
 
 
 def gammainccinv(a: float, q: float, iters: int = 100) -> float:
@@ -150,19 +162,26 @@ _FITS = {
 
 
 def _fit_threshold(x: torch.Tensor, delta: float, distribution: str) -> float:
-    """Threshold on the positive part of ``x`` with the tail mass rescaled for zeros."""
-    pos = x[x > 0]
-    if pos.numel() == 0:
+    """The ``distribution``'s threshold with tail mass ``delta`` on all of ``x`` (zeros
+    included, as the paper fits |g|); inf when ``x`` has nothing above zero."""
+    if x.numel() == 0 or not bool((x > 0).any()):
         return math.inf
-    delta_pos = min(1.0, delta * x.numel() / pos.numel())
-    if delta_pos >= 1.0:
+    if delta >= 1.0:
         return 0.0
-    return _FITS[distribution](pos, delta_pos)
+    return _FITS[distribution](x, delta)
 
 
 def max_stages(delta: float) -> int:
     """Upper bound on the stage count: ceil(log delta / log 0.5)."""
     return max(1, math.ceil(math.log(delta) / math.log(0.5)))
+
+
+def later_stage_fit(distribution: str) -> str:
+    """The law the stages after the first refit on the shifted survivors: the exceedances
+    over a high threshold are generalized Pareto (Pickands-Balkema-de Haan); the
+    exponential is the GP of shape 0 and stays exponential (memoryless), the others
+    refit a GP."""
+    return "exponential" if distribution == "exponential" else "gpareto"
 
 
 def multistage_threshold(
@@ -172,34 +191,66 @@ def multistage_threshold(
     distribution: str = "exponential",
     first_stage_ratio: float = 0.25,
 ) -> float:
-    """SIDCo's S-stage threshold on u (see the module docstring)."""
+    """SIDCo's S-stage threshold on u (see the module docstring).
+
+    Stage 1 fits ``distribution`` on all of u for ``first_stage_ratio``; each later stage
+    takes the survivors, shifts them by their minimum m, fits :func:`later_stage_fit` for
+    the per-stage ratio (delta / first_stage_ratio)^(1 / (S - 1)) and sets thr = m + fit.
+    """
     if stages <= 1 or delta >= first_stage_ratio:
         return _fit_threshold(u, delta, distribution)
     per_stage = (delta / first_stage_ratio) ** (1.0 / (stages - 1))
+    later = later_stage_fit(distribution)
     thr = _fit_threshold(u, first_stage_ratio, distribution)
     survivors = u[u > thr]
     for _ in range(stages - 1):
         if survivors.numel() < 2:
             break
-        step = _fit_threshold(survivors - thr, per_stage, distribution)
+        low = survivors.min()
+        step = _fit_threshold(survivors - low, per_stage, later)
         if not math.isfinite(step):
             break
-        thr = thr + step
+        thr = float(low) + step
         survivors = survivors[survivors > thr]
     return thr
 
 
-def adapt_stages(
-    stages: int, mean_ratio: float, direction: int, prev_err: float | None,
-    tolerance: float, max_stage: int,
-) -> tuple[int, int, float | None]:
-    """One adaptation: returns (stages, direction, error) after a window's mean ratio."""
+#: the target correction's gain and its largest step per window (a factor of 4^0.5 = 2)
+CORRECTION_GAIN = 0.3
+CORRECTION_CLAMP = 3.0
+
+
+def adapt(state: dict, mean_ratio: float, tolerance: float, max_stage: int) -> None:
+    """One adaptation after a window whose achieved / target count averaged ``mean_ratio``.
+
+    Within 1 +- ``tolerance`` nothing changes. Otherwise, while the stage search is on, the
+    stage count S moves by one (first up, or down from the maximum) and keeps moving that
+    way while |ln ratio| shrinks; a move that makes it worse is undone and ends the search
+    (so does a bound). After the search the fitted target is corrected instead:
+    ln c <- ln c - 0.5 clamp(ln ratio, +-ln 4), the fits using delta * c (an integral
+    controller on the log density: the stage count alone is too coarse, and the response
+    of a fitted threshold to delta is steep on light tails). State keys: stages, scale (c),
+    searching, moved, prev_ratio.
+    """
+    stages = int(state["stages"])
+    moved, prev = int(state.get("moved", 0)), state.get("prev_ratio")
+    state["moved"], state["prev_ratio"] = 0, mean_ratio
     if abs(mean_ratio - 1.0) <= tolerance:
-        return stages, direction, None
-    err = abs(math.log(max(mean_ratio, 1e-6)))
-    if prev_err is not None and err > prev_err:
-        direction = -direction
-    return min(max_stage, max(1, stages + direction)), direction, err
+        return
+    err = math.log(max(mean_ratio, 1e-9))
+    if state.get("searching", True):
+        if moved and prev is not None and abs(err) > abs(math.log(max(prev, 1e-9))):
+            state["stages"], state["searching"] = stages - moved, False  # undo; measure again
+            return
+        step = moved or (1 if stages < max_stage else -1)
+        nxt = min(max_stage, max(1, stages + step))
+        if nxt != stages:
+            state["stages"], state["moved"] = nxt, step
+            return
+        state["searching"] = False
+    log_c = math.log(float(state.get("scale", 1.0)))
+    log_c -= CORRECTION_GAIN * min(CORRECTION_CLAMP, max(-1.0, mean_ratio - 1.0))
+    state["scale"] = math.exp(min(math.log(1e4), max(math.log(1e-4), log_c)))
 
 
 class SIDCoCompressor(SparseCompressor):
@@ -241,13 +292,6 @@ class SIDCoCompressor(SparseCompressor):
         self.sample_size = check_int("sample_size", sample_size, 0)
         self.max_stages = max_stages(self.ratio)
 
-    def _adapt(self, state: dict, stages: int, mean_ratio: float) -> int:
-        stages, state["direction"], state["prev_err"] = adapt_stages(
-            stages, mean_ratio, int(state.get("direction", 1)), state.get("prev_err"),
-            self.tolerance, self.max_stages,
-        )
-        return stages
-
     def select(self, flat: torch.Tensor, state: dict) -> torch.Tensor:
         return self.select_values(flat, state)[0]
 
@@ -265,17 +309,19 @@ class SIDCoCompressor(SparseCompressor):
         if k >= n:
             return torch.arange(n, device=flat.device), flat
         mag = self.fit_sample(flat)
-        stages = int(state.get("stages", min(self.stages, self.max_stages)))
-        thr = multistage_threshold(mag, self.ratio, stages, self.distribution, self.first_stage_ratio)
+        state.setdefault("stages", min(self.stages, self.max_stages))
+        delta = min(1.0, self.ratio * float(state.get("scale", 1.0)))
+        thr = multistage_threshold(
+            mag, delta, int(state["stages"]), self.distribution, self.first_stage_ratio
+        )
         if not math.isfinite(thr):  # nothing but zeros
             return torch.empty(0, dtype=torch.long, device=flat.device), flat[:0]
         idx, val = select_above(flat, thr, expect=k, scratch=scratch_of(state))
-        # stage adaptation from the achieved / target count
+        # adaptation from the achieved / target count
         hist = state.setdefault("achieved", [])
         hist.append(idx.numel() / k)
         if self.adapt_every and len(hist) >= self.adapt_every:
-            stages = self._adapt(state, stages, sum(hist) / len(hist))
+            adapt(state, sum(hist) / len(hist), self.tolerance, self.max_stages)
             hist.clear()
-        state["stages"] = stages
         state["last_threshold"] = thr
         return idx, val
