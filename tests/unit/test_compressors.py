@@ -174,6 +174,46 @@ def test_qsgd_packed_decode_is_the_unpacked_rule(levels, dtype):
     assert torch.equal(y, qsgd_dequantize(ref_norms, torch.tensor(q), levels, 100, 2049, dtype))
 
 
+def _omega(v: int) -> str:
+    """Elias omega code of v >= 1 as a bit string (the textbook recursion)."""
+    code = "0"
+    while v > 1:
+        b = format(v, "b")
+        code = b + code
+        v = len(b) - 1
+    return code
+
+
+@pytest.mark.parametrize("levels", [1, 5, 127])
+def test_qsgd_elias_coding_is_the_papers_code(levels):
+    """coding=elias: omega(nnz + 1), then per nonzero level omega(gap), sign bit,
+    omega(|level|), written out here from the unpacked levels; the decode is the
+    unpacked rule, and s = 1 costs well under the fixed 2 bits per entry."""
+    x = torch.randn(5000, generator=gen(13))
+    comp = build_compressor("qsgd", levels=levels, bucket_size=512, seed=9, coding="elias")
+    payload, y = roundtrip(comp, x)
+    norms, stream = payload.tensors
+    ref_norms, q = qsgd_quantize(x, levels, 512, torch.Generator().manual_seed(9))
+    q = q.to(torch.int64).tolist()
+    nz = [i for i, v in enumerate(q) if v]
+    bits = _omega(len(nz) + 1)
+    prev = -1
+    for i in nz:
+        bits += _omega(i - prev) + ("1" if q[i] < 0 else "0") + _omega(abs(q[i]))
+        prev = i
+    bits += "0" * (-len(bits) % 8)
+    expect = bytes(int(bits[j:j + 8][::-1], 2) for j in range(0, len(bits), 8))  # bit j -> byte j/8, bit j%8
+    assert stream.numpy().tobytes() == expect
+    assert torch.equal(y, qsgd_dequantize(ref_norms, torch.tensor(q), levels, 512, 5000, torch.float32))
+    if levels == 1:
+        assert comp.payload_bytes(payload) * 8 / 5000 < 1.0
+
+
+def test_qsgd_bad_coding_is_refused():
+    with pytest.raises(ValueError, match="compression.coding must be one of"):
+        build_compressor("qsgd", coding="huffman")
+
+
 # ----------------------------------------------------------------------------- PowerSGD
 
 
@@ -684,6 +724,7 @@ FAST = [
     ("qsgd", {"levels": 300, "bucket_size": 100, "seed": 3}),
     ("qsgd", {"levels": 1, "bucket_size": 512, "seed": 3}),
     ("qsgd", {"levels": 15, "bucket_size": 100, "seed": 3}),
+    ("qsgd", {"levels": 1, "bucket_size": 512, "seed": 3, "coding": "elias"}),
     ("signsgd", {}),
 ]
 

@@ -524,6 +524,103 @@ DEF_QSGD_PACK(int16_t, i16)
 DEF_QSGD_UNPACK(float, f32)
 DEF_QSGD_UNPACK(double, f64)
 
+/* QSGD's Elias coding (the paper's section 3): a bit stream (bit j = bit j % 8 of byte
+ * j / 8; each codeword written most significant bit first) holding omega(nnz + 1), then
+ * per nonzero level, in index order, omega(index - previous index) (previous = -1 at
+ * first), a sign bit (1: negative) and omega(|level|). omega is Elias's recursive code:
+ * N > 1 is written as the binary groups of N_k ... N_1 N_0 (N_0 = N, N_{i+1} = bits(N_i) - 1,
+ * down to 1), then a 0; N = 1 is the single 0. */
+static inline int bit_length(uint64_t v) { return 64 - __builtin_clzll(v); }
+
+static inline int64_t omega_bits(uint64_t v) {
+    int64_t total = 1;
+    while (v > 1) {
+        int nb = bit_length(v);
+        total += nb;
+        v = (uint64_t)(nb - 1);
+    }
+    return total;
+}
+
+static inline void put_bits(uint8_t *out, int64_t cap_bits, int64_t *pos, uint64_t v, int nb) {
+    for (int j = nb - 1; j >= 0; j--, (*pos)++)
+        if (*pos < cap_bits && ((v >> j) & 1)) out[*pos >> 3] |= (uint8_t)(1u << (*pos & 7));
+}
+
+static inline void put_omega(uint8_t *out, int64_t cap_bits, int64_t *pos, uint64_t v) {
+    uint64_t groups[8];
+    int lens[8], g = 0;
+    while (v > 1) {
+        int nb = bit_length(v);
+        groups[g] = v;
+        lens[g++] = nb;
+        v = (uint64_t)(nb - 1);
+    }
+    while (g-- > 0) put_bits(out, cap_bits, pos, groups[g], lens[g]);
+    (*pos)++; /* the closing 0 */
+}
+
+/* Writes the stream into out (cap bytes, zeroed here) as far as it fits; returns the bits
+ * the whole stream needs (the caller retries with a larger buffer when they exceed 8 cap). */
+#define DEF_ELIAS_ENCODE(Q, SFX)                                                            \
+    int64_t qsgd_elias_encode_##SFX(const Q *q, int64_t n, uint8_t *out, int64_t cap) {    \
+        int64_t nnz = 0;                                                                    \
+        for (int64_t i = 0; i < n; i++) nnz += q[i] != 0;                                   \
+        memset(out, 0, (size_t)cap);                                                        \
+        int64_t pos = 0, cap_bits = 8 * cap, prev = -1;                                     \
+        put_omega(out, cap_bits, &pos, (uint64_t)nnz + 1);                                  \
+        for (int64_t i = 0; i < n; i++) {                                                   \
+            if (q[i] == 0) continue;                                                        \
+            put_omega(out, cap_bits, &pos, (uint64_t)(i - prev));                           \
+            put_bits(out, cap_bits, &pos, q[i] < 0, 1);                                     \
+            put_omega(out, cap_bits, &pos, (uint64_t)(q[i] < 0 ? -(int64_t)q[i] : q[i]));   \
+            prev = i;                                                                       \
+        }                                                                                   \
+        return pos;                                                                         \
+    }
+DEF_ELIAS_ENCODE(int8_t, i8)
+DEF_ELIAS_ENCODE(int16_t, i16)
+
+static inline int get_bit(const uint8_t *p, int64_t nbits, int64_t *pos) {
+    int64_t j = (*pos)++;
+    return j < nbits ? (p[j >> 3] >> (j & 7)) & 1 : 0;
+}
+
+/* omega's inverse; 0 when the stream is malformed (a group longer than 62 bits) */
+static inline uint64_t get_omega(const uint8_t *p, int64_t nbits, int64_t *pos) {
+    uint64_t v = 1;
+    while (get_bit(p, nbits, pos)) {
+        if (v > 62) return 0;
+        uint64_t w = 1;
+        for (uint64_t j = 0; j < v; j++) w = (w << 1) | (uint64_t)get_bit(p, nbits, pos);
+        v = w;
+    }
+    return v;
+}
+
+/* out_i = level_i * (norm_k / s) from the stream (zero elsewhere); returns -1 when the stream
+ * is malformed or points past n, else 0. */
+#define DEF_ELIAS_DECODE(T, SFX)                                                            \
+    int64_t qsgd_elias_decode_##SFX(const uint8_t *p, int64_t nbytes, int64_t n, int64_t b, \
+                                    const T *norms, T levels, T *out) {                     \
+        int64_t pos = 0, nbits = 8 * nbytes, prev = -1;                                     \
+        memset(out, 0, (size_t)n * sizeof(T));                                              \
+        uint64_t count = get_omega(p, nbits, &pos);                                         \
+        if (count == 0) return -1;                                                          \
+        for (uint64_t c = 1; c < count; c++) {                                              \
+            uint64_t d = get_omega(p, nbits, &pos);                                         \
+            int neg = get_bit(p, nbits, &pos);                                              \
+            uint64_t lev = get_omega(p, nbits, &pos);                                       \
+            if (d == 0 || lev == 0 || (uint64_t)(n - 1 - prev) < d) return -1;              \
+            prev += (int64_t)d;                                                             \
+            T f = norms[prev / b] / levels;                                                 \
+            out[prev] = (T)(neg ? -(int64_t)lev : (int64_t)lev) * f;                        \
+        }                                                                                   \
+        return 0;                                                                           \
+    }
+DEF_ELIAS_DECODE(float, f32)
+DEF_ELIAS_DECODE(double, f64)
+
 /* ------------------------------------------------------------------ sign */
 
 /* float32 rows of the table, two bytes (16 entries, one cache line) per streaming store;

@@ -7,8 +7,11 @@ Wire: one norm per bucket (value dtype) + each signed level packed in
 w = ceil(log2(s + 1)) + 1 bits (the level's bits and a sign bit, as a w-bit two's
 complement field, little-endian bit stream: :func:`pack_levels`), so s = 1 costs 2 bits
 per entry, s = 7 four, s = 127 eight; per-rank norms make it non-linear, so payloads are
-all-gathered. Defaults: levels s = 127 (8 bits), bucket_size = 512 (the paper's
-bucketing), memory = false (unbiased), seed = null (the global torch RNG).
+all-gathered. ``coding: elias`` sends the paper's Elias coding instead (section 3:
+Elias omega codes of the gap to each nonzero level, its sign bit and its value, after the
+count of nonzeros; variable length). Defaults: levels s = 127 (8 bits), bucket_size = 512
+(the paper's bucketing), coding = fixed, memory = false (unbiased), seed = null (the
+global torch RNG).
 
 Noise: U_i comes from a counter-based hash of (i, two 32-bit words drawn per call from
 the generator -- the private one with ``seed``, else torch's global one), 24-bit uniform
@@ -26,6 +29,7 @@ from easgd_lightning.hooks.compressors import _native
 from easgd_lightning.hooks.compressors.base import (
     Compressor,
     Payload,
+    check_choice,
     check_int,
     pack_bits,
     unpack_bits,
@@ -40,6 +44,8 @@ __all__ = [
     "level_width",
     "pack_levels",
     "unpack_levels",
+    "elias_encode",
+    "elias_decode",
     "noise_seeds",
     "qsgd_quantize",
     "qsgd_dequantize",
@@ -53,6 +59,10 @@ def level_dtype(levels: int) -> torch.dtype:
     if levels <= 32767:
         return torch.int16
     return torch.int32
+
+
+#: wire codings of the levels
+CODINGS = ("fixed", "elias")
 
 
 def level_width(levels: int) -> int:
@@ -89,6 +99,96 @@ def unpack_levels(packed: torch.Tensor, numel: int, width: int) -> torch.Tensor:
     bits = unpack_bits(packed.reshape(-1), numel * width).view(numel, width).to(torch.int64)
     codes = (bits << torch.arange(width, device=packed.device)).sum(dim=1)
     return codes - ((codes >> (width - 1)) & 1) * (1 << width)  # sign-extend
+
+
+def _bit_length(v: torch.Tensor) -> torch.Tensor:
+    """Bits of each positive int64 (exact: compares against the powers of two)."""
+    powers = 2 ** torch.arange(63, dtype=torch.int64, device=v.device)
+    return (v.unsqueeze(-1) >= powers).sum(-1)
+
+
+def _omega_segments(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Elias omega codes of the positive int64 ``v`` as (values, lengths) of shape (len(v), 7):
+    the binary groups in writing order, then the closing 0; unused slots have length 0."""
+    groups, lens = [], []
+    cur = v.clone()
+    for _ in range(6):  # 6 groups cover every int64 (63 -> 5 -> 2 -> 1)
+        nb = _bit_length(cur)
+        active = cur > 1
+        groups.append(torch.where(active, cur, 0))
+        lens.append(torch.where(active, nb, 0))
+        cur = torch.where(active, nb - 1, cur)
+    vals = torch.stack(groups[::-1] + [torch.zeros_like(v)], dim=1)
+    return vals, torch.stack(lens[::-1] + [torch.ones_like(v)], dim=1)
+
+
+def elias_encode(q: torch.Tensor) -> torch.Tensor:
+    """QSGD's Elias coding of the signed levels ``q`` (uint8 stream; see _kernels.c):
+    omega(nnz + 1), then per nonzero in index order omega(gap to the previous one, the first
+    counted from -1), a sign bit (1: negative), omega(|level|). Eager form of the kernel."""
+    q = q.reshape(-1).to(torch.int64)
+    idx = torch.nonzero(q).squeeze(1)
+    gaps = torch.diff(idx, prepend=idx.new_tensor([-1]))
+    head_v, head_l = _omega_segments(idx.new_tensor([idx.numel() + 1]))
+    gv, gl = _omega_segments(gaps)
+    lv, ll = _omega_segments(q[idx].abs())
+    sign = (q[idx] < 0).to(torch.int64).unsqueeze(1)
+    vals = torch.cat([head_v.reshape(-1), torch.cat([gv, sign, lv], dim=1).reshape(-1)])
+    lens = torch.cat([head_l.reshape(-1), torch.cat([gl, torch.ones_like(sign), ll], dim=1).reshape(-1)])
+    seg = torch.repeat_interleave(torch.arange(lens.numel(), device=q.device), lens)
+    starts = torch.cumsum(lens, 0) - lens
+    j = torch.arange(seg.numel(), device=q.device) - starts[seg]  # bit j of its segment
+    bits = (vals[seg] >> (lens[seg] - 1 - j)) & 1  # most significant first
+    return pack_bits(bits.bool())
+
+
+def elias_decode(stream: torch.Tensor, numel: int) -> torch.Tensor:
+    """Inverse of :func:`elias_encode`: the ``numel`` signed levels (int64; a plain loop over
+    the stream's bits -- the kernel is the fast path)."""
+    bits = unpack_bits(stream.reshape(-1).cpu(), stream.numel() * 8).tolist()
+    pos = 0
+
+    def bit() -> int:
+        nonlocal pos
+        pos += 1
+        return int(bits[pos - 1]) if pos <= len(bits) else 0
+
+    def omega() -> int:
+        v = 1
+        while bit():
+            if v > 62:
+                raise ValueError("qsgd: malformed Elias stream")
+            w = 1
+            for _ in range(v):
+                w = (w << 1) | bit()
+            v = w
+        return v
+
+    q = [0] * numel
+    prev = -1
+    for _ in range(omega() - 1):
+        prev += omega()
+        neg = bit()
+        level = omega()
+        if prev >= numel:
+            raise ValueError("qsgd: malformed Elias stream (index past the tensor)")
+        q[prev] = -level if neg else level
+    return torch.tensor(q, dtype=torch.int64, device=stream.device)
+
+
+def _elias_stream(q: torch.Tensor, scratch: dict | None) -> torch.Tensor:
+    """:func:`elias_encode` with the kernel when it applies (the same bytes)."""
+    lib = _native.lib() if q.dtype in (torch.int8, torch.int16) and q.device.type == "cpu" else None
+    if lib is None or not q.is_contiguous():
+        return elias_encode(q)
+    encode = getattr(lib, f"qsgd_elias_encode_{'i8' if q.dtype == torch.int8 else 'i16'}")
+    cap = max(16, scratch["qsgd_elias"].numel() if scratch and "qsgd_elias" in scratch else q.numel() // 4)
+    while True:
+        out = scratch_buffer(scratch, "qsgd_elias", cap, torch.uint8, q.device)
+        bits = int(encode(q.data_ptr(), q.numel(), out.data_ptr(), cap))
+        if bits <= 8 * cap:
+            return out[: (bits + 7) // 8]
+        cap = (bits + 7) // 8
 
 
 def noise_seeds(generator: torch.Generator | None = None) -> tuple[int, int]:
@@ -179,6 +279,9 @@ class QSGDCompressor(Compressor):
         levels: s, the number of positive quantization levels (>= 1).
         bucket_size: entries per norm (0: one norm for the whole tensor).
         seed: seed of a private generator for the rounding noise (null: global RNG).
+        coding: ``fixed`` (w bits per entry, :func:`pack_levels`) or ``elias`` (the paper's
+            Elias coding of the gaps between nonzero levels, their signs and values:
+            :func:`elias_encode`; fewer bits when most levels are 0, i.e. small s).
         min_numel, memory: attach-point policies (see :class:`Compressor`).
     """
 
@@ -192,12 +295,14 @@ class QSGDCompressor(Compressor):
         *,
         bucket_size: int = 512,
         seed: int | None = None,
+        coding: str = "fixed",
         min_numel: int | None = None,
         memory: bool | None = None,
     ) -> None:
         super().__init__(min_numel=min_numel, memory=memory)
         self.levels = check_int("levels", levels, 1)
         self.bucket_size = check_int("bucket_size", bucket_size, 0)
+        self.coding = check_choice("coding", coding, CODINGS)
         self.width = level_width(self.levels)
         self.seed = None if seed is None else check_int("seed", seed, 0)
         self._generator: torch.Generator | None = None
@@ -208,7 +313,10 @@ class QSGDCompressor(Compressor):
         flat = tensor.reshape(-1)
         scratch = scratch_of(state)
         norms, q = qsgd_quantize(flat, self.levels, self.bucket_size, self._generator, scratch=scratch)
-        packed = pack_levels(q, self.width, scratch)
+        if self.coding == "elias":
+            packed = _elias_stream(q, scratch)
+        else:
+            packed = pack_levels(q, self.width, scratch)
         return Payload((norms, packed), {"numel": flat.numel(), "dtype": flat.dtype})
 
     def decompress(self, payload: Payload, shape: torch.Size) -> torch.Tensor:
@@ -216,14 +324,28 @@ class QSGDCompressor(Compressor):
         meta = payload.meta
         numel, dtype, out = meta["numel"], meta["dtype"], meta.get("out")
         w = self.width
-        if w in (8, 16):  # the levels' own bytes
+        bucket = self.bucket_size or max(1, numel)
+        if self.coding == "elias":
+            lib = _native.use(norms)
+            if lib is not None and norms.dtype == dtype and packed.device.type == "cpu":
+                res = dense_out({"out": out}, numel, dtype, norms.device, zero=False)
+                stream = packed.contiguous()
+                bad = _native.fn(lib, "qsgd_elias_decode", dtype)(
+                    stream.data_ptr(), stream.numel(), numel, bucket, norms.data_ptr(),
+                    float(self.levels), res.data_ptr(),
+                )
+                if bad:
+                    raise ValueError("qsgd: malformed Elias stream")
+                return res.reshape(shape)
+            q = elias_decode(packed, numel)
+        elif w in (8, 16):  # the levels' own bytes
             q = _aligned(packed).view(torch.int8 if w == 8 else torch.int16)
         else:
             lib = _native.use(norms)
             if lib is not None and norms.dtype == dtype and packed.device.type == "cpu" and w <= 17:
                 res = dense_out({"out": out}, numel, dtype, norms.device, zero=False)
                 _native.fn(lib, "qsgd_dequantize_packed", dtype)(
-                    packed.contiguous().data_ptr(), numel, self.bucket_size or max(1, numel),
+                    packed.contiguous().data_ptr(), numel, bucket,
                     norms.data_ptr(), float(self.levels), w, res.data_ptr(),
                 )
                 return res.reshape(shape)
