@@ -466,27 +466,41 @@ DEF_QSGD(double, int16_t, f64_i16, f64)
 
 /* QSGD's wire format: level i as a w-bit two's-complement field (w = ceil(log2(s + 1)) + 1:
  * the level's bits and a sign bit), packed little-endian: entry i holds stream bits
- * [i w, (i + 1) w), bit j of the stream is bit j % 8 of byte j / 8. w <= 17 here. */
+ * [i w, (i + 1) w), bit j of the stream is bit j % 8 of byte j / 8. w <= 17 here. For
+ * w <= 8 eight entries fill exactly w bytes, so groups of 8 go through one 64-bit word. */
 #define DEF_QSGD_PACK(Q, SFX)                                                               \
     void qsgd_pack_##SFX(const Q *q, int64_t n, int w, uint8_t *out) {                     \
         const uint64_t mask = (1ULL << w) - 1;                                              \
+        const int64_t nbytes = (n * w + 7) / 8;                                             \
+        int64_t i = 0;                                                                      \
+        if (w <= 8)                                                                         \
+            for (; i + 8 <= n && i / 8 * w + 8 <= nbytes; i += 8) {                         \
+                uint64_t acc = 0;                                                           \
+                for (int t = 0; t < 8; t++)                                                 \
+                    acc |= ((uint64_t)(int64_t)q[i + t] & mask) << (t * w);                 \
+                memcpy(out + i / 8 * w, &acc, 8); /* the next group overwrites the spill */ \
+            }                                                                               \
+        uint8_t *o = out + i / 8 * w; /* i is a multiple of 8: a byte boundary */           \
         uint64_t acc = 0;                                                                   \
         int fill = 0;                                                                       \
-        for (int64_t i = 0; i < n; i++) {                                                   \
+        for (; i < n; i++) {                                                                \
             acc |= ((uint64_t)(int64_t)q[i] & mask) << fill;                                \
             fill += w;                                                                      \
-            if (fill >= 32) {                                                               \
-                uint32_t word = (uint32_t)acc;                                              \
-                memcpy(out, &word, 4); /* little-endian hosts (x86, arm64) */               \
-                out += 4;                                                                   \
-                acc >>= 32;                                                                 \
-                fill -= 32;                                                                 \
-            }                                                                               \
+            for (; fill >= 8; fill -= 8, acc >>= 8) *o++ = (uint8_t)acc;                    \
         }                                                                                   \
-        for (; fill > 0; fill -= 8, acc >>= 8) *out++ = (uint8_t)acc;                       \
+        if (fill > 0) *o = (uint8_t)acc;                                                    \
     }
 DEF_QSGD_PACK(int8_t, i8)
 DEF_QSGD_PACK(int16_t, i16)
+
+/* field i of the stream, sign-extended (random access; w <= 17 fits 3 bytes after a shift) */
+static inline int64_t qsgd_field(const uint8_t *p, int64_t nbytes, int64_t i, int w) {
+    int64_t bit = i * w, byte = bit >> 3;
+    uint64_t acc = 0;
+    for (int j = 0; j < 4 && byte + j < nbytes; j++) acc |= (uint64_t)p[byte + j] << (8 * j);
+    const int up = 64 - w;
+    return (int64_t)(((acc >> (bit & 7)) & ((1ULL << w) - 1)) << up) >> up;
+}
 
 /* Decode the packed levels of n entries and scale them: out_i = level_i * (norm_k / s). */
 #define DEF_QSGD_UNPACK(T, SFX)                                                             \
@@ -495,30 +509,19 @@ DEF_QSGD_PACK(int16_t, i16)
         const int64_t nbytes = (n * w + 7) / 8;                                             \
         const uint64_t mask = (1ULL << w) - 1;                                              \
         const int up = 64 - w;                                                              \
-        uint64_t acc = 0;                                                                   \
-        int fill = 0;                                                                       \
-        int64_t pos = 0;                                                                    \
         for (int64_t k = 0; k * b < n; k++) {                                               \
-            int64_t len = (k + 1) * b <= n ? b : n - k * b;                                 \
-            T f = norms[k] / levels;                                                        \
-            T *dst = out + k * b;                                                           \
-            for (int64_t j = 0; j < len; j++) {                                             \
-                if (fill < w) {                                                             \
-                    if (pos + 4 <= nbytes) {                                                \
-                        uint32_t word;                                                      \
-                        memcpy(&word, p + pos, 4);                                          \
-                        acc |= (uint64_t)word << fill;                                      \
-                        pos += 4;                                                           \
-                        fill += 32;                                                         \
-                    } else {                                                                \
-                        for (; fill < w && pos < nbytes; fill += 8) acc |= (uint64_t)p[pos++] << fill; \
-                    }                                                                       \
+            const int64_t start = k * b, len = (k + 1) * b <= n ? b : n - k * b;            \
+            const T f = norms[k] / levels;                                                  \
+            T *dst = out + start;                                                           \
+            int64_t j = 0;                                                                  \
+            if (w <= 8 && start % 8 == 0)                                                   \
+                for (; j + 8 <= len && (start + j) / 8 * w + 8 <= nbytes; j += 8) {         \
+                    uint64_t acc;                                                           \
+                    memcpy(&acc, p + (start + j) / 8 * w, 8);                               \
+                    for (int t = 0; t < 8; t++)                                             \
+                        dst[j + t] = (T)((int64_t)(((acc >> (t * w)) & mask) << up) >> up) * f; \
                 }                                                                           \
-                int64_t v = (int64_t)((acc & mask) << up) >> up; /* sign-extend w bits */   \
-                acc >>= w;                                                                  \
-                fill -= w;                                                                  \
-                dst[j] = (T)v * f;                                                          \
-            }                                                                               \
+            for (; j < len; j++) dst[j] = (T)qsgd_field(p, nbytes, start + j, w) * f;       \
         }                                                                                   \
     }
 DEF_QSGD_UNPACK(float, f32)
