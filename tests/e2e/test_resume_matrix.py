@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import compose, run_cli, train_summary
 from tests.helpers import one_error_line as _one_error_line
-from tests.helpers import run_cli, train_summary
 
 COMMON = [
     "trainer.precision=64-true",
@@ -137,7 +137,15 @@ def test_cli_refuses_bad_resume_before_launch(tmp_path: Path, ddp_checkpoint: Pa
         else:
             data = data[: len(data) // 3]
         path.write_bytes(bytes(data))
-    run = tmp_path / "run"
+    if damage != "corrupt":  # in-process: the check easgd-train runs before launch
+        from easgd_lightning.cli.build import ConfigError, validate_config
+
+        with pytest.raises(ConfigError) as err:
+            validate_config(compose([*COMMON, *overrides, f"checkpoint.resume={path}"]))
+        line = str(err.value)
+        assert "\n" not in line and line.startswith(f"checkpoint.resume: {path}") and expected in line, line
+        return
+    run = tmp_path / "run"  # one case through the real CLI: exit 2, one line, no worker
     proc = run_cli([f"hydra.run.dir={run}", "logger=none", *COMMON, *overrides, f"checkpoint.resume={path}"],
                    check=False, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
