@@ -23,6 +23,7 @@ that counts and gathers, and the masking writes only the sent entries of u and v
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -46,7 +47,7 @@ __all__ = [
     "DGCCompressor",
     "DEFAULT_WARMUP_RATIOS",
     "dgc_density",
-    "dgc_select",
+    "SelectRule",
     "dgc_select_values",
     "momentum_select_values",
     "clip_local",
@@ -122,25 +123,6 @@ def release_optimizer_momentum(optimizers) -> bool:
     return changed
 
 
-def dgc_select(
-    mag: torch.Tensor,
-    k: int,
-    sample_ratio: float = 0.01,
-    max_rounds: int = 10,
-    upper: float = 1.3,
-    lower: float = 0.8,
-) -> tuple[torch.Tensor, int]:
-    """DGC's sampled threshold on magnitudes; returns (indices, rounds used).
-
-    thr = the ceil(k s / n)-th largest of a strided sample of s = max(1, sample_ratio n)
-    entries (at least min(n, 1000)); if more than ``upper`` k entries pass, exact top-k
-    among them; if fewer than ``lower`` k pass, thr <- ``lower`` * thr and recount
-    (:func:`dgc_select_values` on the non-negative ``mag``).
-    """
-    idx, _, rounds = dgc_select_values(mag, k, sample_ratio, max_rounds, upper, lower)
-    return idx, rounds
-
-
 def _sample_stride(n: int, sample_ratio: float) -> int:
     return max(1, n // min(n, max(1000, int(sample_ratio * n))))
 
@@ -151,41 +133,50 @@ def _sample_threshold(sample: torch.Tensor, k: int, n: int) -> torch.Tensor:
     return torch.topk(sample, ks, sorted=False).values.min()
 
 
-def _rounds(v, k, thr, max_rounds, upper, lower, scratch, first=None):
+class SelectRule(NamedTuple):
+    """DGC's threshold rule: the strided sample's share of the entries (1%), the rounds
+    allowed (10), and the 1.3 k / 0.8 k bounds on the survivors."""
+
+    sample_ratio: float = 0.01
+    max_rounds: int = 10
+    upper: float = 1.3
+    lower: float = 0.8
+
+
+def _rounds(v, k, thr, rule: SelectRule, scratch, first=None):
     """DGC's refinement: (indices, values, rounds); ``first`` = round 1's survivors if known."""
     idx, val = v[:0].long(), v[:0]
     rounds = 0
-    for rounds in range(1, max_rounds + 1):
+    for rounds in range(1, rule.max_rounds + 1):
         if rounds == 1 and first is not None:
             idx, val = first
         else:
             idx, val = select_above(v, thr, inclusive=True, expect=k, scratch=scratch)
         nnz = idx.numel()
-        if nnz > upper * k:
+        if nnz > rule.upper * k:
             top = torch.topk(val.abs(), k, sorted=False).indices
             return idx[top], val[top], rounds
-        if nnz >= lower * k or rounds == max_rounds:
+        if nnz >= rule.lower * k or rounds == rule.max_rounds:
             break
-        thr = thr * lower
+        thr = thr * rule.lower
     return idx, val, rounds
 
 
 def dgc_select_values(
-    v: torch.Tensor,
-    k: int,
-    sample_ratio: float = 0.01,
-    max_rounds: int = 10,
-    upper: float = 1.3,
-    lower: float = 0.8,
-    scratch: dict | None = None,
+    v: torch.Tensor, k: int, rule: SelectRule = SelectRule(), scratch: dict | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """:func:`dgc_select` on the signed 1-D ``v``: (indices, values, rounds). Each round is one
-    pass that counts and gathers the entries with |v| >= thr."""
+    """DGC's sampled threshold on the signed 1-D ``v``: (indices, values, rounds).
+
+    thr = the ceil(k s / n)-th largest |v| of a strided sample of s = sample_ratio n entries
+    (at least min(n, 1000)); if more than ``upper`` k entries pass, exact top-k among them;
+    if fewer than ``lower`` k pass, thr <- ``lower`` * thr and recount (at most
+    ``max_rounds``). Each round is one pass that counts and gathers the entries with
+    |v| >= thr."""
     n = v.numel()
     if k >= n:
         return torch.arange(n, device=v.device), v.clone(), 0
-    thr = _sample_threshold(v[:: _sample_stride(n, sample_ratio)].abs(), k, n)
-    return _rounds(v, k, thr, max_rounds, upper, lower, scratch)
+    thr = _sample_threshold(v[:: _sample_stride(n, rule.sample_ratio)].abs(), k, n)
+    return _rounds(v, k, thr, rule, scratch)
 
 
 def momentum_select_values(
@@ -195,10 +186,7 @@ def momentum_select_values(
     momentum: float,
     nesterov: bool,
     k: int,
-    sample_ratio: float = 0.01,
-    max_rounds: int = 10,
-    upper: float = 1.3,
-    lower: float = 0.8,
+    rule: SelectRule = SelectRule(),
     scratch: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The momentum correction and :func:`dgc_select_values` with round 1 in the same pass.
@@ -211,8 +199,8 @@ def momentum_select_values(
     lib = _native.use(u, v, g)
     if lib is None or k >= n or not u.shape == v.shape == g.shape:
         momentum_correction(g, u, v, momentum, nesterov)
-        return dgc_select_values(v, k, sample_ratio, max_rounds, upper, lower, scratch)
-    stride = _sample_stride(n, sample_ratio)
+        return dgc_select_values(v, k, rule, scratch)
+    stride = _sample_stride(n, rule.sample_ratio)
     sample = scratch_buffer(scratch, "sample", (n + stride - 1) // stride, v.dtype, v.device)
     _native.fn(lib, "momentum_sample", v.dtype)(
         u.data_ptr(), v.data_ptr(), g.data_ptr(), n, stride, momentum, int(nesterov),
@@ -229,7 +217,7 @@ def momentum_select_values(
         idx.data_ptr(), val.data_ptr(),
     ))
     first = (idx[:c], val[:c]) if c <= cap else None  # None: recount in round 1
-    return _rounds(v, k, thr, max_rounds, upper, lower, scratch, first)
+    return _rounds(v, k, thr, rule, scratch, first)
 
 
 class DGCCompressor(SparseCompressor):
@@ -289,6 +277,7 @@ class DGCCompressor(SparseCompressor):
         )
         self.sample_ratio = check_ratio("sample_ratio", sample_ratio)
         self.max_rounds = check_int("max_rounds", max_rounds, 1)
+        self._rule = SelectRule(self.sample_ratio, self.max_rounds)
         self._steps_per_epoch: int | None = None
 
     def dense_part(self, tensor: torch.Tensor, state: dict, world_size: int) -> torch.Tensor:
@@ -354,14 +343,11 @@ class DGCCompressor(SparseCompressor):
         k = num_selected(flat.numel(), density)
         if self.momentum > 0:
             idx, val, rounds = momentum_select_values(
-                g, u, v, self.momentum, self.nesterov, k, self.sample_ratio, self.max_rounds,
-                scratch=scratch_of(state),
+                g, u, v, self.momentum, self.nesterov, k, self._rule, scratch_of(state)
             )
         else:
             v.add_(g)
-            idx, val, rounds = dgc_select_values(
-                v, k, self.sample_ratio, self.max_rounds, scratch=scratch_of(state)
-            )
+            idx, val, rounds = dgc_select_values(v, k, self._rule, scratch_of(state))
         payload = sparse_payload(v, idx, val)  # packs a copy of the values
         # momentum factor masking: the sent entries restart from zero
         _native.zero_at(v, idx)
