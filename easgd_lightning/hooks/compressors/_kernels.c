@@ -10,7 +10,7 @@
 #include <tgmath.h> /* floor, fabs, sqrt follow the argument type (floorf for float) */
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX__) || defined(__AVX512F__)
+#if defined(__AVX__) || defined(__AVX512F__) || defined(__BMI2__)
 #include <immintrin.h>
 #endif
 
@@ -468,6 +468,25 @@ DEF_QSGD(double, int16_t, f64_i16, f64)
  * the level's bits and a sign bit), packed little-endian: entry i holds stream bits
  * [i w, (i + 1) w), bit j of the stream is bit j % 8 of byte j / 8. w <= 17 here. For
  * w <= 8 eight entries fill exactly w bytes, so groups of 8 go through one 64-bit word. */
+/* eight fields of w <= 8 bits in one word: with BMI2 one pext of the eight int8 levels */
+static inline uint64_t pack8_generic(const int8_t *q, int w, uint64_t mask) {
+    uint64_t acc = 0;
+    for (int t = 0; t < 8; t++) acc |= ((uint64_t)(int64_t)q[t] & mask) << (t * w);
+    return acc;
+}
+static inline uint64_t pack8_i8(const int8_t *q, int w, uint64_t mask) {
+#ifdef __BMI2__
+    uint64_t word;
+    memcpy(&word, q, 8);
+    (void)w;
+    return _pext_u64(word, 0x0101010101010101ULL * mask);
+#else
+    return pack8_generic(q, w, mask);
+#endif
+}
+#define PACK8_i8(q, w, mask) pack8_i8(q, w, mask)
+#define PACK8_i16(q, w, mask) 0 /* w <= 8 never comes with int16 levels */
+
 #define DEF_QSGD_PACK(Q, SFX)                                                               \
     void qsgd_pack_##SFX(const Q *q, int64_t n, int w, uint8_t *out) {                     \
         const uint64_t mask = (1ULL << w) - 1;                                              \
@@ -475,9 +494,7 @@ DEF_QSGD(double, int16_t, f64_i16, f64)
         int64_t i = 0;                                                                      \
         if (w <= 8)                                                                         \
             for (; i + 8 <= n && i / 8 * w + 8 <= nbytes; i += 8) {                         \
-                uint64_t acc = 0;                                                           \
-                for (int t = 0; t < 8; t++)                                                 \
-                    acc |= ((uint64_t)(int64_t)q[i + t] & mask) << (t * w);                 \
+                uint64_t acc = PACK8_##SFX(q + i, w, mask);                                 \
                 memcpy(out + i / 8 * w, &acc, 8); /* the next group overwrites the spill */ \
             }                                                                               \
         uint8_t *o = out + i / 8 * w; /* i is a multiple of 8: a byte boundary */           \
@@ -500,6 +517,26 @@ static inline int64_t qsgd_field(const uint8_t *p, int64_t nbytes, int64_t i, in
     for (int j = 0; j < 4 && byte + j < nbytes; j++) acc |= (uint64_t)p[byte + j] << (8 * j);
     const int up = 64 - w;
     return (int64_t)(((acc >> (bit & 7)) & ((1ULL << w) - 1)) << up) >> up;
+}
+
+/* For w < 8: q_i = level_i * 2^(8 - w) as int8 (the field in the high bits of a byte, so
+ * the byte is its two's complement); the caller scales by norm / (s 2^(8 - w)), which is the
+ * same product bit for bit (powers of two change no mantissa). With BMI2 one pdep per 8. */
+void qsgd_unpack_i8(const uint8_t *p, int64_t n, int w, int8_t *q) {
+    const int64_t nbytes = (n * w + 7) / 8;
+    const uint64_t mask = (1ULL << w) - 1;
+    int64_t i = 0;
+    for (; i + 8 <= n && i / 8 * w + 8 <= nbytes; i += 8) {
+        uint64_t acc, word = 0;
+        memcpy(&acc, p + i / 8 * w, 8);
+#ifdef __BMI2__
+        word = _pdep_u64(acc, 0x0101010101010101ULL * (mask << (8 - w)));
+#else
+        for (int t = 0; t < 8; t++) word |= (((acc >> (t * w)) & mask) << (8 - w)) << (8 * t);
+#endif
+        memcpy(q + i, &word, 8);
+    }
+    for (; i < n; i++) q[i] = (int8_t)(qsgd_field(p, nbytes, i, w) * (1 << (8 - w)));
 }
 
 /* Decode the packed levels of n entries and scale them: out_i = level_i * (norm_k / s). */

@@ -87,6 +87,7 @@ for _t, _c in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
 for _q in ("i8", "i16"):
     _SIGNATURES[f"qsgd_pack_{_q}"] = (None, [ctypes.c_void_p, _i64, ctypes.c_int, ctypes.c_void_p])
     _SIGNATURES[f"qsgd_elias_encode_{_q}"] = (_i64, [ctypes.c_void_p, _i64, ctypes.c_void_p, _i64])
+_SIGNATURES["qsgd_unpack_i8"] = (None, [ctypes.c_void_p, _i64, ctypes.c_int, ctypes.c_void_p])
 
 SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 

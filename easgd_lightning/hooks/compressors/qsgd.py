@@ -304,6 +304,7 @@ class QSGDCompressor(Compressor):
         self.bucket_size = check_int("bucket_size", bucket_size, 0)
         self.coding = check_choice("coding", coding, CODINGS)
         self.width = level_width(self.levels)
+        self._decode_scratch: dict = {}  # the unpacked int8 levels of the decode being run
         self.seed = None if seed is None else check_int("seed", seed, 0)
         self._generator: torch.Generator | None = None
         if self.seed is not None:
@@ -340,6 +341,13 @@ class QSGDCompressor(Compressor):
             q = elias_decode(packed, numel)
         elif w in (8, 16):  # the levels' own bytes
             q = _aligned(packed).view(torch.int8 if w == 8 else torch.int16)
+        elif w < 8 and _native.use(norms) is not None and packed.device.type == "cpu":
+            # int8 levels times 2^(8 - w), then the int8 decode with s 2^(8 - w): the same
+            # products bit for bit (a power of two scales no mantissa)
+            q8 = scratch_buffer(self._decode_scratch, "levels", numel, torch.int8, packed.device)
+            _native.lib().qsgd_unpack_i8(packed.contiguous().data_ptr(), numel, w, q8.data_ptr())
+            res = qsgd_dequantize(norms, q8, self.levels * 2 ** (8 - w), self.bucket_size, numel, dtype, out)
+            return res.reshape(shape)
         else:
             lib = _native.use(norms)
             if lib is not None and norms.dtype == dtype and packed.device.type == "cpu" and w <= 17:
