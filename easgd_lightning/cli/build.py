@@ -16,7 +16,6 @@ log = logging.getLogger("easgd_lightning")
 
 __all__ = [
     "ConfigError",
-    "STRATEGY_NAMES",
     "strategy_names",
     "build_compression",
     "build_strategy",
@@ -36,45 +35,29 @@ class ConfigError(ValueError):
     """A bad configuration value; the message names the key and what is allowed."""
 
 
-#: Hydra ``strategy.name`` -> (module, class). ``ddp`` selects our metered CompressedDDPStrategy.
-STRATEGY_NAMES: dict[str, tuple[str, str]] = {
-    "ddp": ("easgd_lightning.strategies.ddp", "CompressedDDPStrategy"),
-    "sync_easgd": ("easgd_lightning.strategies.sync_easgd", "SyncEASGDStrategy"),
-    "easgd_round_robin": ("easgd_lightning.strategies.round_robin", "RoundRobinEASGDStrategy"),
-    "async_easgd": ("easgd_lightning.strategies.async_easgd", "AsyncEASGDStrategy"),
-    "async_measgd": ("easgd_lightning.strategies.async_easgd", "AsyncMEASGDStrategy"),
-    "async_sgd": ("easgd_lightning.strategies.async_easgd", "AsyncSGDStrategy"),
-    "async_msgd": ("easgd_lightning.strategies.async_easgd", "AsyncMSGDStrategy"),
-    "hogwild_easgd": ("easgd_lightning.strategies.hogwild", "HogwildEASGDStrategy"),
-    "hogwild_sgd": ("easgd_lightning.strategies.hogwild", "HogwildSGDStrategy"),
-    "local_sgd": ("easgd_lightning.strategies.local_sgd", "LocalSGDStrategy"),
-    "pipeline_3d": ("easgd_lightning.strategies.pipeline", "Pipeline3DStrategy"),
-}
-
-
-def _strategy_available(name: str) -> bool:
-    module = STRATEGY_NAMES[name][0]
-    try:
-        importlib.import_module(module)
-    except ModuleNotFoundError as err:
-        if err.name == module:
-            return False
-        raise
-    return True
+#: Hydra strategy option names that differ from the registered name
+_HYDRA_NAMES = {"ddp": "ddp_compressed"}
 
 
 def strategy_names() -> list[str]:
-    """Strategy names whose module is present in this installation."""
-    return [n for n in STRATEGY_NAMES if _strategy_available(n)]
+    """The names ``strategy.name`` accepts (the strategy registry's)."""
+    from easgd_lightning.strategies.registry import strategy_names as registered
+
+    return registered()
 
 
-def _strategy_class(name: str) -> type:
-    if name not in STRATEGY_NAMES or not _strategy_available(name):
-        raise ConfigError(
-            f"strategy.name={name!r} is unknown; choose one of {', '.join(strategy_names())}"
-        )
-    module, cls = STRATEGY_NAMES[name]
-    return getattr(importlib.import_module(module), cls)
+def _spec(name: Any):
+    """The registry entry of ``strategy.name`` (see easgd_lightning.strategies.registry).
+
+    Raises:
+        ConfigError: ``strategy.name=...`` is unknown, naming the registered names.
+    """
+    from easgd_lightning.strategies.registry import strategy_spec
+
+    try:
+        return strategy_spec(_HYDRA_NAMES.get(name, name))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _plain(d: Any) -> dict:
@@ -86,55 +69,50 @@ def _plain(d: Any) -> dict:
 
 
 def build_compression(cfg_compression: Any):
-    """The compressor for ``cfg.compression`` (None for ``none``).
-
-    Returns:
-        (compressor or None, hook options dict)
-    """
+    """The compressor for ``cfg.compression`` (None for ``none``)."""
     opts = _plain(cfg_compression)
     name = opts.get("name", "none")
     if name == "none":
-        return None, {}
+        return None
     try:
         from easgd_lightning.hooks import build_compressor
     except ImportError as err:  # pragma: no cover - compressors always ship
         raise ConfigError(f"compression.name={name!r}: compressors unavailable ({err})") from err
     try:  # every key of conf/compression/NAME.yaml (min_numel, memory, ...) is a compressor option
-        return build_compressor(**opts), {}
+        return build_compressor(**opts)
     except ValueError as err:
         raise ConfigError(str(err)) from err
 
 
 def min_world_size(name: str) -> int:
     """The fewest processes a strategy needs."""
-    cls = _strategy_class(name)
-    return int(getattr(cls, "min_world_size", 1))
+    return _spec(name).min_world_size
 
 
 def build_strategy(cfg: Any, *, world_size: int | None = None):
     """Instantiate the strategy of ``cfg.strategy`` with the compressor of ``cfg.compression``."""
+    from easgd_lightning.strategies.registry import check_options
+
     opts = _plain(cfg.strategy)
     name = opts.pop("name", None)
-    cls = _strategy_class(name)
-    compressor, hook_opts = build_compression(cfg.compression)
-    kwargs: dict[str, Any] = dict(opts)
-    timeout = timedelta(seconds=float(cfg.get("timeout_s", 300)))
-    if name == "ddp":
-        kwargs["compression"] = compressor
-        kwargs["hook_options"] = hook_opts
-    else:
-        if compressor is not None:
-            kwargs["compression"] = compressor
-            if hook_opts and getattr(cls, "accepts_hook_options", False):
-                kwargs["hook_options"] = hook_opts
-        kwargs.update(getattr(cls, "cli_kwargs", lambda c: {})(cfg))
+    spec = _spec(name)
     try:
-        strategy = cls(timeout=timeout, **kwargs)
+        check_options(spec.name, opts)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    compressor = build_compression(cfg.compression)
+    kwargs: dict[str, Any] = dict(opts)
+    if compressor is not None:
+        kwargs["compression"] = compressor
+    kwargs.update(getattr(spec.cls, "cli_kwargs", lambda c: {})(cfg))
+    timeout = timedelta(seconds=float(cfg.get("timeout_s", 300)))
+    try:
+        strategy = spec.cls(timeout=timeout, **kwargs)
     except TypeError as err:
         raise ConfigError(f"strategy={name}: {err}") from err
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    if world_size is not None and hasattr(strategy, "validate_world_size"):
+    if world_size is not None:
         try:
             strategy.validate_world_size(world_size)
         except ValueError as err:
@@ -435,7 +413,7 @@ def check_module_features(cfg: Any, module: Any) -> None:
     if module is None:
         return
     name = cfg.strategy.get("name")
-    cls = _strategy_class(name)
+    cls = _spec(name).cls
     model = f"model={cfg.model.get('name')}"
     if not getattr(module, "automatic_optimization", True) and not getattr(cls, "supports_manual_optimization", True):
         raise ConfigError(
@@ -472,7 +450,7 @@ def idle_compression_warning(cfg: Any, module: Any) -> str | None:
     limit = cfg.compression.get("min_numel")
     limit = DEFAULT_MIN_NUMEL if limit is None else int(limit)
     tensors = [p for p in module.parameters() if p.requires_grad]
-    if cfg.strategy.get("name") != "ddp":
+    if _spec(cfg.strategy.get("name")).name != "ddp_compressed":
         tensors = list(module.parameters()) + [b for b in module.buffers() if b.is_floating_point()]
     sizes = [t.numel() for t in tensors]
     if not sizes or max(sizes) >= limit:
@@ -550,7 +528,7 @@ def validate_config(cfg: Any, *, hardware: bool = True) -> None:
     from easgd_lightning.models import MODEL_NAMES
 
     name = cfg.strategy.get("name")
-    _strategy_class(name)
+    _spec(name)
     if cfg.model.get("name") not in MODEL_NAMES and not cfg.model.get("builder"):
         raise ConfigError(
             f"model.name={cfg.model.get('name')!r} is unknown; choose one of {', '.join(MODEL_NAMES)}"
@@ -597,7 +575,7 @@ def validate_config(cfg: Any, *, hardware: bool = True) -> None:
     if logger not in ("wandb", "csv", "none"):
         raise ConfigError(f"logger.name={logger!r} is unknown; choose one of wandb, csv, none")
     strategy = build_strategy(cfg, world_size=world)
-    if hasattr(strategy, "_validate_world") and name in ("sync_easgd", "easgd_round_robin"):
+    if name in ("sync_easgd", "easgd_round_robin"):  # alpha = lr * rho needs the optimizer's lr
         try:
             from easgd_lightning.strategies import elastic
 

@@ -114,6 +114,7 @@ from easgd_lightning.strategies.base import (
     flatten,
     unflatten_into,
 )
+from easgd_lightning.strategies.registry import register_strategy
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,6 @@ __all__ = [
     "ParameterServer",
     "ServerClient",
     "Liveness",
-    "STRATEGIES",
 ]
 
 # request / reply operation codes (first header entry)
@@ -1541,6 +1541,7 @@ _COMMON = ("stop_policy", "max_time_s", "worker_timeout_s", "heartbeat_s", "chec
            "checkpoint_path", "server")
 
 
+@register_strategy("async_easgd")
 class AsyncEASGDStrategy(AsyncCenterStrategy):
     """Async EASGD: FCFS parameter server, elastic exchange every tau steps (``strategy="async_easgd"``).
 
@@ -1565,6 +1566,7 @@ class AsyncEASGDStrategy(AsyncCenterStrategy):
         super().__init__(tau=tau, alpha=alpha, beta=beta, rho=rho, **kwargs)
 
 
+@register_strategy("async_measgd")
 class AsyncMEASGDStrategy(AsyncCenterStrategy):
     """Async MEASGD: Async EASGD with EAMSGD Nesterov momentum on the workers (``strategy="async_measgd"``).
 
@@ -1583,6 +1585,7 @@ class AsyncMEASGDStrategy(AsyncCenterStrategy):
         super().__init__(tau=tau, momentum=momentum, alpha=alpha, beta=beta, rho=rho, **kwargs)
 
 
+@register_strategy("async_sgd")
 class AsyncSGDStrategy(AsyncCenterStrategy):
     """Async SGD: workers push gradients, the server applies SGD and returns weights (``strategy="async_sgd"``).
 
@@ -1600,6 +1603,7 @@ class AsyncSGDStrategy(AsyncCenterStrategy):
         super().__init__(lr=lr, **kwargs)
 
 
+@register_strategy("async_msgd")
 class AsyncMSGDStrategy(AsyncCenterStrategy):
     """Async MSGD: Async SGD with heavy-ball momentum at the server (``strategy="async_msgd"``).
 
@@ -1616,12 +1620,3 @@ class AsyncMSGDStrategy(AsyncCenterStrategy):
     def __init__(self, momentum: float = 0.9, lr: float | None = None, **kwargs: Any) -> None:
         _reject_unknown(self.strategy_name, kwargs, self._OPTIONS)
         super().__init__(momentum=momentum, lr=lr, **kwargs)
-
-
-#: registry names of this module (picked up by ``easgd_lightning.strategies``)
-STRATEGIES: dict[str, type] = {
-    "async_easgd": AsyncEASGDStrategy,
-    "async_measgd": AsyncMEASGDStrategy,
-    "async_sgd": AsyncSGDStrategy,
-    "async_msgd": AsyncMSGDStrategy,
-}

@@ -39,6 +39,7 @@ from typing_extensions import override
 
 from easgd_lightning.comm import ops
 from easgd_lightning.strategies import elastic
+from easgd_lightning.strategies.registry import reject_unknown_kwargs
 from easgd_lightning.utils.checkpoint import to_plain
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,7 @@ class CenterStrategy(DDPStrategy):
     supports_manual_optimization = True
 
     def __init__(self, *, compression: Any = None, **kwargs: Any) -> None:
+        reject_unknown_kwargs(self, kwargs, DDPStrategy)  # no DDP wrapper would read them
         kwargs.setdefault("process_group_backend", None)
         super().__init__(**kwargs)
         self._compression = compression
@@ -163,6 +165,13 @@ class CenterStrategy(DDPStrategy):
 
     def _validate_world(self, world_size: int) -> None:
         """Check options that depend on the world size (e.g. beta = p * alpha < 1)."""
+
+    def validate_world_size(self, world_size: int) -> None:
+        """Before launch: at least ``min_world_size`` processes (subclasses check more)."""
+        if world_size < self.min_world_size:
+            raise ValueError(
+                f"trainer.devices: {self.strategy_name} needs at least {self.min_world_size} processes, got {world_size}"
+            )
 
     def _set_moving_rate_options(self, alpha: float | None, beta: float | None, rho: float | None) -> None:
         """Store and range-check the moving-rate options (exactly one may be given)."""

@@ -17,10 +17,12 @@ import torch.distributed as dist
 from lightning_fabric.utilities.types import _PATH
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from easgd_lightning.comm import ops
 from easgd_lightning.hooks.ddp import register_compression_hook
+from easgd_lightning.strategies.registry import register_strategy, reject_unknown_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,7 @@ def optimizer_steps_per_epoch(trainer) -> int | None:
     return math.ceil(int(batches) / max(1, int(getattr(trainer, "accumulate_grad_batches", 1))))
 
 
+@register_strategy("ddp_compressed", options=())
 class CompressedDDPStrategy(DDPStrategy):
     """DDP whose gradient buckets go through our (optionally compressing) comm hook.
 
@@ -45,14 +48,21 @@ class CompressedDDPStrategy(DDPStrategy):
     """
 
     strategy_name = "ddp_compressed"
+    min_world_size = 1
 
     def __init__(self, compression: Any = None, hook_options: dict | None = None, **kwargs: Any):
+        reject_unknown_kwargs(self, kwargs, DDPStrategy, DistributedDataParallel)
         super().__init__(**kwargs)
         self._compression = compression
         self._hook_options = dict(hook_options or {})
         self.hook_state: Any = None
         self._local_steps = 0
         self._resume_rank_state: dict | None = None
+
+    def validate_world_size(self, world_size: int) -> None:
+        """Any number of processes runs DDP (one averages nothing, but is valid)."""
+        if world_size < self.min_world_size:
+            raise ValueError(f"trainer.devices: ddp_compressed needs at least 1 process, got {world_size}")
 
     @override
     def setup_environment(self) -> None:

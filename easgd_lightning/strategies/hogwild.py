@@ -56,8 +56,9 @@ from easgd_lightning.strategies.async_easgd import (
     _interruption,
     _reject_unknown,
 )
+from easgd_lightning.strategies.registry import register_strategy
 
-__all__ = ["HogwildEASGDStrategy", "HogwildSGDStrategy", "SharedCenter", "STRATEGIES"]
+__all__ = ["HogwildEASGDStrategy", "HogwildSGDStrategy", "SharedCenter"]
 
 
 class SharedCenter:
@@ -286,6 +287,7 @@ _COMMON = ("server", "shm_dir", "stop_policy", "max_time_s", "worker_timeout_s",
            "checkpoint_every_s", "checkpoint_path")
 
 
+@register_strategy("hogwild_easgd")
 class HogwildEASGDStrategy(_HogwildMixin, AsyncCenterStrategy):
     """Hogwild EASGD: elastic exchanges with a lock-free shared center (``strategy="hogwild_easgd"``).
 
@@ -309,6 +311,7 @@ class HogwildEASGDStrategy(_HogwildMixin, AsyncCenterStrategy):
         self._init_hogwild(shm_dir)
 
 
+@register_strategy("hogwild_sgd")
 class HogwildSGDStrategy(_HogwildMixin, AsyncCenterStrategy):
     """Hogwild SGD: lock-free gradient steps on shared weights (``strategy="hogwild_sgd"``).
 
@@ -330,10 +333,3 @@ class HogwildSGDStrategy(_HogwildMixin, AsyncCenterStrategy):
         self._server_mode = server
         super().__init__(lr=lr, momentum=momentum, server=server, **kwargs)
         self._init_hogwild(shm_dir)
-
-
-#: registry names of this module (picked up by ``easgd_lightning.strategies``)
-STRATEGIES: dict[str, type] = {
-    "hogwild_easgd": HogwildEASGDStrategy,
-    "hogwild_sgd": HogwildSGDStrategy,
-}

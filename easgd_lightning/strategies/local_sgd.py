@@ -68,6 +68,7 @@ from typing_extensions import override
 from easgd_lightning.comm import ops
 from easgd_lightning.hooks.elastic import exchange_sum
 from easgd_lightning.strategies.base import CenterStrategy
+from easgd_lightning.strategies.registry import register_strategy
 from easgd_lightning.utils.checkpoint import from_plain
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,6 @@ log = logging.getLogger(__name__)
 __all__ = [
     "LocalSGDStrategy",
     "PERIOD_RULES",
-    "STRATEGIES",
     "qsr_period",
     "cocod_merge",
     "flatten_into",
@@ -226,6 +226,9 @@ def validate_local_sgd_options(
 
 
 # ---------------------------------------------------------------------- strategy
+@register_strategy(
+    "local_sgd", options=("period", "period_rule", "h_base", "gamma", "warmup_steps", "overlap")
+)
 class LocalSGDStrategy(CenterStrategy):
     """Local SGD: H local steps, then parameter averaging (``strategy="local_sgd"``).
 
@@ -515,5 +518,3 @@ class LocalSGDStrategy(CenterStrategy):
         self._spare = None
         super().teardown()
 
-
-STRATEGIES = {"local_sgd": LocalSGDStrategy}

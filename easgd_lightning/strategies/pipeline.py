@@ -51,9 +51,10 @@ from typing_extensions import override
 from easgd_lightning.comm import ops
 from easgd_lightning.hooks.optimus_cc import OptimusCCConfig
 from easgd_lightning.parallel.layout import validate_layout
+from easgd_lightning.strategies.registry import register_strategy, reject_unknown_kwargs
 from easgd_lightning.utils.atomic import atomic_torch_save
 
-__all__ = ["Pipeline3DStrategy", "STRATEGIES", "split_micro_batches", "resolve_optimus"]
+__all__ = ["Pipeline3DStrategy", "split_micro_batches", "resolve_optimus"]
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,10 @@ def resolve_optimus(compression: Any) -> OptimusCCConfig | None:
     )
 
 
+@register_strategy(
+    "pipeline_3d",
+    options=("pp", "tp", "dp", "micro_batches", "gradient_clipping", "activation_checkpoint_interval"),
+)
 class Pipeline3DStrategy(DDPStrategy):
     """Pipeline x tensor x data parallel training on DeepSpeed's PipelineEngine (``pipeline_3d``).
 
@@ -153,6 +158,7 @@ class Pipeline3DStrategy(DDPStrategy):
         deepspeed_config: dict | None = None,
         **kwargs: Any,
     ) -> None:
+        reject_unknown_kwargs(self, kwargs, DDPStrategy)  # the engine, not DDP, runs the model
         kwargs.setdefault("process_group_backend", None)
         super().__init__(**kwargs)
         for key, value in (("strategy.pp", pp), ("strategy.tp", tp),
@@ -461,16 +467,3 @@ class Pipeline3DStrategy(DDPStrategy):
             extras["pipeline"] = dict(self._engine.pipe_stats)
         extras["optimus_cc"] = dict(vars(self._optimus)) if self._optimus else None
         return extras
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(
-                cls.strategy_name, cls,
-                description="3D parallel (pipeline x tensor x data) on DeepSpeed's PipelineEngine",
-            )
-
-
-#: registry name -> class, picked up by easgd_lightning.strategies
-STRATEGIES = {"pipeline_3d": Pipeline3DStrategy}

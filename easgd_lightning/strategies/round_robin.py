@@ -28,6 +28,7 @@ from typing_extensions import override
 from easgd_lightning.comm import ops
 from easgd_lightning.strategies import elastic
 from easgd_lightning.strategies.base import CenterStrategy, check_positive_int
+from easgd_lightning.strategies.registry import register_strategy
 
 __all__ = ["RoundRobinEASGDStrategy"]
 
@@ -35,6 +36,7 @@ MASTER = 0
 _LOG_LEN = 600
 
 
+@register_strategy("easgd_round_robin", options=("tau", "alpha", "beta", "rho"))
 class RoundRobinEASGDStrategy(CenterStrategy):
     """Original EASGD, round-robin master (``strategy="easgd_round_robin"``).
 

@@ -39,11 +39,13 @@ from typing_extensions import override
 from easgd_lightning.hooks.elastic import PendingSum, start_exchange_sum
 from easgd_lightning.strategies import elastic
 from easgd_lightning.strategies.base import CenterStrategy, check_positive_int
+from easgd_lightning.strategies.registry import register_strategy
 from easgd_lightning.utils.checkpoint import from_plain
 
 __all__ = ["SyncEASGDStrategy"]
 
 
+@register_strategy("sync_easgd", options=("tau", "alpha", "beta", "rho", "overlap"))
 class SyncEASGDStrategy(CenterStrategy):
     """Synchronous EASGD (``strategy="sync_easgd"``).
 

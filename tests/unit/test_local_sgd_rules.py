@@ -133,10 +133,10 @@ def test_registered_with_lightning() -> None:
     from pytorch_lightning.strategies import StrategyRegistry
 
     import easgd_lightning  # noqa: F401
-    from easgd_lightning.strategies import local_sgd
+    from easgd_lightning.strategies.registry import strategy_spec
 
-    assert local_sgd.STRATEGIES == {"local_sgd": LocalSGDStrategy}
-    assert "local_sgd" in StrategyRegistry
+    assert strategy_spec("local_sgd").cls is LocalSGDStrategy
+    assert StrategyRegistry["local_sgd"]["strategy"] is LocalSGDStrategy
 
 
 def test_cocod_merge_in_place_is_bitwise_the_same() -> None:

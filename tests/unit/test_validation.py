@@ -290,3 +290,30 @@ def test_pipeline_setup_refuses_manual_optimization_in_one_line() -> None:
     with pytest.raises(ValueError, match=r"^strategy=pipeline_3d does not support manual optimization") as err:
         strategy.setup(trainer)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides,name",
+    [
+        (["strategy=sync_easgd"], "sync_easgd"),
+        (["strategy=easgd_round_robin"], "easgd_round_robin"),
+        (["strategy=local_sgd"], "local_sgd"),
+        (["recipe=nlp3d/gpt_tiny_pp2"], "pipeline_3d"),
+        (["strategy=async_easgd", "trainer.devices=3"], "async_easgd"),
+        ([], "ddp_compressed"),
+    ],
+)
+def test_unknown_strategy_option_in_a_config_file_is_refused(overrides: list[str], name: str) -> None:
+    """A key that only a config file adds (a user's strategy/NAME.yaml or recipe: the command
+    line cannot add one) stops before launch; these strategies used to ignore it."""
+    from omegaconf import open_dict
+
+    cfg = compose_checked(overrides)
+    validate_config(cfg)  # valid as composed
+    with open_dict(cfg):
+        cfg.strategy.tua = 4
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg)
+    message = str(err.value)
+    assert message.startswith(f"strategy.tua is not an option of {name}; its options are: "), message
+    assert "\n" not in message
