@@ -574,7 +574,7 @@ def validate_config(cfg: Any, *, hardware: bool = True) -> None:
     logger = cfg.logger.get("name")
     if logger not in ("wandb", "csv", "none"):
         raise ConfigError(f"logger.name={logger!r} is unknown; choose one of wandb, csv, none")
-    strategy = build_strategy(cfg, world_size=world)
+    build_strategy(cfg, world_size=world)
     if name in ("sync_easgd", "easgd_round_robin"):  # alpha = lr * rho needs the optimizer's lr
         try:
             from easgd_lightning.strategies import elastic

@@ -97,7 +97,7 @@ def register_strategy(name: str, *, options: Iterable[str] | None = None) -> Cal
     is recorded. Registering another class under a taken name is an error.
     """
     def decorate(cls: T) -> T:
-        keys = tuple(options if options is not None else getattr(cls, "_OPTIONS"))
+        keys = tuple(options if options is not None else cls._OPTIONS)
         held = _SPECS.get(name)
         if held is not None and held.cls is not cls and held.cls.__qualname__ != cls.__qualname__:
             raise ValueError(f"strategy name {name!r} is registered already, by {held.cls.__qualname__}")
@@ -130,9 +130,9 @@ def _load() -> None:
 
 
 def strategy_specs() -> dict[str, StrategySpec]:
-    """Every registered strategy, by name, in registration order."""
+    """Every registered strategy, by name, in alphabetical order."""
     _load()
-    return dict(_SPECS)
+    return dict(sorted(_SPECS.items()))
 
 
 def strategy_names() -> list[str]:

@@ -144,7 +144,7 @@ BAD += [
     (["strategy=sync_easgd", "trainer.devices=1"], "trainer.devices", "strategy=sync_easgd: it needs at least 2"),
     (["strategy=easgd_round_robin", "trainer.devices=1"], "trainer.devices", "it needs at least 2"),
     (["trainer.devices=0"], "trainer.devices", "a positive integer, got 0"),
-    (["strategy.name=nonsense"], "strategy.name", "choose one of ddp, sync_easgd"),
+    (["strategy.name=nonsense"], "strategy.name", "choose one of async_easgd, async_measgd, async_msgd, async_sgd, ddp_compressed, easgd_round_robin"),
     (["model.name=nonsense"], "model.name", "choose one of alexnet"),
     (["data.name=nonsense"], "data.name", "choose one of digits"),
     (["logger.name=nonsense"], "logger.name", "choose one of wandb, csv, none"),
