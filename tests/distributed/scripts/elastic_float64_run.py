@@ -6,7 +6,8 @@ Saves the data, the initial parameters and the final module parameters of this r
 
 ``overlap-pair`` (sync_easgd): two fits in the same processes, ``strategy.overlap=false``
 then ``true``, each saving the final parameters (= the center), the train loss of every
-step, and how many exchanges were still in flight when the next difference was formed.
+step, and how many exchanges were still in flight when the next difference was formed;
+also the data and the initial parameters, for the reference.
 COMPRESSION ``topk``: the weight (5 entries) is top-k compressed with residuals, the bias
 (under ``min_numel``) travels dense.
 """
@@ -55,7 +56,8 @@ class Regression(pl.LightningModule):
 def fit_pair(out: str, tau: int, alpha: float, steps: int, compression: str, rank: int, world: int) -> None:
     """sync_easgd with overlap false, then true, in the same process group."""
     x, y = rank_data(rank, steps)
-    results = {}
+    init = {k: v.detach().double().clone() for k, v in Regression().state_dict().items()}
+    results = {"x": x, "y": y, "init": init}  # for the reference (every fit starts from init)
     for overlap in (False, True):
         model = Regression()
         comp = build_compressor("topk", ratio=0.4, min_numel=2) if compression == "topk" else None
