@@ -193,12 +193,13 @@ class CompressionHookState:
 
     def state_dict(self) -> dict:
         """Checkpointable state (tensors and plain data): iteration counter, per-tensor
-        compressor state (scratch buffers dropped), memory."""
+        compressor state (scratch buffers dropped), the compressor's own state, memory."""
         return to_plain(
             {
                 "compressor": self.compressor.name,
                 "iteration": self.iteration,
                 "tensor_states": self.tensor_states,
+                "compressor_state": self.compressor.state_dict(),
                 "memory": self.memory.state_dict(),
             },
             "ddp hook state",
@@ -209,6 +210,7 @@ class CompressionHookState:
         state = from_plain(state, device)
         self.iteration = int(state.get("iteration", 0))
         self.tensor_states = dict(state.get("tensor_states", {}))
+        self.compressor.load_state_dict(state.get("compressor_state") or {})
         self.memory.load_state_dict(state.get("memory", {}))
 
     def _key(self, param: torch.Tensor, bucket_index: int, pos: int) -> str:

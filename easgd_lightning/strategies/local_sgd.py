@@ -478,6 +478,7 @@ class LocalSGDStrategy(CenterStrategy):
             "merge_ready": self._merge_ready,
             "memory": mem,
             "compress_state": self._compress_state,
+            "compressor": None if self._compression is None else self._compression.state_dict(),
         }
 
     @override
@@ -490,6 +491,8 @@ class LocalSGDStrategy(CenterStrategy):
         self._snapshot = None if snap is None else snap.to(self.root_device, self._center.dtype)
         self._merge_ready = bool(state.get("merge_ready", False)) and self._snapshot is not None
         self._compress_state = from_plain(state.get("compress_state") or {}, self.root_device)
+        if self._compression is not None:
+            self._compression.load_state_dict(from_plain(state.get("compressor") or {}))
         mem = state.get("memory")
         if mem is not None and hasattr(self._memory, "load_state_dict"):
             self._memory.load_state_dict(from_plain(mem, self.root_device))

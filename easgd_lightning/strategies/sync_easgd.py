@@ -167,11 +167,14 @@ class SyncEASGDStrategy(CenterStrategy):
         self._complete_exchange()
         # the base turns this into tensors and plain data (utils.checkpoint.to_plain)
         mem = self._memory.state_dict() if hasattr(self._memory, "state_dict") else None
-        return {"memory": mem, "compress_state": self._compress_state}
+        comp = None if self._compression is None else self._compression.state_dict()
+        return {"memory": mem, "compress_state": self._compress_state, "compressor": comp}
 
     @override
     def _load_worker_extra_state(self, state: dict) -> None:
         self._compress_state = from_plain(state.get("compress_state") or {}, self.root_device)
+        if self._compression is not None:
+            self._compression.load_state_dict(from_plain(state.get("compressor") or {}))
         mem = state.get("memory")
         if mem is not None and hasattr(self._memory, "load_state_dict"):
             self._memory.load_state_dict(from_plain(mem, self.root_device))

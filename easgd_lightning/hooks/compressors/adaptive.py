@@ -13,6 +13,8 @@ config) it sends dense. The attach points feed measurements through
 :meth:`AdaptiveCompressor.observe_bandwidth` and :meth:`observe_compute_time`
 (exponential moving averages, weight ``smoothing`` on the old value); a strategy may feed
 them too. Sparse steps use gradient dropping (:mod:`.topk`) with residuals.
+The measurements and the sizes of the tensors seen (N) are the compressor's
+:meth:`~AdaptiveCompressor.state_dict`, so a resumed run picks the ratios it would have.
 Defaults: budget = 1.0, min_ratio = 0.001, max_ratio = 0.25, smoothing = 0.8,
 memory = true.
 """
@@ -154,6 +156,23 @@ class AdaptiveCompressor(SparseCompressor):
             min_ratio=self.min_ratio,
             max_ratio=self.max_ratio,
         )
+
+    # ------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict:
+        """Measured bandwidth / compute time (EMAs), the tensor sizes seen, the last ratio."""
+        return {
+            "bandwidth": self._bw,
+            "compute_time": self._ct,
+            "numels": {int(k): int(n) for k, n in self._numels.items()},
+            "last_ratio": self.last_ratio,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        bw, ct = state.get("bandwidth"), state.get("compute_time")
+        self._bw = None if bw is None else float(bw)
+        self._ct = None if ct is None else float(ct)
+        self._numels = {int(k): int(n) for k, n in (state.get("numels") or {}).items()}
+        self.last_ratio = float(state.get("last_ratio", 1.0))
 
     # ------------------------------------------------------------ codec
     def select(self, flat: torch.Tensor, state: dict) -> torch.Tensor:

@@ -16,6 +16,9 @@ pattern it needs is expressed against a :class:`Collective`, which the attach po
   over ranks of everybody's decompressed contribution, and this rank's own decompressed
   contribution (for error feedback: residual = input - local). The default implements
   the two aggregation kinds; multi-round schemes (PowerSGD, sketch) override it.
+* ``state_dict() / load_state_dict(state)``: compressor-wide state a resume needs (QSGD's
+  noise generator, the adaptive compressor's measurements); the attach points checkpoint
+  it beside the per-tensor states. Empty by default.
 
 ``state`` is a mutable ``dict`` owned by the caller, one per communicated tensor (bucket,
 flat parameter buffer), so a compressor instance can serve many tensors. Error feedback
@@ -161,6 +164,14 @@ class Compressor(ABC):
     @abstractmethod
     def decompress(self, payload: Payload, shape: torch.Size) -> torch.Tensor:
         """Decode a payload (possibly summed over ranks) into a dense tensor of ``shape``."""
+
+    def state_dict(self) -> dict:
+        """Compressor-wide state that a resume must restore (tensors and plain data), beside
+        the per-tensor ``state`` dicts the attach points checkpoint; none by default."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
 
     def payload_bytes(self, payload: Payload) -> int:
         """Bytes that travel for this payload."""

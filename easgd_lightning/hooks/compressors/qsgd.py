@@ -10,15 +10,20 @@ per entry, s = 7 four, s = 127 eight; per-rank norms make it non-linear, so payl
 all-gathered. ``coding: elias`` sends the paper's Elias coding instead (section 3:
 Elias omega codes of the gap to each nonzero level, its sign bit and its value, after the
 count of nonzeros; variable length). Defaults: levels s = 127 (8 bits), bucket_size = 512
-(the paper's bucketing), coding = fixed, memory = false (unbiased), seed = null (the
-global torch RNG).
+(the paper's bucketing), coding = fixed, memory = false (unbiased), seed = null (drawn from
+the global RNG).
 
-Noise: U_i comes from a counter-based hash of (i, two 32-bit words drawn per call from
-the generator -- the private one with ``seed``, else torch's global one), 24-bit uniform
+Noise: U_i comes from a counter-based hash of (i, two 32-bit words), 24-bit uniform
 in [0, 1): the norm, rounding and cast are one pass per bucket in the native kernel
 (float32 / float64 CPU tensors), and the eager path computes the same numbers. Widths 8
 and 16 are the int8 / int16 levels themselves; other widths take one more pass over the
-levels to pack them (and the decode reads the packed stream directly).
+levels to pack them (and the decode reads the packed stream directly). The two
+words of a call are :func:`noise_words` of (the stream seed -- ``seed``, or one draw from
+torch's global RNG at the first call when it is null --, the tensor's ``key_hash``, the
+tensor's call count ``state["noise_calls"]``): a function of the tensor and its step, not
+of the order in which tensors are compressed. The stream seed is the compressor's
+:meth:`~QSGDCompressor.state_dict` and the count is per-tensor state, so a resumed run
+draws the noise of one that never stopped.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ __all__ = [
     "elias_encode",
     "elias_decode",
     "noise_seeds",
+    "noise_words",
     "qsgd_quantize",
     "qsgd_dequantize",
 ]
@@ -197,6 +203,23 @@ def noise_seeds(generator: torch.Generator | None = None) -> tuple[int, int]:
     return int(w[0]), int(w[1])
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """A 64-bit finalizer (SplitMix64's): equal inputs give equal outputs, near ones far apart."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def noise_words(stream_seed: int, key: int, call: int) -> tuple[int, int]:
+    """The two 32-bit noise words of call number ``call`` on tensor ``key`` of a stream."""
+    h = _mix64(_mix64(_mix64(stream_seed & _MASK64) ^ (key & _MASK64)) ^ (call & _MASK64))
+    return h & 0xFFFFFFFF, h >> 32
+
+
 def qsgd_quantize(
     flat: torch.Tensor,
     levels: int,
@@ -278,7 +301,8 @@ class QSGDCompressor(Compressor):
     Args:
         levels: s, the number of positive quantization levels (>= 1).
         bucket_size: entries per norm (0: one norm for the whole tensor).
-        seed: seed of a private generator for the rounding noise (null: global RNG).
+        seed: seed of the rounding noise's stream (null: one draw from the global torch
+            RNG at the first call).
         coding: ``fixed`` (w bits per entry, :func:`pack_levels`) or ``elias`` (the paper's
             Elias coding of the gaps between nonzero levels, their signs and values:
             :func:`elias_encode`; fewer bits when most levels are 0, i.e. small s).
@@ -306,14 +330,30 @@ class QSGDCompressor(Compressor):
         self.width = level_width(self.levels)
         self._decode_scratch: dict = {}  # the unpacked int8 levels of the decode being run
         self.seed = None if seed is None else check_int("seed", seed, 0)
-        self._generator: torch.Generator | None = None
-        if self.seed is not None:
-            self._generator = torch.Generator(device="cpu").manual_seed(self.seed)
+        self._stream_seed: int | None = self.seed
+
+    def _noise_words(self, state: dict) -> tuple[int, int]:
+        """This call's noise words for the tensor of ``state`` (advances its call count)."""
+        if self._stream_seed is None:
+            self._stream_seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64))
+        call = int(state.get("noise_calls", 0))
+        state["noise_calls"] = call + 1
+        return noise_words(self._stream_seed, int(state.get("key_hash", 0)), call)
+
+    def state_dict(self) -> dict:
+        """The noise stream's seed (None before the first call of an unseeded compressor)."""
+        return {"stream_seed": self._stream_seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("stream_seed") is not None:
+            self._stream_seed = int(state["stream_seed"])
 
     def compress(self, tensor: torch.Tensor, state: dict) -> Payload:
         flat = tensor.reshape(-1)
         scratch = scratch_of(state)
-        norms, q = qsgd_quantize(flat, self.levels, self.bucket_size, self._generator, scratch=scratch)
+        norms, q = qsgd_quantize(
+            flat, self.levels, self.bucket_size, seeds=self._noise_words(state), scratch=scratch
+        )
         if self.coding == "elias":
             packed = _elias_stream(q, scratch)
         else:
