@@ -17,7 +17,7 @@ from easgd_lightning.hooks.compressors import PLUGINS, base
 from easgd_lightning.hooks.compressors.adaptive import adaptive_ratio
 from easgd_lightning.hooks.compressors.dgc import DGCCompressor
 from easgd_lightning.hooks.compressors.powersgd import power_iteration
-from easgd_lightning.hooks.compressors.qsgd import qsgd_dequantize, qsgd_quantize, unpack_levels
+from easgd_lightning.hooks.compressors.qsgd import noise_words, qsgd_dequantize, qsgd_quantize, unpack_levels
 from easgd_lightning.hooks.compressors.redsync import threshold_bisect, trimmed_topk
 from easgd_lightning.hooks.compressors.sidco import (
     exponential_threshold,
@@ -161,8 +161,8 @@ def test_qsgd_packed_decode_is_the_unpacked_rule(levels, dtype):
     norms, packed = payload.tensors
     w = int(levels).bit_length() + 1
     n_b = math.ceil(2049 / 100)
-    # the unpacked rule from the same noise: a fresh generator with the same seed
-    ref_norms, q = qsgd_quantize(x, levels, 100, torch.Generator().manual_seed(5))
+    # the unpacked rule from the same noise: the words of call 0 of tensor key 0, seed 5
+    ref_norms, q = qsgd_quantize(x, levels, 100, seeds=noise_words(5, 0, 0))
     assert torch.equal(norms, ref_norms) and norms.numel() == n_b
     q = q.to(torch.int64).tolist()
     stream = "".join(format(v & ((1 << w) - 1), f"0{w}b")[::-1] for v in q)
@@ -194,7 +194,7 @@ def test_qsgd_elias_coding_is_the_papers_code(levels):
     comp = build_compressor("qsgd", levels=levels, bucket_size=512, seed=9, coding="elias")
     payload, y = roundtrip(comp, x)
     norms, stream = payload.tensors
-    ref_norms, q = qsgd_quantize(x, levels, 512, torch.Generator().manual_seed(9))
+    ref_norms, q = qsgd_quantize(x, levels, 512, seeds=noise_words(9, 0, 0))
     q = q.to(torch.int64).tolist()
     nz = [i for i, v in enumerate(q) if v]
     bits = _omega(len(nz) + 1)
