@@ -33,28 +33,33 @@ Defaults: ``rank=16`` (paper: 12-16), ``dp_rank=128`` (paper), scaled down autom
 when a matrix is too small for the low-rank form to save bytes (then it goes dense).
 Tensor-parallel traffic stays exact.
 
-The pure functions here have no process-group calls; :class:`DataParallelPowerSGD`
-communicates only through :mod:`easgd_lightning.comm.ops`.
+One codec and one residual memory serve here as everywhere: CB and SC are
+:class:`~easgd_lightning.hooks.compressors.powersgd.PowerSGDCompressor` (``trailing``
+matrix view) with :class:`~easgd_lightning.hooks.memory.ResidualMemory` for LEP and SC's
+error feedback (``e <- M - P Q^T``, this rank's Q, as at every other attach point). The
+pure functions here have no process-group calls; :class:`DataParallelPowerSGD`
+communicates only through :mod:`easgd_lightning.comm` (a
+:class:`~easgd_lightning.hooks.collective.ProcessGroupCollective` and
+:func:`dense_all_reduce_mean_`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from easgd_lightning.comm import ops
+from easgd_lightning.hooks.collective import ProcessGroupCollective
 from easgd_lightning.hooks.compressors.base import Compressor, Payload
+from easgd_lightning.hooks.compressors.powersgd import PowerSGDCompressor, low_rank_product
+from easgd_lightning.hooks.memory import NoMemory, ResidualMemory
 
 __all__ = [
     "OptimusCCConfig",
-    "orthonormalize",
-    "effective_rank",
-    "low_rank_saves",
-    "power_iteration",
     "is_epilogue_send",
     "auto_selective_stages",
     "resolve_selective_stages",
@@ -147,40 +152,7 @@ class OptimusCCConfig:
         return cls(**params)
 
 
-# --------------------------------------------------------------------------- pure math
-
-
-def orthonormalize(matrix: torch.Tensor) -> torch.Tensor:
-    """Orthonormal basis of the columns of ``matrix`` (reduced QR; ``n x r``, ``r <= n``)."""
-    work = matrix.float() if matrix.dtype in (torch.float16, torch.bfloat16) else matrix
-    q, _ = torch.linalg.qr(work, mode="reduced")
-    return q.to(matrix.dtype)
-
-
-def effective_rank(n: int, m: int, rank: int) -> int:
-    """The rank actually used for an ``n x m`` matrix: ``min(rank, n, m)``."""
-    return max(1, min(rank, n, m))
-
-
-def low_rank_saves(n: int, m: int, rank: int) -> bool:
-    """True when ``P (n x r)`` and ``Q (m x r)`` together are smaller than ``M (n x m)``."""
-    r = effective_rank(n, m, rank)
-    return r * (n + m) < n * m
-
-
-def power_iteration(matrix: torch.Tensor, q_warm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One PowerSGD power iteration: ``P = orth(M Q); Q = M^T P``; ``M ~ P Q^T``.
-
-    Args:
-        matrix: ``M``, shape ``(n, m)``.
-        q_warm: Warm-start ``Q``, shape ``(m, r)`` (the previous call's ``Q``).
-
-    Returns:
-        ``(P, Q)`` with ``P`` ``(n, r)`` orthonormal columns and ``Q`` ``(m, r)``.
-    """
-    p = orthonormalize(matrix @ q_warm)
-    q = matrix.t() @ p
-    return p, q
+# --------------------------------------------------------------------------- pure rules
 
 
 def is_epilogue_send(micro_batch: int, micro_batches: int, stages: int, sender_stage: int) -> bool:
@@ -231,87 +203,77 @@ def resolve_selective_stages(selective: Any, stages: int) -> list[int]:
     return chosen
 
 
-def _as_matrix(tensor: torch.Tensor) -> torch.Tensor:
-    """View an activation or weight tensor as ``(prod(shape[:-1]), shape[-1])``."""
-    return tensor.reshape(-1, tensor.shape[-1])
-
-
 # --------------------------------------------------------------------------- CB + LEP
 
+_MESSAGE = "activation_grad"  # the residual memory's key for the stage's backward message
 
-@dataclass
+
 class ActivationGradCompressor:
     """Compressed backpropagation on the sending stage (CB, optionally with LEP).
 
-    One instance per sending stage; it keeps the warm-start ``Q`` and the LEP residual.
+    One instance per sending stage. The codec is PowerSGD's single-rank encoding of the
+    message viewed as ``(prod(shape[:-1]), shape[-1])``; LEP is the residual memory
+    (``e <- M' - P Q^T``, added to the next message). A dense message carries the
+    residual in full, so nothing is owed after it.
 
-    Attributes:
+    Args:
         rank: Rank ``r`` of the factorisation.
         lazy_error_propagation: Keep the residual and add it to the next message.
         seed: Seed of the initial ``Q``.
     """
 
-    rank: int = 16
-    lazy_error_propagation: bool = True
-    seed: int = 0
-    _q: torch.Tensor | None = field(default=None, repr=False)
-    _residual: torch.Tensor | None = field(default=None, repr=False)
-    stats: dict = field(default_factory=lambda: {"compressed": 0, "dense": 0})
+    def __init__(self, rank: int = 16, lazy_error_propagation: bool = True, seed: int = 0) -> None:
+        self.rank = rank
+        self.lazy_error_propagation = lazy_error_propagation
+        self.seed = seed
+        self.codec = PowerSGDCompressor(rank, seed=seed, matrix_view="trailing")
+        self.memory = ResidualMemory() if lazy_error_propagation else NoMemory()
+        self._state: dict = {}
+        self.stats = {"compressed": 0, "dense": 0}
 
     def factor_shapes(self, shape: Sequence[int]) -> tuple[tuple[int, int], tuple[int, int]] | None:
         """Shapes of ``(P, Q)`` for a gradient of ``shape``, or ``None`` if it goes dense."""
-        n = int(math.prod(shape[:-1])) if len(shape) > 1 else 1
-        m = int(shape[-1])
-        if len(shape) < 2 or not low_rank_saves(n, m, self.rank):
-            return None
-        r = effective_rank(n, m, self.rank)
-        return (n, r), (m, r)
+        return self.codec.factor_shapes(shape)
 
-    def prepare(self, grad: torch.Tensor) -> torch.Tensor:
-        """The message to send: the gradient plus the carried residual (LEP)."""
-        if self.lazy_error_propagation and self._residual is not None:
-            return grad + self._residual
-        return grad
+    @property
+    def residual(self) -> torch.Tensor | None:
+        """What LEP carries into the next message (None: nothing)."""
+        return self.memory.residual(_MESSAGE)
 
     def compress(self, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Factor the message ``grad + residual`` into ``(P, Q)`` and update the residual.
 
         The caller must have checked :meth:`factor_shapes` is not ``None``.
         """
-        message = self.prepare(grad)
-        matrix = _as_matrix(message)
-        n, m = matrix.shape
-        r = effective_rank(n, m, self.rank)
-        if self._q is None or self._q.shape != (m, r) or self._q.dtype != matrix.dtype:
-            gen = torch.Generator().manual_seed(self.seed)
-            self._q = torch.randn(m, r, generator=gen, dtype=torch.float32).to(
-                device=matrix.device, dtype=matrix.dtype
-            )
-        p, q = power_iteration(matrix, self._q)
-        self._q = q.detach().clone()
+        message = self.memory.compensate(_MESSAGE, grad)
+        payload = self.codec.compress(message, self._state)
+        if payload.meta["dense"]:
+            raise ValueError(f"optimus_cc: a {tuple(grad.shape)} gradient travels dense")
         if self.lazy_error_propagation:
-            self._residual = (matrix - p @ q.t()).reshape(message.shape).detach()
+            self.memory.update(_MESSAGE, message, self.codec.decompress(payload, message.shape))
         self.stats["compressed"] += 1
+        p, q = payload.tensors
         return p.contiguous(), q.contiguous()
 
     def dense(self, grad: torch.Tensor) -> torch.Tensor:
         """A dense message: the gradient plus any carried residual, which is then spent."""
-        message = self.prepare(grad)
-        self._residual = None
+        message = self.memory.compensate(_MESSAGE, grad)
+        self.memory.reset()
         self.stats["dense"] += 1
         return message
 
     @staticmethod
     def decompress(p: torch.Tensor, q: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
         """The receiver's rebuild ``P Q^T`` in the gradient's shape."""
-        return (p @ q.t()).reshape(tuple(shape))
+        return low_rank_product(p, q, shape)
 
     def state_dict(self) -> dict:
-        return {"q": self._q, "residual": self._residual, "stats": dict(self.stats)}
+        codec = {k: v for k, v in self._state.items() if k != "_scratch"}
+        return {"codec": codec, "memory": self.memory.state_dict(), "stats": dict(self.stats)}
 
     def load_state_dict(self, state: dict) -> None:
-        self._q = state.get("q")
-        self._residual = state.get("residual")
+        self._state = dict(state.get("codec", {}))
+        self.memory.load_state_dict(state.get("memory", {}))
         self.stats.update(state.get("stats", {}))
 
 
@@ -321,11 +283,11 @@ class ActivationGradCompressor:
 class DataParallelPowerSGD:
     """Data-parallel PowerSGD with error feedback for one stage's gradients (SC).
 
-    For each gradient matrix ``M = G + E`` (``G`` the local gradient, ``E`` the error):
-    ``P = M Q``; all-reduce ``P``; ``P = orth(P)``; ``Q = M^T P``; all-reduce ``Q`` and
-    divide by ``dp``; ``M_hat = P Q^T`` (the mean); ``E <- M - M_hat``; the gradient becomes
-    ``M_hat``. Tensors that are 1-D or too small to save bytes are averaged densely. All
-    ``P`` (then all ``Q``) of a step travel in one flat all-reduce.
+    Each gradient ``G`` is compensated by the residual memory (``M = G + E``) and reduced
+    by :meth:`PowerSGDCompressor.aggregate_many` (``trailing`` view): all ``P`` of a step
+    in one flat all-reduce, then all ``Q``; the gradient becomes the mean ``P Q_bar^T``
+    and ``E <- M - P Q^T`` with this rank's ``Q``. Tensors that are 1-D or too small to
+    save bytes are averaged densely (one flat all-reduce).
 
     Args:
         rank: The PowerSGD rank.
@@ -341,69 +303,39 @@ class DataParallelPowerSGD:
         self.rank = rank
         self.group = group
         self.world_size = world_size
-        self.seed = seed
         self.kind = kind
-        self._q: dict[int, torch.Tensor] = {}
-        self._error: dict[int, torch.Tensor] = {}
-
-    def _split(self, params: Sequence[torch.nn.Parameter]) -> tuple[list[int], list[int]]:
-        low, dense = [], []
-        for i, p in enumerate(params):
-            g = p.grad
-            if g.dim() >= 2 and low_rank_saves(*_as_matrix(g).shape, self.rank):
-                low.append(i)
-            else:
-                dense.append(i)
-        return low, dense
+        self.codec = PowerSGDCompressor(rank, seed=seed, matrix_view="trailing")
+        self.memory = ResidualMemory()
+        self._collective: ProcessGroupCollective | None = None
+        self._states: dict[int, dict] = {}
 
     def reduce_(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Replace each ``p.grad`` by its (approximate) mean over the data-parallel group."""
-        params = [p for p in params if p.grad is not None]
-        if not params:
-            return
-        low, dense = self._split(params)
+        grads = [p.grad for p in params if p.grad is not None]
+        low = [i for i, g in enumerate(grads) if self.codec.compresses(g.shape)]
         dense_all_reduce_mean_(
-            [params[i].grad for i in dense], group=self.group, world_size=self.world_size,
-            kind=self.kind,
+            [g for g in grads if not self.codec.compresses(g.shape)], group=self.group,
+            world_size=self.world_size, kind=self.kind,
         )
         if not low:
             return
-        mats, ps = [], []
-        for i in low:
-            g = params[i].grad
-            m = _as_matrix(g)
-            if i in self._error:
-                m = m + self._error[i]
-            n, cols = m.shape
-            r = effective_rank(n, cols, self.rank)
-            q = self._q.get(i)
-            if q is None or q.shape != (cols, r):
-                gen = torch.Generator().manual_seed(self.seed + i)
-                q = torch.randn(cols, r, generator=gen).to(device=m.device, dtype=m.dtype)
-            mats.append(m)
-            ps.append(m @ q)
-        dense_bytes = sum(ops.nbytes(params[i].grad) for i in low)
-        flat_p = torch.cat([p.reshape(-1) for p in ps])
-        ops.all_reduce(flat_p, kind=self.kind, group=self.group, dense_bytes=dense_bytes)
-        ps = _unflatten(flat_p, [p.shape for p in ps])
-        ps = [orthonormalize(p) for p in ps]
-        qs = [m.t() @ p for m, p in zip(mats, ps)]
-        flat_q = torch.cat([q.reshape(-1) for q in qs])
-        ops.all_reduce(flat_q, kind=self.kind, group=self.group, dense_bytes=0)
-        flat_q.div_(self.world_size)
-        qs = _unflatten(flat_q, [q.shape for q in qs])
-        for i, m, p, q in zip(low, mats, ps, qs):
-            approx = p @ q.t()
-            self._error[i] = (m - approx).detach()
-            self._q[i] = q.detach().clone()
-            params[i].grad.copy_(approx.reshape(params[i].grad.shape))
+        if self._collective is None:
+            self._collective = ProcessGroupCollective(self.group, kind=self.kind)
+        messages = [self.memory.compensate(i, grads[i]) for i in low]
+        states = [self._states.setdefault(i, {"key_hash": i}) for i in low]
+        self._collective.charge_dense(ops.nbytes(*messages))
+        results = self.codec.aggregate_many(messages, states, self._collective)
+        for i, message, (mean, local) in zip(low, messages, results):
+            self.memory.update(i, message, local)
+            grads[i].copy_(mean)
 
     def state_dict(self) -> dict:
-        return {"q": dict(self._q), "error": dict(self._error)}
+        codec = {i: {k: v for k, v in s.items() if k != "_scratch"} for i, s in self._states.items()}
+        return {"codec": codec, "memory": self.memory.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self._q = dict(state.get("q", {}))
-        self._error = dict(state.get("error", {}))
+        self._states = {i: dict(s) for i, s in state.get("codec", {}).items()}
+        self.memory.load_state_dict(state.get("memory", {}))
 
 
 def _unflatten(flat: torch.Tensor, shapes: Iterable[torch.Size]) -> list[torch.Tensor]:
@@ -444,11 +376,10 @@ class OptimusCCCompressor(Compressor):
     """``compression=optimus_cc``: the CB codec, carrying the Optimus-CC settings.
 
     ``strategy=pipeline_3d`` reads :attr:`optimus_config` and applies all five techniques.
-    As a plain compressor (the shared interface, DESIGN.md 4.3) it is the CB codec: a
-    tensor viewed as ``(prod(shape[:-1]), shape[-1])`` becomes rank-``rank`` factors
-    ``(P, Q)`` from one warm-started power iteration (warm start kept in ``state``);
-    tensors where the factors would not be smaller travel dense. Factors of different
-    ranks do not add up, so the aggregation is ``allgather``.
+    As a plain compressor (the shared interface, DESIGN.md 4.3) it is the CB codec,
+    PowerSGD's single-rank encoding with the ``trailing`` view (warm start kept in
+    ``state``); tensors where the factors would not be smaller travel dense. Factors of
+    different ranks do not add up, so the aggregation is ``allgather``.
 
     Args: the fields of :class:`OptimusCCConfig`, plus the shared ``min_numel`` and ``memory``.
     """
@@ -481,27 +412,13 @@ class OptimusCCCompressor(Compressor):
             dp_rank=dp_rank,
             seed=seed,
         )
+        self.codec = PowerSGDCompressor(rank, seed=seed, matrix_view="trailing")
 
     def compress(self, tensor: torch.Tensor, state: dict) -> Payload:
-        rank = self.optimus_config.rank
-        if tensor.dim() < 2 or not low_rank_saves(*_as_matrix(tensor).shape, rank):
-            return Payload((tensor.reshape(-1).clone(),), {"dense": True})
-        matrix = _as_matrix(tensor)
-        n, m = matrix.shape
-        r = effective_rank(n, m, rank)
-        q = state.get("q")
-        if q is None or q.shape != (m, r):
-            gen = torch.Generator().manual_seed(self.optimus_config.seed)
-            q = torch.randn(m, r, generator=gen).to(device=matrix.device, dtype=matrix.dtype)
-        p, q = power_iteration(matrix, q)
-        state["q"] = q.detach().clone()
-        return Payload((p.contiguous(), q.contiguous()), {"dense": False})
+        return self.codec.compress(tensor, state)
 
     def decompress(self, payload: Payload, shape: torch.Size) -> torch.Tensor:
-        if payload.meta.get("dense", len(payload.tensors) == 1):
-            return payload.tensors[0].reshape(shape)
-        p, q = payload.tensors
-        return (p @ q.t()).reshape(shape)
+        return self.codec.decompress(payload, shape)
 
 
 def _register() -> None:

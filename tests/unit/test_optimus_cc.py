@@ -6,13 +6,12 @@ import pytest
 import torch
 from deepspeed.runtime.pipe import schedule
 
+from easgd_lightning.hooks.compressors.powersgd import PowerSGDCompressor, power_iteration
 from easgd_lightning.hooks.optimus_cc import (
     ActivationGradCompressor,
     OptimusCCConfig,
     auto_selective_stages,
     is_epilogue_send,
-    low_rank_saves,
-    power_iteration,
     resolve_selective_stages,
 )
 
@@ -51,7 +50,7 @@ def test_lazy_error_propagation_telescopes():
             p, q = comp.compress(g)
             assert p.shape == (32, 2) and q.shape == (16, 2)
             sent.append(comp.decompress(p, q, g.shape))
-    residual = comp.state_dict()["residual"]
+    residual = comp.residual
     assert torch.allclose(sum(sent), sum(grads) - residual, atol=1e-9)
     assert comp.stats == {"compressed": 5, "dense": 1}
 
@@ -60,15 +59,35 @@ def test_without_lep_residual_is_dropped():
     comp = ActivationGradCompressor(rank=2, lazy_error_propagation=False)
     g = torch.randn(8, 16)
     comp.compress(g)
-    assert comp.state_dict()["residual"] is None
-    assert torch.equal(comp.prepare(g), g)
+    assert comp.residual is None
+    assert torch.equal(comp.dense(g), g)
+
+
+def test_cb_factors_are_one_power_iteration_of_the_token_by_hidden_matrix():
+    """CB's (P, Q) against the rule written here: M = grad as (batch * seq, hidden),
+    P = orth(M Q0), Q = M^T P, with Q0 the codec's seeded start; the next call starts
+    from that Q (warm start); the residual is M - P Q^T."""
+    comp = ActivationGradCompressor(rank=3, lazy_error_propagation=True, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    g1, g2 = (torch.randn(2, 10, 12, generator=gen, dtype=torch.float64) for _ in range(2))
+    q0 = comp.codec._initial_q(12, 3, {}, g1)
+    p1, q1 = comp.compress(g1)
+    m1 = g1.reshape(20, 12)
+    ref_p = torch.linalg.qr(m1 @ q0, mode="reduced")[0]
+    assert torch.allclose(p1, ref_p, atol=1e-12) and torch.allclose(q1, m1.t() @ ref_p, atol=1e-12)
+    assert torch.allclose(comp.residual, g1 - (ref_p @ q1.t()).reshape(g1.shape), atol=1e-12)
+    p2, q2 = comp.compress(g2)
+    m2 = g2.reshape(20, 12) + (m1 - ref_p @ q1.t())
+    ref_p2 = torch.linalg.qr(m2 @ q1, mode="reduced")[0]
+    assert torch.allclose(p2, ref_p2, atol=1e-10) and torch.allclose(q2, m2.t() @ ref_p2, atol=1e-10)
 
 
 def test_factor_shapes_only_when_smaller():
     comp = ActivationGradCompressor(rank=16)
     assert comp.factor_shapes((4, 64, 128)) == ((256, 16), (128, 16))
     assert comp.factor_shapes((2, 8, 16)) is None  # 16*(16+16) >= 16*16
-    assert not low_rank_saves(16, 16, 16) and low_rank_saves(256, 128, 16)
+    codec = PowerSGDCompressor(16, matrix_view="trailing")
+    assert not codec.compresses((16, 16)) and codec.compresses((256, 128))
 
 
 def _epilogue_from_schedule(micro_batches: int, stages: int, stage: int) -> list[bool]:
@@ -109,3 +128,20 @@ def test_config_validation():
         OptimusCCConfig(selective_stages="some")
     with pytest.raises(ValueError, match="compression.epilogue_only must be true or false"):
         OptimusCCConfig(epilogue_only="yes")
+
+
+def test_aggregate_many_is_aggregate_per_tensor():
+    """SC's batched exchange (all P in one all-reduce, then all Q) gives each tensor what
+    the per-tensor exchange gives it, on a one-rank collective."""
+    from tests.helpers import SoloCollective
+
+    codec = PowerSGDCompressor(2, matrix_view="trailing", seed=1)
+    gen = torch.Generator().manual_seed(7)
+    tensors = [torch.randn(6, 5, 8, generator=gen), torch.randn(40, 9, generator=gen)]
+    many = codec.aggregate_many(tensors, [{"key_hash": 0}, {"key_hash": 1}], SoloCollective())
+    for i, t in enumerate(tensors):
+        mean, local = codec.aggregate(t, {"key_hash": i}, SoloCollective())
+        assert torch.allclose(many[i][0], mean, atol=1e-6) and torch.allclose(many[i][1], local, atol=1e-6)
+        m = t.reshape(-1, t.shape[-1])
+        p = torch.linalg.qr(m @ codec._initial_q(m.shape[1], 2, {"key_hash": i}, m))[0]
+        assert torch.allclose(mean, (p @ p.t() @ m).reshape(t.shape), atol=1e-5)

@@ -6,12 +6,23 @@ previous step's Q (m x r; first step: N(0, 1) drawn from one seed on every rank)
   Q = M^T P;  Q_bar = allreduce_mean(Q);  mean = P Q_bar^T;  e <- M - P Q^T (local Q)
 Bytes (n + m) r per element size instead of n m. 1-D tensors, and matrices for which
 (n + m) r >= n m, travel dense (one all-reduce). Defaults: rank = 2, warm_start = true,
-seed = 0, memory = true.
+seed = 0, memory = true, matrix_view = leading.
+
+The matrix view: ``leading`` keeps the first dimension, M = (shape[0], rest) (a weight:
+output units by inputs); ``trailing`` keeps the last, M = (rest, shape[-1]) (an
+activation or its gradient: tokens by hidden units, as Optimus-CC factors them). This one
+codec serves every attach point: the DDP hook and the elastic exchange (per tensor,
+:meth:`PowerSGDCompressor.aggregate`), Optimus-CC's selective stage compression (all of a
+stage's matrices in two flat all-reduces, :meth:`PowerSGDCompressor.aggregate_many`) and
+its compressed backpropagation (the single-rank encoding, :meth:`PowerSGDCompressor.compress`,
+sent point-to-point).
 """
 
 from __future__ import annotations
 
+import math
 import zlib
+from collections.abc import Sequence
 
 import torch
 
@@ -19,15 +30,36 @@ from easgd_lightning.hooks.compressors.base import (
     Collective,
     Compressor,
     Payload,
+    check_choice,
     check_int,
 )
 
-__all__ = ["PowerSGDCompressor", "orthonormalize", "as_matrix", "power_iteration"]
+__all__ = [
+    "PowerSGDCompressor",
+    "MATRIX_VIEWS",
+    "orthonormalize",
+    "as_matrix",
+    "matrix_shape",
+    "power_iteration",
+    "low_rank_product",
+]
+
+MATRIX_VIEWS = ("leading", "trailing")
 
 
-def as_matrix(tensor: torch.Tensor) -> torch.Tensor:
-    """View a tensor as (shape[0], rest): the matrix PowerSGD factorizes."""
-    return tensor.reshape(tensor.shape[0], -1) if tensor.dim() > 1 else tensor.reshape(-1, 1)
+def matrix_shape(shape: Sequence[int], view: str = "leading") -> tuple[int, int]:
+    """(n, m) of the matrix a tensor of ``shape`` is viewed as (see the module docstring)."""
+    if len(shape) < 2:
+        numel = math.prod(shape)
+        return (numel, 1) if view == "leading" else (1, numel)
+    if view == "leading":
+        return int(shape[0]), int(math.prod(shape[1:]))
+    return int(math.prod(shape[:-1])), int(shape[-1])
+
+
+def as_matrix(tensor: torch.Tensor, view: str = "leading") -> torch.Tensor:
+    """View a tensor as the matrix PowerSGD factorizes: (shape[0], rest) or (rest, shape[-1])."""
+    return tensor.reshape(matrix_shape(tensor.shape, view))
 
 
 def orthonormalize(p: torch.Tensor) -> torch.Tensor:
@@ -46,6 +78,21 @@ def power_iteration(mat: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, t
     return p, mat.t() @ p
 
 
+def low_rank_product(p: torch.Tensor, q: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """The rebuilt tensor P Q^T in ``shape``."""
+    return (p @ q.t()).reshape(tuple(shape))
+
+
+def _all_reduce_flat(collective: Collective, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Sum each tensor over ranks with one flat all-reduce; the sums in the same shapes."""
+    (flat,) = collective.all_reduce_sum([torch.cat([t.reshape(-1) for t in tensors])])
+    out, offset = [], 0
+    for t in tensors:
+        out.append(flat[offset : offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return out
+
+
 class PowerSGDCompressor(Compressor):
     """Low-rank compression by one step of subspace iteration, warm-started.
 
@@ -53,6 +100,7 @@ class PowerSGDCompressor(Compressor):
         rank: r, the rank of the approximation (>= 1).
         warm_start: reuse the previous Q (otherwise a fresh seeded Q each step).
         seed: seed of the initial Q, identical on every rank.
+        matrix_view: ``leading`` or ``trailing`` (see the module docstring).
         min_numel, memory: attach-point policies (see :class:`Compressor`).
     """
 
@@ -66,6 +114,7 @@ class PowerSGDCompressor(Compressor):
         *,
         warm_start: bool = True,
         seed: int = 0,
+        matrix_view: str = "leading",
         min_numel: int | None = None,
         memory: bool | None = None,
     ) -> None:
@@ -75,18 +124,23 @@ class PowerSGDCompressor(Compressor):
             raise ValueError(f"compression.warm_start must be true or false, got {warm_start!r}")
         self.warm_start = warm_start
         self.seed = check_int("seed", seed, 0)
+        self.matrix_view = check_choice("matrix_view", matrix_view, MATRIX_VIEWS)
 
     # ------------------------------------------------------------------ helpers
-    def compresses(self, shape: torch.Size) -> bool:
-        """Whether a tensor of ``shape`` is factorized (else it travels dense)."""
+    def factor_shapes(self, shape: Sequence[int]) -> tuple[tuple[int, int], tuple[int, int]] | None:
+        """Shapes of (P, Q) for a tensor of ``shape``, or None when it travels dense
+        (1-D, or the factors (n + m) r would not be smaller than n m)."""
         if len(shape) < 2:
-            return False
-        n = shape[0]
-        m = 1
-        for d in shape[1:]:
-            m *= d
+            return None
+        n, m = matrix_shape(shape, self.matrix_view)
         r = min(self.rank, n, m)
-        return (n + m) * r < n * m
+        if (n + m) * r >= n * m:
+            return None
+        return (n, r), (m, r)
+
+    def compresses(self, shape: Sequence[int]) -> bool:
+        """Whether a tensor of ``shape`` is factorized (else it travels dense)."""
+        return self.factor_shapes(shape) is not None
 
     def _initial_q(self, m: int, r: int, state: dict, like: torch.Tensor) -> torch.Tensor:
         q = state.get("q")
@@ -102,7 +156,7 @@ class PowerSGDCompressor(Compressor):
         """Single-rank encoding: (P, Q) with P orthonormal and M_hat = P Q^T."""
         if not self.compresses(tensor.shape):
             return Payload((tensor.reshape(-1),), {"dense": True})
-        mat = as_matrix(tensor)
+        mat = as_matrix(tensor, self.matrix_view)
         n, m = mat.shape
         r = min(self.rank, n, m)
         p, q = power_iteration(mat, self._initial_q(m, r, state, mat))
@@ -114,28 +168,44 @@ class PowerSGDCompressor(Compressor):
         if payload.meta.get("dense"):
             return payload.tensors[0].reshape(shape)
         p, q = payload.tensors
-        return (p @ q.t()).reshape(shape)
+        return low_rank_product(p, q, shape)
 
     def aggregate(
         self, tensor: torch.Tensor, state: dict, collective: Collective
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Two all-reduce rounds (P, then Q); returns (P Q_bar^T, P Q_local^T)."""
-        world = collective.world_size
         if not self.compresses(tensor.shape):
             (summed,) = collective.all_reduce_sum([tensor.reshape(-1)])
-            return summed.reshape(tensor.shape) / world, tensor.clone()
-        mat = as_matrix(tensor)
-        n, m = mat.shape
-        r = min(self.rank, n, m)
-        q = self._initial_q(m, r, state, mat)
-        (p,) = collective.all_reduce_sum([mat @ q])
-        p = orthonormalize(p / world)
-        q_local = mat.t() @ p
-        (q_sum,) = collective.all_reduce_sum([q_local])
-        q_mean = q_sum / world
-        state["q"] = q_mean
-        state["step"] = int(state.get("step", 0)) + 1
-        state["last_payload_bytes"] = (p.numel() + q_local.numel()) * p.element_size()
-        mean = (p @ q_mean.t()).reshape(tensor.shape)
-        local = (p @ q_local.t()).reshape(tensor.shape)
-        return mean, local
+            return summed.reshape(tensor.shape) / collective.world_size, tensor.clone()
+        return self.aggregate_many([tensor], [state], collective)[0]
+
+    def aggregate_many(
+        self, tensors: Sequence[torch.Tensor], states: Sequence[dict], collective: Collective
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`aggregate` for several tensors at once, all of which :meth:`compresses`:
+        every P travels in one flat all-reduce, then every Q in another.
+
+        Returns one (mean, local) pair per tensor, in order.
+        """
+        world = collective.world_size
+        mats, ps = [], []
+        for tensor, state in zip(tensors, states, strict=True):
+            if not self.compresses(tensor.shape):
+                raise ValueError(f"powersgd: a {tuple(tensor.shape)} tensor travels dense")
+            mat = as_matrix(tensor, self.matrix_view)
+            n, m = mat.shape
+            mats.append(mat)
+            ps.append(mat @ self._initial_q(m, min(self.rank, n, m), state, mat))
+        ps = [orthonormalize(p / world) for p in _all_reduce_flat(collective, ps)]
+        q_locals = [mat.t() @ p for mat, p in zip(mats, ps)]
+        q_sums = _all_reduce_flat(collective, q_locals)
+        out = []
+        for tensor, state, p, q_local, q_sum in zip(tensors, states, ps, q_locals, q_sums):
+            q_mean = q_sum / world
+            state["q"] = q_mean
+            state["step"] = int(state.get("step", 0)) + 1
+            state["last_payload_bytes"] = (p.numel() + q_local.numel()) * p.element_size()
+            out.append(
+                (low_rank_product(p, q_mean, tensor.shape), low_rank_product(p, q_local, tensor.shape))
+            )
+        return out
