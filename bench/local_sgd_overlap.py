@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,6 +49,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from easgd_lightning.utils.rank_env import clean_env, free_port, rank_env  # noqa: E402
 
 __all__ = ["main", "parse_args", "summarise"]
 
@@ -190,37 +191,8 @@ def _rank_main(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------- launch
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _rank_cmd(argv: list[str], out: Path) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), *argv, "--as-rank", str(out)]
-
-
-def _base_env() -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k
-        not in (
-            "RANK",
-            "WORLD_SIZE",
-            "LOCAL_RANK",
-            "NODE_RANK",
-            "MASTER_ADDR",
-            "MASTER_PORT",
-            "GLOO_SOCKET_IFNAME",
-        )
-    }
-    env.update(
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
-    )
-    return env
 
 
 def _wait(procs: list[subprocess.Popen]) -> list[int]:
@@ -239,18 +211,10 @@ def _wait(procs: list[subprocess.Popen]) -> list[int]:
 
 
 def _run_local(args: argparse.Namespace, argv: list[str], out: Path) -> list[int]:
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(args.workers):
-        env = _base_env()
-        env.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(args.workers),
-            LOCAL_RANK="0",
-            NODE_RANK=str(rank),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
+        env = rank_env(clean_env(repo=REPO), rank, args.workers, port, node_per_rank=True)
         procs.append(
             subprocess.Popen(
                 _rank_cmd(argv, out),
@@ -275,15 +239,9 @@ def _run_shaped(args: argparse.Namespace, argv: list[str], out: Path) -> list[in
         port = 29400 + os.getpid() % 1000
         procs = []
         for rank in range(args.workers):
-            env = _base_env()
-            env.update(
-                RANK=str(rank),
-                WORLD_SIZE=str(args.workers),
-                LOCAL_RANK="0",
-                NODE_RANK=str(rank),
-                MASTER_ADDR=cluster.addr(0),
-                MASTER_PORT=str(port),
-                GLOO_SOCKET_IFNAME=cluster.host_ifname,
+            env = rank_env(
+                clean_env(repo=REPO, GLOO_SOCKET_IFNAME=cluster.host_ifname), rank,
+                args.workers, port, addr=cluster.addr(0), node_per_rank=True,
             )
             procs.append(cluster.spawn(rank, _rank_cmd(argv, out), env, out / f"log{rank}.txt"))
         return _wait(procs)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -93,14 +92,12 @@ def _rank_main(args: argparse.Namespace) -> None:
 
 def _launch(args: argparse.Namespace, argv: list[str]) -> list[dict]:
     world = args.pp * args.dp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from easgd_lightning.utils.rank_env import clean_env, free_port, rank_env
+
+    port = free_port()
     procs = []
     for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
+        env = rank_env(clean_env(repo=REPO, DS_ACCELERATOR="cpu"), rank, world, port)
         procs.append(subprocess.Popen([sys.executable, __file__, *argv, "--rank-worker"], env=env,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     for p in procs:

@@ -6,29 +6,20 @@ tests/conftest.py; this module is importable outside pytest too.)"""
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from easgd_lightning.utils.rank_env import clean_env, free_port, rank_env
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def base_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
-        env.pop(key, None)
-    env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true", PYTHONPATH=str(REPO))
-    env.update(extra)
-    return env
+    """The environment a test's subprocess runs in: no rendezvous variables, this checkout
+    first on PYTHONPATH, W&B offline (:func:`easgd_lightning.utils.rank_env.clean_env`)."""
+    return clean_env(repo=REPO, WANDB_MODE="offline", **extra)
 
 
 def run_cli(args: list[str], *, timeout: float = 300, check: bool = True, cwd: Path | None = None):
@@ -77,10 +68,7 @@ def start_ranks(script: Path, world: int, args: list[str]) -> list[subprocess.Po
     port = free_port()
     procs = []
     for rank in range(world):
-        env = base_env(
-            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), NODE_RANK="0",
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-        )
+        env = rank_env(base_env(), rank, world, port)
         procs.append(
             subprocess.Popen([PY, str(script), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )

@@ -34,10 +34,10 @@ import os
 from pathlib import Path
 
 import pytorch_lightning as pl
-import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from easgd_lightning.data.synthetic import SyntheticImageDataset, loader_start_method
+from easgd_lightning.data.loaders import WorkerLoaders, check_int_at_least
+from easgd_lightning.data.synthetic import SyntheticImageDataset
 
 __all__ = [
     "IMAGENET_MEAN",
@@ -153,13 +153,7 @@ def val_transform(image_size: int, resize_size: int | None = None):
     )
 
 
-def _int_at_least(key: str, value, low: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"data.{key} must be an integer >= {low}, got {value!r}")
-    return value
-
-
-class ImageNetDataModule(pl.LightningDataModule):
+class ImageNetDataModule(WorkerLoaders, pl.LightningDataModule):
     """ImageNet as a LightningDataModule (``batch_size`` per worker).
 
     Args:
@@ -211,15 +205,14 @@ class ImageNetDataModule(pl.LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        _int_at_least("batch_size", batch_size, 1)
-        _int_at_least("image_size", image_size, 1)
-        _int_at_least("num_workers", num_workers, 0)
+        check_int_at_least("batch_size", batch_size, 1)
+        check_int_at_least("image_size", image_size, 1)
         for key, value in (
             ("resize_size", resize_size), ("val_batch_size", val_batch_size),
-            ("train_eval_size", train_eval_size), ("prefetch_factor", prefetch_factor),
+            ("train_eval_size", train_eval_size),
         ):
             if value is not None:
-                _int_at_least(key, value, 1)
+                check_int_at_least(key, value, 1)
         if resize_size is not None and resize_size < image_size:
             raise ValueError(
                 f"data.resize_size={resize_size} must be >= data.image_size={image_size}"
@@ -230,9 +223,9 @@ class ImageNetDataModule(pl.LightningDataModule):
         self.root = None if root is None else str(Path(root).expanduser())
         if synthetic:
             self.classes = None
-            classes = _int_at_least("num_classes", num_classes, 2) if num_classes is not None else IMAGENET_CLASSES
-            _int_at_least("synthetic_train_size", synthetic_train_size, 1)
-            _int_at_least("synthetic_val_size", synthetic_val_size, 1)
+            classes = check_int_at_least("num_classes", num_classes, 2) if num_classes is not None else IMAGENET_CLASSES
+            check_int_at_least("synthetic_train_size", synthetic_train_size, 1)
+            check_int_at_least("synthetic_val_size", synthetic_val_size, 1)
         else:
             self.classes = check_imagefolder_root(root)
             classes = len(self.classes)
@@ -245,11 +238,9 @@ class ImageNetDataModule(pl.LightningDataModule):
         self.batch_size = batch_size
         self.image_size = image_size
         self.resize_size = resize_size
-        self.num_workers = num_workers
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
-        self.persistent_workers = bool(persistent_workers)
-        self.prefetch_factor = prefetch_factor
-        self.multiprocessing_context = loader_start_method(multiprocessing_context)
+        self.set_worker_options(
+            num_workers, pin_memory, persistent_workers, multiprocessing_context, prefetch_factor
+        )
         self.synthetic_train_size = synthetic_train_size
         self.synthetic_val_size = synthetic_val_size
         self.val_batch_size = val_batch_size or batch_size
@@ -277,38 +268,10 @@ class ImageNetDataModule(pl.LightningDataModule):
         # the final train_loss sees training images the way validation does (no augmentation)
         self._train_eval = ImageFolder(str(root / "train"), transform=evaluation)
 
-    def _loader(self, dataset: Dataset, batch_size: int, *, shuffle: bool, drop_last: bool) -> DataLoader:
-        workers = self.num_workers
-        extra = {}
-        if workers > 0:
-            extra["persistent_workers"] = self.persistent_workers
-            extra["multiprocessing_context"] = self.multiprocessing_context
-            if self.prefetch_factor is not None:
-                extra["prefetch_factor"] = self.prefetch_factor
-        return DataLoader(
-            dataset,
-            batch_size=batch_size,
-            shuffle=shuffle,
-            drop_last=drop_last,
-            num_workers=workers,
-            pin_memory=self.pin_memory,
-            **extra,
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self._train, self.batch_size, shuffle=True, drop_last=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self._val, self.val_batch_size, shuffle=False, drop_last=False)
-
     def train_eval_dataloader(self) -> DataLoader:
         """A fixed subset of the training set (``train_eval_size``) for the final ``train_loss``."""
         dataset = self._train_eval
         n = len(dataset)
         if self.train_eval_size is not None and self.train_eval_size < n:
             dataset = Subset(dataset, [i * n // self.train_eval_size for i in range(self.train_eval_size)])
-        return DataLoader(
-            dataset, batch_size=self.val_batch_size, shuffle=False,
-            num_workers=self.num_workers, pin_memory=self.pin_memory,
-            multiprocessing_context=self.multiprocessing_context if self.num_workers > 0 else None,
-        )
+        return self.make_loader(dataset, self.val_batch_size, persistent=False)

@@ -14,7 +14,9 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["SyntheticImageDataset", "SyntheticImageDataModule", "loader_start_method"]
+from easgd_lightning.data.loaders import WorkerLoaders, check_int_at_least
+
+__all__ = ["SyntheticImageDataset", "SyntheticImageDataModule"]
 
 #: Splits get disjoint generator streams.
 _SPLIT_OFFSET = {"train": 0, "val": 1}
@@ -61,35 +63,7 @@ class SyntheticImageDataset(Dataset):
         return image, label
 
 
-def loader_start_method(method: str | None) -> str | None:
-    """DataLoader worker start method: ``method``, or ``fork`` where available when None.
-
-    ``easgd-train`` spawns its ranks, which makes ``spawn`` the default start method inside
-    them; a spawned DataLoader worker re-imports torch, Lightning and torchvision before
-    its first batch (tens of seconds on a busy machine), a forked one starts at once.
-
-    Raises:
-        ValueError: a method this platform does not have (naming data.multiprocessing_context).
-    """
-    import multiprocessing
-
-    available = multiprocessing.get_all_start_methods()
-    if method is None:
-        return "fork" if "fork" in available else None
-    if method not in available:
-        raise ValueError(
-            f"data.multiprocessing_context={method!r}; choose one of {', '.join(available)} or null"
-        )
-    return method
-
-
-def _positive(key: str, value: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"data.{key} must be a positive integer, got {value!r}")
-    return value
-
-
-class SyntheticImageDataModule(pl.LightningDataModule):
+class SyntheticImageDataModule(WorkerLoaders, pl.LightningDataModule):
     """Synthetic images as a LightningDataModule (``batch_size`` per worker).
 
     Args:
@@ -104,7 +78,7 @@ class SyntheticImageDataModule(pl.LightningDataModule):
         pin_memory: Pin host memory (null: when CUDA is available).
         persistent_workers: Keep DataLoader workers alive between epochs.
         multiprocessing_context: DataLoader worker start method (null: ``fork`` where
-            available; see :func:`loader_start_method`).
+            available; see :func:`~easgd_lightning.data.loaders.loader_start_method`).
         val_batch_size: Validation batch size (null: ``batch_size``).
         train_eval_size: How many training samples the final ``train_loss`` is measured on
             (null: all of them).
@@ -134,13 +108,11 @@ class SyntheticImageDataModule(pl.LightningDataModule):
             ("batch_size", batch_size), ("image_size", image_size), ("num_classes", num_classes),
             ("train_size", train_size), ("val_size", val_size), ("channels", channels),
         ):
-            _positive(key, value)
+            check_int_at_least(key, value, 1)
         if val_batch_size is not None:
-            _positive("val_batch_size", val_batch_size)
+            check_int_at_least("val_batch_size", val_batch_size, 1)
         if train_eval_size is not None:
-            _positive("train_eval_size", train_eval_size)
-        if not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"data.num_workers must be an integer >= 0, got {num_workers!r}")
+            check_int_at_least("train_eval_size", train_eval_size, 1)
         self.batch_size = batch_size
         self.image_size = image_size
         self.num_classes = num_classes
@@ -148,10 +120,7 @@ class SyntheticImageDataModule(pl.LightningDataModule):
         self.val_size = val_size
         self.channels = channels
         self.seed = seed
-        self.num_workers = num_workers
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
-        self.persistent_workers = bool(persistent_workers)
-        self.multiprocessing_context = loader_start_method(multiprocessing_context)
+        self.set_worker_options(num_workers, pin_memory, persistent_workers, multiprocessing_context)
         self.val_batch_size = val_batch_size or batch_size
         self.train_eval_size = train_eval_size
         self._train: Dataset | None = None
@@ -163,28 +132,9 @@ class SyntheticImageDataModule(pl.LightningDataModule):
             self._train = SyntheticImageDataset(self.train_size, split="train", **common)
             self._val = SyntheticImageDataset(self.val_size, split="val", **common)
 
-    def _loader(self, dataset: Dataset, batch_size: int, *, shuffle: bool, drop_last: bool) -> DataLoader:
-        workers = self.num_workers
-        return DataLoader(
-            dataset,
-            batch_size=batch_size,
-            shuffle=shuffle,
-            drop_last=drop_last,
-            num_workers=workers,
-            pin_memory=self.pin_memory,
-            persistent_workers=self.persistent_workers and workers > 0,
-            multiprocessing_context=self.multiprocessing_context if workers > 0 else None,
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self._train, self.batch_size, shuffle=True, drop_last=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self._val, self.val_batch_size, shuffle=False, drop_last=False)
-
     def train_eval_dataloader(self) -> DataLoader:
         """The first ``train_eval_size`` training samples in order (final ``train_loss``)."""
         dataset = self._train
         if self.train_eval_size is not None and self.train_eval_size < len(dataset):
             dataset = torch.utils.data.Subset(dataset, range(self.train_eval_size))
-        return DataLoader(dataset, batch_size=self.val_batch_size, shuffle=False, num_workers=0)
+        return self.make_loader(dataset, self.val_batch_size, workers=0)

@@ -148,21 +148,16 @@ def start_exchange_tensors(
 
         pending._finishers.append(finish_small)
         pending.stats.dense_tensors += len(small)
-    observe_bw = getattr(compressor, "observe_bandwidth", None)
     for i in big:
         t, key = tensors[i], keys[i]
         st = states.setdefault(key, {})
         st.setdefault("key_hash", key_hash(key))
         comp = memory.compensate(key, t)
         collective.charge_dense(t.numel() * t.element_size(), key=key)
-        m0 = _kind_totals(kind)
         local, finish = compressor.start_aggregate(comp, st, collective)
         memory.update(key, comp, local)
         pending.locals[i] = local
         pending.stats.compressed_tensors += 1
-        if callable(observe_bw):  # a whole-at-launch exchange: its bytes and time are in
-            m1 = _kind_totals(kind)
-            observe_bw((m1[0] - m0[0]) + (m1[1] - m0[1]), m1[3] - m0[3])
 
         def finish_big(i=i, finish=finish) -> None:
             pending.means[i] = finish()

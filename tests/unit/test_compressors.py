@@ -538,6 +538,28 @@ def test_adaptive_observations_drive_the_ratio():
     assert comp.choose_ratio(2) == 1.0
 
 
+def test_adaptive_measures_the_link_from_the_collective_it_is_handed(monkeypatch):
+    """The bandwidth is the payload bytes / seconds of this exchange's own calls on the
+    collective it is handed (not the global meter): with a clock that advances 0.25 s in
+    each call, B = (vote 2 * 8 bytes + dense tensor 2 * 400 bytes) / 0.5 s."""
+    clock = [100.0]
+    monkeypatch.setattr(base.time, "perf_counter", lambda: clock[0])
+
+    class SlowSolo(SoloCollective):
+        def all_reduce_sum(self, tensors):
+            clock[0] += 0.25
+            return super().all_reduce_sum(tensors)
+
+        def all_reduce_max(self, tensors):
+            clock[0] += 0.25
+            return super().all_reduce_max(tensors)
+
+    comp = build_compressor("adaptive", memory=False)
+    comp.aggregate(torch.randn(100, generator=gen(51)), {"key_hash": 0}, SlowSolo())
+    assert comp.last_ratio == 1.0  # no compute time yet: dense
+    assert comp.measured_bandwidth == pytest.approx(816 / 0.5)
+
+
 # ----------------------------------------------------------------------------- configs and errors
 
 

@@ -8,11 +8,8 @@ import pytest
 import torch
 
 from easgd_lightning.data.imagenet import ImageNetDataModule, check_imagefolder_root
-from easgd_lightning.data.synthetic import (
-    SyntheticImageDataModule,
-    SyntheticImageDataset,
-    loader_start_method,
-)
+from easgd_lightning.data.loaders import loader_start_method
+from easgd_lightning.data.synthetic import SyntheticImageDataModule, SyntheticImageDataset
 
 
 def _tree(root: Path, classes=("a", "b"), per_class: int = 2, val_classes=None) -> Path:

@@ -1,7 +1,7 @@
 """``adaptive``: bandwidth-adaptive top-k (the rule we adopt; ALGORITHMS.md section 6).
 
-Rule, per step, from the measured link bandwidth B (bytes/s, counting bytes sent plus
-received by this rank, as the meter does), the step's compute time T, p ranks, N elements
+Rule, per step, from the measured link bandwidth B (bytes/s, counting payload bytes sent
+plus received by this rank), the step's compute time T, p ranks, N elements
 communicated per step (D = N * elem bytes dense) and e bytes per sparse (index, value):
   dense all-reduce moves ~2D:          if 2D / B <= budget * T, send dense (fast link);
   sparse all-gather moves ~p k e:      else k = budget * T * B / (p e), ratio = k / N
@@ -9,10 +9,13 @@ communicated per step (D = N * elem bytes dense) and e bytes per sparse (index, 
   dense again if p * ratio * e >= 2 * elem bytes (sparse would not be cheaper).
 Ranks agree on the ratio with a 4-byte max all-reduce (so all take the same path).
 Until both B and T are known (or with ``bandwidth`` / ``compute_time`` fixed in the
-config) it sends dense. The attach points feed measurements through
-:meth:`AdaptiveCompressor.observe_bandwidth` and :meth:`observe_compute_time`
-(exponential moving averages, weight ``smoothing`` on the old value); a strategy may feed
-them too. Sparse steps use gradient dropping (:mod:`.topk`) with residuals.
+config) it sends dense. Measurements come in through :meth:`AdaptiveCompressor.
+observe_bandwidth` and :meth:`observe_compute_time` (exponential moving averages, weight
+``smoothing`` on the old value): each exchange observes the payload bytes and seconds of
+its own calls on the collective it is handed (:class:`~.base.MeasuredCollective`; never
+the global meter, which only observes), the attach points feed the compute time, and a
+strategy may feed either. Sparse steps use gradient dropping (:mod:`.topk`)
+with residuals.
 The measurements and the sizes of the tensors seen (N) are the compressor's
 :meth:`~AdaptiveCompressor.state_dict`, so a resumed run picks the ratios it would have.
 Defaults: budget = 1.0, min_ratio = 0.001, max_ratio = 0.25, smoothing = 0.8,
@@ -25,6 +28,7 @@ import torch
 
 from easgd_lightning.hooks.compressors.base import (
     Collective,
+    MeasuredCollective,
     Payload,
     check_int,
     check_positive,
@@ -199,7 +203,16 @@ class AdaptiveCompressor(SparseCompressor):
     def aggregate(
         self, tensor: torch.Tensor, state: dict, collective: Collective
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Agree on the density (max over ranks), then dense all-reduce or sparse top-k."""
+        """Agree on the density (max over ranks), then dense all-reduce or sparse top-k;
+        observe the bandwidth of this exchange (its own calls, measured on ``collective``)."""
+        measured = MeasuredCollective(collective)
+        mean, local = self._agree_and_exchange(tensor, state, measured)
+        self.observe_bandwidth(measured.traffic.nbytes, measured.traffic.seconds)
+        return mean, local
+
+    def _agree_and_exchange(
+        self, tensor: torch.Tensor, state: dict, collective: Collective
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         world = collective.world_size
         self._numels[int(state.get("key_hash", 0))] = tensor.numel()
         index_bytes = torch.empty((), dtype=index_dtype_for(tensor.numel())).element_size()

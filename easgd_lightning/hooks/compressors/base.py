@@ -49,6 +49,7 @@ tensor) so seeded compressors draw different patterns for different tensors.
 from __future__ import annotations
 
 import math
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,6 +61,8 @@ __all__ = [
     "DEFAULT_MIN_NUMEL",
     "Payload",
     "Collective",
+    "LinkTraffic",
+    "MeasuredCollective",
     "Compressor",
     "tensor_bytes",
     "num_selected",
@@ -121,6 +124,54 @@ class Collective(Protocol):
 
     # Optional: ``all_reduce_bor(tensors)`` -- bitwise OR over ranks of integer tensors
     # (the sketch compressor's bit-packed bitmaps); without it they are max-reduced unpacked.
+
+
+@dataclass
+class LinkTraffic:
+    """Payload bytes this rank sent plus received, and seconds spent, in some collectives."""
+
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+class MeasuredCollective:
+    """The collective a compressor was handed, with its blocking calls counted in
+    ``traffic``: how a compressor that adapts to the link (``adaptive``) measures it,
+    from its own exchanges and never from the global meter (which only observes).
+
+    An all-reduce moves its tensor out and the sum back (2x its bytes); an all-gather
+    moves this rank's tensor out and the others' in (the sum of every rank's part).
+    Non-blocking twins (``*_async``) are not offered, so every call here is counted.
+    """
+
+    def __init__(self, collective: Collective) -> None:
+        self._inner = collective
+        self.world_size = collective.world_size
+        self.traffic = LinkTraffic()
+        if getattr(collective, "all_reduce_bor", None) is not None:
+            self.all_reduce_bor = lambda tensors: self._reduce("all_reduce_bor", tensors)
+
+    def _count(self, nbytes: int, start: float) -> None:
+        self.traffic.nbytes += int(nbytes)
+        self.traffic.seconds += time.perf_counter() - start
+
+    def _reduce(self, name: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        start = time.perf_counter()
+        out = getattr(self._inner, name)(tensors)
+        self._count(2 * tensor_bytes(*tensors), start)
+        return out
+
+    def all_reduce_sum(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self._reduce("all_reduce_sum", tensors)
+
+    def all_reduce_max(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self._reduce("all_reduce_max", tensors)
+
+    def all_gather(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        start = time.perf_counter()
+        out = self._inner.all_gather(tensors)
+        self._count(sum(tensor_bytes(*parts) for parts in out), start)
+        return out
 
 
 class Compressor(ABC):
