@@ -565,6 +565,9 @@ def validate_config(cfg: Any, *, hardware: bool = True) -> None:
     if (faults.get("slow_ms") or 0) < 0:
         raise ConfigError(f"faults.slow_ms must be >= 0, got {faults.get('slow_ms')}")
     validate_values(cfg)
+    from easgd_lightning.cli.trainer_config import check_trainer_keys
+
+    check_trainer_keys(cfg)  # every trainer key is a Trainer argument (or one easgd-train reads)
     if hardware:
         check_hardware(cfg)
     dm = build_data(cfg)  # a bad data.root (or other data option) fails here, before any process

@@ -157,6 +157,7 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
         ValHistoryCallback,
     )
     from easgd_lightning.cli.build import build_model_and_data, build_strategy
+    from easgd_lightning.cli.trainer_config import build_trainer
     from easgd_lightning.comm import reset_meter
     from easgd_lightning.guards import NaNFaultInjection, NonFiniteLossGuard
     from easgd_lightning.utils.checkpoint import VerifiedCheckpointIO
@@ -193,33 +194,15 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
                 every_n_epochs=int(cfg.checkpoint.every_n_epochs),
             )
         )
-    t = cfg.trainer
-    trainer_kwargs: dict[str, Any] = dict(
-        accelerator=t.accelerator,
-        devices=t.devices,
-        num_nodes=t.get("num_nodes", 1),
+    trainer = build_trainer(  # every trainer key is a Trainer argument (cli/trainer_config.py)
+        cfg,
         strategy=strategy,
-        precision=t.precision,
-        max_epochs=t.max_epochs,
-        max_steps=t.get("max_steps", -1),
-        log_every_n_steps=t.get("log_every_n_steps", 10),
-        check_val_every_n_epoch=t.get("check_val_every_n_epoch", 1),
-        enable_progress_bar=bool(t.get("enable_progress_bar", True)),
-        num_sanity_val_steps=t.get("num_sanity_val_steps", 0),
-        accumulate_grad_batches=t.get("accumulate_grad_batches", 1),
-        gradient_clip_val=t.get("gradient_clip_val"),
-        deterministic=t.get("deterministic", False),
         logger=_make_logger(cfg, out_dir),
         callbacks=callbacks,
         plugins=[VerifiedCheckpointIO()],  # atomic writes, checksum verified on load
         enable_checkpointing=bool(cfg.checkpoint.enabled),  # else Lightning adds its own
         default_root_dir=str(out_dir),
-        enable_model_summary=False,
     )
-    for key in ("limit_train_batches", "limit_val_batches"):
-        if t.get(key) is not None:
-            trainer_kwargs[key] = t.get(key)
-    trainer = pl.Trainer(**trainer_kwargs)
     stopper.attach(trainer)
     try:
         return _fit_and_report(cfg, out_dir, rank, trainer, module, dm, strategy, meter, val_history, stopper)

@@ -116,6 +116,12 @@ def test_installed_easgd_train_runs_from_an_empty_directory(installed, tmp_path)
     (user / "recipe" / "mine").mkdir(parents=True)
     (user / "strategy" / "my_sync.yaml").write_text(USER_STRATEGY)
     (user / "recipe" / "mine" / "short.yaml").write_text(USER_RECIPE)
+    (user / "recipe" / "mine" / "typo.yaml").write_text("# @package _global_\ntrainer:\n  max_epocs: 1\n")
+    typo = _run([exe, f"hydra.searchpath=[file://{user}]", "recipe=mine/typo", "hydra.run.dir=typo"], cwd=work)
+    assert typo.returncode == 2, typo.stderr[-3000:]
+    assert one_error_line(typo.stderr).startswith(
+        "easgd-train: error: trainer.max_epocs: unknown key; did you mean trainer.max_epochs?")
+    assert not (work / "typo" / "ranks").exists()  # refused before any rank started
     _ok(_run([exe, f"hydra.searchpath=[file://{user}]", "strategy=my_sync", "recipe=mine/short",
               "trainer.devices=2", "logger=none", "trainer.enable_progress_bar=false",
               "hydra.run.dir=run"], cwd=work, timeout=300))
