@@ -5,7 +5,6 @@ runs, the sc17 link-rate calibration and the ``--smoke`` network check."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -34,6 +33,10 @@ from _tables import (
     time_to_target,
     train_clock,
 )
+
+if str(REPO) not in sys.path:  # the checkout's package, also when not installed
+    sys.path.insert(0, str(REPO))
+from easgd_lightning.utils.rank_env import clean_env, rank_env  # noqa: E402
 
 # Defaults of every benchmark run (each can be replaced through --extra KEY=VALUE): no
 # logger, no checkpoint files, no progress bar, and as many epochs as --steps needs.
@@ -85,49 +88,11 @@ class RunResult:
     figures: dict = field(default_factory=dict)
 
 
-def _base_env() -> dict[str, str]:
-    env = dict(os.environ)
-    for key in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "NODE_RANK",
-        "GROUP_RANK",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "TORCHELASTIC_RUN_ID",
-        "GLOO_SOCKET_IFNAME",
-        "SLURM_JOB_ID",
-        "SLURM_NTASKS",
-    ):
-        env.pop(key, None)
-    env.update(
-        OMP_NUM_THREADS="1",
-        MKL_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-        WANDB_MODE=env.get("WANDB_MODE", "offline"),
-        WANDB_SILENT="true",
-        HYDRA_FULL_ERROR="1",
-    )
-    return env
-
-
 def _rank_env(cluster: EmulatedCluster, rank: int, port: int) -> dict[str, str]:
-    env = _base_env()
-    env.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(cluster.workers),
-        LOCAL_RANK="0",
-        NODE_RANK=str(rank),
-        LOCAL_WORLD_SIZE="1",
-        MASTER_ADDR=cluster.addr(0),
-        MASTER_PORT=str(port),
-        GLOO_SOCKET_IFNAME=cluster.host_ifname,
-        # The ranks train with the code of the checkout this script belongs to.
-        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p),
-    )
-    return env
+    """One host's rank: its own node, rendezvous at host 0, gloo on the emulated link, the
+    checkout this script belongs to first on ``PYTHONPATH``."""
+    env = clean_env(repo=REPO, HYDRA_FULL_ERROR="1", GLOO_SOCKET_IFNAME=cluster.host_ifname)
+    return rank_env(env, rank, cluster.workers, port, addr=cluster.addr(0), node_per_rank=True)
 
 
 def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> tuple[list[int | None], bool]:
