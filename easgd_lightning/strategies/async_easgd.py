@@ -273,6 +273,13 @@ class Liveness:
     def is_done(self, rank: int) -> bool:
         return bool(self._reader.check([self._key(rank, "done")]))
 
+    def mark_left(self) -> None:
+        """This rank will not read the store again (rank 0, its host, may now exit)."""
+        self._reader.set(self._key(self.rank, "left"), "1")
+
+    def has_left(self, rank: int) -> bool:
+        return bool(self._reader.check([self._key(rank, "left")]))
+
 
 def _default_store():
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")

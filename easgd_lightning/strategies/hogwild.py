@@ -45,7 +45,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -176,18 +176,32 @@ class _SharedMemoryTransport:
         return {"center": self.pull(step).cpu(), "updates": None, "momentum": None}
 
     def finish(self, step: int) -> torch.Tensor:
-        """Mark this rank done; wait until every other rank is done or dead; read c."""
+        """Mark this rank done; wait until every other rank is done or dead; read c.
+
+        Rank 0 hosts the rendezvous store, so it leaves last: the others mark that they no
+        longer read the store, and rank 0 waits for that (or their death) before it returns.
+        """
         self.liveness.mark_done()
         if self.stop_policy == "first":
             self.shared.flag.fill_(1)
-        pending = [r for r in range(self.world) if r != self.rank]
+        self._wait_until(self.liveness.is_done, "waiting for the other workers")
+        if self.rank == 0:
+            self._wait_until(self.liveness.has_left, "waiting for the other workers to leave")
+        else:
+            self.liveness.mark_left()
+        return self.pull(step)
+
+    def _wait_until(self, reached: Callable[[int], bool], doing: str) -> None:
+        """Poll every other rank until ``reached(rank)`` or its heartbeat stops (then it is
+        recorded dead); a signal to this process ends the wait."""
+        pending = [r for r in range(self.world) if r != self.rank and r not in self.dead]
         while pending:
             signum = self.interrupted() if self.interrupted is not None else None
             if signum:
-                raise _interruption(signum, f"rank {self.rank} waiting for the other workers")
+                raise _interruption(signum, f"rank {self.rank} {doing}")
             still = []
             for r in pending:
-                if self.liveness.is_done(r):
+                if reached(r):
                     continue
                 if not self.liveness.alive(r):
                     self.dead.append(r)
@@ -196,7 +210,6 @@ class _SharedMemoryTransport:
             pending = still
             if pending:
                 time.sleep(0.05)
-        return self.pull(step)
 
     def close(self) -> None:
         pass
