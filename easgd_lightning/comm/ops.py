@@ -119,7 +119,7 @@ def all_gather(
     return out
 
 
-#: bytes of the length header in front of every all-gathered variable-length message
+#: bytes of each part's length in the header of an all-gathered variable-length message
 VARLEN_HEADER = 8
 
 
@@ -144,96 +144,110 @@ def _slot_buffer(slot: dict, name: str, nbytes: int) -> torch.Tensor:
     return buf
 
 
+def _split_body(body: torch.Tensor, lengths: list[int], dtypes: list) -> list[torch.Tensor]:
+    """The parts of one rank's message body (each starts on an 8-byte boundary)."""
+    parts, offset = [], 0
+    for n, dtype in zip(lengths, dtypes):
+        parts.append(body[offset : offset + n].view(dtype))
+        offset += _round_up(n, 8)
+    return parts
+
+
 class VarlenGather:
     """A variable-length all-gather in flight (:func:`all_gather_varlen_async`);
-    :meth:`wait` returns one 1-D tensor per rank."""
+    :meth:`wait` returns, per rank, the list of its parts."""
 
-    def __init__(self, fut, tail: torch.Tensor, dtype, slot: dict, kind: str, group) -> None:
-        self._fut, self._tail, self._dtype = fut, tail, dtype
+    def __init__(self, fut, tail: torch.Tensor, dtypes: list, slot: dict, kind: str, group) -> None:
+        self._fut, self._tail, self._dtypes = fut, tail, dtypes
         self._slot, self._kind, self._group = slot, kind, group
 
-    def wait(self) -> list[torch.Tensor]:
+    def wait(self) -> list[list[torch.Tensor]]:
         rows, lengths = self._fut.wait()
+        head = VARLEN_HEADER * len(self._dtypes)
+        bodies = [sum(_round_up(n, 8) for n in per_rank) for per_rank in lengths]
         cap = int(self._slot.get("cap", 0))
-        largest = max(lengths)
-        parts = [row[VARLEN_HEADER : VARLEN_HEADER + min(n, cap)] for row, n in zip(rows, lengths)]
+        largest = max(bodies)
+        received = [row[head : head + min(b, cap)] for row, b in zip(rows, bodies)]
         if largest > cap:  # a message outgrew the capacity: its tail follows in a second round
-            extra = largest - cap
-            tail = torch.zeros(extra, dtype=torch.uint8)
+            tail = torch.zeros(largest - cap, dtype=torch.uint8)
             tail[: self._tail.numel()] = self._tail
-            tails = [torch.empty_like(tail) for _ in lengths]
+            tails = [torch.empty_like(tail) for _ in rows]
             start = time.perf_counter()
             dist.all_gather(tails, tail, group=self._group)
             # bytes were counted with the first round; the wait is charged by ops.wait
             _finish(self._kind, start, 0, 0, 0, exposed=0.0)
-            parts = [
-                torch.cat([p, t[: n - cap]]) if n > cap else p
-                for p, t, n in zip(parts, tails, lengths)
+            received = [
+                torch.cat([r, t[: b - cap]]) if b > cap else r
+                for r, t, b in zip(received, tails, bodies)
             ]
         self._slot["cap"] = next_capacity(cap, largest)
-        return [p.view(self._dtype) for p in parts]
+        return [_split_body(r, n, self._dtypes) for r, n in zip(received, lengths)]
 
 
 def all_gather_varlen_async(
-    tensor: torch.Tensor,
+    tensors: list[torch.Tensor],
     *,
     kind: str,
     group: dist.ProcessGroup | None = None,
     dense_bytes: int | None = None,
     slot: dict | None = None,
 ) -> VarlenGather:
-    """Non-blocking all-gather of 1-D tensors whose lengths differ per rank.
+    """Non-blocking all-gather of tensors whose lengths differ per rank (flattened; the
+    same number and dtypes on every rank), all in one message per rank.
 
-    Every rank sends one message of the same size: an 8-byte length header, then its
-    bytes, padded to the capacity ``slot["cap"]`` (0 at first). A message longer than the
-    capacity sends the rest in a second all-gather at :meth:`VarlenGather.wait`; the
-    capacity then becomes :func:`next_capacity` of the largest message, the same on every
-    rank. So a caller that keeps ``slot`` (a dict, one per tensor it exchanges) between
-    calls pays one round trip per call once the capacity fits, not a gather of the lengths
-    before the data. The send and receive buffers live in ``slot`` too: one call per slot
-    in flight at a time, and the returned tensors are valid until the slot's next call.
+    Every rank sends a message of the same size: a header with each part's length in bytes
+    (8 bytes each), then the parts (each padded to 8 bytes), padded to the capacity
+    ``slot["cap"]`` (0 at first). A message longer than the capacity sends the rest in a
+    second all-gather at :meth:`VarlenGather.wait`; the capacity then becomes
+    :func:`next_capacity` of the longest message, the same on every rank. So a caller that
+    keeps ``slot`` (a dict per exchanged tensor) between calls pays one round trip per
+    call once the capacity fits, not a gather of the lengths before the data. The send and
+    receive buffers live in ``slot`` too: one call per slot in flight at a time, and the
+    returned tensors are valid until the slot's next call.
 
     Metered when the first round completes (the caller waits with :func:`wait`): bytes
-    sent = header + data, received = the other ranks' headers + data (the padding is not
+    sent = header + data, received = the other ranks' headers + data (padding is not
     payload), ``dense_bytes`` as given, no exposed time.
     """
     world = dist.get_world_size(group)
     slot = {} if slot is None else slot
-    flat = tensor.reshape(-1).contiguous()
-    data = flat.view(torch.uint8)
+    flats = [t.reshape(-1).contiguous() for t in tensors]
+    datas = [f.view(torch.uint8) for f in flats]
+    head = VARLEN_HEADER * len(datas)
     cap = int(slot.get("cap", 0))
-    size = VARLEN_HEADER + cap
+    size = head + cap
     send = _slot_buffer(slot, "send", size)
-    send[:VARLEN_HEADER].view(torch.int64).fill_(data.numel())
-    used = min(data.numel(), cap)
-    send[VARLEN_HEADER : VARLEN_HEADER + used] = data[:used]
+    send[:head].view(torch.int64).copy_(torch.tensor([d.numel() for d in datas], dtype=torch.int64))
+    body_len = sum(_round_up(d.numel(), 8) for d in datas)
+    # what does not fit goes to the tail (a buffer of its own: the inputs may change after
+    # the launch), sent at wait() in a second round
+    tail = _slot_buffer(slot, "tail", max(0, body_len - cap))
+    offset = 0
+    for d in datas:
+        fit = max(0, min(d.numel(), cap - offset))
+        send[head + offset : head + offset + fit] = d[:fit]
+        start_in_tail = max(0, offset - cap)
+        tail[start_in_tail : start_in_tail + d.numel() - fit] = d[fit:]
+        offset += _round_up(d.numel(), 8)
     rows = list(_slot_buffer(slot, "recv", world * size).view(world, size))
     start = time.perf_counter()
     work = dist.all_gather(rows, send, group=group, async_op=True)
-    sent = VARLEN_HEADER + data.numel()
+    sent = head + sum(d.numel() for d in datas)
 
-    def _done(f: torch.futures.Future) -> tuple[list[torch.Tensor], list[int]]:
+    def _done(f: torch.futures.Future) -> tuple[list[torch.Tensor], list[list[int]]]:
         f.wait()
-        lengths = torch.stack([r[:VARLEN_HEADER] for r in rows]).view(torch.int64).view(-1).tolist()
-        recv = sum(lengths) + VARLEN_HEADER * world - sent
+        lengths = torch.stack([r[:head] for r in rows]).view(torch.int64).tolist()
+        recv = sum(map(sum, lengths)) + head * world - sent
         _finish(kind, start, sent, recv, dense_bytes, exposed=0.0)
         return rows, lengths
 
-    tail = data[cap:].clone()  # what does not fit (the input may change after the launch)
-    return VarlenGather(work.get_future().then(_done), tail, flat.dtype, slot, kind, group)
+    dtypes = [f.dtype for f in flats]
+    return VarlenGather(work.get_future().then(_done), tail, dtypes, slot, kind, group)
 
 
-def all_gather_varlen(
-    tensor: torch.Tensor,
-    *,
-    kind: str,
-    group: dist.ProcessGroup | None = None,
-    dense_bytes: int | None = None,
-    slot: dict | None = None,
-) -> list[torch.Tensor]:
-    """Blocking :func:`all_gather_varlen_async`: one tensor per rank (empty ones too)."""
-    pending = all_gather_varlen_async(tensor, kind=kind, group=group, dense_bytes=dense_bytes, slot=slot)
-    return wait(pending, kind=kind)
+def all_gather_varlen(tensors: list[torch.Tensor], *, kind: str, **options) -> list[list[torch.Tensor]]:
+    """Blocking :func:`all_gather_varlen_async` (same options): per rank, its parts."""
+    return wait(all_gather_varlen_async(tensors, kind=kind, **options), kind=kind)
 
 
 def broadcast(

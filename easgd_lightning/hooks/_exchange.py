@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -148,44 +149,35 @@ def start_exchange_tensors(
 
         pending._finishers.append(finish_small)
         pending.stats.dense_tensors += len(small)
-    for i in big:
-        t, key = tensors[i], keys[i]
-        st = states.setdefault(key, {})
-        st.setdefault("key_hash", key_hash(key))
-        comp = memory.compensate(key, t)
-        collective.charge_dense(t.numel() * t.element_size(), key=key)
-        local, finish = compressor.start_aggregate(comp, st, collective)
-        memory.update(key, comp, local)
-        pending.locals[i] = local
-        pending.stats.compressed_tensors += 1
+    batched = getattr(collective, "batched", None)  # one message for all payloads
+    with batched(tuple(keys[i] for i in big)) if batched and big else nullcontext():
+        for i in big:
+            t, key = tensors[i], keys[i]
+            st = states.setdefault(key, {})
+            st.setdefault("key_hash", key_hash(key))
+            comp = memory.compensate(key, t)
+            collective.charge_dense(t.numel() * t.element_size(), key=key)
+            local, finish = compressor.start_aggregate(comp, st, collective)
+            memory.update(key, comp, local)
+            pending.locals[i] = local
+            pending.stats.compressed_tensors += 1
 
-        def finish_big(i=i, finish=finish) -> None:
-            pending.means[i] = finish()
+            def finish_big(i=i, finish=finish) -> None:
+                pending.means[i] = finish()
 
-        pending._finishers.append(finish_big)
+            pending._finishers.append(finish_big)
     pending._busy_s = time.perf_counter() - start
     return pending
 
 
-def exchange_tensors(
-    tensors: list[torch.Tensor],
-    keys: list,
-    compressor: Compressor,
-    memory: Memory,
-    states: dict,
-    collective,
-    locals_out: list | None = None,
-    min_numel: int | None = None,
-) -> tuple[list[torch.Tensor], ExchangeStats]:
+def exchange_tensors(*args, locals_out: list | None = None, **options) -> tuple[list[torch.Tensor], ExchangeStats]:
     """Mean over ranks of each tensor (same order, same shapes) under the policy above:
-    :func:`start_exchange_tensors` finished at once.
+    :func:`start_exchange_tensors` (same arguments) finished at once.
 
     When ``locals_out`` is a list, it receives this rank's transmitted (decompressed)
     contribution per tensor.
     """
-    means, mine, stats = start_exchange_tensors(
-        tensors, keys, compressor, memory, states, collective, min_numel
-    ).finish()
+    means, mine, stats = start_exchange_tensors(*args, **options).finish()
     if locals_out is not None:
         locals_out.extend(mine)
     return means, stats

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 
@@ -22,6 +25,56 @@ class PendingCollective:
         return self._result(values)
 
 
+class _GatherBatch:
+    """All-gathers queued by :meth:`ProcessGroupCollective.batched`, sent as one message."""
+
+    def __init__(self, collective: ProcessGroupCollective, key, index: int = 0) -> None:
+        self._collective, self._key, self._index = collective, key, index
+        self._tensors: list[torch.Tensor] = []
+        self._dense = 0
+        self._pending = None
+        self._result: list[list[torch.Tensor]] | None = None
+
+    def add(self, tensors: list[torch.Tensor]) -> _BatchPart:
+        first = len(self._tensors)
+        self._tensors += [t.reshape(-1).clone() for t in tensors]  # they may change before launch
+        self._dense += self._collective._take_dense()
+        return _BatchPart(self, first, len(self._tensors))
+
+    @property
+    def launched(self) -> bool:
+        return self._pending is not None
+
+    def next(self) -> _GatherBatch:
+        """The batch that collects the all-gathers asked for after this one launched."""
+        return _GatherBatch(self._collective, self._key, self._index + 1)
+
+    def launch(self) -> None:
+        if self._pending is None and self._tensors:
+            coll = self._collective
+            self._pending = ops.all_gather_varlen_async(
+                self._tensors, kind=coll.kind, group=coll.group, dense_bytes=self._dense,
+                slot=coll._slots.setdefault(("batch", self._key, self._index), {}),
+            )
+            self._tensors = []
+
+    def wait(self) -> list[list[torch.Tensor]]:
+        if self._result is None:
+            self.launch()
+            self._result = self._pending.wait()
+        return self._result
+
+
+class _BatchPart:
+    """One all-gather's share of a batch: ``wait()`` gives, per rank, its tensors."""
+
+    def __init__(self, batch: _GatherBatch, first: int, end: int) -> None:
+        self._batch, self._first, self._end = batch, first, end
+
+    def wait(self) -> list[list[torch.Tensor]]:
+        return [parts[self._first : self._end] for parts in self._batch.wait()]
+
+
 class ProcessGroupCollective:
     """Runs a compressor's exchanges on a process group, metering them under ``kind``.
 
@@ -38,6 +91,7 @@ class ProcessGroupCollective:
         self._key = None
         self._gathers = 0
         self._slots: dict = {}
+        self._batch: _GatherBatch | None = None
 
     def charge_dense(self, nbytes: int, key=None) -> None:
         """Record ``nbytes`` as the dense cost of the next exchange. ``key`` names the tensor
@@ -46,6 +100,18 @@ class ProcessGroupCollective:
         (:func:`easgd_lightning.comm.ops.all_gather_varlen_async`: one round trip, not two)."""
         self._pending_dense = int(nbytes)
         self._key, self._gathers = key, 0
+
+    @contextmanager
+    def batched(self, key) -> Iterator[None]:
+        """All-gathers asked for inside travel as one message per rank, launched on leaving
+        (or when one of them is waited for first): one round trip for the payloads of every
+        tensor of an exchange. ``key`` names the batch (its capacity persists, as a tensor's)."""
+        self._batch = _GatherBatch(self, key)
+        try:
+            yield
+        finally:
+            batch, self._batch = self._batch, None
+            batch.launch()
 
     def _take_dense(self) -> int:
         dense, self._pending_dense = (self._pending_dense or 0), None
@@ -79,20 +145,19 @@ class ProcessGroupCollective:
     def all_reduce_max(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         return self._all_reduce_async(tensors, dist.ReduceOp.MAX).wait()
 
-    def all_gather_async(self, tensors: list[torch.Tensor]) -> PendingCollective:
-        """Non-blocking :meth:`all_gather`; ``.wait()`` returns what it returns."""
-        handles = [
-            ops.all_gather_varlen_async(
-                t.reshape(-1), kind=self.kind, group=self.group,
-                dense_bytes=self._take_dense(), slot=self._gather_slot(),
+    def all_gather_async(self, tensors: list[torch.Tensor]):
+        """Non-blocking :meth:`all_gather`; ``.wait()`` returns what it returns. Inside
+        :meth:`batched`, the tensors join the batch's one message instead."""
+        if self._batch is not None:
+            if self._batch.launched:  # one of the batch was waited for already
+                self._batch = self._batch.next()
+            handle = self._batch.add(tensors)
+        else:
+            handle = ops.all_gather_varlen_async(
+                tensors, kind=self.kind, group=self.group, dense_bytes=self._take_dense(),
+                slot=self._gather_slot(),
             )
-            for t in tensors
-        ]
-
-        def result(per_tensor: list) -> list[list[torch.Tensor]]:
-            return [list(rank_parts) for rank_parts in zip(*per_tensor)] if per_tensor else []
-
-        return PendingCollective(handles, self.kind, result)
+        return PendingCollective([handle], self.kind, lambda values: values[0])
 
     def all_gather(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         """Every rank's tensors, [rank][i] (1-D, lengths may differ per rank); they may be

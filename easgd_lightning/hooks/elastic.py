@@ -83,9 +83,25 @@ class PendingSum:
         return self._finish()
 
 
-def _start(
-    diff: torch.Tensor, compressor, memory, state, group, kind: str, key: str, shapes, keep_local: bool
+def start_exchange_sum(
+    diff: torch.Tensor,
+    *,
+    compressor=None,
+    memory=None,
+    state: dict | None = None,
+    group: dist.ProcessGroup | None = None,
+    kind: str = "elastic",
+    key: str = "flat",
+    shapes: list | None = None,
+    keep_local: bool = False,
 ) -> PendingSum:
+    """Start summing ``diff`` over the ranks of ``group``; arguments as :func:`exchange_sum`
+    (``keep_local``: set ``PendingSum.local``, this rank's transmitted part).
+
+    Uncompressed, the sum is formed in place in ``diff`` (do not touch it before
+    ``wait()``); compressed, ``diff`` is read now and ``wait()`` returns a buffer of
+    ``state`` (valid until the next exchange of ``key`` with that state).
+    """
     if compressor is None or isinstance(compressor, NoneCompressor):
         local = diff.clone() if keep_local else None
         fut = ops.all_reduce_async(diff, kind=kind, group=group)
@@ -105,42 +121,11 @@ def _start(
     return PendingSum(finish, local)
 
 
-def start_exchange_sum(
-    diff: torch.Tensor,
-    *,
-    compressor=None,
-    memory=None,
-    state: dict | None = None,
-    group: dist.ProcessGroup | None = None,
-    kind: str = "elastic",
-    key: str = "flat",
-    shapes: list | None = None,
-) -> PendingSum:
-    """Start summing ``diff`` over the ranks of ``group``; arguments as :func:`exchange_sum`.
-
-    Uncompressed, the sum is formed in place in ``diff`` (do not touch it before
-    ``wait()``); compressed, ``diff`` is read now and ``wait()`` returns a buffer of
-    ``state`` (valid until the next exchange of ``key`` with that state).
-    """
-    return _start(diff, compressor, memory, state, group, kind, key, shapes, keep_local=False)
-
-
-def exchange_sum(
-    diff: torch.Tensor,
-    *,
-    compressor=None,
-    memory=None,
-    state: dict | None = None,
-    group: dist.ProcessGroup | None = None,
-    kind: str = "elastic",
-    key: str = "flat",
-    shapes: list | None = None,
-    return_local: bool = False,
-):
+def exchange_sum(diff: torch.Tensor, *, return_local: bool = False, **options):
     """Sum ``diff`` over the ranks of ``group`` (in place when uncompressed):
     :func:`start_exchange_sum` waited for at once.
 
-    Args:
+    Args (keyword ``options`` other than ``return_local`` are :func:`start_exchange_sum`'s):
         diff: this rank's flat difference.
         compressor: a compressor or None (``none`` is the dense path too).
         memory: error-feedback memory; None: one kept in ``state`` per
@@ -156,6 +141,6 @@ def exchange_sum(
         The sum over ranks (compressed: a buffer of ``state``, valid until the next
         exchange of ``key``), or ``(sum, local)`` with ``return_local``.
     """
-    pending = _start(diff, compressor, memory, state, group, kind, key, shapes, keep_local=return_local)
+    pending = start_exchange_sum(diff, keep_local=return_local, **options)
     total = pending.wait()
     return (total, pending.local) if return_local else total

@@ -31,9 +31,7 @@
     }
 
 /* indices (ascending) and values of the entries with |x_i| > thr (>= thr when ge); writes
- * at most cap of them and returns how many there are in all. With AVX-512 the survivors of
- * 16 (8) entries are compressed in registers and stored at once; otherwise a block whose
- * compare mask is empty is skipped and the rest is gathered one by one. */
+ * at most cap of them and returns how many there are in all. */
 #define HIT(a, thr, ge) ((ge) ? (a) >= (thr) : (a) > (thr))
 #define DEF_SELECT_TAIL(T, SFX)                                                             \
     static int64_t select_tail_##SFX(const T *x, int64_t i, int64_t n, T thr, int ge,      \
@@ -48,10 +46,13 @@
 DEF_SELECT_TAIL(float, f32)
 DEF_SELECT_TAIL(double, f64)
 
-int64_t select_abs_f32(const float *x, int64_t n, float thr, int ge, int64_t cap,
-                       int64_t *idx, float *val) {
-    int64_t c = 0, i = 0;
+/* AVX-512: the survivors of whole vectors (16 floats, 8 doubles) compressed in registers
+ * and stored at once; returns where the portable loop goes on (0 without AVX-512). */
+static int64_t select_vec_f32(const float *x, int64_t n, float thr, int ge, int64_t cap,
+                              int64_t *idx, float *val, int64_t *count) {
+    int64_t i = 0;
 #ifdef __AVX512F__
+    int64_t c = *count;
     const __m512 t = _mm512_set1_ps(thr);
     const __m512i lo0 = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
     const __m512i hi0 = _mm512_setr_epi64(8, 9, 10, 11, 12, 13, 14, 15);
@@ -71,20 +72,18 @@ int64_t select_abs_f32(const float *x, int64_t n, float thr, int ge, int64_t cap
             c = select_tail_f32(x, i, i + 16, thr, ge, c, cap, idx, val);
         }
     }
+    *count = c;
 #else
-    for (; i + BLOCK <= n; i += BLOCK) {
-        int any = 0;
-        for (int j = 0; j < BLOCK; j++) any |= HIT(fabsf(x[i + j]), thr, ge);
-        if (any) c = select_tail_f32(x, i, i + BLOCK, thr, ge, c, cap, idx, val);
-    }
+    (void)x; (void)n; (void)thr; (void)ge; (void)cap; (void)idx; (void)val; (void)count;
 #endif
-    return select_tail_f32(x, i, n, thr, ge, c, cap, idx, val);
+    return i;
 }
 
-int64_t select_abs_f64(const double *x, int64_t n, double thr, int ge, int64_t cap,
-                       int64_t *idx, double *val) {
-    int64_t c = 0, i = 0;
+static int64_t select_vec_f64(const double *x, int64_t n, double thr, int ge, int64_t cap,
+                              int64_t *idx, double *val, int64_t *count) {
+    int64_t i = 0;
 #ifdef __AVX512F__
+    int64_t c = *count;
     const __m512d t = _mm512_set1_pd(thr);
     const __m512i lo0 = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
     for (; i + 8 <= n; i += 8) {
@@ -100,15 +99,30 @@ int64_t select_abs_f64(const double *x, int64_t n, double thr, int ge, int64_t c
             c = select_tail_f64(x, i, i + 8, thr, ge, c, cap, idx, val);
         }
     }
+    *count = c;
 #else
-    for (; i + BLOCK <= n; i += BLOCK) {
-        int any = 0;
-        for (int j = 0; j < BLOCK; j++) any |= HIT(fabs(x[i + j]), thr, ge);
-        if (any) c = select_tail_f64(x, i, i + BLOCK, thr, ge, c, cap, idx, val);
-    }
+    (void)x; (void)n; (void)thr; (void)ge; (void)cap; (void)idx; (void)val; (void)count;
 #endif
-    return select_tail_f64(x, i, n, thr, ge, c, cap, idx, val);
+    return i;
 }
+
+/* the vector part, then blocks whose compare mask is empty skipped and the rest gathered
+ * one by one, then the tail */
+#define DEF_SELECT(T, SFX)                                                                  \
+    int64_t select_abs_##SFX(const T *x, int64_t n, T thr, int ge, int64_t cap, int64_t *idx, \
+                             T *val) {                                                      \
+        int64_t c = 0;                                                                      \
+        int64_t i = select_vec_##SFX(x, n, thr, ge, cap, idx, val, &c);                     \
+        for (; i + BLOCK <= n; i += BLOCK) {                                                \
+            int any = 0;                                                                    \
+            for (int j = 0; j < BLOCK; j++) any |= HIT(fabs(x[i + j]), thr, ge);            \
+            if (any) c = select_tail_##SFX(x, i, i + BLOCK, thr, ge, c, cap, idx, val);     \
+        }                                                                                   \
+        return select_tail_##SFX(x, i, n, thr, ge, c, cap, idx, val);                       \
+    }
+
+DEF_SELECT(float, f32)
+DEF_SELECT(double, f64)
 
 /* Sums accumulate in double over LANES independent partial sums (the loops vectorize
  * without reassociating anything), added up at the end. */
@@ -316,27 +330,21 @@ static inline float uniform24(uint32_t i, uint32_t s0, uint32_t s1) {
 DEF_RANDOMK(float, f32)
 DEF_RANDOMK(double, f64)
 
-static inline double sum_squares_f32(const float *v, int64_t len) {
-    double acc[LANES] = {0};
-    int64_t j = 0;
-    for (; j + LANES <= len; j += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] += (double)v[j + l] * (double)v[j + l];
-    double s = 0.0;
-    for (int l = 0; l < LANES; l++) s += acc[l];
-    for (; j < len; j++) s += (double)v[j] * (double)v[j];
-    return s;
-}
+/* sum of v_j^2 in double over LANES partial sums */
+#define DEF_SUM_SQUARES(T, SFX)                                                             \
+    static inline double sum_squares_##SFX(const T *v, int64_t len) {                      \
+        double acc[LANES] = {0};                                                            \
+        int64_t j = 0;                                                                      \
+        for (; j + LANES <= len; j += LANES)                                                \
+            for (int l = 0; l < LANES; l++) acc[l] += (double)v[j + l] * (double)v[j + l];  \
+        double s = 0.0;                                                                     \
+        for (int l = 0; l < LANES; l++) s += acc[l];                                        \
+        for (; j < len; j++) s += (double)v[j] * (double)v[j];                              \
+        return s;                                                                           \
+    }
 
-static inline double sum_squares_f64(const double *v, int64_t len) {
-    double acc[LANES] = {0};
-    int64_t j = 0;
-    for (; j + LANES <= len; j += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] += v[j + l] * v[j + l];
-    double s = 0.0;
-    for (int l = 0; l < LANES; l++) s += acc[l];
-    for (; j < len; j++) s += v[j] * v[j];
-    return s;
-}
+DEF_SUM_SQUARES(float, f32)
+DEF_SUM_SQUARES(double, f64)
 
 /* Per bucket of b entries: norm = ||v||_2; q_i = sign(v_i) min(s, floor(s |v_i| / norm + U)). */
 #define DEF_QSGD(T, Q, SFX, TS)                                                             \

@@ -357,6 +357,6 @@ class DGCCompressor(SparseCompressor):
         state["last_rounds"] = rounds
         return payload
 
-    def aggregate(self, tensor: torch.Tensor, state: dict, collective: Collective):
+    def _launch(self, tensor: torch.Tensor, state: dict, collective: Collective):
         state["world_size"] = collective.world_size
-        return super().aggregate(tensor, state, collective)
+        return super()._launch(tensor, state, collective)
