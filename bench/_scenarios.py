@@ -21,7 +21,7 @@ BASELINE = ("ddp", "none")
 LIMIT = ("limit", "none")
 
 
-LIMIT_RUN = ("local_sgd", "none", ("strategy.period=1000000000",))
+LIMIT_RUN = ("local_sgd", "none", ("strategy.tau=1000000000",))
 
 
 # DGC is measured at its final sparsity (no warm-up) and, as its config asks, with the
@@ -199,7 +199,7 @@ SC17_BLOCKING = "sync_easgd/none;strategy.overlap=false"
 
 TTA_CONFIGS = (
     f"ddp/none,{DGC_ROW},ddp/powersgd,sync_easgd/none;strategy.tau=4,sync_easgd/topk,"
-    "local_sgd/none;strategy.period_rule=qsr;strategy.h_base=2;strategy.gamma=0.1,"
+    "local_sgd/none;strategy.tau_rule=qsr;strategy.tau_base=2;strategy.qsr_coefficient=0.1,"
     "async_easgd/none;strategy.tau=4"
 )
 

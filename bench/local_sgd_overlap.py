@@ -1,8 +1,8 @@
 """Step time of local SGD with and without CoCoD-SGD overlap, measured in the same run.
 
 Starts ``--workers`` gloo processes (one rank each, as nodes of a multi-node run); each
-trains the same MLP on synthetic data with ``LocalSGDStrategy(period=H, overlap=False)``
-and ``overlap=True`` alternately (``--repeats`` runs of each, a fresh Trainer every time)
+trains the same MLP on synthetic data with ``LocalSGDStrategy(tau=H, cocod=False)``
+and ``cocod=True`` alternately (``--repeats`` runs of each, a fresh Trainer every time)
 and records the wall time of every optimizer step after the first round.
 
 Communication-slowing knobs:
@@ -164,7 +164,7 @@ def _rank_main(args: argparse.Namespace) -> None:
             accelerator="cpu",
             devices=1,
             num_nodes=world,
-            strategy=LocalSGDStrategy(period=args.period, overlap=overlap),
+            strategy=LocalSGDStrategy(tau=args.period, cocod=overlap),
             max_steps=args.steps,
             logger=False,
             callbacks=[timer],

@@ -32,12 +32,12 @@ class NonFiniteLossGuard(pl.Callback):
     """Raises :class:`NonFiniteLossError` at the first non-finite training loss.
 
     Args:
-        allow: ``trainer.allow_nonfinite_loss``: True skips the check.
+        allow: ``allow_nonfinite_loss``: True skips the check.
     """
 
     def __init__(self, allow: bool = False) -> None:
         if not isinstance(allow, bool):
-            raise ValueError(f"trainer.allow_nonfinite_loss must be true or false, got {allow!r}")
+            raise ValueError(f"allow_nonfinite_loss must be true or false, got {allow!r}")
         self.allow = allow
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -49,7 +49,7 @@ class NonFiniteLossGuard(pl.Callback):
         shown = float(value.reshape(-1)[0]) if value.numel() else math.nan
         raise NonFiniteLossError(
             f"train loss is {shown} at step {trainer.global_step + 1} on rank {trainer.global_rank} "
-            f"(epoch {trainer.current_epoch}); stopped (set trainer.allow_nonfinite_loss=true to go on)"
+            f"(epoch {trainer.current_epoch}); stopped (set allow_nonfinite_loss=true to go on)"
         )
 
 

@@ -293,8 +293,9 @@ def _check_trainer(cfg: Any) -> None:
         raise ConfigError(
             f"trainer.{key}: must be null, an integer >= {low} (batches) or a fraction in (0, 1], got {value!r}"
         )
-    for key in ("deterministic", "enable_progress_bar", "allow_nonfinite_loss"):
+    for key in ("deterministic", "enable_progress_bar"):
         _need_bool(f"trainer.{key}", t.get(key, False))
+    _need_bool("allow_nonfinite_loss", cfg.get("allow_nonfinite_loss", False))
 
 
 def check_hardware(cfg: Any) -> None:
@@ -571,9 +572,9 @@ def validate_config(cfg: Any, *, hardware: bool = True) -> None:
     if hardware:
         check_hardware(cfg)
     dm = build_data(cfg)  # a bad data.root (or other data option) fails here, before any process
-    threads = cfg.trainer.get("threads_per_process")
+    threads = cfg.get("threads_per_process")
     if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
-        raise ConfigError(f"trainer.threads_per_process must be a positive integer or null, got {threads!r}")
+        raise ConfigError(f"threads_per_process must be a positive integer or null, got {threads!r}")
     logger = cfg.logger.get("name")
     if logger not in ("wandb", "csv", "none"):
         raise ConfigError(f"logger.name={logger!r} is unknown; choose one of wandb, csv, none")

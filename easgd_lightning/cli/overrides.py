@@ -13,7 +13,9 @@ Rules:
 * every other override must name a key of the config the group choices compose to: a
   leading ``+`` cannot add keys (nothing would read them), and an unknown key's error lists
   the valid keys where it was expected, with the closest one first (``difflib``);
-* ``hydra.*`` and ``hydra/...`` overrides are Hydra's own and left to it.
+* ``hydra.*`` and ``hydra/...`` overrides are Hydra's own and left to it;
+* a key renamed in 0.2 (:mod:`easgd_lightning.utils.renames`) is moved to its new name
+  with a warning, and :func:`check_command_line` returns the command line Hydra should run.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from easgd_lightning.cli.build import ConfigError
 from easgd_lightning.conf import CONF_DIR
+from easgd_lightning.utils.renames import apply_renames, rename_override_line
 
 __all__ = ["check_command_line", "compose_checked", "CONF_DIR"]
 
@@ -49,8 +52,11 @@ def _hydra_args(argv: list[str]) -> argparse.Namespace | None:
             return None
 
 
-def check_command_line(argv: list[str], *, conf_dir: str = CONF_DIR) -> None:
+def check_command_line(argv: list[str], *, conf_dir: str = CONF_DIR) -> list[str]:
     """Compose and check every job of ``easgd-train ARGV`` (all jobs of a ``-m`` sweep).
+
+    Returns:
+        ``argv`` with every renamed key under its new name (Hydra runs that).
 
     Nothing is checked for ``--help``-like flags or with ``--config-path`` /
     ``--config-dir`` (another config tree: Hydra reports its own errors there).
@@ -60,12 +66,25 @@ def check_command_line(argv: list[str], *, conf_dir: str = CONF_DIR) -> None:
     """
     args = _hydra_args(argv)
     if args is None or any(getattr(args, flag, None) for flag in _NO_RUN_FLAGS):
-        return
+        return argv
     if args.config_path or args.config_dir:
-        return
+        return argv
     config_name = args.config_name or "train"
+    renamed: dict[str, str] = {}
     for job in _jobs(list(args.overrides), bool(args.multirun), conf_dir, config_name):
-        compose_checked(job, config_name=config_name, conf_dir=conf_dir)
+        compose_checked(job, config_name=config_name, conf_dir=conf_dir, renamed=renamed)
+    return [_renamed_sweep(arg, renamed) for arg in argv]
+
+
+def _renamed_sweep(arg: str, renamed: dict[str, str]) -> str:
+    """``arg`` with a renamed key under its new name (a sweep ``k=a,b`` was renamed per job)."""
+    if arg in renamed:
+        return renamed[arg]
+    key = arg.split("=", 1)[0]
+    for old, new in renamed.items():
+        if old.split("=", 1)[0] == key:
+            return new.split("=", 1)[0] + arg[len(key):]
+    return arg
 
 
 def _jobs(overrides: list[str], multirun: bool, conf_dir: str, config_name: str) -> list[list[str]]:
@@ -116,11 +135,14 @@ def _first_line(err: BaseException) -> str:
     return lines[0] if lines else type(err).__name__
 
 
-def compose_checked(overrides: list[str], *, config_name: str = "train", conf_dir: str = CONF_DIR) -> DictConfig:
+def compose_checked(overrides: list[str], *, config_name: str = "train", conf_dir: str = CONF_DIR,
+                    renamed: dict[str, str] | None = None) -> DictConfig:
     """Compose ``config_name`` with ``overrides`` after checking every group option and key.
 
     Returns:
-        The composed config (``hydra.*`` overrides are not applied: they are Hydra's own).
+        The composed config (``hydra.*`` overrides are not applied: they are Hydra's own),
+        renamed keys under their new names; ``renamed`` (when given) gains each override
+        line that was renamed, mapped to its new line.
 
     Raises:
         ConfigError: an unknown group option, an unknown key, an unparsable override, or a
@@ -144,10 +166,19 @@ def compose_checked(overrides: list[str], *, config_name: str = "train", conf_di
         choices = dict(reference.hydra.runtime.choices)
         with open_dict(reference):
             del reference["hydra"]
+        strategy = OmegaConf.select(reference, "strategy.name", default=None)
+        lines = []
         for o in parsed:
+            line = o.input_line
             if o not in groups:
+                line = rename_override_line(line, o.key_or_group, strategy)
+                if line != o.input_line:
+                    if renamed is not None:
+                        renamed[o.input_line] = line
+                    o = _parse([line])[0]
                 _check_key(reference, o, choices)
-        return _compose(config_name, [o.input_line for o in parsed])
+            lines.append(line)
+        return apply_renames(_compose(config_name, lines))
 
 
 def _extend_searchpath(loader: Any, overrides: list[Any]) -> None:

@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from easgd_lightning.cli import launch
 from easgd_lightning.cli.build import ConfigError, validate_config
+from easgd_lightning.utils.renames import apply_renames
 from easgd_lightning.cli.resolvers import register_resolvers
 from easgd_lightning.cli.summary import build_summary, write_summary
 from easgd_lightning.cli.worker import (
@@ -140,6 +141,7 @@ def train(cfg: DictConfig, out_dir: Path | None = None) -> dict[str, Any]:
         ConfigError: a bad configuration value (nothing was started), or the run
             directory is held by another live run.
     """
+    apply_renames(cfg)  # a config file of the user's own may use a key's name before 0.2
     out_dir = Path(out_dir) if out_dir is not None else _output_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     if _external_rank_world() is not None:
@@ -282,7 +284,7 @@ def main() -> None:
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        check_command_line(sys.argv[1:], conf_dir=CONF_DIR)
+        sys.argv[1:] = check_command_line(sys.argv[1:], conf_dir=CONF_DIR)  # renamed keys: new names
     except ConfigError as err:
         print(f"easgd-train: error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)

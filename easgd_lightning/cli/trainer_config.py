@@ -2,9 +2,8 @@
 
 Rule: every key of ``trainer`` is an argument of the class named by ``trainer._target_``
 (``pytorch_lightning.Trainer`` or a subclass of it; the default when a config has no
-``_target_``) and reaches it unchanged through ``hydra.utils.instantiate``, except the few
-keys easgd-train reads itself (:data:`OWN_KEYS`). A key that is neither is refused before
-launch with one line naming it and the valid keys (until this module, the worker passed a
+``_target_``) and reaches it unchanged through ``hydra.utils.instantiate``. Any other key is
+refused before launch with one line naming it and the valid keys (until this module, the worker passed a
 fixed list of keys and silently dropped the rest). The arguments easgd-train builds from
 other config groups (:data:`SET_ELSEWHERE`) are refused too, naming where they are set.
 """
@@ -17,12 +16,9 @@ from typing import Any
 
 from easgd_lightning.cli.build import ConfigError
 
-__all__ = ["OWN_KEYS", "SET_ELSEWHERE", "DEFAULT_TARGET", "check_trainer_keys", "build_trainer"]
+__all__ = ["SET_ELSEWHERE", "DEFAULT_TARGET", "check_trainer_keys", "build_trainer"]
 
 DEFAULT_TARGET = "pytorch_lightning.Trainer"
-
-#: keys of the trainer group that easgd-train reads itself (they are no Trainer arguments)
-OWN_KEYS = ("threads_per_process", "allow_nonfinite_loss")
 
 #: Trainer arguments easgd-train builds from other config keys: where each one is chosen
 SET_ELSEWHERE = {
@@ -70,7 +66,7 @@ def _arguments(cls: type) -> set[str]:
 
 
 def check_trainer_keys(cfg: Any) -> type:
-    """Every key of ``cfg.trainer`` is an argument of its Trainer class or one of ours.
+    """Every key of ``cfg.trainer`` is an argument of its Trainer class.
 
     Returns:
         The Trainer class (``trainer._target_``).
@@ -83,16 +79,16 @@ def check_trainer_keys(cfg: Any) -> type:
     cls = _trainer_class(cfg.trainer.get("_target_", DEFAULT_TARGET))
     allowed = _arguments(cls) - set(SET_ELSEWHERE)
     for key in keys:
-        if key == "_target_" or key in OWN_KEYS or key in allowed:
+        if key == "_target_" or key in allowed:
             continue
         if key in SET_ELSEWHERE:
             raise ConfigError(f"trainer.{key}: easgd-train sets it from {SET_ELSEWHERE[key]}; remove it from trainer")
-        valid = sorted(allowed | set(OWN_KEYS))
+        valid = sorted(allowed)
         match = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
         hint = f"did you mean trainer.{match[0]}? " if match else ""
         raise ConfigError(
             f"trainer.{key}: unknown key; {hint}valid keys of trainer (arguments of "
-            f"{cls.__module__}.{cls.__qualname__}, and {', '.join(OWN_KEYS)}): {', '.join(valid)}"
+            f"{cls.__module__}.{cls.__qualname__}): {', '.join(valid)}"
         )
     return cls
 
@@ -105,6 +101,6 @@ def build_trainer(cfg: Any, **built: Any):
 
     cls = check_trainer_keys(cfg)
     keys = OmegaConf.to_container(cfg.trainer, resolve=True)
-    arguments = {k: v for k, v in keys.items() if k != "_target_" and k not in OWN_KEYS}
+    arguments = {k: v for k, v in keys.items() if k != "_target_"}
     target = f"{cls.__module__}.{cls.__qualname__}"
     return instantiate({"_target_": target, **_DEFAULTS, **arguments}, **built, _convert_="all")

@@ -164,7 +164,7 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
 
     out_dir = Path(out_dir)
     rank = int(os.environ.get("RANK", "0"))
-    threads = cfg.trainer.get("threads_per_process") or int(os.environ.get("OMP_NUM_THREADS", "1") or 1)
+    threads = cfg.get("threads_per_process") or int(os.environ.get("OMP_NUM_THREADS", "1") or 1)
     os.environ["OMP_NUM_THREADS"] = str(threads)  # for processes this rank starts (loaders)
     torch.set_num_threads(int(threads))
     meter = reset_meter()
@@ -178,7 +178,7 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
         CommMetricsCallback(every=int(cfg.trainer.get("log_every_n_steps", 10))),
         val_history,
         FaultInjectionCallback(**dict(cfg.get("faults") or {})),
-        NonFiniteLossGuard(allow=bool(cfg.trainer.get("allow_nonfinite_loss", False))),
+        NonFiniteLossGuard(allow=bool(cfg.get("allow_nonfinite_loss", False))),
         NaNFaultInjection(**dict(cfg.get("faults") or {})),
     ]
     if not cfg.trainer.get("enable_progress_bar", True):

@@ -24,7 +24,7 @@ of the model (``model.channels_last``), applied to the batch inside the module.
 
 ``synthetic: true`` replaces both splits by deterministic generated images of the same
 shape and class count (:class:`~easgd_lightning.data.synthetic.SyntheticImageDataset`),
-``synthetic_train_size`` / ``synthetic_val_size`` samples (ImageNet's own sizes by
+``train_size`` / ``val_size`` samples (ImageNet's own sizes by
 default), for smoke tests and throughput measurements; ``root`` is then ignored.
 """
 
@@ -174,8 +174,8 @@ class ImageNetDataModule(WorkerLoaders, pl.LightningDataModule):
         synthetic: Generated images instead of ``root``.
         num_classes: Class count; null: the tree's (1000 when synthetic). When set with a
             real tree it must match the tree.
-        synthetic_train_size: Training samples of the synthetic stand-in.
-        synthetic_val_size: Validation samples of the synthetic stand-in.
+        train_size: Training samples of the synthetic stand-in.
+        val_size: Validation samples of the synthetic stand-in.
         val_batch_size: Validation batch size (null: ``batch_size``).
         train_eval_size: Training samples the final ``train_loss`` is measured on (a fixed,
             evenly strided subset, so every class is represented; null: the whole set).
@@ -198,8 +198,8 @@ class ImageNetDataModule(WorkerLoaders, pl.LightningDataModule):
         multiprocessing_context: str | None = None,
         synthetic: bool = False,
         num_classes: int | None = None,
-        synthetic_train_size: int = IMAGENET_TRAIN_SIZE,
-        synthetic_val_size: int = IMAGENET_VAL_SIZE,
+        train_size: int = IMAGENET_TRAIN_SIZE,
+        val_size: int = IMAGENET_VAL_SIZE,
         val_batch_size: int | None = None,
         train_eval_size: int | None = 10_000,
         seed: int = 0,
@@ -224,8 +224,8 @@ class ImageNetDataModule(WorkerLoaders, pl.LightningDataModule):
         if synthetic:
             self.classes = None
             classes = check_int_at_least("num_classes", num_classes, 2) if num_classes is not None else IMAGENET_CLASSES
-            check_int_at_least("synthetic_train_size", synthetic_train_size, 1)
-            check_int_at_least("synthetic_val_size", synthetic_val_size, 1)
+            check_int_at_least("train_size", train_size, 1)
+            check_int_at_least("val_size", val_size, 1)
         else:
             self.classes = check_imagefolder_root(root)
             classes = len(self.classes)
@@ -241,8 +241,8 @@ class ImageNetDataModule(WorkerLoaders, pl.LightningDataModule):
         self.set_worker_options(
             num_workers, pin_memory, persistent_workers, multiprocessing_context, prefetch_factor
         )
-        self.synthetic_train_size = synthetic_train_size
-        self.synthetic_val_size = synthetic_val_size
+        self.train_size = train_size
+        self.val_size = val_size
         self.val_batch_size = val_batch_size or batch_size
         self.train_eval_size = train_eval_size
         self.seed = seed
@@ -255,8 +255,8 @@ class ImageNetDataModule(WorkerLoaders, pl.LightningDataModule):
             return
         if self.synthetic:
             common = dict(image_size=self.image_size, num_classes=self.num_classes, seed=self.seed)
-            self._train = SyntheticImageDataset(self.synthetic_train_size, split="train", **common)
-            self._val = SyntheticImageDataset(self.synthetic_val_size, split="val", **common)
+            self._train = SyntheticImageDataset(self.train_size, split="train", **common)
+            self._val = SyntheticImageDataset(self.val_size, split="val", **common)
             self._train_eval = self._train
             return
         from torchvision.datasets import ImageFolder

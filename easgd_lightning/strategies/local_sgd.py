@@ -1,7 +1,7 @@
 """Local SGD with periodic parameter averaging, the Quadratic Synchronization Rule and
 CoCoD-SGD overlap.
 
-**Local SGD** (``period_rule=constant``): every worker takes H local optimizer steps on its
+**Local SGD** (``tau_rule=constant``): every worker takes H = ``tau`` local optimizer steps on its
 own data, then the workers average their parameters with one all-reduce::
 
     x_i <- opt_step(x_i, g_i)                  H times, no communication
@@ -10,7 +10,7 @@ own data, then the workers average their parameters with one all-reduce::
 After a round every rank holds the same parameters; that average is the center ``c``
 (the model that is validated, checkpointed and left in the module after ``fit``).
 
-**Quadratic Synchronization Rule** (``period_rule=qsr``; Gu, Lyu, Arora, Zhang, Huang,
+**Quadratic Synchronization Rule** (``tau_rule=qsr``; Gu, Lyu, Arora, Zhang, Huang,
 "A Quadratic Synchronization Rule for Distributed Deep Learning", ICLR 2024): the period
 is recomputed right after each averaging round, from the learning rate eta_t the
 optimizer will use next::
@@ -18,10 +18,12 @@ optimizer will use next::
     H = max(H_base, floor((gamma / eta_t) ** 2))    capped by the remaining steps
     H = H_base during learning-rate warm-up (or when gamma = 0)
 
+with H_base = ``tau_base``, gamma = ``qsr_coefficient`` and the warm-up ``qsr_warmup_steps``
+
 so a decaying schedule lengthens the local phases. The paper reports e.g. ViT-B Local
 AdamW on 16 GPUs 26.7 h -> 20.2 h with +1.16% top-1.
 
-**CoCoD-SGD** (``overlap=true``; Shen, Xu, Liu, Tang, Li, Yang, "CoCoD-SGD: Computation
+**CoCoD-SGD** (``cocod=true``; Shen, Xu, Liu, Tang, Li, Yang, "CoCoD-SGD: Computation
 and Communication Decoupled SGD", IJCAI 2019): at a round boundary each worker snapshots
 x_i^t and starts a *non-blocking* all-reduce of it, then keeps computing; at the next
 boundary it waits for the result and merges::
@@ -42,10 +44,10 @@ r_i, as the compressor chooses; tensors under ``compression.min_numel`` travel d
 
     c <- c + (1/p) * sum_i C(d_i + r_i);   r_i <- d_i + r_i - C(d_i + r_i);   x_i <- c
 
-The compressed exchange is blocking, so it is not combined with ``overlap``.
+The compressed exchange is blocking, so it is not combined with ``cocod``.
 
-Defaults: H = 8 (constant). QSR: H_base = ``h_base`` (default: ``period``), ``gamma``
-required; the paper's gamma is tuned so that (gamma / eta)^2 exceeds H_base once the
+Defaults: H = 8 (constant). QSR: H_base = ``tau_base`` (default: ``tau``),
+``qsr_coefficient`` (gamma) required; the paper's gamma is tuned so that (gamma / eta)^2 exceeds H_base once the
 learning rate has decayed by a few times. Raise H (16, 32) to cut traffic further; keep
 it at 1-4 when the workers' data differ strongly.
 """
@@ -70,6 +72,7 @@ from easgd_lightning.hooks.elastic import exchange_sum
 from easgd_lightning.strategies.base import CenterStrategy
 from easgd_lightning.strategies.registry import register_strategy
 from easgd_lightning.utils.checkpoint import from_plain
+from easgd_lightning.utils.renames import accepts_renamed
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +86,7 @@ __all__ = [
     "validate_local_sgd_options",
 ]
 
-#: accepted values of ``strategy.period_rule``
+#: accepted values of ``strategy.tau_rule``
 PERIOD_RULES = ("constant", "qsr")
 
 #: returned by :func:`qsr_period` when neither the rule nor the horizon bounds the period
@@ -184,7 +187,7 @@ def average_from_sum(center: torch.Tensor, total: torch.Tensor, world_size: int)
 
 
 def validate_local_sgd_options(
-    period: Any, period_rule: Any, h_base: Any, gamma: Any, warmup_steps: Any
+    tau: Any, tau_rule: Any, tau_base: Any, qsr_coefficient: Any, qsr_warmup_steps: Any
 ) -> tuple[int, str, int, float, int | None]:
     """Check the ``strategy.*`` options of ``local_sgd``; returns them normalised.
 
@@ -197,50 +200,53 @@ def validate_local_sgd_options(
             raise ValueError(f"strategy.{key} must be an integer >= 1, got {value!r}")
         return value
 
-    period = _pos_int("period", period)
-    if period_rule not in PERIOD_RULES:
+    tau = _pos_int("tau", tau)
+    if tau_rule not in PERIOD_RULES:
         raise ValueError(
-            f"strategy.period_rule={period_rule!r} is unknown; choose one of "
-            f"{', '.join(PERIOD_RULES)}"
+            f"strategy.tau_rule={tau_rule!r} is unknown; choose one of {', '.join(PERIOD_RULES)}"
         )
-    h_base = period if h_base is None else _pos_int("h_base", h_base)
-    if period_rule == "qsr":
+    tau_base = tau if tau_base is None else _pos_int("tau_base", tau_base)
+    gamma = qsr_coefficient
+    if tau_rule == "qsr":
         if gamma is None or isinstance(gamma, bool) or not isinstance(gamma, (int, float)):
             raise ValueError(
-                f"strategy.gamma must be a number > 0 with strategy.period_rule=qsr, got {gamma!r}"
+                f"strategy.qsr_coefficient must be a number > 0 with strategy.tau_rule=qsr, got {gamma!r}"
             )
         if not gamma > 0 or not math.isfinite(gamma):
             raise ValueError(
-                f"strategy.gamma must be > 0 with strategy.period_rule=qsr, got {gamma!r} "
-                "(gamma = 0 is a constant period: use strategy.period_rule=constant)"
+                f"strategy.qsr_coefficient must be > 0 with strategy.tau_rule=qsr, got {gamma!r} "
+                "(0 is a constant period: use strategy.tau_rule=constant)"
             )
     elif gamma is not None and (
         isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or gamma < 0
     ):
-        raise ValueError(f"strategy.gamma must be a number >= 0, got {gamma!r}")
-    if warmup_steps is not None and (
-        isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0
+        raise ValueError(f"strategy.qsr_coefficient must be a number >= 0, got {gamma!r}")
+    if qsr_warmup_steps is not None and (
+        isinstance(qsr_warmup_steps, bool) or not isinstance(qsr_warmup_steps, int) or qsr_warmup_steps < 0
     ):
-        raise ValueError(f"strategy.warmup_steps must be an integer >= 0, got {warmup_steps!r}")
-    return period, period_rule, h_base, float(gamma or 0.0), warmup_steps
+        raise ValueError(f"strategy.qsr_warmup_steps must be an integer >= 0, got {qsr_warmup_steps!r}")
+    return tau, tau_rule, tau_base, float(gamma or 0.0), qsr_warmup_steps
 
 
 # ---------------------------------------------------------------------- strategy
 @register_strategy(
-    "local_sgd", options=("period", "period_rule", "h_base", "gamma", "warmup_steps", "overlap")
+    "local_sgd", options=("tau", "tau_rule", "tau_base", "qsr_coefficient", "qsr_warmup_steps", "cocod")
 )
 class LocalSGDStrategy(CenterStrategy):
     """Local SGD: H local steps, then parameter averaging (``strategy="local_sgd"``).
 
     Args:
-        period: H for ``period_rule="constant"`` (>= 1).
-        period_rule: ``constant`` or ``qsr`` (Quadratic Synchronization Rule).
-        h_base: QSR's smallest period H_base (default: ``period``).
-        gamma: QSR's coefficient (> 0, required for ``qsr``).
-        warmup_steps: steps of learning-rate warm-up during which QSR keeps H = H_base
+        tau: H for ``tau_rule="constant"`` (>= 1).
+        tau_rule: ``constant`` or ``qsr`` (Quadratic Synchronization Rule).
+        tau_base: QSR's smallest period H_base (default: ``tau``).
+        qsr_coefficient: QSR's gamma (> 0, required for ``qsr``).
+        qsr_warmup_steps: steps of learning-rate warm-up during which QSR keeps H = H_base
             (default: the LightningModule's ``hparams.warmup_steps`` if it has one, else 0).
-        overlap: CoCoD-SGD: run each round's all-reduce while the next round computes.
-        compression: a compressor for the parameter differences (not with ``overlap``).
+        cocod: CoCoD-SGD: run each round's all-reduce while the next round computes.
+        compression: a compressor for the parameter differences (not with ``cocod``).
+
+    The names before 0.2 (``period``, ``period_rule``, ``h_base``, ``gamma``,
+    ``warmup_steps``, ``overlap``) still work, with a ``FutureWarning``.
         memory: error-feedback memory for the compressor (default: the compressor's own
             choice, kept in the exchange state: residuals for sparsifiers, PowerSGD, sign).
     """
@@ -249,30 +255,31 @@ class LocalSGDStrategy(CenterStrategy):
     comm_kind = "model_averaging"
     min_world_size = 1
 
+    @accepts_renamed("local_sgd")
     def __init__(
         self,
-        period: int = 8,
-        period_rule: str = "constant",
-        h_base: int | None = None,
-        gamma: float | None = None,
-        warmup_steps: int | None = None,
-        overlap: bool = False,
+        tau: int = 8,
+        tau_rule: str = "constant",
+        tau_base: int | None = None,
+        qsr_coefficient: float | None = None,
+        qsr_warmup_steps: int | None = None,
+        cocod: bool = False,
         compression: Any = None,
         memory: Any = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(compression=compression, **kwargs)
         (self._period, self._period_rule, self._h_base, self._gamma, self._warmup_opt) = (
-            validate_local_sgd_options(period, period_rule, h_base, gamma, warmup_steps)
+            validate_local_sgd_options(tau, tau_rule, tau_base, qsr_coefficient, qsr_warmup_steps)
         )
-        if not isinstance(overlap, bool):
-            raise ValueError(f"strategy.overlap must be true or false, got {overlap!r}")
-        if overlap and compression is not None:
+        if not isinstance(cocod, bool):
+            raise ValueError(f"strategy.cocod must be true or false, got {cocod!r}")
+        if cocod and compression is not None:
             raise ValueError(
-                "strategy.overlap=true needs compression=none (the compressed exchange is "
+                "strategy.cocod=true needs compression=none (the compressed exchange is "
                 "blocking, so there is nothing to overlap)"
             )
-        self._overlap = overlap
+        self._overlap = cocod
         self._memory = memory
         self._compress_state: dict = {}
         # round state
@@ -293,15 +300,15 @@ class LocalSGDStrategy(CenterStrategy):
 
     # ------------------------------------------------------------------ properties
     @property
-    def period_rule(self) -> str:
+    def tau_rule(self) -> str:
         return self._period_rule
 
     @property
-    def overlap(self) -> bool:
+    def cocod(self) -> bool:
         return self._overlap
 
     @property
-    def periods(self) -> list[int]:
+    def taus(self) -> list[int]:
         """The H of every round started so far, in order."""
         return list(self._periods)
 
@@ -351,7 +358,7 @@ class LocalSGDStrategy(CenterStrategy):
         except Exception:  # pragma: no cover - strategy used without a trainer
             return
         for logger in loggers:
-            logger.log_metrics({"local_sgd/period": float(period)}, step=step)
+            logger.log_metrics({"local_sgd/tau": float(period)}, step=step)
 
     @override
     def _exchange_step(self, take_step: Callable[[], Any], optimizer: Optimizer) -> Any:
@@ -501,13 +508,13 @@ class LocalSGDStrategy(CenterStrategy):
     @override
     def summary_extras(self) -> dict:
         return {
-            "period_rule": self._period_rule,
-            "period": self._period,
-            "h_base": self._h_base,
-            "gamma": self._gamma,
-            "overlap": self._overlap,
+            "tau_rule": self._period_rule,
+            "tau": self._period,
+            "tau_base": self._h_base,
+            "qsr_coefficient": self._gamma,
+            "cocod": self._overlap,
             "rounds": self._rounds,
-            "periods": list(self._periods),
+            "taus": list(self._periods),
         }
 
     @override

@@ -126,7 +126,7 @@ def run_mode(mode: str, out_dir: str) -> None:
         module = Regression(5, 3, lr=0.05)
         loader = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False)
         steps, epochs = 10, 2
-        kwargs: dict = {"period": 3 if mode == "constant" else 2}
+        kwargs: dict = {"tau": 3 if mode == "constant" else 2}
         if mode == "compressed":
             from easgd_lightning.hooks import build_compressor
 
@@ -136,16 +136,16 @@ def run_mode(mode: str, out_dir: str) -> None:
         module = Regression(4, 1, lr=0.05)
         loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=False)
         steps, epochs = 11, 11
-        kwargs = {"period": 3, "overlap": True}
+        kwargs = {"tau": 3, "cocod": True}
         record["data"] = (x, y)
     elif mode in ("qsr_cosine", "qsr_step"):
         x, y = rank_data(rank, 40, 5, 3)
         module = Regression(5, 3, lr=QSR_LR, schedule=mode.split("_")[1])
         loader = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False)
         steps, epochs = QSR_STEPS, 4
-        kwargs = {"period_rule": "qsr", "h_base": QSR_H_BASE, "gamma": QSR_GAMMA}
+        kwargs = {"tau_rule": "qsr", "tau_base": QSR_H_BASE, "qsr_coefficient": QSR_GAMMA}
         if mode == "qsr_cosine":
-            kwargs["warmup_steps"] = QSR_WARMUP
+            kwargs["qsr_warmup_steps"] = QSR_WARMUP
         from pytorch_lightning.loggers import CSVLogger
 
         logger = CSVLogger(save_dir=out_dir, name="csv", version="")
@@ -179,7 +179,7 @@ def run_mode(mode: str, out_dir: str) -> None:
         pre=recorder.pre,
         post=recorder.post,
         final=flatten(list(module.parameters())).clone(),
-        periods=strategy.periods,
+        periods=strategy.taus,
         extras=strategy.summary_extras(),
         steps=strategy.local_steps,
         comm=meter.snapshot(),

@@ -102,9 +102,9 @@ def test_qsr_periods_follow_the_rule(runs: Path, schedule: str) -> None:
     # what the logger got: one row per round, at the round's first step
     with open(runs / f"qsr_{schedule}" / "csv" / "metrics.csv") as f:
         logged = [
-            (int(row["step"]), int(float(row["local_sgd/period"])))
+            (int(row["step"]), int(float(row["local_sgd/tau"])))
             for row in csv.DictReader(f)
-            if row.get("local_sgd/period")
+            if row.get("local_sgd/tau")
         ]
     assert logged == expected
     # every round ends with identical parameters on both ranks
@@ -163,7 +163,7 @@ def test_overlap_matches_cocod_reference(runs: Path) -> None:
     # plain local SGD lands elsewhere: the comparison tells the two rules apart
     blocking = _cocod_reference(recs, period=3, steps=11, lr=0.05, overlap=False)
     assert (blocking - ref).abs().max() > 1e-4
-    assert recs[0]["extras"]["overlap"] is True
+    assert recs[0]["extras"]["cocod"] is True
     # first boundary (step 3): nothing merged yet, parameters stay local
     assert not torch.allclose(recs[0]["post"][2], recs[1]["post"][2])
 

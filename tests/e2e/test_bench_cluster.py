@@ -487,7 +487,7 @@ def test_scenarios_always_add_limit_and_baseline() -> None:
     # The limit row runs as local SGD that never averages during the run.
     strategy, compression, overrides = cluster.run_spec(cluster.BenchConfig("limit", "none"))
     assert (strategy, compression) == ("local_sgd", "none")
-    assert overrides == ("strategy.period=1000000000",)
+    assert overrides == ("strategy.tau=1000000000",)
     with pytest.raises(ValueError, match="--scenario"):
         cluster.scenario_names("bogus", False)
     assert cluster.scenario_names(None, True) == ["quick"]

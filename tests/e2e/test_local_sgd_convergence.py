@@ -12,16 +12,16 @@ from tests.helpers import train_summary
 N_PARAMS = 64 * 128 + 128 + 128 * 10 + 10  # the default MLP, float32
 
 CONVERGENCE = {
-    "h8": ["strategy=local_sgd", "strategy.period=8"],
+    "h8": ["strategy=local_sgd", "strategy.tau=8"],
     "qsr": [  # H = 8 while the cosine lr is high, longer rounds as it decays
         "strategy=local_sgd",
-        "strategy.period_rule=qsr",
-        "strategy.h_base=8",
-        "strategy.gamma=0.1",
+        "strategy.tau_rule=qsr",
+        "strategy.tau_base=8",
+        "strategy.qsr_coefficient=0.1",
         "optim.schedule=cosine",
         "optim.total_steps=230",
     ],
-    "overlap": ["strategy=local_sgd", "strategy.period=8", "strategy.overlap=true"],
+    "overlap": ["strategy=local_sgd", "strategy.tau=8", "strategy.cocod=true"],
 }
 
 
@@ -35,7 +35,7 @@ def test_local_sgd_converges_on_digits(tmp_path: Path, case: str) -> None:
     assert s["strategy"] == "local_sgd" and s["world_size"] == 2
     assert s["val_acc"] >= 0.90, s["val_acc"]
     extras = s["extras"][0]
-    periods = extras["periods"]
+    periods = extras["taus"]
     steps = s["steps_per_rank"][0]
     assert s["steps_per_rank"] == [steps, steps]
     assert sum(periods) >= steps and sum(periods[:-1]) < steps
@@ -48,15 +48,15 @@ def test_local_sgd_converges_on_digits(tmp_path: Path, case: str) -> None:
         assert rounds < 230 / 8  # fewer averages than constant H = 8
         with open(tmp_path / case / "csv" / "metrics.csv") as f:
             logged = [
-                int(float(r["local_sgd/period"]))
+                int(float(r["local_sgd/tau"]))
                 for r in csv.DictReader(f)
-                if r.get("local_sgd/period")
+                if r.get("local_sgd/tau")
             ]
         assert logged == periods
     else:
         assert set(periods[:-1]) == {8}
     if case == "overlap":
-        assert extras["overlap"] is True
+        assert extras["cocod"] is True
         assert s["comm"]["by_kind"]["model_averaging"]["time_s"] > 0
 
 
@@ -69,8 +69,8 @@ def test_resume_mid_round_with_overlap_is_exact(tmp_path: Path) -> None:
     """Epochs of 8 steps, H = 3: the checkpoint falls inside a round with an average pending."""
     common = [
         "strategy=local_sgd",
-        "strategy.period=3",
-        "strategy.overlap=true",
+        "strategy.tau=3",
+        "strategy.cocod=true",
         "trainer.precision=64-true",
         "trainer.limit_train_batches=8",
     ]
@@ -81,6 +81,6 @@ def test_resume_mid_round_with_overlap_is_exact(tmp_path: Path) -> None:
         tmp_path / "resumed", *common, "trainer.max_epochs=4", f"checkpoint.resume={ckpt}"
     )
     assert resumed["steps_per_rank"] == full["steps_per_rank"] == [32, 32]
-    assert resumed["extras"][0]["periods"] == full["extras"][0]["periods"]
+    assert resumed["extras"][0]["taus"] == full["extras"][0]["taus"]
     assert resumed["train_loss"] == pytest.approx(full["train_loss"], rel=1e-12)
     assert resumed["val_acc"] == full["val_acc"]

@@ -87,7 +87,7 @@ def test_recipe_composes_with_the_papers_values(recipe: str) -> None:
     assert (t["accelerator"], t["devices"], t["num_nodes"], t["max_epochs"]) == (
         e["accelerator"], e["devices"], 1, e["max_epochs"]
     )
-    assert t.get("threads_per_process") == e["threads"]
+    assert cfg.get("threads_per_process") == e["threads"]
     assert cfg["strategy"].get("process_group_backend") == e["backend"]
     if e["kind"] == "gpu":
         assert t["precision"] == "bf16-mixed"
@@ -131,7 +131,7 @@ def test_slurm_launcher_configs(launcher: str, gpus: int | None) -> None:
     assert lc.tasks_per_node == cfg.trainer.devices and lc.nodes == cfg.trainer.num_nodes
     assert lc.gpus_per_node == gpus
     if launcher == "slurm":
-        assert lc.cpus_per_task == 16  # trainer.threads_per_process
+        assert lc.cpus_per_task == 16  # threads_per_process
     # every key is a field of the plugin's SlurmQueueConf (hydra-submitit-launcher 1.2)
     fields = {
         "_target_", "submitit_folder", "timeout_min", "cpus_per_task", "gpus_per_node", "tasks_per_node",
@@ -163,9 +163,9 @@ def test_bad_data_root_is_a_config_error(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------- training
 SMOKE = [
-    "++data.synthetic=true", "++data.image_size=64", "++data.synthetic_train_size=512",
-    "++data.synthetic_val_size=16", "++data.train_eval_size=8", "++data.val_batch_size=8",
-    "data.num_workers=0", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.threads_per_process=1",
+    "++data.synthetic=true", "++data.image_size=64", "++data.train_size=512",
+    "++data.val_size=16", "++data.train_eval_size=8", "++data.val_batch_size=8",
+    "data.num_workers=0", "trainer.accelerator=cpu", "trainer.devices=2", "threads_per_process=1",
     "trainer.max_epochs=1", "trainer.limit_train_batches=2", "trainer.limit_val_batches=1",
     "checkpoint.enabled=false", "logger=csv", "trainer.enable_progress_bar=false",
 ]
@@ -256,7 +256,7 @@ def test_imagefolder_tree_trains_via_data_root(tmp_path: Path) -> None:
     s = train_summary(
         tmp_path / "run", "recipe=imagenet/googlenet_knl", f"data.root={tree}", "data.image_size=32",
         "data.batch_size=2", "data.num_workers=1", "data.train_eval_size=null", "trainer.devices=2",
-        "trainer.threads_per_process=1", "trainer.max_epochs=1", "checkpoint.enabled=false",
+        "threads_per_process=1", "trainer.max_epochs=1", "checkpoint.enabled=false",
         timeout=600,
     )
     assert s["status"] == "ok", s.get("error")

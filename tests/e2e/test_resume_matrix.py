@@ -37,10 +37,10 @@ MATRIX = [
     ("ddp", "powersgd", [], "q"),
     ("sync_easgd", "topk", ["strategy.tau=2"], "residuals"),
     ("sync_easgd", "powersgd", ["strategy.tau=2"], "q"),
-    ("local_sgd", "topk", ["strategy.period=3"], "residuals"),  # epoch ends mid-round
+    ("local_sgd", "topk", ["strategy.tau=3"], "residuals"),  # epoch ends mid-round
     # compressor-wide state: qsgd's noise generator (seed null), adaptive's tensor sizes
     ("ddp", "qsgd", [], "noise_calls"),
-    ("local_sgd", "qsgd", ["strategy.period=3"], "noise_calls"),
+    ("local_sgd", "qsgd", ["strategy.tau=3"], "noise_calls"),
     ("sync_easgd", "adaptive", ["strategy.tau=2", *ADAPTIVE_FIXED], "residuals"),
 ]
 
@@ -172,7 +172,7 @@ def test_cli_refuses_bad_resume_before_launch(tmp_path: Path, ddp_checkpoint: Pa
 def test_nan_loss_stops_the_run_naming_the_step(tmp_path: Path) -> None:
     """Rank 1's weights become NaN just before step 5: its loss there is NaN, the run ends
     failed (exit 1) and the summary says which rank and step; with
-    trainer.allow_nonfinite_loss=true the same run goes to the end."""
+    allow_nonfinite_loss=true the same run goes to the end."""
     common = ["strategy=ddp", *COMMON, "trainer.max_epochs=1", "faults.nan_rank=1", "faults.nan_at_step=5",
               "timeout_s=60", "checkpoint.enabled=false"]
     run = tmp_path / "stop"
@@ -183,6 +183,6 @@ def test_nan_loss_stops_the_run_naming_the_step(tmp_path: Path) -> None:
     assert summary["status"] == "failed"
     assert "NonFiniteLossError: train loss is nan at step 5 on rank 1" in summary["rank_errors"]["1"]
 
-    allowed = train_summary(tmp_path / "allowed", *common, "trainer.allow_nonfinite_loss=true", timeout=240)
+    allowed = train_summary(tmp_path / "allowed", *common, "allow_nonfinite_loss=true", timeout=240)
     assert allowed["status"] == "ok" and allowed["steps_per_rank"] == [8, 8]
     assert math.isnan(allowed["train_loss"])  # ddp averaged the NaN gradient into both ranks

@@ -118,14 +118,14 @@ def test_synthetic_samples_are_deterministic_and_split_apart() -> None:
 
 
 def test_imagenet_synthetic_has_imagenet_shape_and_classes() -> None:
-    dm = ImageNetDataModule(synthetic=True, batch_size=4, image_size=32, synthetic_train_size=16,
-                            synthetic_val_size=8, num_workers=0)
+    dm = ImageNetDataModule(synthetic=True, batch_size=4, image_size=32, train_size=16,
+                            val_size=8, num_workers=0)
     assert dm.num_classes == 1000 and dm.root is None
     dm.setup("fit")
     x, y = next(iter(dm.train_dataloader()))
     assert x.shape == (4, 3, 32, 32)
     assert len(dm.train_dataloader()) == 4 and len(dm.val_dataloader()) == 2
-    assert ImageNetDataModule(synthetic=True).synthetic_train_size == 1_281_167
+    assert ImageNetDataModule(synthetic=True).train_size == 1_281_167
 
 
 def test_synthetic_datamodule_validates_sizes() -> None:

@@ -94,9 +94,9 @@ def test_average_from_sum_of_differences_is_the_mean() -> None:
 # ------------------------------------------------------------------ options
 def test_defaults() -> None:
     s = LocalSGDStrategy()
-    assert s.period_rule == "constant" and not s.overlap
-    assert s.summary_extras()["period"] == 8
-    assert s.summary_extras()["h_base"] == 8
+    assert s.tau_rule == "constant" and not s.cocod
+    assert s.summary_extras()["tau"] == 8
+    assert s.summary_extras()["tau_base"] == 8
     assert PERIOD_RULES == ("constant", "qsr")
     assert validate_local_sgd_options(4, "qsr", None, 0.1, None) == (4, "qsr", 4, 0.1, None)
 
@@ -104,18 +104,18 @@ def test_defaults() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "key"),
     [
-        ({"period": 0}, "strategy.period"),
-        ({"period": -3}, "strategy.period"),
-        ({"period": 2.5}, "strategy.period"),
-        ({"period": True}, "strategy.period"),
-        ({"period_rule": "linear"}, "strategy.period_rule"),
-        ({"period_rule": "qsr"}, "strategy.gamma"),
-        ({"period_rule": "qsr", "gamma": 0}, "strategy.gamma"),
-        ({"period_rule": "qsr", "gamma": -1.0}, "strategy.gamma"),
-        ({"period_rule": "qsr", "gamma": 0.1, "h_base": 0}, "strategy.h_base"),
-        ({"warmup_steps": -1}, "strategy.warmup_steps"),
-        ({"overlap": "yes"}, "strategy.overlap"),
-        ({"overlap": True, "compression": object()}, "strategy.overlap"),
+        ({"tau": 0}, "strategy.tau"),
+        ({"tau": -3}, "strategy.tau"),
+        ({"tau": 2.5}, "strategy.tau"),
+        ({"tau": True}, "strategy.tau"),
+        ({"tau_rule": "linear"}, "strategy.tau_rule"),
+        ({"tau_rule": "qsr"}, "strategy.qsr_coefficient"),
+        ({"tau_rule": "qsr", "qsr_coefficient": 0}, "strategy.qsr_coefficient"),
+        ({"tau_rule": "qsr", "qsr_coefficient": -1.0}, "strategy.qsr_coefficient"),
+        ({"tau_rule": "qsr", "qsr_coefficient": 0.1, "tau_base": 0}, "strategy.tau_base"),
+        ({"qsr_warmup_steps": -1}, "strategy.qsr_warmup_steps"),
+        ({"cocod": "yes"}, "strategy.cocod"),
+        ({"cocod": True, "compression": object()}, "strategy.cocod"),
     ],
 )
 def test_bad_options_name_the_key(kwargs: dict, key: str) -> None:
@@ -124,9 +124,9 @@ def test_bad_options_name_the_key(kwargs: dict, key: str) -> None:
     assert "\n" not in str(info.value)
 
 
-def test_unknown_period_rule_lists_the_choices() -> None:
+def test_unknown_tau_rule_lists_the_choices() -> None:
     with pytest.raises(ValueError, match="constant, qsr"):
-        LocalSGDStrategy(period_rule="adaptive")
+        LocalSGDStrategy(tau_rule="adaptive")
 
 
 def test_registered_with_lightning() -> None:

@@ -24,7 +24,7 @@ from easgd_lightning.cli.overrides import CONF_DIR, check_command_line, compose_
 # (overrides, the line's key, a fragment saying what is allowed)
 BAD = [
     # unknown keys, with or without '+': the valid keys of that group, the closest first
-    (["+foo=1"], "foo", "valid keys of the top level: checkpoint, compression"),
+    (["+foo=1"], "foo", "valid keys of the top level: allow_nonfinite_loss, checkpoint, compression"),
     (["foo=1"], "foo", "valid keys of the top level"),
     (["++foo=1"], "foo", "valid keys of the top level"),
     (["+trainer.max_epocs=3"], "trainer.max_epocs", "did you mean trainer.max_epochs?"),
@@ -72,10 +72,13 @@ BAD = [
     (["model.hidden=[64,0]"], "model.hidden", "a positive integer or a list of them"),
     (["strategy=pipeline_3d"], "model.name", "use model=gpt_tiny or a recipe=nlp3d/"),
     # moved here from the one-subprocess-per-case CLI tests (local SGD, nlp3d, hogwild)
-    (["strategy=local_sgd", "strategy.period=0"], "strategy.period", ""),
-    (["strategy=local_sgd", "strategy.period_rule=qsr", "strategy.gamma=0"], "strategy.gamma", ""),
-    (["strategy=local_sgd", "strategy.period_rule=linear"], "strategy.period_rule", ""),
-    (["strategy=local_sgd", "strategy.overlap=true", "compression=fp16"], "strategy.overlap", ""),
+    (["strategy=local_sgd", "strategy.tau=0"], "strategy.tau", ""),
+    (["strategy=local_sgd", "strategy.tau_rule=qsr", "strategy.qsr_coefficient=0"], "strategy.qsr_coefficient", ""),
+    (["strategy=local_sgd", "strategy.tau_rule=linear"], "strategy.tau_rule", ""),
+    (["strategy=local_sgd", "strategy.cocod=true", "compression=fp16"], "strategy.cocod", ""),
+    # the names before 0.2 still work (with a FutureWarning): the same errors, new names
+    (["strategy=local_sgd", "strategy.period=0"], "strategy.tau", ""),
+    (["strategy=local_sgd", "strategy.overlap=true", "compression=fp16"], "strategy.cocod", ""),
     (["recipe=nlp3d/gpt_tiny_pp2", "strategy.pp=3"], "strategy.pp",
      "strategy.pp * strategy.tp * strategy.dp = 3 * 1 * 1 = 3 must equal the world size 2"),
     (["recipe=nlp3d/gpt_tiny_pp2", "strategy.pp=4", "trainer.devices=4"], "strategy.pp",
