@@ -29,6 +29,7 @@ from easgd_lightning.hooks.compressors.redsync import RedSyncCompressor
 from easgd_lightning.hooks.compressors.sidco import SIDCoCompressor
 from easgd_lightning.hooks.compressors.signsgd import SignSGDCompressor
 from easgd_lightning.hooks.compressors.sketch import SketchCompressor
+from easgd_lightning.hooks.compressors.sparse_gc import SparseGCCompressor
 from easgd_lightning.hooks.compressors.topk import TopKCompressor
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "SIDCoCompressor",
     "SignSGDCompressor",
     "SketchCompressor",
+    "SparseGCCompressor",
     "TopKCompressor",
     "build_compressor",
     "compressor_names",
@@ -86,6 +88,7 @@ for _cls in (
     SignSGDCompressor,
     SketchCompressor,
     AdaptiveCompressor,
+    SparseGCCompressor,
 ):
     register_compressor(_cls)
 
