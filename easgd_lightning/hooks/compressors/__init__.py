@@ -20,6 +20,7 @@ from easgd_lightning.hooks.compressors.base import (
     tensor_bytes,
 )
 from easgd_lightning.hooks.compressors.dgc import DGCCompressor
+from easgd_lightning.hooks.compressors.gcomp import GCompCompressor
 from easgd_lightning.hooks.compressors.fp16 import BF16Compressor, FP16Compressor
 from easgd_lightning.hooks.compressors.none import NoneCompressor
 from easgd_lightning.hooks.compressors.powersgd import PowerSGDCompressor
@@ -42,6 +43,7 @@ __all__ = [
     "Compressor",
     "DGCCompressor",
     "FP16Compressor",
+    "GCompCompressor",
     "NoneCompressor",
     "Payload",
     "PowerSGDCompressor",
@@ -89,6 +91,7 @@ for _cls in (
     SketchCompressor,
     AdaptiveCompressor,
     SparseGCCompressor,
+    GCompCompressor,
 ):
     register_compressor(_cls)
 
