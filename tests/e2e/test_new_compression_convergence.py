@@ -16,6 +16,7 @@ COMMON = ["strategy=ddp", "trainer.devices=2", "trainer.max_epochs=5",
           "checkpoint.enabled=false", "seed=0"]
 
 RUNS = {
+    "acpsgd": (["compression=acpsgd", "compression.rank=2", "compression.min_numel=0"], 5.0),
     # 1% density (the default 0.01% keeps one entry of the 8192-weight layer per step)
     "gcomp": (["compression=gcomp", "compression.min_numel=0"], 2.0),
     "sparse_gc": (["compression=sparse_gc", "compression.ratio=0.01", "compression.min_numel=0"], 20),

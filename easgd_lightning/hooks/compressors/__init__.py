@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping, Sequence
 
+from easgd_lightning.hooks.compressors.acpsgd import ACPSGDCompressor
 from easgd_lightning.hooks.compressors.adaptive import AdaptiveCompressor
 from easgd_lightning.hooks.compressors.base import (
     DEFAULT_MIN_NUMEL,
@@ -34,6 +35,7 @@ from easgd_lightning.hooks.compressors.sparse_gc import SparseGCCompressor
 from easgd_lightning.hooks.compressors.topk import TopKCompressor
 
 __all__ = [
+    "ACPSGDCompressor",
     "COMPRESSORS",
     "DEFAULT_MIN_NUMEL",
     "PLUGINS",
@@ -92,6 +94,7 @@ for _cls in (
     AdaptiveCompressor,
     SparseGCCompressor,
     GCompCompressor,
+    ACPSGDCompressor,
 ):
     register_compressor(_cls)
 

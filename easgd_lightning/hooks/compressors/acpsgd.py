@@ -1,0 +1,123 @@
+"""``acpsgd``: ACP-SGD, alternating compressed power SGD (Zhang et al., ICDCS 2023).
+
+Rule, for a gradient viewed as M (n x m) with error feedback (``memory``: M <- M + E,
+E <- M - local) and factors shared by every rank:
+  odd steps (1, 3, ...):  Q <- orthonormalize(Q);  P_i = M_i Q;  P = mean_ranks P_i (one
+                          all-reduce of n r values);  mean = P Q^T;  local = P_i Q^T
+  even steps:             P <- orthonormalize(P);  Q_i = M_i^T P;  Q = mean_ranks Q_i (one
+                          all-reduce of m r values);  mean = P Q^T;  local = P Q_i^T
+The first Q is PowerSGD's seeded N(0, 1) draw, identical on every rank. Each step sends
+one factor, so two steps cost what one PowerSGD step (P and Q) costs, and a step needs no
+second round: its all-reduce is launched at once and waited for later (the DDP hook and
+the exchange overlap it with the other tensors of the bucket, like any one-collective
+compressor). 1-D tensors and matrices whose factors would not be smaller travel dense.
+Defaults: rank 2, seed 0, matrix_view leading, memory true, min_numel 16384.
+The matrix view, the seeded first factor, the dense rule and the orthonormalization are
+PowerSGD's (:mod:`easgd_lightning.hooks.compressors.powersgd`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from easgd_lightning.hooks.compressors.base import (
+    Collective,
+    Compressor,
+    Payload,
+    start_collective,
+)
+from easgd_lightning.hooks.compressors.powersgd import (
+    PowerSGDCompressor,
+    as_matrix,
+    low_rank_product,
+    orthonormalize,
+)
+
+__all__ = ["ACPSGDCompressor", "acp_phase"]
+
+
+def acp_phase(step: int) -> str:
+    """``"p"`` on the odd steps (1-based: the 0-based even ones), ``"q"`` on the others."""
+    return "p" if step % 2 == 0 else "q"
+
+
+class ACPSGDCompressor(PowerSGDCompressor):
+    """ACP-SGD: PowerSGD's two factors, all-reduced on alternate steps.
+
+    Args:
+        rank: r, the rank of the approximation (>= 1).
+        seed: seed of the first Q, identical on every rank.
+        matrix_view: ``leading`` or ``trailing`` (as :class:`PowerSGDCompressor`).
+        min_numel, memory: attach-point policies (see :class:`Compressor`).
+    """
+
+    name = "acpsgd"
+    aggregation = "allreduce"
+    default_memory = True
+    aggregate = Compressor.aggregate  # one collective per step: split by start_aggregate
+
+    def __init__(
+        self,
+        rank: int = 2,
+        *,
+        seed: int = 0,
+        matrix_view: str = "leading",
+        min_numel: int | None = None,
+        memory: bool | None = None,
+    ) -> None:
+        super().__init__(rank, warm_start=True, seed=seed, matrix_view=matrix_view,
+                         min_numel=min_numel, memory=memory)
+
+    def _shared_factor(self, mat: torch.Tensor, state: dict, phase: str) -> torch.Tensor:
+        """The orthonormalized factor every rank holds: Q on P steps, P on Q steps."""
+        n, m = mat.shape
+        r = min(self.rank, n, m)
+        if phase == "p":
+            return orthonormalize(self._initial_q(m, r, state, mat))
+        p = state.get("p")
+        if p is None or p.shape != (n, r):  # no P yet: start over from a P step's
+            p = mat @ orthonormalize(self._initial_q(m, r, state, mat))
+        return orthonormalize(p.to(device=mat.device, dtype=mat.dtype))
+
+    def compress(self, tensor: torch.Tensor, state: dict) -> Payload:
+        """This rank's factor of the step (P_i = M Q or Q_i = M^T P); the shared one in meta."""
+        if not self.compresses(tensor.shape):
+            return Payload((tensor.reshape(-1),), {"dense": True})
+        step = int(state.get("step", 0))
+        phase = acp_phase(step)
+        mat = as_matrix(tensor, self.matrix_view)
+        shared = self._shared_factor(mat, state, phase)
+        mine = mat @ shared if phase == "p" else mat.t() @ shared
+        state["step"] = step + 1
+        return Payload((mine,), {"dense": False, "phase": phase, "shared": shared})
+
+    def decompress(self, payload: Payload, shape: torch.Size) -> torch.Tensor:
+        meta = payload.meta
+        if meta.get("dense"):
+            return payload.tensors[0].reshape(shape)
+        (mine,) = payload.tensors
+        if meta["phase"] == "p":
+            return low_rank_product(mine, meta["shared"], shape)
+        return low_rank_product(meta["shared"], mine, shape)
+
+    def _launch(self, tensor: torch.Tensor, state: dict, collective: Collective):
+        """Compress, launch the one all-reduce; ``finish`` keeps the mean factor for the
+        next step (as P or Q) and returns the mean."""
+        world = collective.world_size
+        payload = self.compress(tensor, state)
+        local = self.decompress(payload, tensor.shape)
+        if payload.meta.get("dense"):
+            local = local.clone()
+        pending = start_collective(collective, "all_reduce_sum", list(payload.tensors))
+        meta = payload.meta
+
+        def finish() -> torch.Tensor:
+            (total,) = pending.wait()
+            mean_factor = total / world
+            if meta.get("dense"):
+                return mean_factor.reshape(tensor.shape)
+            state[meta["phase"]] = mean_factor
+            state["last_payload_bytes"] = mean_factor.numel() * mean_factor.element_size()
+            return self.decompress(Payload((mean_factor,), meta), tensor.shape)
+
+        return local.to(tensor.dtype), finish
