@@ -13,10 +13,10 @@ import torch
 from lightning_fabric.plugins import TorchCheckpointIO
 from lightning_fabric.utilities.types import _PATH
 from pytorch_lightning.callbacks import ModelCheckpoint
-from pytorch_lightning.trainer.connectors.signal_connector import _SignalConnector
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from easgd_lightning.comm import get_meter, ops
+from easgd_lightning.compat import lightning as compat
 from easgd_lightning.utils import stop
 from easgd_lightning.utils.atomic import atomic_torch_save
 
@@ -160,7 +160,7 @@ class LastFirstCheckpoint(ModelCheckpoint):
         self._last_written_at = at
 
 
-class _FlagSignalConnector(_SignalConnector):
+class _FlagSignalConnector(compat.SignalConnector):
     """Lightning's signal connector without its SIGTERM handler (which runs a broadcast
     inside the handler and hangs when a rank never joins). ``received_sigterm`` is True
     once ``SignalStop`` has decided to stop; the signal itself only sets a flag."""
@@ -223,13 +223,12 @@ class SignalStop(pl.Callback):
     def attach(self, trainer: pl.Trainer) -> None:
         """Replace the trainer's signal connector (call before ``fit``)."""
         self._connector = _FlagSignalConnector(trainer)
-        trainer._signal_connector = self._connector
+        compat.set_signal_connector(trainer, self._connector)
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        loop = trainer.fit_loop.epoch_loop
-        if "_broadcast_sigterm_tensor" in vars(loop):
+        original = compat.sigterm_broadcast_replacement(trainer)
+        if original is not None:
             # the strategy checks locally (its workers run apart): a rank stops on its own flag
-            original = vars(loop)["_broadcast_sigterm_tensor"]
 
             def local_stop() -> None:
                 signum = stop.stop_signal()
@@ -237,10 +236,10 @@ class SignalStop(pl.Callback):
                     self._decide(trainer, signum, [trainer.global_rank])
                 original()
 
-            loop._broadcast_sigterm_tensor = local_stop
+            compat.replace_sigterm_broadcast(trainer, local_stop)
         else:
             self._store = _stop_store()
-            loop._broadcast_sigterm_tensor = lambda: self._agree(trainer)
+            compat.replace_sigterm_broadcast(trainer, lambda: self._agree(trainer))
 
     def _key(self, rank: int | str) -> str:
         return f"easgd/stop/{os.environ.get('EASGD_RUN_ID', 'run')}/{rank}"

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from easgd_lightning.compat import lightning as compat
 from easgd_lightning.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -278,7 +279,7 @@ def build_gpt_pipeline(
             activation_checkpoint_interval=activation_checkpoint_interval,
         )
     if tp.enabled:
-        tp.group = module._grid.get_slice_parallel_group()
+        tp.group = compat.pipeline_slice_group(module)
     return module, tp
 
 

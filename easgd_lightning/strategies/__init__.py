@@ -9,16 +9,17 @@ Lightning's; our metered, compression-capable DDP is ``"ddp_compressed"``.
 
 from __future__ import annotations
 
-from easgd_lightning.strategies.async_easgd import (
+from easgd_lightning.strategies.ddp import CompressedDDPStrategy
+from easgd_lightning.strategies.local_sgd import LocalSGDStrategy
+from easgd_lightning.strategies.pipeline import Pipeline3DStrategy
+from easgd_lightning.strategies.ps import (
     AsyncEASGDStrategy,
     AsyncMEASGDStrategy,
     AsyncMSGDStrategy,
     AsyncSGDStrategy,
+    HogwildEASGDStrategy,
+    HogwildSGDStrategy,
 )
-from easgd_lightning.strategies.ddp import CompressedDDPStrategy
-from easgd_lightning.strategies.hogwild import HogwildEASGDStrategy, HogwildSGDStrategy
-from easgd_lightning.strategies.local_sgd import LocalSGDStrategy
-from easgd_lightning.strategies.pipeline import Pipeline3DStrategy
 from easgd_lightning.strategies.registry import (
     StrategyProtocol,
     StrategySpec,

@@ -146,6 +146,12 @@ class CenterStrategy(DDPStrategy):
             return
         check_one_optimizer(self, len(self.optimizers))
         self._validate_world(self.world_size)
+        self._init_center()
+        self._on_center_ready()
+
+    def _init_center(self) -> None:
+        """Start workers and center equal: the resident elastic variable broadcast from rank 0,
+        or every rank's own state restored from the checkpoint being resumed."""
         self._make_elastic_resident()
         tensors = self._elastic_tensors()
         if self._resume_state is None:
@@ -161,7 +167,6 @@ class CenterStrategy(DDPStrategy):
             self._local_steps = int(state["steps"][self.global_rank])
             self._load_extra_state(state.get("extra", {}))
             self._load_worker_extra_state(worker.get("extra", {}))
-        self._on_center_ready()
 
     def _validate_world(self, world_size: int) -> None:
         """Check options that depend on the world size (e.g. beta = p * alpha < 1)."""
@@ -417,25 +422,27 @@ class CenterStrategy(DDPStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
     ) -> None:
-        """Add every worker's state and the center, then write atomically on rank 0."""
-        if self._center is not None:
-            self._complete_exchange()
-            workers = self._gather_worker_states()
-            steps = (
-                ops.all_gather_object(self._local_steps)
-                if dist.is_initialized()
-                else [self._local_steps]
-            )
-            checkpoint["easgd"] = {
-                "strategy": self.strategy_name,
-                "center": self._center.detach().cpu().clone(),
-                "workers": workers,
-                "steps": steps,
-                "world_size": self.world_size,
-                "extra": to_plain(self._extra_state(), f"{self.strategy_name} state"),
-            }
+        """Add :meth:`_checkpoint_state` as ``checkpoint["easgd"]``, then write atomically on rank 0."""
+        state = self._checkpoint_state() if self._center is not None else None
+        if state is not None:
+            checkpoint["easgd"] = state
         if self.is_global_zero:
             self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _checkpoint_state(self) -> dict | None:
+        """``checkpoint["easgd"]``: the center, every worker's state and step count (gathered
+        from every rank: all ranks call this), the subclass's extra state."""
+        self._complete_exchange()
+        workers = self._gather_worker_states()
+        steps = ops.all_gather_object(self._local_steps) if dist.is_initialized() else [self._local_steps]
+        return {
+            "strategy": self.strategy_name,
+            "center": self._center.detach().cpu().clone(),
+            "workers": workers,
+            "steps": steps,
+            "world_size": self.world_size,
+            "extra": to_plain(self._extra_state(), f"{self.strategy_name} state"),
+        }
 
     @override
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:

@@ -150,10 +150,10 @@ def test_sigterm_ends_every_rank_of_a_run_hung_in_a_collective(tmp_path: Path) -
 WATCHED = """
 import signal, sys, threading
 from pathlib import Path
-from easgd_lightning.strategies.async_easgd import _SignalWatch
+from easgd_lightning.comm.liveness import SignalWatch
 signal.signal(signal.SIGTERM, lambda *_: None)  # a handler that only records, as Lightning's does
 out = Path(sys.argv[1])
-watch = _SignalWatch("test rank", grace_s=0.5, on_signal=lambda s: (out / f"passed_on_{s}").touch())
+watch = SignalWatch("test rank", grace_s=0.5, on_signal=lambda s: (out / f"passed_on_{s}").touch())
 assert watch.start()
 (out / "ready").touch()
 lock = threading.Lock()

@@ -7,19 +7,16 @@ import random
 import pytest
 import torch
 
-from easgd_lightning.strategies import async_rules
-from easgd_lightning.strategies.async_easgd import (
+from easgd_lightning.strategies.ps import rules as async_rules
+from easgd_lightning.strategies.ps.async_easgd import (
     AsyncEASGDStrategy,
     AsyncMEASGDStrategy,
     AsyncMSGDStrategy,
     AsyncSGDStrategy,
-    _GradOnlyOptimizer,
 )
-from easgd_lightning.strategies.hogwild import (
-    HogwildEASGDStrategy,
-    HogwildSGDStrategy,
-    SharedCenter,
-)
+from easgd_lightning.strategies.ps.hogwild import HogwildEASGDStrategy, HogwildSGDStrategy
+from easgd_lightning.strategies.ps.shared import SharedCenter
+from easgd_lightning.strategies.ps.strategy import _GradOnlyOptimizer
 
 
 def _vec(seed: int, n: int = 7) -> list[float]:
@@ -238,7 +235,7 @@ def test_strategies_refuse_an_optimizer_they_would_not_run_as_given(cls, hint: d
 def test_local_metrics_switch_off_every_torchmetrics_sync() -> None:
     import torchmetrics
 
-    from easgd_lightning.strategies.async_easgd import local_metrics
+    from easgd_lightning.strategies.ps.strategy import local_metrics
 
     module = torch.nn.Module()
     module.acc = torchmetrics.classification.MulticlassAccuracy(num_classes=3)

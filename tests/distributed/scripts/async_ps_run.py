@@ -29,14 +29,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from easgd_lightning.strategies.async_easgd import (
-    OP_ELASTIC,
-    OP_GRAD,
-    Liveness,
-    ParameterServer,
-    ServerClient,
-    request_header_size,
-)
+from easgd_lightning.comm.liveness import Liveness
+from easgd_lightning.strategies.ps.client import ServerClient
+from easgd_lightning.strategies.ps.protocol import OP_ELASTIC, OP_GRAD, request_header_size
+from easgd_lightning.strategies.ps.server import ParameterServer
 
 N = 257
 SERVER = 3

@@ -1,0 +1,1 @@
+"""Adapters around the private APIs of the libraries we build on."""

@@ -1,0 +1,135 @@
+"""Every private Lightning / torch.distributed name this project touches, in one place.
+
+Each function below reads or replaces one private attribute. Nothing else in the package
+uses an underscore name of Lightning or torch; ``tests/unit/test_compat_lightning.py``
+asserts that each one still exists with the signature and behaviour relied on here, so an
+upgrade that changes one fails there, by name, instead of hanging a distributed run.
+
+Why each is needed (the asynchronous strategies' ranks run apart after set-up, so any
+collective that Lightning runs on its own would re-synchronise them or hang on a dead rank):
+
+* ``_TrainingEpochLoop._broadcast_sigterm_tensor``: Lightning broadcasts a SIGTERM flag
+  from rank 0 before every training batch; replaced per trainer by a local check.
+* ``_SignalConnector`` and ``Trainer._signal_connector`` (its ``_sigterm_notifier_fn``,
+  ``received_sigterm``): Lightning's SIGTERM handler broadcasts inside the handler.
+* ``pytorch_lightning.strategies.ddp._sync_module_states``: ``DDPStrategy.setup`` outside
+  fitting broadcasts the module's state from rank 0.
+* ``DDPStrategy._timeout``: the process group timeout the strategy was given.
+* ``LightningModule._trainer``: the trainer, or None when not attached (the public
+  ``trainer`` property raises then).
+* ``torch.distributed.distributed_c10d._get_default_store``: the rendezvous store when no
+  ``MASTER_ADDR``/``MASTER_PORT`` is set (heartbeats live there).
+* ``Work._source_rank``: the sender of a receive from any source.
+* DeepSpeed ``PipelineModule._grid``: the process grid of a pipeline module (its
+  slice-parallel group is the tensor-parallel group).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import pytorch_lightning.strategies.ddp as _pl_ddp
+import torch.distributed as dist
+from pytorch_lightning.trainer.connectors.signal_connector import (
+    _SignalConnector as SignalConnector,
+)
+
+__all__ = [
+    "SignalConnector",
+    "replace_sigterm_broadcast",
+    "sigterm_broadcast_replacement",
+    "set_signal_connector",
+    "set_sigterm_notifier",
+    "mark_sigterm_received",
+    "module_state_sync_skipped",
+    "process_group_timeout",
+    "attached_trainer",
+    "default_store",
+    "source_rank",
+    "pipeline_slice_group",
+]
+
+_SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
+
+
+# ------------------------------------------------------------------ per-batch SIGTERM broadcast
+def replace_sigterm_broadcast(trainer: Any, check: Callable[[], None]) -> bool:
+    """Run ``check()`` instead of Lightning's per-batch SIGTERM broadcast on ``trainer``'s
+    training epoch loop (this trainer only). False when the loop has no such step."""
+    loop = trainer.fit_loop.epoch_loop
+    if not hasattr(loop, _SIGTERM_BROADCAST):
+        return False
+    setattr(loop, _SIGTERM_BROADCAST, check)
+    return True
+
+
+def sigterm_broadcast_replacement(trainer: Any) -> Callable[[], None] | None:
+    """The check a strategy installed with :func:`replace_sigterm_broadcast` (None: the loop
+    still runs Lightning's own broadcast)."""
+    return vars(trainer.fit_loop.epoch_loop).get(_SIGTERM_BROADCAST)
+
+
+# ------------------------------------------------------------------ SIGTERM handler
+def set_signal_connector(trainer: Any, connector: SignalConnector) -> None:
+    """Make ``connector`` (a :class:`SignalConnector` subclass) the trainer's signal connector."""
+    trainer._signal_connector = connector
+
+
+def set_sigterm_notifier(trainer: Any, notify: Callable[[int, Any], None]) -> bool:
+    """Replace what Lightning's SIGTERM handler calls (its default broadcasts the signal);
+    read by ``register_signal_handlers``, so call it before that runs. False without one."""
+    connector = getattr(trainer, "_signal_connector", None)
+    if connector is None:
+        return False
+    connector._sigterm_notifier_fn = notify
+    return True
+
+
+def mark_sigterm_received(trainer: Any) -> None:
+    """What Lightning's handler records: the loops stop at their next check."""
+    trainer._signal_connector.received_sigterm = True
+
+
+# ------------------------------------------------------------------ DDPStrategy internals
+@contextmanager
+def module_state_sync_skipped() -> Iterator[None]:
+    """Within this block ``DDPStrategy.setup`` outside fitting does not broadcast the
+    module's state from rank 0 (ranks that run apart would never all join it)."""
+    original = _pl_ddp._sync_module_states
+    _pl_ddp._sync_module_states = lambda module: None
+    try:
+        yield
+    finally:
+        _pl_ddp._sync_module_states = original
+
+
+def process_group_timeout(strategy: Any, default_s: float = 300.0) -> float:
+    """The process-group timeout a ``DDPStrategy`` was given, in seconds."""
+    timeout = getattr(strategy, "_timeout", None)
+    return timeout.total_seconds() if isinstance(timeout, timedelta) else float(default_s)
+
+
+def attached_trainer(module: Any) -> Any:
+    """``module``'s trainer, or None when it is not attached to one."""
+    return getattr(module, "_trainer", None) if module is not None else None
+
+
+# ------------------------------------------------------------------ torch.distributed
+def default_store() -> Any:
+    """The default process group's rendezvous store."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def source_rank(work: Any) -> int:
+    """The global rank that sent what a receive from any source (``src=None``) received."""
+    fn = getattr(work, "_source_rank", None) or work.source_rank
+    return int(fn())
+
+
+# ------------------------------------------------------------------ DeepSpeed
+def pipeline_slice_group(module: Any) -> Any:
+    """The slice-parallel (tensor-parallel) process group of a DeepSpeed ``PipelineModule``."""
+    return module._grid.get_slice_parallel_group()

@@ -1,0 +1,195 @@
+"""A worker's side of the parameter server: requests, replies and the end of fit.
+
+:class:`ServerClient` speaks the protocol of :mod:`easgd_lightning.strategies.ps.protocol`
+to the server rank; :class:`ServerTransport` is the :class:`CenterTransport` the
+strategies hold when a parameter server keeps the center.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from easgd_lightning.comm import get_meter, ops
+from easgd_lightning.comm.liveness import CancellableWait, Liveness, interruption
+from easgd_lightning.strategies.ps.protocol import (
+    HEADER,
+    OP_DONE,
+    OP_ELASTIC,
+    OP_GRAD,
+    OP_PULL,
+    OP_STATE,
+    TAG_REP,
+    TAG_REP_DATA,
+    TAG_REP_STATE,
+    TAG_REQ,
+    TAG_REQ_DATA,
+    from_blob,
+)
+from easgd_lightning.strategies.ps.transport import CenterTransport
+
+__all__ = ["ServerClient", "ServerTransport"]
+
+
+class _Pending:
+    """A request in flight: its works, the reply buffers and what must stay alive."""
+
+    __slots__ = ("works", "reply_hdr", "reply", "keep", "start")
+
+    def __init__(self, works, reply_hdr, reply, keep) -> None:
+        self.works, self.reply_hdr, self.reply, self.keep = works, reply_hdr, reply, keep
+        self.start = time.perf_counter()
+
+
+class ServerClient:
+    """A worker's side of the parameter-server protocol.
+
+    Args:
+        server_rank: the server's global rank.
+        like: a tensor with the flat payload's size, dtype and device.
+        world_size: number of ranks (sizes the state reply).
+        n_params: leading entries of the payload that are parameters (sizes the momentum).
+        kind: meter traffic class.
+        liveness: heartbeat reader (used while waiting for the final center).
+        header_size: entries of a request header (the server's :func:`request_header_size`).
+        interrupted: returns a signal number once this process got SIGTERM (waits stop).
+    """
+
+    def __init__(
+        self,
+        server_rank: int,
+        like: torch.Tensor,
+        world_size: int,
+        *,
+        n_params: int | None = None,
+        kind: str = "parameter_server",
+        liveness: Liveness | None = None,
+        poll_s: float = 0.1,
+        header_size: int = HEADER,
+        interrupted: Callable[[], int | None] | None = None,
+    ) -> None:
+        self.server, self.like, self.world = server_rank, like, world_size
+        self.n_params = like.numel() if n_params is None else n_params
+        self.kind, self.liveness, self.poll_s = kind, liveness, poll_s
+        self.header_size, self.interrupted = header_size, interrupted
+        self.stop = False
+        self.updates = 0
+
+    def _error(self, err: BaseException) -> RuntimeError:
+        return RuntimeError(
+            f"the parameter server (rank {self.server}) stopped answering: {err}"
+        )
+
+    def _header(self, op: int, step: int, lr: float, wd: float, extras: list[float] | None) -> torch.Tensor:
+        hdr = torch.zeros(self.header_size, dtype=torch.float64)
+        values = [op, step, lr, wd, *(extras or [])]
+        hdr[: len(values)] = torch.tensor(values, dtype=torch.float64)
+        return hdr
+
+    def begin(self, op: int, payload: torch.Tensor | None, step: int, lr: float = 0.0, wd: float = 0.0,
+              extras: list[float] | None = None) -> _Pending:
+        """Send a request and post the reply receives; returns a handle for :meth:`end`."""
+        hdr = self._header(op, step, lr, wd, extras)
+        works = [ops.isend(hdr, self.server, kind=self.kind, tag=TAG_REQ)]
+        if payload is not None:
+            works.append(ops.isend(payload, self.server, kind=self.kind, tag=TAG_REQ_DATA))
+        reply_hdr = torch.zeros(HEADER, dtype=torch.float64)
+        reply = torch.empty_like(self.like)
+        works.append(ops.irecv(reply_hdr, self.server, kind=self.kind, tag=TAG_REP))
+        works.append(ops.irecv(reply, self.server, kind=self.kind, tag=TAG_REP_DATA))
+        return _Pending(works, reply_hdr, reply, (hdr, payload))
+
+    def end(self, pending: _Pending) -> torch.Tensor:
+        """Wait for a request's reply; returns its payload (and records stop / updates)."""
+        try:
+            for work in pending.works:
+                work.wait()
+        except RuntimeError as err:
+            raise self._error(err) from err
+        get_meter().add_time(self.kind, time.perf_counter() - pending.start)
+        self.updates = int(pending.reply_hdr[1])
+        self.stop = self.stop or bool(pending.reply_hdr[2])
+        return pending.reply
+
+    def call(self, op: int, payload: torch.Tensor | None, step: int, lr: float = 0.0, wd: float = 0.0,
+             extras: list[float] | None = None) -> torch.Tensor:
+        return self.end(self.begin(op, payload, step, lr, wd, extras))
+
+    def pull(self, step: int) -> torch.Tensor:
+        """The server's current center."""
+        return self.call(OP_PULL, None, step)
+
+    def pull_state(self, step: int) -> dict:
+        """The center and the server's state (for checkpoints)."""
+        pending = self.begin(OP_STATE, None, step)
+        center = self.end(pending)
+        blob = torch.empty(int(pending.reply_hdr[3]), dtype=torch.uint8)
+        try:
+            ops.recv(blob, self.server, kind=self.kind, tag=TAG_REP_STATE)
+        except RuntimeError as err:
+            raise self._error(err) from err
+        state = from_blob(blob)
+        state["center"] = center.detach().cpu().clone()
+        return state
+
+    def finish(self, step: int) -> torch.Tensor:
+        """Tell the server this worker is done; wait for (and return) the final center."""
+        hdr = self._header(OP_DONE, step, 0.0, 0.0, None)
+        reply_hdr = torch.zeros(HEADER, dtype=torch.float64)
+        final = torch.empty_like(self.like)
+        try:
+            ops.send(hdr, self.server, kind=self.kind, tag=TAG_REQ)
+            w_hdr = ops.irecv(reply_hdr, self.server, kind=self.kind, tag=TAG_REP)
+            w_data = ops.irecv(final, self.server, kind=self.kind, tag=TAG_REP_DATA)
+            start = time.perf_counter()
+            waiter = CancellableWait()
+            for work in (w_hdr, w_data):
+                ok = waiter.wait(work, self._server_alive, self.poll_s, keep=(reply_hdr, final))
+                if not ok:
+                    raise RuntimeError("its heartbeat stopped while this worker waited for the final center")
+            get_meter().add_time(self.kind, time.perf_counter() - start)
+        except RuntimeError as err:
+            raise self._error(err) from err
+        self.stop = True
+        return final
+
+    def _server_alive(self) -> bool:
+        signum = self.interrupted() if self.interrupted is not None else None
+        if signum:
+            raise interruption(signum, "worker waiting for the final center")
+        return self.liveness is None or self.liveness.alive(self.server)
+
+
+class ServerTransport(CenterTransport):
+    """Worker-side exchange through the parameter server."""
+
+    def __init__(self, client: ServerClient) -> None:
+        self.client = client
+
+    @property
+    def stop(self) -> bool:
+        return self.client.stop
+
+    def begin_elastic(self, x: torch.Tensor, step: int, lr: float) -> Any:
+        return self.client.begin(OP_ELASTIC, x, step, lr)
+
+    def end_elastic(self, handle: Any) -> torch.Tensor:
+        return self.client.end(handle)
+
+    #: the worker's own optimizer does not step: the server steps the user's optimizer
+    steps_locally = False
+
+    def push_gradient(self, g: torch.Tensor, step: int, extras: list[float]) -> torch.Tensor:
+        return self.client.call(OP_GRAD, g, step, extras=extras)
+
+    def pull(self, step: int) -> torch.Tensor:
+        return self.client.pull(step)
+
+    def pull_state(self, step: int) -> dict:
+        return self.client.pull_state(step)
+
+    def finish(self, step: int) -> torch.Tensor:
+        return self.client.finish(step)

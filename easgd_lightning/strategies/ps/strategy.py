@@ -1,0 +1,851 @@
+"""The machinery every parameter-server strategy shares (:class:`AsyncCenterStrategy`).
+
+The rules of each strategy are in :mod:`easgd_lightning.strategies.ps.rules`; the strategy
+classes in :mod:`~easgd_lightning.strategies.ps.async_easgd` and
+:mod:`~easgd_lightning.strategies.ps.hogwild`. A worker reaches the center through one
+:class:`~easgd_lightning.strategies.ps.transport.CenterTransport` (a parameter server, or
+Hogwild's shared memory).
+
+Design decisions (and their trade-offs):
+
+* **Dedicated server rank.** The last global rank (``world_size - 1``) is the parameter
+  server and does not train; ranks ``0 .. world_size - 2`` are the workers. So
+  ``trainer.devices`` (x ``num_nodes``) is workers + 1, at least 3; ``summary.json``
+  shows ``roles`` (``"server"`` for that rank) and ``trained_ranks``. The alternative, a
+  thread beside rank 0's worker, would save a process but gloo point-to-point calls from two
+  threads of one process on one process group are not safe, and a worker that also serves
+  stalls every other worker whenever it computes. The last rank, not rank 0, serves so that
+  rank 0 (Lightning's global zero: logger, checkpoint files, ``val_history``) is a worker.
+* **Engine: point-to-point on the gloo process group** through :mod:`easgd_lightning.comm.ops`
+  (every byte metered, ``kind="parameter_server"``). The server receives request headers with
+  ``recv`` from *any source*, so it serves whichever worker arrives first (FCFS), never in rank
+  order, and never waits for all workers. A request is a float64 header
+  ``[op, local_step, lr, weight_decay]`` plus one flat payload (the SC17 single-layer message);
+  the reply is a header ``[op, server_updates, stop, extra]`` plus one flat payload.
+* **Liveness without hangs.** Gloo has no way to cancel a receive, and a receive that times
+  out closes every connection of the process group. So the server never lets a receive time
+  out: it waits for a request on a helper thread (with a very long timeout) and meanwhile
+  checks heartbeats that every rank posts to the rendezvous store (``TCPStore``) every
+  ``heartbeat_s``. A worker whose heartbeat stops for ``worker_timeout_s`` (default
+  ``min(30, timeout_s / 2)``) is declared dead: the server finishes with the remaining
+  workers. Workers wait for the final center the same way (checking the server's
+  heartbeat); if the server dies, a worker's pending receive fails (connection closed) or
+  times out after ``timeout_s``, and it stops with an error naming the server rank. The
+  store lives in rank 0, so rank 0's death stops the run with an error.
+* **No collectives after set-up.** Workers run at different speeds, so every Lightning
+  collective would re-synchronise them (or hang on a dead worker): after set-up this strategy
+  answers ``barrier``/``broadcast``/``reduce``/``all_gather`` locally, skips Lightning's
+  per-step SIGTERM broadcast (a local check replaces it) and the module-state broadcast of
+  ``trainer.validate``. Validation loaders are not sharded: each rank evaluates the whole
+  validation set on the center, so ``val/*`` needs no all-reduce. The training set is
+  sharded over the workers only.
+* **Stopping.** ``stop_policy="first"`` (default): ``trainer.max_epochs``/``max_steps`` count
+  for the fastest worker; when the first worker finishes, the server tells every other
+  worker to stop at its next exchange. ``"all"``: every worker runs its own epochs.
+  ``max_time_s``: a wall-clock budget per worker (from the start of its training).
+  Workers send ``done`` at the end of fit; once every worker is done (or dead) the server
+  sends each the final center, which the user's module then holds on every rank.
+* **Metrics and signals.** ``torchmetrics`` metrics compute from their own rank's state (see
+  :func:`local_metrics`); a user's own collective fails at ``timeout_s`` with an error that
+  says why. Lightning's SIGTERM handler broadcasts (a collective): it is replaced by a local
+  flag the server and the waits check; a rank blocked in a C++ wait is ended
+  ``SIGNAL_GRACE_S`` after SIGTERM/SIGINT by :class:`~easgd_lightning.comm.liveness.SignalWatch`.
+* **Validation, checkpoints, final ``train_loss``** use the center: workers pull it from the
+  server for each validation and checkpoint (rank 0 with the server's state: a checkpoint
+  written after a validation holds the center that validation scored). Rank 0's Lightning checkpoints
+  (``last.ckpt``, per epoch) hold the center as the module weights and, in
+  ``checkpoint["easgd"]["server"]``, the server's state (update count, per-worker counts
+  and, for the SGD rule, the user's optimizer's state; ``momentum``: SGD's buffers, flat). The server also writes its own
+  ``center.ckpt`` (atomically: temporary file + rename) every ``checkpoint_every_s`` seconds
+  and at the end, so a crash of any worker leaves an intact, loadable center. Either file
+  resumes a run (``checkpoint.resume=...``): the center and the server state are restored;
+  workers restart from the center with fresh optimizer (and velocity) state.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pytorch_lightning.trainer.states import RunningStage, TrainerFn
+from pytorch_lightning.utilities.rank_zero import rank_zero_warn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from easgd_lightning.comm import ops
+from easgd_lightning.comm.liveness import Liveness, SignalWatch
+from easgd_lightning.compat import lightning as compat
+from easgd_lightning.strategies import elastic
+from easgd_lightning.strategies.base import (
+    CenterStrategy,
+    check_positive_int,
+    flatten,
+    unflatten_into,
+)
+from easgd_lightning.strategies.ps import rules
+from easgd_lightning.strategies.ps.client import ServerClient, ServerTransport
+from easgd_lightning.strategies.ps.protocol import request_extras, request_header_size
+from easgd_lightning.strategies.ps.server import ParameterServer
+from easgd_lightning.strategies.ps.transport import CenterTransport
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AsyncCenterStrategy", "local_metrics", "reject_unknown", "STOP_POLICIES"]
+
+_DDP_KEYS = {
+    "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io",
+    "precision_plugin", "precision", "process_group_backend", "timeout", "start_method",
+}
+STOP_POLICIES = ("first", "all")
+
+
+def reject_unknown(name: str, kwargs: dict, options: tuple[str, ...]) -> None:
+    """ValueError naming the first keyword that is neither an option of ``name`` nor Lightning's."""
+    unknown = sorted(set(kwargs) - _DDP_KEYS - set(options) - {"num_nodes_hint", "optim_hint", "compression"})
+    if unknown:
+        raise ValueError(
+            f"strategy.{unknown[0]} is not an option of {name}; its options are: {', '.join(options)}"
+        )
+
+
+
+def _never_distributed() -> bool:
+    return False
+
+
+def local_metrics(module: torch.nn.Module) -> int:
+    """Make every ``torchmetrics.Metric`` in ``module`` compute from this rank's own state.
+
+    A metric's epoch-end sync gathers over every rank of the default process group: the
+    parameter server never joins it, and workers that run apart would each wait there for
+    the others. It is also not needed: evaluation data are not sharded (each rank evaluates
+    the whole set on the center), so a rank's own value is the full value; a training
+    metric is that worker's own. Returns how many metrics were switched.
+    """
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # torchmetrics is optional
+        return 0
+    count = 0
+    for sub in module.modules():
+        if isinstance(sub, Metric):
+            sub.distributed_available_fn = _never_distributed
+            count += 1
+    return count
+
+
+
+class _GradOnlyOptimizer:
+    """Forwards to the wrapped optimizer, except that ``step(closure)`` only runs the closure.
+
+    Lightning's closure (forward, backward, gradient clipping, hooks) runs as usual; the
+    update itself is done by the parameter server / the shared model.
+    """
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        object.__setattr__(self, "_optimizer", optimizer)
+
+    def step(self, closure: Callable[[], Any] | None = None, **_: Any) -> Any:
+        return closure() if closure is not None else None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._optimizer, name)
+
+
+
+def _optimizer_from_hint(hint: dict | None) -> Optimizer | None:
+    """A stand-in of the optimizer the CLI's module will build (``optim.*``), to check it
+    before launch; None when the hint names none this knows (the config check reports it)."""
+    if not hint:
+        return None
+    probe = [torch.zeros(1, requires_grad=True)]
+    try:
+        lr = float(hint.get("lr") or 0.0)
+        wd = float(hint.get("weight_decay") or 0.0)
+        if hint.get("optimizer") == "sgd":
+            return torch.optim.SGD(probe, lr=lr, momentum=float(hint.get("momentum") or 0.0), weight_decay=wd)
+        if hint.get("optimizer") == "adamw":
+            return torch.optim.AdamW(probe, lr=lr, weight_decay=wd)
+    except (TypeError, ValueError):  # a bad optim.* value: the config check names it
+        return None
+    return None
+
+
+class AsyncCenterStrategy(CenterStrategy):
+    """Shared machinery of the asynchronous strategies (see the module docstring)."""
+
+    strategy_name = ""
+    comm_kind = "parameter_server"
+    min_world_size = 3
+    #: "elastic" (EASGD family) or "sgd" (gradients pushed, weights pulled)
+    rule = "elastic"
+    #: EAMSGD velocity on the worker
+    worker_momentum = False
+    #: heavy-ball momentum at the server (Async MSGD)
+    server_momentum = False
+    #: lock-free application of updates (Hogwild)
+    lockfree = False
+    supports_final_validate = True
+
+    def __init__(
+        self,
+        *,
+        tau: int = 1,
+        alpha: float | None = None,
+        beta: float | None = None,
+        rho: float | None = None,
+        momentum: float | None = None,
+        lr: float | None = None,
+        server: str | None = "dedicated",
+        stop_policy: str = "first",
+        max_time_s: float | None = None,
+        worker_timeout_s: float | None = None,
+        heartbeat_s: float = 0.5,
+        checkpoint_every_s: float | None = 30.0,
+        checkpoint_path: str | None = None,
+        overlap: bool = True,
+        num_nodes_hint: int | None = None,
+        optim_hint: dict | None = None,
+        compression: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        name = self.strategy_name
+        if compression is not None:
+            raise ValueError(
+                f"compression: {name} sends uncompressed parameter-server messages; use compression=none "
+                "(compressed elastic exchanges: sync_easgd)"
+            )
+        super().__init__(**kwargs)
+        self._tau = check_positive_int("strategy.tau", tau)
+        for key, value in (("alpha", alpha), ("beta", beta)):
+            if value is not None and not (isinstance(value, (int, float)) and 0.0 < float(value) < 1.0):
+                raise ValueError(f"strategy.{key} must be in (0, 1), got {value!r}")
+        if rho is not None and not (isinstance(rho, (int, float)) and float(rho) > 0):
+            raise ValueError(f"strategy.rho must be > 0, got {rho!r}")
+        self._alpha_opt, self._beta_opt, self._rho_opt = alpha, beta, rho
+        self._alpha: float | None = None
+        self._momentum = rules.check_momentum("strategy.momentum", 0.0 if momentum is None else momentum)
+        if lr is not None and not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0):
+            raise ValueError(f"strategy.lr must be a positive number or null, got {lr!r}")
+        self._lr = None if lr is None else float(lr)
+        if server not in (None, "dedicated"):
+            raise ValueError(
+                f"strategy.server={server!r} is not supported; choose 'dedicated' (the last rank serves)"
+                + (" or null (shared memory on one node)" if self.lockfree else "")
+            )
+        self._server_mode = server
+        if stop_policy not in STOP_POLICIES:
+            raise ValueError(f"strategy.stop_policy={stop_policy!r}; choose one of {', '.join(STOP_POLICIES)}")
+        self._stop_policy = stop_policy
+        for key, value in (("max_time_s", max_time_s), ("worker_timeout_s", worker_timeout_s),
+                           ("checkpoint_every_s", checkpoint_every_s)):
+            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+                raise ValueError(f"strategy.{key} must be a positive number of seconds or null, got {value!r}")
+        if not (isinstance(heartbeat_s, (int, float)) and heartbeat_s > 0):
+            raise ValueError(f"strategy.heartbeat_s must be > 0 seconds, got {heartbeat_s!r}")
+        self._max_time_s = max_time_s
+        self._worker_timeout_opt = worker_timeout_s
+        self._heartbeat_s = float(heartbeat_s)
+        self._checkpoint_every_s = checkpoint_every_s
+        self._checkpoint_path = checkpoint_path
+        self._overlap = bool(overlap)
+        self._num_nodes_hint = num_nodes_hint
+        self._check_nodes(num_nodes_hint)
+        hinted = _optimizer_from_hint(optim_hint)
+        if hinted is not None:  # the CLI: refuse before any process starts
+            self._check_optimizer(hinted)
+        # run state
+        self._detached = False
+        self._finished = False
+        self._server: ParameterServer | None = None
+        self._transport: CenterTransport | None = None
+        self._liveness: Liveness | None = None
+        self._velocity: torch.Tensor | None = None
+        self._n_params = 0
+        self._fit_start: float | None = None
+        self._stop_reason: str | None = None
+        self._exchanges = 0
+        self._ckpt_state: dict | None = None
+        self._resumed: dict | None = None
+        self._center_ckpt_file: Path | None = None
+        self._last_center_ckpt = 0.0
+        self._error: str | None = None
+        self._scored: dict | None = None  # the center (and server state) of the last validation
+        self._signals = SignalWatch(f"{name} rank ?", on_signal=self._pass_signal_on)
+        self._interrupted: int | None = None
+        self._passed_on = threading.Event()
+        self._fit_ending = False  # on_train_end: fetching the center waits for the final one
+
+    @classmethod
+    def cli_kwargs(cls, cfg: Any) -> dict:
+        """Extra constructor arguments from the full config (the CLI calls this)."""
+        optim = cfg.get("optim") or {}
+        hint = {k: optim.get(k) for k in ("optimizer", "lr", "momentum", "weight_decay")}
+        return {"num_nodes_hint": int(cfg.trainer.get("num_nodes", 1) or 1), "optim_hint": hint}
+
+    def _check_optimizer(self, optimizer: Optimizer) -> None:
+        """Refuse (one line, before training) an optimizer this strategy would not run as given.
+
+        * ``async_measgd`` runs EAMSGD: its Nesterov momentum replaces SGD's momentum. On top
+          of another optimizer (Adam's first moment, RMSprop's momentum) it would compound two
+          momenta, a rule neither the paper nor the user asked for, so it is refused rather
+          than warned about (``async_easgd`` runs any optimizer on the workers).
+        * ``async_msgd`` and ``hogwild_sgd`` with ``strategy.momentum`` > 0 apply that
+          heavy-ball momentum as SGD's: torch.optim.SGD only, and no other momentum.
+        * ``strategy.lr`` replaces every group's learning rate: refused over groups that differ.
+        """
+        who = self.strategy_name
+        if self.worker_momentum and not isinstance(optimizer, torch.optim.SGD):
+            raise ValueError(
+                f"optim.optimizer: {who} adds EAMSGD Nesterov momentum (strategy.momentum) to SGD steps; "
+                f"{type(optimizer).__name__} has momentum of its own and the two would compound: use "
+                f"optim.optimizer=sgd, or strategy=async_easgd to run {type(optimizer).__name__} on the workers"
+            )
+        if self.rule != "sgd":
+            return
+        problem = None
+        if self.server_momentum and self._momentum > 0:
+            problem = rules.check_sgd_momentum(optimizer, self._momentum, who)
+        problem = problem or rules.check_fixed_lr(optimizer, self._lr, who)
+        if problem:
+            raise ValueError(problem)
+
+    def _check_nodes(self, num_nodes: int | None) -> None:
+        """Hook: Hogwild refuses several nodes without a server."""
+
+    # ------------------------------------------------------------------ roles
+    @property
+    def uses_server(self) -> bool:
+        return self._server_mode is not None
+
+    @property
+    def server_rank(self) -> int | None:
+        return self.world_size - 1 if self.uses_server else None
+
+    @property
+    def is_server(self) -> bool:
+        return self.uses_server and self.global_rank == self.world_size - 1
+
+    @property
+    def num_workers(self) -> int:
+        return self.world_size - 1 if self.uses_server else self.world_size
+
+    @property
+    def tau(self) -> int:
+        return self._tau
+
+    @property
+    def alpha(self) -> float | None:
+        return self._alpha
+
+    def validate_world_size(self, world: int) -> None:
+        """Called by the CLI before launch."""
+        need = 3 if self.uses_server else 2
+        if world < need:
+            role = "2 workers + 1 parameter server" if self.uses_server else "2 workers"
+            raise ValueError(
+                f"trainer.devices: {self.strategy_name} needs at least {need} processes ({role}), got {world}"
+            )
+        if self.rule == "elastic" and self._rho_opt is None:
+            elastic.resolve_alpha(
+                world_size=world - 1 if self.uses_server else world,
+                alpha=self._alpha_opt, beta=self._beta_opt,
+            )
+
+    @override
+    def _validate_world(self, world_size: int) -> None:
+        super()._validate_world(world_size)
+        if self.optimizers:  # set-up: refuse an optimizer this strategy would not run as given
+            self._check_optimizer(self.optimizers[0])
+        self.validate_world_size(world_size)
+        if self.rule == "elastic":
+            self._alpha = elastic.resolve_alpha(
+                world_size=self.num_workers,
+                alpha=self._alpha_opt,
+                beta=self._beta_opt,
+                rho=self._rho_opt,
+                lr=self._optimizer_lr(self.optimizers[0]) if self.optimizers else None,
+            )
+
+    @property
+    def _worker_timeout_s(self) -> float:
+        if self._worker_timeout_opt is not None:
+            return float(self._worker_timeout_opt)
+        return max(2.0, min(30.0, compat.process_group_timeout(self) / 2))
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Training data sharded over the workers; evaluation data not sharded (no all-reduce)."""
+        trainer = compat.attached_trainer(self.lightning_module)
+        stage = trainer.state.stage if trainer is not None else None
+        if stage is not None and stage != RunningStage.TRAINING:
+            return {"num_replicas": 1, "rank": 0}
+        if self.uses_server:
+            return {"num_replicas": self.world_size - 1, "rank": min(self.global_rank, self.world_size - 2)}
+        return super().distributed_sampler_kwargs
+
+    # ------------------------------------------------------------------ local collectives
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if self._detached:
+            return
+        super().barrier(*args, **kwargs)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if self._detached:
+            return obj
+        return super().broadcast(obj, src)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        if self._detached:
+            return tensor
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        if self._detached:
+            return bool(decision)
+        return super().reduce_boolean_decision(decision, all=all)
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
+        if self._detached:
+            return tensor.unsqueeze(0)
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    def _check_sigterm_locally(self, trainer) -> None:
+        """Lightning broadcasts a SIGTERM flag from rank 0 before every batch: a per-step
+        synchronisation that would make the workers wait for each other. Check locally."""
+        from pytorch_lightning.utilities.exceptions import SIGTERMException
+
+        def local_check() -> None:
+            if getattr(trainer, "received_sigterm", False):
+                raise SIGTERMException()
+
+        compat.replace_sigterm_broadcast(trainer, local_check)
+
+    # ------------------------------------------------------------------ set-up
+    def _on_sigterm(self, signum: int, _frame: Any) -> None:
+        """Lightning's SIGTERM notifier without its ``dist.broadcast`` (ranks that run apart
+        never join one, so it would hang in the handler): record it, forward it to the
+        processes Lightning's launcher started, and let the loops stop on it."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        self._interrupted = self._interrupted or signum
+        self._pass_signal_on(signum)
+        if trainer is not None:
+            compat.mark_sigterm_received(trainer)
+
+    def _pass_signal_on(self, signum: int) -> None:
+        """Once: send the signal to the processes Lightning's launcher started from this one
+        (also from the signal watch, when this rank is blocked and its handler cannot run)."""
+        if self._passed_on.is_set():
+            return
+        self._passed_on.set()
+        if self.launcher is not None and signum == signal.SIGTERM:
+            self.launcher.kill(signum)
+
+    def _interrupted_by(self) -> int | None:
+        return self._interrupted
+
+    def _install_signal_handling(self, trainer) -> None:
+        """Every rank ends promptly on SIGTERM / SIGINT, even one blocked in a wait."""
+        compat.set_sigterm_notifier(trainer, self._on_sigterm)  # read by register_signal_handlers(), after setup
+        self._signals.who = f"{self.strategy_name} rank {self.global_rank}"
+        self._signals.start()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Say why a collective timed out: after set-up, ranks of this strategy never meet."""
+        super().on_exception(exception)
+        text = str(exception)
+        gloo = isinstance(exception, getattr(dist, "DistBackendError", ())) or any(
+            mark in text for mark in ("imed out", "gloo", "Connection closed")
+        )
+        if self._fit_start is not None and gloo and not text.startswith("the parameter server"):
+            server = f"the parameter server (rank {self.server_rank}) never joins one and " if self.uses_server else ""
+            exception.args = (
+                f"rank {self.global_rank}: a torch.distributed collective over every rank cannot complete "
+                f"(it ends at timeout_s, or when a peer that timed out leaves): {self.strategy_name} ranks run "
+                f"apart after set-up ({server}workers train at their own pace), so the module and callbacks "
+                "must not call one (self.log(sync_dist=True) and torchmetrics metrics are computed per rank "
+                f"by this strategy). Cause: {text}",
+            )
+
+    @override
+    def setup(self, trainer) -> None:
+        """Fitting: CenterStrategy's set-up (one optimizer, :meth:`_validate_world`,
+        :meth:`_init_center`). After fit (``validate``/``test`` on the same strategy) the
+        ranks run apart: Lightning's set-up without its module-state broadcast."""
+        if trainer.state.fn == TrainerFn.FITTING or not self._detached:
+            return super().setup(trainer)
+        with compat.module_state_sync_skipped():  # a dead worker would hang the broadcast
+            super().setup(trainer)
+        local_metrics(self.lightning_module)
+        self._install_signal_handling(trainer)
+
+    @override
+    def _init_center(self) -> None:
+        """Every rank starts from rank 0's weights (or the resumed center); then the heartbeat,
+        the center file, the transport (or, on the server, the server loop), and from here on
+        no collective: Lightning's per-batch SIGTERM broadcast becomes a local check."""
+        trainer = self.lightning_module.trainer
+        module = self.lightning_module
+        local_metrics(module)
+        tensors = self._elastic_tensors()
+        self._n_params = sum(p.numel() for p in module.parameters())
+        flat = flatten(tensors)
+        ops.broadcast(flat, src=0, kind="setup")
+        token = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+        ops.broadcast(token, src=0, kind="setup")
+        state = self._resume_state
+        if state is not None:
+            flat = state["center"].to(device=flat.device, dtype=flat.dtype).clone()
+            steps = state.get("steps") or []
+            if self.global_rank < len(steps) and steps[self.global_rank] is not None:
+                self._local_steps = int(steps[self.global_rank])
+        unflatten_into(flat, tensors)
+        self._center = flat.clone()
+        self._liveness = Liveness(
+            f"easgd_async/{int(token)}", self.global_rank,
+            interval_s=self._heartbeat_s, dead_after_s=self._worker_timeout_s,
+        ).start()
+        self._setup_checkpoint_file(trainer)
+        self._make_transport(trainer, int(token))
+        if self.worker_momentum and not self.is_server:
+            self._own_momentum(self.optimizers[0])
+            self._velocity = torch.zeros_like(flat)
+        self._check_sigterm_locally(trainer)
+        self._install_signal_handling(trainer)
+        self._detached = True
+
+    def _setup_checkpoint_file(self, trainer) -> None:
+        if self._checkpoint_path:
+            self._center_ckpt_file = Path(self._checkpoint_path)
+            return
+        callback = getattr(trainer, "checkpoint_callback", None)
+        dirpath = getattr(callback, "dirpath", None)
+        self._center_ckpt_file = Path(dirpath) / "center.ckpt" if dirpath else None
+
+    def _make_transport(self, trainer, token: int) -> None:
+        """Server: build the server loop; workers: a client of it."""
+        if self.is_server:
+            self._server = ParameterServer(
+                rank=self.global_rank,
+                workers=list(range(self.world_size - 1)),
+                center=self._center,
+                n_params=self._n_params,
+                rule=self.rule,
+                alpha=self._alpha or 0.0,
+                lr=self._lr,
+                optimizer=self.optimizers[0] if self.rule == "sgd" else None,
+                params=list(self.lightning_module.parameters()) if self.rule == "sgd" else None,
+                lockfree=self.lockfree,
+                liveness=self._liveness,
+                stop_policy=self._stop_policy,
+                kind=self.comm_kind,
+                on_checkpoint=self._write_center_checkpoint if self._center_ckpt_file else None,
+                checkpoint_every_s=self._checkpoint_every_s,
+                interrupted=self._interrupted_by,
+            )
+            if self._resume_state is not None:
+                srv = self._resume_state.get("server") or {}
+                self._server.load_state_dict(srv)
+                self._resumed = _describe_resume(self._center, srv)
+        else:
+            sgd = self.rule == "sgd"
+            header = request_header_size(self.optimizers[0] if sgd else None, list(self.lightning_module.parameters()))
+            self._transport = ServerTransport(
+                ServerClient(self.world_size - 1, self._center, self.world_size, n_params=self._n_params,
+                             kind=self.comm_kind, liveness=self._liveness, header_size=header,
+                             interrupted=self._interrupted_by)
+            )
+
+    def _own_momentum(self, optimizer: Optimizer) -> None:
+        """EAMSGD applies its own momentum: switch the optimizer's off."""
+        changed = False
+        for group in optimizer.param_groups:
+            if group.get("momentum", 0):
+                group["momentum"] = 0.0
+                changed = True
+            if group.get("nesterov"):
+                group["nesterov"] = False
+        if changed and self.global_rank == 0:
+            rank_zero_warn(
+                f"{self.strategy_name} applies its own Nesterov momentum (strategy.momentum="
+                f"{self._momentum}); the optimizer's momentum was set to 0 so it is not applied twice"
+            )
+
+    # ------------------------------------------------------------------ training
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        # one real barrier so that start-up skew does not count as speed (everyone is alive here)
+        ops.barrier(kind="setup")
+        self._fit_start = time.monotonic()
+        if self.is_server:
+            try:
+                self._server.serve()
+            finally:
+                self._center = self._server.center
+            self.lightning_module.trainer.should_stop = True
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
+        if self.is_server:  # the server never trains
+            self.lightning_module.trainer.should_stop = True
+            return None
+        self._scored = None  # the center moves on: a checkpoint from now on pulls a fresh one
+        if self.rule == "sgd" and not self._transport.steps_locally:
+            optimizer = _GradOnlyOptimizer(optimizer)  # the server steps the user's optimizer
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._after_step()
+        return out
+
+    @override
+    def _exchange_step(self, take_step: Callable[..., Any], optimizer: Optimizer) -> Any:
+        if self.rule == "sgd":
+            return self._sgd_exchange(take_step, optimizer)
+        return self._elastic_exchange(take_step, optimizer)
+
+    def _elastic_exchange(self, take_step: Callable[[], Any], optimizer: Optimizer) -> Any:
+        tensors = self._elastic_tensors()
+        pending, diff = None, None
+        if elastic.is_exchange_step(self._local_steps, self._tau):
+            pending = self._transport.begin_elastic(flatten(tensors), self._local_steps, self._optimizer_lr(optimizer))
+            self._exchanges += 1
+            if not self._overlap:
+                diff, pending = self._transport.end_elastic(pending), None
+        x_look = None
+        if self._velocity is not None:
+            x_look = rules.nesterov_lookahead(flatten(tensors), self._velocity, self._momentum)
+            unflatten_into(x_look, tensors)
+        out = take_step()
+        with torch.no_grad():
+            x = flatten(tensors)
+            if x_look is not None:
+                rules.nesterov_velocity_update(self._velocity, x_look, x)
+            if pending is not None:
+                diff = self._transport.end_elastic(pending)
+            if diff is not None:
+                elastic.apply_elastic_pull(x, diff)
+            unflatten_into(x, tensors)
+        return out
+
+    def _grad_vector(self) -> torch.Tensor:
+        """Gradients (zeros where none: the request's mask says which) then float buffers."""
+        module = self.lightning_module
+        parts = [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
+            for p in module.parameters()
+        ]
+        parts += [b.detach().reshape(-1) for b in module.buffers() if b.is_floating_point()]
+        return torch.cat(parts)
+
+    def _sgd_exchange(self, compute: Callable[[], Any], optimizer: Optimizer) -> Any:
+        """Async SGD / MSGD: push the gradient, the server steps the user's optimizer and
+        returns w. Hogwild SGD on shared memory: the worker's optimizer steps here and its
+        displacement is added to the shared w without a lock."""
+        params = list(self.lightning_module.parameters())
+        if self._lr is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = self._lr
+        if self._transport.steps_locally:
+            before = flatten(params)
+            out = compute()
+            moves = rules.optimizer_displacement(before, params)
+            buffers = [b.detach().reshape(-1) for b in self.lightning_module.buffers() if b.is_floating_point()]
+            sizes = [p.numel() for p in params]
+            weights = self._transport.push_displacement(moves, sizes, buffers, self._local_steps)
+        else:
+            out = compute()
+            extras = request_extras(optimizer, params)
+            weights = self._transport.push_gradient(self._grad_vector(), self._local_steps, extras)
+        self._exchanges += 1
+        unflatten_into(weights, self._elastic_tensors())
+        return out
+
+    def _after_step(self) -> None:
+        trainer = self.lightning_module.trainer
+        if self._transport is not None and self._transport.stop and self._stop_policy == "first":
+            self._stop_reason = self._stop_reason or "another worker finished (stop_policy=first)"
+            trainer.should_stop = True
+        if self._max_time_s is not None and self._fit_start is not None:
+            if time.monotonic() - self._fit_start >= self._max_time_s:
+                self._stop_reason = self._stop_reason or f"max_time_s={self._max_time_s} reached"
+                trainer.should_stop = True
+
+    @override
+    def _fetch_center(self) -> None:
+        """Pull the center to validate. Rank 0, which writes the checkpoints, pulls it with the
+        server's state and keeps both: a checkpoint saved after this validation holds the
+        center that was scored (ModelCheckpoint(monitor=...) selects by that score)."""
+        if self._fit_ending:  # the final center, once every worker is done (or dead)
+            if self._transport is not None and not self._finished:
+                self._center = self._transport.finish(self._local_steps)
+            return
+        # before training starts (sanity check) every rank already holds the set-up center
+        if self._finished or self.is_server or self._transport is None or self._fit_start is None:
+            return
+        trainer = self.lightning_module.trainer
+        if self.is_global_zero and trainer.checkpoint_callbacks:
+            self._scored = self._transport.pull_state(self._local_steps)
+            self._center = self._scored["center"].to(self._center.device, self._center.dtype)
+        else:
+            self._center = self._transport.pull(self._local_steps)
+
+    @override
+    def on_train_end(self) -> None:
+        """CenterStrategy's end of fit, where fetching the center waits for the final one."""
+        self._scored = None  # from here on the module holds the final center: checkpoints save it
+        if self._center is None:
+            return super().on_train_end()
+        self._fit_ending = True
+        try:
+            super().on_train_end()
+        finally:
+            self._finished = True
+            if self._liveness is not None:
+                self._liveness.stop()
+            if self._transport is not None:
+                self._transport.close()
+
+    # ------------------------------------------------------------------ checkpoints
+    def _center_state_dict(self, center: torch.Tensor) -> dict:
+        tensors = self._elastic_tensors()
+        stash = self._stash if self._stash is not None else flatten(tensors)
+        unflatten_into(center, tensors)
+        try:
+            return {k: v.detach().cpu().clone() for k, v in self.lightning_module.state_dict().items()}
+        finally:
+            unflatten_into(stash, tensors)
+
+    def _server_state_now(self) -> dict:
+        """The center and the server's state, as this rank can best know them now."""
+        if self._server is not None:
+            state = self._server.state_dict()
+            state["center"] = self._server.center.detach().cpu().clone()
+            return state
+        if self._transport is not None and not self._finished:
+            return self._transport.pull_state(self._local_steps)
+        return {"center": self._center.detach().cpu().clone(), "updates": None, "momentum": None}
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The center's weights: on rank 0, the center of the last validation when this rank has
+        not trained since (what a monitored metric scored), else one pulled now with the
+        server's state."""
+        if self._center is None:
+            return super().lightning_module_state_dict()
+        if self.is_global_zero:
+            self._ckpt_state = self._scored if self._scored is not None else self._server_state_now()
+            self._center = self._ckpt_state["center"].to(self._center.device, self._center.dtype)
+        return self._center_state_dict(self._center)
+
+    def _easgd_payload(self, state: dict) -> dict:
+        server = {k: state.get(k) for k in ("updates", "served", "worker_steps", "momentum", "optimizer")}
+        steps = state.get("worker_steps")
+        return {
+            "strategy": self.strategy_name,
+            "center": state["center"].detach().cpu().clone(),
+            "server": server,
+            "steps": steps,
+            "workers": [],
+            "world_size": self.world_size,
+            "server_rank": self.server_rank,
+        }
+
+    @override
+    def _checkpoint_state(self) -> dict | None:
+        """Rank 0's center and server state; no collective (workers run apart), and only rank
+        0 writes, so the other ranks add nothing."""
+        if not self.is_global_zero:
+            return None
+        state = self._ckpt_state or self._server_state_now()
+        self._ckpt_state = None
+        return self._easgd_payload(state)
+
+    def _write_center_checkpoint(self, state: dict) -> None:
+        """The center file written by whoever holds the center (atomic: temp file + rename)."""
+        if self._center_ckpt_file is None:
+            return
+        import pytorch_lightning as pl
+
+        from easgd_lightning.utils.atomic import atomic_torch_save
+
+        center = state["center"].to(self._center.device, self._center.dtype)
+        payload = {
+            "epoch": 0,
+            "global_step": 0,
+            "pytorch-lightning_version": pl.__version__,
+            "state_dict": self._center_state_dict(center),
+            "optimizer_states": [],
+            "lr_schedulers": [],
+            "easgd": self._easgd_payload(state),
+            "written_at": time.time(),
+        }
+        try:
+            atomic_torch_save(payload, self._center_ckpt_file)
+        except OSError as err:  # never kill the server for a full disk; say so
+            log.warning("could not write %s: %s", self._center_ckpt_file, err)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        """Workers restart from the center with fresh optimizer state."""
+        if checkpoint.get("easgd") is None:
+            return super().load_optimizer_state_dict(checkpoint)
+
+    # ------------------------------------------------------------------ reporting
+    @override
+    def summary_extras(self) -> dict:
+        extras = super().summary_extras()
+        extras.update({
+            "role": "server" if self.is_server else "worker",
+            "server_rank": self.server_rank,
+            "tau": self._tau if self.rule == "elastic" else None,
+            "alpha": self._alpha,
+            "momentum": self._momentum,
+            "stop_policy": self._stop_policy,
+        })
+        if self.is_server and self._server is not None:
+            srv = self._server
+            extras.update(
+                updates=srv.updates,
+                served_per_rank=srv.served,
+                worker_steps=srv.worker_steps,
+                done_workers=srv.done,
+                dead_workers=srv.dead,
+                service_order=list(srv.service_log)[-400:],
+                lockfree=srv.lockfree,
+                resumed=self._resumed,
+                center_checkpoint=str(self._center_ckpt_file) if self._center_ckpt_file else None,
+            )
+        else:
+            extras.update(exchanges=self._exchanges, stop_reason=self._stop_reason or "own epochs/steps done")
+        return extras
+
+    @override
+    def teardown(self) -> None:
+        if self._liveness is not None:  # done serving or failed: either way, stop the heartbeat
+            self._liveness.stop()
+        self._signals.stop()
+        super().teardown()
+
+
+def _describe_resume(center: torch.Tensor, server_state: dict) -> dict:
+    mom = server_state.get("momentum")
+    return {
+        "center_sum": float(center.double().sum()),
+        "updates": server_state.get("updates"),
+        "momentum_sum": None if mom is None else float(mom.double().sum()),
+    }
+
