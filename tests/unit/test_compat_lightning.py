@@ -1,0 +1,168 @@
+"""The private Lightning / torch.distributed / DeepSpeed names in ``easgd_lightning.compat.lightning``
+still exist with the signature and behaviour the adapter relies on.
+
+A failure here names what an upgrade changed; fix the adapter (one module), not its callers.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import signal
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytorch_lightning as pl
+import pytorch_lightning.strategies.ddp as pl_ddp
+import torch
+import torch.distributed as dist
+from pytorch_lightning.loops.training_epoch_loop import _TrainingEpochLoop
+from pytorch_lightning.strategies import DDPStrategy
+
+from easgd_lightning.compat import lightning as compat
+from tests.helpers import REPO, base_env, free_port
+
+
+def _trainer() -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+
+
+def test_sigterm_broadcast_is_a_per_trainer_replaceable_loop_step() -> None:
+    method = _TrainingEpochLoop._broadcast_sigterm_tensor
+    assert list(inspect.signature(method).parameters) == ["self"]
+    # the loop calls it before every training batch (what the replacement stands in for)
+    assert "self._broadcast_sigterm_tensor()" in inspect.getsource(_TrainingEpochLoop.advance)
+    trainer, other = _trainer(), _trainer()
+    assert compat.sigterm_broadcast_replacement(trainer) is None
+    calls: list[int] = []
+    assert compat.replace_sigterm_broadcast(trainer, lambda: calls.append(1))
+    assert compat.sigterm_broadcast_replacement(trainer) is not None
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()  # what advance() calls
+    assert calls == [1]
+    assert compat.sigterm_broadcast_replacement(other) is None  # only that trainer's loop
+
+
+def test_sigterm_notifier_replaces_lightnings_handler_and_received_flag() -> None:
+    trainer = _trainer()
+    connector = trainer._signal_connector
+    assert isinstance(connector, compat.SignalConnector)
+    assert list(inspect.signature(compat.SignalConnector.__init__).parameters) == ["self", "trainer"]
+    assert list(inspect.signature(connector._sigterm_notifier_fn).parameters) == ["signum", "_"]
+    heard: list[int] = []
+    assert compat.set_sigterm_notifier(trainer, lambda signum, frame: heard.append(signum))
+    before = signal.getsignal(signal.SIGTERM)
+    connector.register_signal_handlers()  # reads the notifier, as fit does after setup
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        connector.teardown()
+        signal.signal(signal.SIGTERM, before)
+    assert heard == [signal.SIGTERM]
+    assert connector.received_sigterm is False  # our notifier, not Lightning's, ran
+    compat.mark_sigterm_received(trainer)
+    assert trainer.received_sigterm is True
+    replacement = compat.SignalConnector(trainer)
+    compat.set_signal_connector(trainer, replacement)
+    assert trainer._signal_connector is replacement
+
+
+def test_ddp_setup_outside_fitting_syncs_module_states_through_the_patched_name() -> None:
+    assert callable(pl_ddp._sync_module_states)
+    assert "_sync_module_states(self.model)" in inspect.getsource(DDPStrategy.setup)
+    original = pl_ddp._sync_module_states
+    with compat.module_state_sync_skipped():
+        assert pl_ddp._sync_module_states is not original
+        assert pl_ddp._sync_module_states(torch.nn.Linear(2, 2)) is None  # no broadcast
+    assert pl_ddp._sync_module_states is original
+
+
+def test_process_group_timeout_and_attached_trainer() -> None:
+    assert compat.process_group_timeout(DDPStrategy(timeout=timedelta(seconds=17))) == 17.0
+    assert compat.process_group_timeout(object(), default_s=5.0) == 5.0
+    module = pl.LightningModule()
+    assert compat.attached_trainer(module) is None
+    assert compat.attached_trainer(None) is None
+    trainer = _trainer()
+    module.trainer = trainer
+    assert compat.attached_trainer(module) is trainer
+
+
+def test_default_store_is_the_process_groups_store(tmp_path: Path) -> None:
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    store.set_timeout(timedelta(seconds=10))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        default = compat.default_store()
+        assert isinstance(default, dist.Store)
+        # what Liveness does with it: add (heartbeat counters), set and check (done flags)
+        default.set("compat/key", "7")
+        assert compat.default_store().get("compat/key") == b"7"
+        assert compat.default_store().check(["compat/key"]) and not default.check(["compat/none"])
+        assert int(default.add("compat/count", 2)) == 2 and int(default.add("compat/count", 0)) == 2
+        assert store.num_keys() >= 2  # written through to the store the group was built on
+    finally:
+        dist.destroy_process_group()
+
+
+SOURCE_RANK = """
+import os, sys, torch, torch.distributed as dist
+from datetime import timedelta
+from easgd_lightning.compat import lightning as compat
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", rank=rank, world_size=3, timeout=timedelta(seconds=60))
+if rank == 0:
+    got = []
+    for _ in range(2):
+        buf = torch.zeros(1)
+        work = dist.irecv(buf, src=None)
+        work.wait()
+        got.append((compat.source_rank(work), int(buf.item())))
+    assert sorted(got) == [(1, 10), (2, 20)], got
+    print("OK", got)
+else:
+    dist.send(torch.tensor([10.0 * rank]), dst=0)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_source_rank_names_the_sender_of_a_receive_from_any_source() -> None:
+    assert hasattr(dist.Work, "_source_rank")
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", SOURCE_RANK], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env=base_env(RANK=str(r), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+        )
+        for r in range(3)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=120)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    assert "OK [" in outs[0]
+
+
+def test_deepspeed_pipeline_module_keeps_its_grid() -> None:
+    from deepspeed.runtime.pipe.module import PipelineModule
+    from deepspeed.runtime.pipe.topology import PipelineParallelGrid
+
+    assert "self._grid = " in inspect.getsource(PipelineModule.__init__)
+    assert list(inspect.signature(PipelineParallelGrid.get_slice_parallel_group).parameters) == ["self"]
+
+    class _Grid:
+        def get_slice_parallel_group(self):
+            return "tp-group"
+
+    class _Module:
+        _grid = _Grid()
+
+    assert compat.pipeline_slice_group(_Module()) == "tp-group"
