@@ -178,7 +178,6 @@ class CancellableWait:
         return True
 
 
-
 #: seconds a rank may take to end by itself after SIGTERM / SIGINT before it is ended
 SIGNAL_GRACE_S = 5.0
 

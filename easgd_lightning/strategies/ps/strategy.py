@@ -115,7 +115,6 @@ def reject_unknown(name: str, kwargs: dict, options: tuple[str, ...]) -> None:
         )
 
 
-
 def _never_distributed() -> bool:
     return False
 
@@ -141,7 +140,6 @@ def local_metrics(module: torch.nn.Module) -> int:
     return count
 
 
-
 class _GradOnlyOptimizer:
     """Forwards to the wrapped optimizer, except that ``step(closure)`` only runs the closure.
 
@@ -157,7 +155,6 @@ class _GradOnlyOptimizer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._optimizer, name)
-
 
 
 def _optimizer_from_hint(hint: dict | None) -> Optimizer | None:
