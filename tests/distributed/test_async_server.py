@@ -28,7 +28,7 @@ def _load(out: Path, mode: str, ranks=(0, 1, 2, 3)) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("async_ps")
-    ranks = launch_ranks(SCRIPT, 4, ["fcfs,sgd,adam,adamfree,lockfree,dead", str(out)], timeout=240)
+    ranks = launch_ranks(SCRIPT, 4, ["fcfs,sgd,adam,adamfree,lockfree,overlap,dead", str(out)], timeout=240)
     (out / "server.err").write_text(ranks[3].stderr)  # the server's warnings (how it noticed the dead)
     return out
 
@@ -56,6 +56,29 @@ def test_fcfs_serves_whoever_arrives_and_matches_replay(runs: Path) -> None:
     torch.testing.assert_close(server["center"], c, rtol=1e-6, atol=1e-6)
     for r in WORKERS:  # everyone ends with the server's final center
         torch.testing.assert_close(recs[r]["final"], server["center"])
+
+
+def test_overlapped_requests_charge_only_the_wait_as_exposed_time(runs: Path) -> None:
+    """A request sent before COMPUTE_S of computation and collected after it: its time spans
+    the computation, but only the wait in ``end`` (after the computation) is exposed, so the
+    two differ by at least the computation. Blocking requests: the loop waited for them."""
+    compute_s = 0.6  # the script's COMPUTE_S
+    recs = _load(runs, "overlap")
+    for r in WORKERS:
+        over, block = recs[r]["overlapped"], recs[r]["blocking"]
+        assert over["time_s"] >= 2 * compute_s, over  # two requests, each spanning a sleep
+        # not exposed: the computation between begin and end (charging since begin: 0)
+        assert over["time_s"] - over["exposed_s"] >= 2 * compute_s, over
+        assert 0.0 < block["exposed_s"] <= block["time_s"], block
+    # the overlapped exchanges are still the elastic rule, replayed in the server's order
+    server, c, k = recs[3], torch.zeros(257), {r: 0 for r in WORKERS}
+    for sender in server["order"]:
+        d = (recs[sender]["sent"][k[sender]] - c) * 0.25
+        c = c + d
+        torch.testing.assert_close(recs[sender]["got"][k[sender]], d, rtol=1e-6, atol=1e-6)
+        k[sender] += 1
+    assert k == {0: 4, 1: 4, 2: 4}
+    torch.testing.assert_close(server["center"], c, rtol=1e-6, atol=1e-6)
 
 
 def test_sgd_server_with_momentum_matches_replay(runs: Path) -> None:

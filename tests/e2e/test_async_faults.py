@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from easgd_lightning.utils.checkpoint import CHECKSUM_KEY, load_checkpoint_file
 from tests.e2e.test_faults import pid_alive
 from tests.helpers import run_cli, train_summary
 
@@ -62,8 +63,11 @@ def test_a_dead_worker_neither_hangs_the_server_nor_the_others(tmp_path: Path, s
         assert server["dead_workers"] == [1] and sorted(server["done_workers"]) == [0, 2]
     else:
         assert s["extras"][0]["dead_workers"] == [1]
-    # the center checkpoint (written atomically, periodically) is intact and loadable
-    ckpt = torch.load(run / "checkpoints" / "center.ckpt", weights_only=False)
+    # the center checkpoint (written atomically, periodically, with its checksum) is intact,
+    # holds tensors and plain data only, and its checksum verifies
+    center_file = run / "checkpoints" / "center.ckpt"
+    assert CHECKSUM_KEY in torch.load(center_file, weights_only=True)
+    ckpt = load_checkpoint_file(center_file)
     assert ckpt["easgd"]["strategy"] == strategy
     assert _accuracy_of(ckpt["state_dict"]) >= 0.85
     last = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
@@ -77,7 +81,11 @@ def test_resume_restores_center_and_server_state(tmp_path: Path) -> None:
     first = train_summary(tmp_path / "a", *common, "trainer.max_epochs=2")
     assert first["status"] == "ok"
     ckpt_path = tmp_path / "a" / "checkpoints" / "last.ckpt"
-    ckpt = torch.load(ckpt_path, weights_only=False)
+    ckpt = load_checkpoint_file(ckpt_path)  # weights_only=True, checksum verified
+    # the server's own center file after a normal run: checksummed, no temporary file left
+    center_file = load_checkpoint_file(ckpt_path.parent / "center.ckpt")
+    assert CHECKSUM_KEY in center_file and center_file["easgd"]["strategy"] == "async_msgd"
+    assert not list(ckpt_path.parent.glob(".*.tmp"))
     easgd = ckpt["easgd"]
     assert easgd["strategy"] == "async_msgd" and easgd["server_rank"] == 3
     momentum = easgd["server"]["momentum"]

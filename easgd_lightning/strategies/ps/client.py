@@ -103,13 +103,18 @@ class ServerClient:
         return _Pending(works, reply_hdr, reply, (hdr, payload))
 
     def end(self, pending: _Pending) -> torch.Tensor:
-        """Wait for a request's reply; returns its payload (and records stop / updates)."""
+        """Wait for a request's reply; returns its payload (and records stop / updates).
+
+        The meter gets the request's whole time, from :meth:`begin`, and as exposed only
+        this wait: between ``begin`` and ``end`` the worker computes (SC17 overlap)."""
+        waited_from = time.perf_counter()
         try:
             for work in pending.works:
                 work.wait()
         except RuntimeError as err:
             raise self._error(err) from err
-        get_meter().add_time(self.kind, time.perf_counter() - pending.start)
+        done = time.perf_counter()
+        get_meter().add_time(self.kind, done - pending.start, exposed=done - waited_from)
         self.updates = int(pending.reply_hdr[1])
         self.stop = self.stop or bool(pending.reply_hdr[2])
         return pending.reply

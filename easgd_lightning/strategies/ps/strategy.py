@@ -56,7 +56,7 @@ Design decisions (and their trade-offs):
   (``last.ckpt``, per epoch) hold the center as the module weights and, in
   ``checkpoint["easgd"]["server"]``, the server's state (update count, per-worker counts
   and, for the SGD rule, the user's optimizer's state; ``momentum``: SGD's buffers, flat). The server also writes its own
-  ``center.ckpt`` (atomically: temporary file + rename) every ``checkpoint_every_s`` seconds
+  ``center.ckpt`` (with its checksum, atomically: temporary file + rename) every ``checkpoint_every_s`` seconds
   and at the end, so a crash of any worker leaves an intact, loadable center. Either file
   resumes a run (``checkpoint.resume=...``): the center and the server state are restored;
   workers restart from the center with fresh optimizer (and velocity) state.
@@ -772,12 +772,13 @@ class AsyncCenterStrategy(CenterStrategy):
         return self._easgd_payload(state)
 
     def _write_center_checkpoint(self, state: dict) -> None:
-        """The center file written by whoever holds the center (atomic: temp file + rename)."""
+        """The center file written by whoever holds the center: tensors and plain data with
+        their checksum, written atomically (temp file + rename), as every other checkpoint."""
         if self._center_ckpt_file is None:
             return
         import pytorch_lightning as pl
 
-        from easgd_lightning.utils.atomic import atomic_torch_save
+        from easgd_lightning.utils.checkpoint import save_checkpoint_file, to_plain
 
         center = state["center"].to(self._center.device, self._center.dtype)
         payload = {
@@ -791,7 +792,7 @@ class AsyncCenterStrategy(CenterStrategy):
             "written_at": time.time(),
         }
         try:
-            atomic_torch_save(payload, self._center_ckpt_file)
+            save_checkpoint_file(to_plain(payload, "center.ckpt"), self._center_ckpt_file)
         except OSError as err:  # never kill the server for a full disk; say so
             log.warning("could not write %s: %s", self._center_ckpt_file, err)
 

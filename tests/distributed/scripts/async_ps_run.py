@@ -15,6 +15,9 @@ Modes:
         rates (a schedule on the workers), a random start; 8 pushes per worker.
     lockfree: elastic rule on a Hogwild server (updates applied on a thread pool, no lock).
     adamfree: the adam mode on a Hogwild server (hogwild_sgd with server=dedicated).
+    overlap: elastic rule, 4 requests per worker: 2 sent before COMPUTE_S of (simulated)
+        computation and collected after it, as the strategy overlaps them, then 2 blocking;
+        each worker records its meter's parameter_server totals over each half.
     dead: elastic rule; worker 2 exits abruptly (no "done") after 3 requests.
 """
 
@@ -29,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from easgd_lightning.comm import get_meter
 from easgd_lightning.comm.liveness import Liveness
 from easgd_lightning.strategies.ps.client import ServerClient
 from easgd_lightning.strategies.ps.protocol import OP_ELASTIC, OP_GRAD, request_header_size
@@ -41,6 +45,7 @@ LR, MOMENTUM, WD = 0.1, 0.5, 0.01
 ADAM_LR, ADAM_WD = 0.05, 0.01
 SHAPES = [(16, 8), (64,), (64,)]  # adam mode: 256 parameters + 1 buffer; the third is frozen
 HAS_GRAD = [1.0, 1.0, 0.0]
+COMPUTE_S = 0.6  # overlap mode: the computation a worker does while its request travels
 
 
 def adam_start() -> torch.Tensor:
@@ -77,6 +82,16 @@ def x_of(rank: int, k: int) -> torch.Tensor:
     return torch.randn(N, generator=g) + rank
 
 
+def ps_totals() -> dict:
+    """This process's meter totals of parameter-server traffic."""
+    return dict(get_meter().snapshot()["by_kind"].get("parameter_server", {"time_s": 0.0, "exposed_s": 0.0}))
+
+
+def since(before: dict) -> dict:
+    now = ps_totals()
+    return {k: now[k] - before[k] for k in ("time_s", "exposed_s")}
+
+
 def main(modes: str, out: Path) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     names = modes.split(",")
@@ -108,7 +123,8 @@ def run(mode: str, out: Path) -> None:
     else:
         client = ServerClient(SERVER, torch.zeros(N), 4, n_params=N - 1, liveness=live,
                               header_size=request_header_size(optimizer, params))
-        count = {"fcfs": 12, "sgd": 8, "adam": 8, "adamfree": 8, "lockfree": 12, "dead": 10}[mode]
+        count = {"fcfs": 12, "sgd": 8, "adam": 8, "adamfree": 8, "lockfree": 12, "overlap": 4, "dead": 10}[mode]
+        meter_from = ps_totals()
         sent, got, times = [], [], []
         for k in range(count):
             if mode == "dead" and rank == 2 and k == 3:
@@ -116,7 +132,13 @@ def run(mode: str, out: Path) -> None:
             if mode == "fcfs":
                 time.sleep(0.04 if rank == 1 else 0.001)
             x = x_of(rank, k)
-            if sgd_rule:
+            if mode == "overlap" and k < 2:
+                pending = client.begin(OP_ELASTIC, x, k + 1, 0.0)
+                time.sleep(COMPUTE_S)  # the local step, while the request travels
+                got.append(client.end(pending).clone())
+                if k == 1:
+                    record["overlapped"], meter_from = since(meter_from), ps_totals()
+            elif sgd_rule:
                 if mode.startswith("adam"):
                     x[192:256] = 0.0  # no gradient for the frozen parameter: zeros, as a worker sends
                 got.append(client.call(OP_GRAD, x, k + 1, extras=extras_of(mode, k)).clone())
@@ -124,6 +146,8 @@ def run(mode: str, out: Path) -> None:
                 got.append(client.call(OP_ELASTIC, x, k + 1, 0.0).clone())
             sent.append(x)
             times.append(time.monotonic())
+        if mode == "overlap":
+            record["blocking"] = since(meter_from)
         final = client.finish(count)
         record.update(sent=sent, got=got, final=final.clone(), times=times)
     live.stop()
