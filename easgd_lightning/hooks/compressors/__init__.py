@@ -29,6 +29,7 @@ from easgd_lightning.hooks.compressors.qsgd import QSGDCompressor
 from easgd_lightning.hooks.compressors.randomk import RandomKCompressor
 from easgd_lightning.hooks.compressors.redsync import RedSyncCompressor
 from easgd_lightning.hooks.compressors.sidco import SIDCoCompressor
+from easgd_lightning.hooks.compressors.sgc import SGCCompressor
 from easgd_lightning.hooks.compressors.signsgd import SignSGDCompressor
 from easgd_lightning.hooks.compressors.sketch import SketchCompressor
 from easgd_lightning.hooks.compressors.sparse_gc import SparseGCCompressor
@@ -52,6 +53,7 @@ __all__ = [
     "QSGDCompressor",
     "RandomKCompressor",
     "RedSyncCompressor",
+    "SGCCompressor",
     "SIDCoCompressor",
     "SignSGDCompressor",
     "SketchCompressor",
@@ -95,6 +97,7 @@ for _cls in (
     SparseGCCompressor,
     GCompCompressor,
     ACPSGDCompressor,
+    SGCCompressor,
 ):
     register_compressor(_cls)
 
