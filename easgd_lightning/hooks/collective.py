@@ -87,6 +87,7 @@ class ProcessGroupCollective:
         self.group = group
         self.kind = kind
         self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
         self._pending_dense: int | None = None
         self._key = None
         self._gathers = 0

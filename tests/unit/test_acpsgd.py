@@ -12,7 +12,7 @@ from easgd_lightning.hooks import build_compressor
 
 
 class ThreadRanks:
-    """``world`` ranks in threads of one process; all_reduce_sum meets at a barrier."""
+    """``world`` ranks in threads of one process; all_reduce_sum and all_gather meet at a barrier."""
 
     def __init__(self, world: int) -> None:
         self.world = world
@@ -25,6 +25,17 @@ class ThreadRanks:
 
         class _C:
             world_size = outer.world
+
+            def __init__(self):
+                self.rank = rank
+
+            def all_gather(self, tensors):
+                outer.sent_bytes[rank] += sum(t.numel() * t.element_size() for t in tensors)
+                outer._slots[rank] = [t.clone() for t in tensors]
+                outer._barrier.wait()
+                out = [[t.clone() for t in outer._slots[r]] for r in range(outer.world)]
+                outer._barrier.wait()
+                return out
 
             def all_reduce_sum(self, tensors):
                 outer.sent_bytes[rank] += sum(t.numel() * t.element_size() for t in tensors)

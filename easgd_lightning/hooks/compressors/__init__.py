@@ -138,7 +138,9 @@ def build_compressor(name: str | None = "none", **params) -> Compressor:
 
     Args:
         name: a config name (see :func:`compressor_names`); ``None`` means ``"none"``.
-        **params: that compressor's parameters plus ``min_numel`` and ``memory``.
+        **params: that compressor's parameters plus ``min_numel`` and ``memory``, and
+            ``two_way`` (true: :class:`~easgd_lightning.hooks.compressors.two_way.
+            TwoWayCompressor` around it, compressed in both directions).
 
     Raises:
         ValueError: unknown name, unknown parameter, or a value out of range; the
@@ -146,6 +148,13 @@ def build_compressor(name: str | None = "none", **params) -> Compressor:
     """
     if name is None:
         name = "none"
+    two_way = params.pop("two_way", False)
+    if not isinstance(two_way, bool):
+        raise ValueError(f"compression.two_way must be true or false, got {two_way!r}")
+    if two_way:
+        from easgd_lightning.hooks.compressors.two_way import TwoWayCompressor
+
+        return TwoWayCompressor(build_compressor(name, **params))
     cls = _lookup(name) if isinstance(name, str) else None
     if cls is None:
         raise ValueError(f"compression.name must be one of {compressor_names()}, got {name!r}")
