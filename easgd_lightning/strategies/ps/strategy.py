@@ -82,6 +82,7 @@ from typing_extensions import override
 from easgd_lightning.comm import ops
 from easgd_lightning.comm.liveness import Liveness, SignalWatch
 from easgd_lightning.compat import lightning as compat
+from easgd_lightning.hooks.compressors.dgc import release_optimizer_momentum
 from easgd_lightning.strategies import elastic
 from easgd_lightning.strategies.base import (
     CenterStrategy,
@@ -569,14 +570,7 @@ class AsyncCenterStrategy(CenterStrategy):
 
     def _own_momentum(self, optimizer: Optimizer) -> None:
         """EAMSGD applies its own momentum: switch the optimizer's off."""
-        changed = False
-        for group in optimizer.param_groups:
-            if group.get("momentum", 0):
-                group["momentum"] = 0.0
-                changed = True
-            if group.get("nesterov"):
-                group["nesterov"] = False
-        if changed and self.global_rank == 0:
+        if release_optimizer_momentum([optimizer]) and self.global_rank == 0:
             rank_zero_warn(
                 f"{self.strategy_name} applies its own Nesterov momentum (strategy.momentum="
                 f"{self._momentum}); the optimizer's momentum was set to 0 so it is not applied twice"
