@@ -7,10 +7,16 @@ Every run has the same seed, data, epochs and batch size; the model is the defau
 (9610 parameters), so every tensor is compressed (``compression.min_numel=0``). DGC keeps
 the momentum itself (``optim.momentum=0``) with a short warm-up (20 steps).
 
+Beside one row per compressor, ``VARIANTS`` adds rows of the same workload under other
+settings: the new schemes at the densities digits can show (sparse_gc at 1%, sgc at the
+similarity digits gradients reach) and Adam with one-way and two-way top-k
+(``compression.two_way``, Zhong et al. 2021) beside dense Adam.
+
 Usage::
 
     .venv/bin/python bench/compression_digits.py                 # all compressors
     .venv/bin/python bench/compression_digits.py --names none,dgc --epochs 5
+    .venv/bin/python bench/compression_digits.py --epochs 5 --batch-size 32 --variants
 
 Writes bench/results/compression_digits.{json,md}.
 """
@@ -39,9 +45,22 @@ EXTRA = {
     "randomk": ["optim.momentum=0"],
 }
 
+ADAM = ["optim.optimizer=adamw", "optim.lr=0.003"]
+#: label -> (compression name, overrides): extra rows of the same workload
+VARIANTS = {
+    "sparse_gc@0.01": ("sparse_gc", ["compression.ratio=0.01"]),
+    "sgc@0.75": ("sgc", ["compression.threshold=0.75"]),
+    "none+adam": ("none", ADAM),
+    "topk@0.01+adam one-way": ("topk", ["compression.ratio=0.01", *ADAM]),
+    "topk@0.01+adam two-way": ("topk", ["compression.ratio=0.01", "compression.two_way=true", *ADAM]),
+    "signsgd+adam one-way": ("signsgd", ADAM),
+    "signsgd+adam two-way": ("signsgd", ["compression.two_way=true", *ADAM]),
+}
 
-def run_one(name: str, out: Path, args: argparse.Namespace) -> dict:
-    run_dir = out / "runs" / name
+
+def run_one(label: str, out: Path, args: argparse.Namespace) -> dict:
+    name, variant = VARIANTS.get(label, (label, []))
+    run_dir = out / "runs" / label.replace(" ", "_").replace("@", "_").replace("+", "_")
     cmd = [
         sys.executable, "-m", "easgd_lightning.cli.train",
         f"hydra.run.dir={run_dir}", "logger=csv", "trainer.enable_progress_bar=false",
@@ -51,18 +70,18 @@ def run_one(name: str, out: Path, args: argparse.Namespace) -> dict:
     ]
     if name != "none":
         cmd.append("compression.min_numel=0")
-    cmd += EXTRA.get(name, [])
+    cmd += EXTRA.get(name, []) + variant
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONPATH=str(REPO))
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0 or not (run_dir / "summary.json").exists():
-        return {"compressor": name, "status": "failed", "error": proc.stderr[-2000:]}
+        return {"compressor": label, "status": "failed", "error": proc.stderr[-2000:]}
     s = json.loads((run_dir / "summary.json").read_text())
     dp = s["comm"]["by_kind"].get("data_parallel", {})
     stats = (s.get("extras") or [{}])[0].get("compression_stats", {})
     wall = s["wall_time_s"] or float("nan")
     return {
-        "compressor": name,
+        "compressor": label,
         "status": s["status"],
         "val_acc": s["val_acc"],
         "ratio": dp.get("dense_bytes", 0) / max(1, dp.get("bytes_sent", 1)),
@@ -71,7 +90,7 @@ def run_one(name: str, out: Path, args: argparse.Namespace) -> dict:
         "wall_time_s": wall,
         "steps": s["steps_per_rank"][0],
         "command": " ".join(cmd[1:]),
-        "extra": " ".join(EXTRA.get(name, [])),
+        "extra": " ".join(EXTRA.get(name, []) + variant),
         "elapsed_s": time.perf_counter() - start,
     }
 
@@ -107,9 +126,12 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    p.add_argument("--variants", action="store_true", help="add the VARIANTS rows")
     args = p.parse_args(argv)
     # optimus_cc is the pipeline (3D) compressor: see bench/nlp3d_optimus.py
     names = args.names.split(",") if args.names else [n for n in compressor_names() if n != "optimus_cc"]
+    if args.variants:
+        names += list(VARIANTS)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in names:
