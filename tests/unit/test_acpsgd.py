@@ -131,6 +131,6 @@ def test_vectors_travel_dense():
     ranks = ThreadRanks(2)
     xs = [torch.arange(5.0), torch.ones(5)]
     out = ranks.run(lambda r: comp.aggregate(xs[r], {}, ranks.collective(r)))
-    for mean, local in out:
+    for mean, _local in out:
         torch.testing.assert_close(mean, (xs[0] + xs[1]) / 2)
     torch.testing.assert_close(out[1][1], xs[1])
