@@ -21,15 +21,15 @@ from easgd_lightning.hooks.compressors.base import (
     tensor_bytes,
 )
 from easgd_lightning.hooks.compressors.dgc import DGCCompressor
-from easgd_lightning.hooks.compressors.gcomp import GCompCompressor
 from easgd_lightning.hooks.compressors.fp16 import BF16Compressor, FP16Compressor
+from easgd_lightning.hooks.compressors.gcomp import GCompCompressor
 from easgd_lightning.hooks.compressors.none import NoneCompressor
 from easgd_lightning.hooks.compressors.powersgd import PowerSGDCompressor
 from easgd_lightning.hooks.compressors.qsgd import QSGDCompressor
 from easgd_lightning.hooks.compressors.randomk import RandomKCompressor
 from easgd_lightning.hooks.compressors.redsync import RedSyncCompressor
-from easgd_lightning.hooks.compressors.sidco import SIDCoCompressor
 from easgd_lightning.hooks.compressors.sgc import SGCCompressor
+from easgd_lightning.hooks.compressors.sidco import SIDCoCompressor
 from easgd_lightning.hooks.compressors.signsgd import SignSGDCompressor
 from easgd_lightning.hooks.compressors.sketch import SketchCompressor
 from easgd_lightning.hooks.compressors.sparse_gc import SparseGCCompressor
