@@ -21,7 +21,7 @@ def _run(tmp_path: Path, world: int, scenarios: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
-    return _run(tmp_path_factory.mktemp("two"), 2, "aggregate,ddp,ddp_dgc,elastic,elastic_split")
+    return _run(tmp_path_factory.mktemp("two"), 2, "aggregate,ddp,ddp_dgc,elastic,elastic_split,csc")
 
 
 def _check_aggregate(ranks: list[dict]) -> None:
@@ -45,6 +45,13 @@ def test_aggregate_matches_gathered_dense_contributions_two_ranks(two_ranks):
 
 def test_aggregate_matches_gathered_dense_contributions_three_ranks(tmp_path):
     _check_aggregate(_run(tmp_path, 3, "aggregate"))
+
+
+def test_csc_sends_the_chunks_of_largest_summed_l1_norm(two_ranks):
+    for rank in two_ranks:
+        res = rank["csc"]
+        assert res["chosen"] == res["ref_chosen"]
+        assert max(res["err"]) < 1e-12 and res["local_err"] == 0.0
 
 
 def test_ddp_hook_runs_on_cpu_with_the_payload_bytes(two_ranks):

@@ -20,6 +20,7 @@ from easgd_lightning.hooks.compressors.base import (
     Payload,
     tensor_bytes,
 )
+from easgd_lightning.hooks.compressors.csc import CSCCompressor
 from easgd_lightning.hooks.compressors.dgc import DGCCompressor
 from easgd_lightning.hooks.compressors.fp16 import BF16Compressor, FP16Compressor
 from easgd_lightning.hooks.compressors.gcomp import GCompCompressor
@@ -42,6 +43,7 @@ __all__ = [
     "PLUGINS",
     "AdaptiveCompressor",
     "BF16Compressor",
+    "CSCCompressor",
     "Collective",
     "Compressor",
     "DGCCompressor",
@@ -98,6 +100,7 @@ for _cls in (
     GCompCompressor,
     ACPSGDCompressor,
     SGCCompressor,
+    CSCCompressor,
 ):
     register_compressor(_cls)
 

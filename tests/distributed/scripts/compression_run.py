@@ -65,6 +65,8 @@ CASES = {
         {"bandwidth": 1e7, "compute_time": 0.001, "min_numel": 0},
         lambda c, st: 8 + st["last_nnz"] * 8 + 8,
     ),
+    # 3072 entries in 12 chunks of 256: 12 scores + 3 chunks, all-reduced
+    "csc": ({"ratio": 0.25, "chunk_size": 256, "min_numel": 0}, lambda c, st: (12 + 3 * 256) * 4),
 }
 
 
@@ -305,6 +307,31 @@ def scenario_elastic_split(rank: int, world: int) -> dict:
                 for k in keys
             ))
         out[name] = {"err": errs, "residual_err": res_errs, "scale": float(whole[0].abs().max())}
+    return out
+
+
+def scenario_csc(rank: int, world: int) -> dict:
+    """GradientFlow's chunk selection against a reference from the gathered inputs: the
+    3 of 12 chunks with the largest L1 norm summed over ranks, their mean sent densely."""
+    comp = build_compressor("csc", ratio=0.25, chunk_size=256, min_numel=0)
+    coll = ProcessGroupCollective(kind="test_csc_ref")
+    out = {"err": [], "chosen": [], "ref_chosen": []}
+    for step in range(3):
+        g = torch.Generator().manual_seed(7 * rank + 100 * step)
+        x = (torch.randn(N, generator=g, dtype=torch.float64) * torch.linspace(0.1, 2.0, N, dtype=torch.float64)
+             * (1 + rank))
+        state: dict = {}
+        mean, local = comp.aggregate(x.view(SHAPE), state, coll)
+        xs = gather(x)
+        scores = [sum(float(xi[j * 256:(j + 1) * 256].abs().sum()) for xi in xs) for j in range(12)]
+        ref_chosen = sorted(sorted(range(12), key=lambda j: -scores[j])[:3])
+        ref = torch.zeros(N, dtype=torch.float64)
+        for j in ref_chosen:
+            ref[j * 256:(j + 1) * 256] = sum(xi[j * 256:(j + 1) * 256] for xi in xs) / world
+        out["err"].append(float((mean.reshape(-1) - ref).abs().max()))
+        out["local_err"] = float((local.reshape(-1) - torch.where(ref != 0, x, 0.0)).abs().max())
+        out["chosen"].append(state["chosen"].tolist())
+        out["ref_chosen"].append(ref_chosen)
     return out
 
 

@@ -1,0 +1,136 @@
+"""Coarse-grained sparse communication (``compression=csc``).
+
+Sun, Chen, Xu, Wu, Yang, Yuan, Wang, "Optimizing Network Performance for Distributed DNN
+Training on GPU Clusters: ImageNet/AlexNet Training in 1.5 Minutes" (GradientFlow, 2019).
+
+Rule, for a flat gradient g of n entries split into m = ceil(n / c) chunks of c entries
+(``chunk_size``; the last chunk may be shorter):
+
+1. importance of chunk j on rank i: s_ij = ||g_i[chunk j]||_1; one all-reduce sums them,
+   S_j = sum_i s_ij, so every rank holds the same scores;
+2. every rank selects the same k = ceil(``ratio`` * m) chunks, those of largest S_j (ties
+   to the lower index, so the choice is identical everywhere);
+3. the selected chunks travel **densely** in one all-reduce of k * c entries (no
+   all-gather, no indices): mean = (1/p) sum_i g_i on the selected chunks, 0 elsewhere;
+4. the entries of the chunks not sent stay in the residual (error feedback, on by
+   default): r_i <- g_i + r_i - (the selected chunks of g_i + r_i).
+
+Bytes per step and rank: m scores + k * c selected entries (both in the gradient's dtype).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from easgd_lightning.hooks.compressors.base import (
+    Collective,
+    Compressor,
+    Payload,
+    check_int,
+    check_ratio,
+    scratch_buffer,
+    scratch_of,
+)
+
+__all__ = ["CSCCompressor", "chunk_scores", "select_chunks"]
+
+
+def chunk_scores(flat: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """The L1 norm of each ``chunk_size`` chunk of ``flat`` (the last may be shorter)."""
+    n = flat.numel()
+    full = n // chunk_size
+    scores = flat.new_empty(math.ceil(n / chunk_size))
+    if full:
+        torch.sum(flat[: full * chunk_size].view(full, chunk_size).abs(), dim=1, out=scores[:full])
+    if full * chunk_size < n:
+        scores[full] = flat[full * chunk_size :].abs().sum()
+    return scores
+
+
+def select_chunks(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices (ascending) of the ``k`` largest ``scores``; ties go to the lower index."""
+    order = torch.argsort(-scores, stable=True)
+    return torch.sort(order[:k]).values
+
+
+class CSCCompressor(Compressor):
+    """GradientFlow's coarse-grained sparse communication: the top chunks by summed L1 norm,
+    all-reduced densely; the rest kept as residual.
+
+    Args:
+        ratio: fraction of the chunks sent, in (0, 1] (k = ceil(ratio * chunks)).
+        chunk_size: entries per chunk (>= 1; the paper: tens of thousands).
+        min_numel, memory: attach-point policies (see :class:`Compressor`; memory on by default).
+    """
+
+    name = "csc"
+    aggregation = "allreduce"
+    default_memory = True
+
+    def __init__(self, ratio: float = 0.1, *, chunk_size: int = 32768,
+                 min_numel: int | None = None, memory: bool | None = None) -> None:
+        super().__init__(min_numel=min_numel, memory=memory)
+        self.ratio = check_ratio("ratio", ratio)
+        self.chunk_size = check_int("chunk_size", chunk_size, 1)
+
+    # compress / decompress describe one rank's part (the selection is agreed in aggregate)
+    def compress(self, tensor: torch.Tensor, state: dict) -> Payload:
+        flat = tensor.reshape(-1)
+        chosen = state.get("chosen")
+        if chosen is None:  # no agreed selection (used alone): this rank's own top chunks
+            chosen = select_chunks(chunk_scores(flat, self.chunk_size), self._k(flat.numel()))
+        return Payload((self._gather(flat, chosen, state),), {"chosen": chosen, "n": flat.numel()})
+
+    def decompress(self, payload: Payload, shape: torch.Size) -> torch.Tensor:
+        (values,) = payload.tensors
+        out = values.new_zeros(payload.meta["n"])
+        self._scatter(values, payload.meta["chosen"], out)
+        return out.view(shape)
+
+    def aggregate(self, tensor: torch.Tensor, state: dict, collective: Collective
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores all-reduce, the same chunks chosen everywhere, one dense all-reduce of them;
+        returns (mean over ranks, this rank's sent part)."""
+        flat = tensor.reshape(-1)
+        n, world = flat.numel(), collective.world_size
+        (scores,) = collective.all_reduce_sum([chunk_scores(flat, self.chunk_size)])
+        chosen = select_chunks(scores, self._k(n))
+        values = self._gather(flat, chosen, state)
+        local = self._dense(values, chosen, state, "local", n)
+        (summed,) = collective.all_reduce_sum([values])
+        mean = self._dense(summed.div_(world), chosen, state, "mean", n)
+        state["chosen"] = chosen
+        state["last_payload_bytes"] = (scores.numel() + values.numel()) * values.element_size()
+        return mean.view(tensor.shape), local.view(tensor.shape)
+
+    # ------------------------------------------------------------------ helpers
+    def _k(self, n: int) -> int:
+        return max(1, math.ceil(self.ratio * math.ceil(n / self.chunk_size)))
+
+    def _spans(self, chosen: torch.Tensor, n: int) -> list[tuple[int, int]]:
+        c = self.chunk_size
+        return [(j * c, min(n, (j + 1) * c)) for j in chosen.tolist()]
+
+    def _gather(self, flat: torch.Tensor, chosen: torch.Tensor, state: dict) -> torch.Tensor:
+        spans = self._spans(chosen, flat.numel())
+        size = sum(b - a for a, b in spans)
+        out = scratch_buffer(scratch_of(state), "values", size, flat.dtype, flat.device)
+        at = 0
+        for a, b in spans:
+            out[at : at + b - a].copy_(flat[a:b])
+            at += b - a
+        return out
+
+    def _scatter(self, values: torch.Tensor, chosen: torch.Tensor, out: torch.Tensor) -> None:
+        at = 0
+        for a, b in self._spans(chosen, out.numel()):
+            out[a:b].copy_(values[at : at + b - a])
+            at += b - a
+
+    def _dense(self, values: torch.Tensor, chosen: torch.Tensor, state: dict, key: str, n: int
+               ) -> torch.Tensor:
+        out = scratch_buffer(scratch_of(state), key, n, values.dtype, values.device).zero_()
+        self._scatter(values, chosen, out)
+        return out
