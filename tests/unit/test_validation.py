@@ -38,7 +38,7 @@ BAD = [
     # Hydra-level: unknown group options (optional groups too), unparsable overrides
     (["strategy=bogus"], "strategy=bogus", "choose one of async_easgd, async_measgd"),
     (["strategy=sync_easg"], "strategy=sync_easg", "did you mean sync_easgd?"),
-    (["compression=bogus"], "compression=bogus", "choose one of acpsgd, adaptive, bf16, dgc"),
+    (["compression=bogus"], "compression=bogus", "choose one of acpsgd, adaptive, bf16, csc, dgc"),
     (["model=bogus"], "model=bogus", "choose one of alexnet, googlenet, gpt_tiny, mlp, resnet50"),
     (["recipe=bogus"], "recipe=bogus", "imagenet/alexnet_gpu"),
     (["trainer=bogus"], "trainer=bogus", "choose one of cpu, gpu"),
