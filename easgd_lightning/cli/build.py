@@ -480,12 +480,17 @@ def check_resume(cfg: Any, world: int, module: Any) -> None:
         CheckpointError,
         checkpoint_identity,
         load_checkpoint_file,
+        verify_checkpoint_dir,
     )
 
     name = cfg.strategy.get("name")
     if name == "pipeline_3d":  # a directory of per-stage shards (strategies/pipeline.py)
         if not (Path(path) / "meta.pt").is_file():
             raise ConfigError(f"checkpoint.resume: {path} is not a pipeline_3d checkpoint directory (no meta.pt)")
+        try:
+            verify_checkpoint_dir(path, "meta.pt")  # every shard readable, checksums matching
+        except CheckpointError as err:
+            raise ConfigError(f"checkpoint.resume: {err}") from None
         return
     try:
         ckpt = load_checkpoint_file(path)

@@ -48,6 +48,7 @@ __all__ = [
     "new_run_id",
     "spawn_and_supervise",
     "first_failure",
+    "first_failure_of_reports",
     "describe_returncode",
     "remove_stray_temp_files",
     "stop_grace_s",
@@ -202,20 +203,65 @@ def first_failure(failures: list[dict]) -> dict | None:
     return (causes or ordered)[0]
 
 
-def failure_message(first: dict | None, codes: list[int | None]) -> str | None:
-    """One line for ``summary.error``: who failed first and how, then every rank's exit."""
+def failure_message(first: dict | None, codes: list[int | None] | None) -> str | None:
+    """One line for ``summary.error``: who failed first and how, then every rank's exit
+    (when the launcher saw them: ``codes`` None under torchrun / SLURM)."""
     if first is None:
         return None
-    rank, at = first["rank"], first["t_s"]
+    rank, at = first["rank"], first.get("t_s")
+    when = f" at {at:.1f}s" if at is not None else ""
     if first.get("state") == "stopped":
-        what = f"rank {rank} stopped answering (process stopped at {at:.1f}s, killed after timeout_s)"
+        what = f"rank {rank} stopped answering (process stopped{when}, killed after timeout_s)"
+    elif first.get("state") == "lost":
+        what = f"rank {rank} failed first: it ended without a report"
     elif "signal" in first:
-        what = f"rank {rank} failed first: killed by {first['signal']} at {at:.1f}s"
+        what = f"rank {rank} failed first: killed by {first['signal']}{when}"
     else:
-        what = f"rank {rank} failed first: exit code {first.get('exitcode')} at {at:.1f}s"
+        what = f"rank {rank} failed first: exit code {first.get('exitcode')}{when}"
     if first.get("error"):
         what += f" ({first['error']})"
-    return f"{what}; worker exit codes {codes}"
+    return what if codes is None else f"{what}; worker exit codes {codes}"
+
+
+#: ``first_failure["error"]`` of a rank that left no report under an external launcher
+LOST_RANK_ERROR = "no report: the process ended without a word (SIGKILL, os._exit, or a lost node)"
+
+
+def first_failure_of_reports(reports: list[dict | None], started: float) -> dict | None:
+    """The first failure of a run whose ranks another launcher started (torchrun, SLURM),
+    from the ranks' own reports (``cli/worker.py``); ``started``: the time (``time.time()``)
+    the ``t_s`` fields count from.
+
+    Rule: a rank's own error (not a lost peer, not a stop signal) is a cause; the earliest
+    cause wins (as :func:`first_failure`). Without one, a rank that left no report (it died
+    without a word: SIGKILL, ``os._exit``, a lost node) is the first failure -- a stop
+    signal always leaves a report, so signalled survivors were stopped after it (torchrun
+    and SLURM signal every rank once one has died). Otherwise the earliest signal or peer
+    error. None when every rank reported success.
+    """
+    failures, lost = [], []
+    for rank, rep in enumerate(reports):
+        if rep is None:
+            lost.append(rank)
+            continue
+        if rep.get("status") == "ok":
+            continue
+        at = rep.get("failed_at")
+        sig = rep.get("signal")
+        failures.append({
+            "rank": rank,
+            "t_s": round(at - started, 2) if isinstance(at, (int, float)) else None,
+            "exitcode": 128 + int(signal.Signals[sig]) if sig else 1,  # what the rank exits with
+            "error": rep.get("error"),
+            "consequence": bool(rep.get("peer_error")) or bool(sig),
+        })
+    causes = [f for f in failures if not f["consequence"] and f["t_s"] is not None]
+    if causes:
+        return first_failure(causes)
+    if lost:
+        return {"rank": lost[0], "t_s": None, "state": "lost", "error": LOST_RANK_ERROR}
+    timed = [f for f in failures if f["t_s"] is not None]
+    return first_failure(timed) if timed else (failures[0] if failures else None)
 
 
 @dataclass

@@ -186,25 +186,60 @@ def _train_local(cfg: DictConfig, out_dir: Path, run_id: str, signals: launch.La
 
 
 def _train_as_rank(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
-    """This process is one rank of an externally launched run; global rank 0 writes the summary."""
+    """This process is one rank of an externally launched run (torchrun, SLURM).
+
+    Every rank writes its outcome (``ranks/rankR.json``, also when it fails), then waits,
+    bounded, for the others'. The summary is written by the lowest rank that reported --
+    global rank 0 unless it died without a word -- and names the first failure
+    (:func:`launch.first_failure_of_reports`); a failed rank re-raises its error after that.
+    """
     validate_config(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     timeout_s = float(cfg.get("timeout_s", 300))
     rank, world = _external_rank_world()
-    report = run_worker(cfg, out_dir)
-    if int(cfg.trainer.get("num_nodes", 1)) > 1:
+    started = time.time()
+    failure: BaseException | None = None
+    try:
+        report = run_worker(cfg, out_dir)  # on failure it has written this rank's report
+    except BaseException as err:  # noqa: BLE001 -- re-raised below, after the summary
+        failure = err
+    if failure is None and int(cfg.trainer.get("num_nodes", 1)) > 1:
         _share_reports(report, out_dir, rank)
     close_process_group()  # the last collective is done (issue 14: an abort at exit)
-    if rank != 0:
-        return {}
-    _wait_for_rank_files(out_dir, world, timeout_s)
+    summary = _summarize_external_run(resolved, out_dir, rank, world, started, _report_wait_s(timeout_s))
+    if failure is not None:
+        raise failure
+    return summary
+
+
+def _report_wait_s(timeout_s: float) -> float:
+    """How long a rank waits for the others' reports: ``timeout_s`` (a peer stuck in a
+    collective fails within it), or half the stop grace when this rank is stopping on a
+    signal (its own deadline ends the process at the full grace)."""
+    from easgd_lightning.utils import stop
+
+    if stop.stop_signal() is not None:
+        return max(1.0, stop.grace_s() / 2)
+    return timeout_s
+
+
+def _summarize_external_run(resolved: dict, out_dir: Path, rank: int, world: int, started: float,
+                            wait_s: float) -> dict[str, Any]:
+    """Write ``summary.json`` if this rank is the lowest that reported; returns it ({} if not)."""
+    from easgd_lightning.cli.worker import rank_file
+
     run_id = current_run_id()
+    _wait_for_rank_files(out_dir, world, wait_s)
     reports = read_rank_reports(out_dir, world, run_id)
+    reporters = [r for r, rep in enumerate(reports) if rep is not None]
+    if not rank_file(out_dir, rank).exists() or (reporters and reporters[0] != rank):
+        return {}
+    first = launch.first_failure_of_reports(reports, started)
     status, error = "ok", None
-    if any(r is None or r.get("status") != "ok" for r in reports):
-        status, error = "failed", "some ranks did not report"
+    if first is not None:
+        status, error = "failed", launch.failure_message(first, None)
     summary = build_summary(resolved, reports, status=status, error=error)
-    summary["run_id"] = run_id
+    summary.update(run_id=run_id, first_failure=first)
     path = write_summary(out_dir, summary)
     log.info("summary: %s (val_acc=%s, wall=%.1fs)", path, summary["val_acc"], summary["wall_time_s"])
     return summary

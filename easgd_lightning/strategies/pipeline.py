@@ -52,7 +52,13 @@ from easgd_lightning.comm import ops
 from easgd_lightning.hooks.optimus_cc import OptimusCCConfig
 from easgd_lightning.parallel.layout import validate_layout
 from easgd_lightning.strategies.registry import register_strategy, reject_unknown_kwargs
-from easgd_lightning.utils.atomic import atomic_torch_save
+from easgd_lightning.utils.checkpoint import (
+    CHECKSUM_KEY,
+    CheckpointError,
+    load_checkpoint_file,
+    save_checkpoint_file,
+    to_plain,
+)
 
 __all__ = ["Pipeline3DStrategy", "split_micro_batches", "resolve_optimus"]
 
@@ -404,29 +410,48 @@ class Pipeline3DStrategy(DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
                         storage_options: Any | None = None) -> None:
-        """Write this (stage, tensor rank)'s shard, then (rank 0) ``meta.pt`` last."""
+        """Write this (stage, tensor rank)'s shard, then (rank 0) ``meta.pt`` last; every
+        file atomically, with its checksum, tensors and plain data only (utils/checkpoint.py)."""
         path = Path(filepath)
         if self.coords["data"] == 0:
             shard = {k: checkpoint[k] for k in _SHARD_KEYS if k in checkpoint}
-            shard["coords"] = self.coords
-            atomic_torch_save(shard, path / self._shard_name())
+            shard["coords"] = dict(self.coords)
+            save_checkpoint_file(shard, path / self._shard_name())
         if self._engine is not None and self._optimus is not None:
             # residuals and warm starts differ per replica: one file per rank
-            atomic_torch_save(self._engine.optimus_state_dict(), path / self._compressor_state_name())
+            state = to_plain(self._engine.optimus_state_dict(), "optimus_cc state")
+            save_checkpoint_file(state, path / self._compressor_state_name())
         ops.barrier(kind="control")
         if self.is_global_zero:
             meta = {k: v for k, v in checkpoint.items() if k not in _SHARD_KEYS}
             meta["pipeline_3d"] = {**self.layout, "micro_batches": self._micro_batches}
-            atomic_torch_save(meta, path / _META)
+            save_checkpoint_file(meta, path / _META)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict:
+        """This rank's part of the checkpoint directory (``meta.pt``, its stage shard, its
+        Optimus-CC state), each file weights-only and checksum-verified. Every rank raises
+        when any rank's part is unusable (one rank alone would leave the others waiting)."""
         path = Path(checkpoint_path)
+        try:
+            loaded, problem = self._read_checkpoint_part(path), None
+        except (CheckpointError, ValueError) as err:
+            loaded, problem = None, str(err)
+        problems = ops.all_gather_object(problem) if self.world_size > 1 else [problem]
+        if problem is not None:
+            raise CheckpointError(f"pipeline_3d checkpoint refused: {problem}")
+        failed = [(rank, msg) for rank, msg in enumerate(problems) if msg is not None]
+        if failed:
+            rank, msg = failed[0]
+            raise CheckpointError(f"pipeline_3d checkpoint refused (rank {rank}'s part): {msg}")
+        return loaded
+
+    def _read_checkpoint_part(self, path: Path) -> dict:
         if not (path / _META).exists():
-            raise FileNotFoundError(
+            raise CheckpointError(
                 f"{path} is not a complete pipeline_3d checkpoint directory (no {_META})"
             )
-        meta = torch.load(path / _META, map_location="cpu", weights_only=False)
+        meta = load_checkpoint_file(path / _META)
         saved = meta.get("pipeline_3d", {})
         now = {**self.layout, "micro_batches": self._micro_batches}
         if any(saved.get(k) != now[k] for k in ("pp", "tp")):
@@ -434,11 +459,13 @@ class Pipeline3DStrategy(DDPStrategy):
                 f"checkpoint {path} was written with strategy.pp={saved.get('pp')} "
                 f"strategy.tp={saved.get('tp')}; this run has pp={now['pp']} tp={now['tp']}"
             )
-        shard = torch.load(path / self._shard_name(), map_location="cpu", weights_only=False)
+        shard = load_checkpoint_file(path / self._shard_name())
+        for part in (meta, shard):
+            part.pop(CHECKSUM_KEY, None)
         shard.pop("coords", None)
         state_file = path / self._compressor_state_name()
         self._pending_optimus_state = (
-            torch.load(state_file, map_location="cpu", weights_only=False)
+            load_checkpoint_file(state_file)
             if self._optimus is not None and state_file.exists()
             else None
         )

@@ -14,6 +14,8 @@
   ``weights_only=True`` and recomputes it, so a file whose bytes changed after it was
   written is refused with :class:`CheckpointError` naming the file.
 * :class:`VerifiedCheckpointIO`: Lightning's ``CheckpointIO`` doing both.
+* :func:`verify_checkpoint_dir`: the same check over a checkpoint directory (pipeline_3d
+  writes one file per stage and per replica, each stamped like a single-file checkpoint).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ __all__ = [
     "content_digest",
     "save_checkpoint_file",
     "load_checkpoint_file",
+    "verify_checkpoint_dir",
     "checkpoint_identity",
     "VerifiedCheckpointIO",
 ]
@@ -204,6 +207,21 @@ def load_checkpoint_file(path: str | os.PathLike, map_location: Any = "cpu") -> 
                 f"{p} is corrupted: its content does not match the checksum written with it"
             )
     return checkpoint
+
+
+def verify_checkpoint_dir(path: str | os.PathLike, marker: str) -> None:
+    """Check a checkpoint written as a directory of files (pipeline_3d: ``meta.pt`` plus
+    per-stage shards): ``marker`` is there and every ``*.pt`` file passes
+    :func:`load_checkpoint_file`.
+
+    Raises:
+        CheckpointError: naming the directory or the first unusable file.
+    """
+    p = Path(path)
+    if not (p / marker).is_file():
+        raise CheckpointError(f"{p} is not a checkpoint directory (no {marker})")
+    for file in sorted(p.glob("*.pt")):
+        load_checkpoint_file(file)
 
 
 def checkpoint_identity(checkpoint: dict) -> tuple[str | None, int | None]:

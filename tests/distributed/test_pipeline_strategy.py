@@ -1,5 +1,6 @@
 """``Trainer(strategy=Pipeline3DStrategy(...))`` on 4 real gloo processes (pp=2, dp=2) with
-Optimus-CC: Lightning logging, per-stage checkpoints, and an exact resume."""
+Optimus-CC: Lightning logging, per-stage checkpoints (checksummed, weights-only), an
+exact resume, and a corrupted checkpoint refused on every rank."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+
+from easgd_lightning.utils.checkpoint import CHECKSUM_KEY, content_digest
 
 from tests.helpers import launch_ranks
 
@@ -60,3 +64,16 @@ def test_checkpoint_holds_every_stage_and_resumes_exactly(run):
         # LEP residuals, PowerSGD warm starts and errors all restored on every rank)
         assert r["resumed_train"] == r["train"][BATCHES:]
         assert r["resumed_val"] == r["val"][1:]
+
+
+def test_checkpoint_files_are_checksummed_and_corruption_is_refused_on_every_rank(run):
+    out, ranks = run
+    for f in (out / "ckpt" / "ep0.ckpt").iterdir():
+        part = torch.load(f, weights_only=True)  # tensors and plain data only
+        assert part[CHECKSUM_KEY]["digest"] == content_digest(part), f.name
+    for rank, r in enumerate(ranks):
+        # ranks 2-3 (stage 1) find their shard corrupted; ranks 0-1 stop too, naming it
+        damaged = out / f"damaged_rank{max(rank, 2)}" / "stage01_tp00.pt"
+        assert r["refused"] is not None and r["refused"].startswith("CheckpointError: "), r["refused"]
+        assert f"{damaged} is corrupted" in r["refused"], r["refused"]
+        assert ("(rank 2's part)" in r["refused"]) == (rank < 2), r["refused"]

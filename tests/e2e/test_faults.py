@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import PY, REPO, base_env
+from tests.helpers import PY, REPO, base_env, free_port
 
 #: small and quick: digits, the default MLP, one thread per rank
 COMMON = ["logger=csv", "trainer.enable_progress_bar=false", "data.num_workers=0"]
@@ -265,6 +265,53 @@ def test_sigterm_to_the_launcher_async_easgd(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_sweep_with_a_failed_job_exits_1_naming_it(tmp_path: Path) -> None:
     case_failed_sweep_job(tmp_path)
+
+
+# ---------------------------------------------------------------------------- torchrun-style
+def _start_external_ranks(run_dir: Path, world: int, overrides: list[str]) -> list[subprocess.Popen]:
+    """``easgd-train`` once per rank with torchrun's environment (RANK, WORLD_SIZE, MASTER_*):
+    each process is one rank (cli/train.py ``_train_as_rank``), no local launcher."""
+    port = free_port()
+    run_dir.mkdir(parents=True)
+    return [
+        subprocess.Popen(
+            [PY, "-m", "easgd_lightning.cli.train", f"hydra.run.dir={run_dir}", *COMMON, *overrides],
+            env=base_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), NODE_RANK="0",
+                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+            cwd=REPO, stdout=open(run_dir / f"rank{r}.log", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
+        )
+        for r in range(world)
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("crash_rank", [1, 0], ids=["rank1-dies", "rank0-dies"])
+def test_external_launch_names_the_first_failure(tmp_path: Path, crash_rank: int) -> None:
+    """Under torchrun / SLURM the ranks themselves write the summary: a rank that dies
+    without a word (os._exit) is named first failure, by rank 0 or, when rank 0 is the one
+    that died, by the surviving rank; the survivor's own error is a lost peer."""
+    run_dir = tmp_path / "run"
+    procs = _start_external_ranks(run_dir, 2, [
+        "strategy=ddp", "trainer.devices=2", "trainer.max_epochs=3", f"timeout_s={TIMEOUT_S}",
+        "checkpoint.enabled=false", f"faults.crash_rank={crash_rank}", "faults.crash_at_step=3"])
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=TIMEOUT_S + MARGIN_S + 60))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    survivor = 1 - crash_rank
+    logs = {r: (run_dir / f"rank{r}.log").read_text()[-3000:] for r in range(2)}
+    assert codes[crash_rank] == 17 and codes[survivor] != 0, (codes, logs)
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["status"] == "failed", s
+    assert s["first_failure"]["rank"] == crash_rank and s["first_failure"]["state"] == "lost", s["first_failure"]
+    assert s["error"].startswith(f"rank {crash_rank} failed first: it ended without a report"), s["error"]
+    assert str(crash_rank) not in s["rank_errors"]  # no report from the dead rank
+    mine = json.loads((run_dir / "ranks" / f"rank{survivor}.json").read_text())
+    assert mine["status"] == "failed" and mine["peer_error"], mine
 
 
 if __name__ == "__main__":  # the fault table

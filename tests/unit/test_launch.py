@@ -33,6 +33,30 @@ def test_first_failure_is_the_earliest_cause() -> None:
     assert launch.first_failure([]) is None
 
 
+def test_first_failure_from_rank_reports_under_an_external_launcher() -> None:
+    """torchrun / SLURM: only the ranks' own reports (failed_at is wall-clock time)."""
+    ok = {"status": "ok"}
+    own = {"status": "failed", "error": "ValueError: bad batch", "signal": None, "peer_error": False,
+           "failed_at": 1010.0}
+    peer = {"status": "failed", "error": "DistBackendError: connection closed", "signal": None,
+            "peer_error": True, "failed_at": 1009.5}
+    stopped = {"status": "failed", "error": "interrupted by SIGTERM", "signal": "SIGTERM", "peer_error": False,
+               "failed_at": 1011.0}
+    of = launch.first_failure_of_reports
+    assert of([ok, ok], 1000.0) is None
+    # a rank's own error beats a lost peer seen just before it, and a missing report
+    assert of([peer, own, None], 1000.0) == {"rank": 1, "t_s": 10.0, "exitcode": 1,
+                                             "error": "ValueError: bad batch", "consequence": False}
+    # without one, the rank that left no report died first (signalled ranks were stopped after it)
+    lost = of([stopped, None, peer], 1000.0)
+    assert lost["rank"] == 1 and lost["state"] == "lost" and lost["t_s"] is None
+    assert launch.failure_message(lost, None) == (
+        f"rank 1 failed first: it ended without a report ({launch.LOST_RANK_ERROR})")
+    # only signals and peer errors: the earliest (a SIGTERM to one rank, its peer stopping)
+    assert of([ok, stopped, dict(peer, failed_at=1012.0)], 1000.0)["rank"] == 1
+    assert of([ok, stopped], 1000.0)["exitcode"] == 143
+
+
 def test_returncodes_and_the_failure_line() -> None:
     assert launch.describe_returncode(0) == {"exitcode": 0}
     assert launch.describe_returncode(17) == {"exitcode": 17}

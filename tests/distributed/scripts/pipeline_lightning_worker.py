@@ -2,8 +2,10 @@
 
 Phase 1 trains ``--epochs`` epochs of ``--batches`` steps with a checkpoint after every
 epoch; phase 2 (a fresh module and Trainer in the same processes) resumes from the
-first checkpoint and trains the remaining epochs. Writes ``rank{R}.json`` with both loss
-sequences, the validation losses, the meter and the strategy's summary extras.
+first checkpoint and trains the remaining epochs; phase 3 resumes from a copy of it whose
+last-stage shard has 64 values overwritten and records the error every rank raises. Writes
+``rank{R}.json`` with both loss sequences, the validation losses, the meter, the strategy's
+summary extras and that error.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -93,6 +96,18 @@ def main() -> None:
     resumed = LossRecorder()
     fit(str(out / "ckpt" / "ep0.ckpt"), resumed)
     rank = int(os.environ["RANK"])
+    damaged = out / f"damaged_rank{rank}"  # each rank its own copy: no file race
+    shutil.copytree(out / "ckpt" / "ep0.ckpt", damaged)
+    shard = damaged / f"stage{args.pp - 1:02d}_tp00.pt"
+    data = bytearray(shard.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 64 * 4] = torch.full((64,), 7.0).numpy().tobytes()
+    shard.write_bytes(bytes(data))
+    try:
+        fit(str(damaged), LossRecorder())
+        refused = None
+    except Exception as err:  # noqa: BLE001 -- recorded for the test to check
+        refused = f"{type(err).__name__}: {err}"
     (out / f"rank{rank}.json").write_text(
         json.dumps(
             {
@@ -102,6 +117,7 @@ def main() -> None:
                 "resumed_val": resumed.val,
                 "extras": extras,
                 "meter": meter,
+                "refused": refused,
             }
         )
     )
