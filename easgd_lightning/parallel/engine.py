@@ -20,6 +20,10 @@ same tensor-parallel index in the next stage.
 Which backward message is compressed is decided on both sides from the micro-batch index
 (the ``k``-th ``SendGrad`` of a batch pairs with the receiver's ``k``-th ``RecvGrad``), so
 no extra metadata travels and the receiver always knows the factor shapes.
+
+The instructions are replaced through the public hooks of
+:class:`~easgd_lightning.parallel.deepspeed_compat.PipelineEngineHooks`, which holds (and
+checks against the installed DeepSpeed) every use of DeepSpeed's private engine API.
 """
 
 from __future__ import annotations
@@ -52,11 +56,7 @@ log = logging.getLogger(__name__)
 _META_LEN = 16
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
 
-try:  # the engine class is only defined when DeepSpeed imports
-    from deepspeed.runtime.pipe import schedule as _schedule
-    from deepspeed.runtime.pipe.engine import PipelineEngine as _PipelineEngine
-except Exception as exc:  # pragma: no cover - DeepSpeed is a hard dependency
-    raise ImportError(f"easgd_lightning.parallel.engine needs deepspeed: {exc}") from exc
+from easgd_lightning.parallel.deepspeed_compat import PipelineEngineHooks, construct_engine
 
 
 def init_deepspeed_comm() -> None:
@@ -105,7 +105,7 @@ def deepspeed_config(
     return cfg
 
 
-class OptimusPipelineEngine(_PipelineEngine):
+class OptimusPipelineEngine(PipelineEngineHooks):
     """PipelineEngine whose communication is metered and optionally Optimus-CC compressed.
 
     Construct it with :func:`build_pipeline_engine`. Keyword ``optimus`` (an
@@ -193,10 +193,9 @@ class OptimusPipelineEngine(_PipelineEngine):
 
     # ------------------------------------------------------------------ schedule
 
-    def _exec_schedule(self, pipe_schedule: Any) -> None:
+    def start_schedule(self) -> None:
         self._grad_sends = 0
         self._grad_recvs = 0
-        super()._exec_schedule(pipe_schedule)
 
     # ------------------------------------------------------------------ p2p
 
@@ -214,7 +213,7 @@ class OptimusPipelineEngine(_PipelineEngine):
         ndim = int(meta[1])
         return _DTYPES[int(meta[0])], [int(v) for v in meta[2 : 2 + ndim]]
 
-    def _exec_send_activations(self, buffer_id: int) -> None:
+    def send_activations(self, buffer_id: int) -> None:
         outputs = self.pipe_buffers["outputs"][buffer_id]
         if not torch.is_tensor(outputs):
             raise TypeError(
@@ -227,7 +226,7 @@ class OptimusPipelineEngine(_PipelineEngine):
         ops.send(outputs.contiguous(), self._next_rank, kind="pipeline")
         self.pipe_stats["activation_bytes"] += ops.nbytes(outputs)
 
-    def _exec_recv_activations(self, buffer_id: int) -> None:
+    def recv_activations(self, buffer_id: int) -> None:
         if self.pipe_recv_buf is None:
             dtype, shape = self._recv_meta(self._prev_rank)
             self.pipe_recv_buf = torch.zeros(shape, dtype=dtype, device=self.device)
@@ -236,7 +235,7 @@ class OptimusPipelineEngine(_PipelineEngine):
         received.requires_grad = received.is_floating_point()
         self.pipe_buffers["inputs"][buffer_id] = received
 
-    def _exec_send_grads(self, buffer_id: int) -> None:
+    def send_grads(self, buffer_id: int) -> None:
         inputs = self.pipe_buffers["inputs"][buffer_id]
         grad = inputs.grad
         if grad is None:
@@ -260,7 +259,7 @@ class OptimusPipelineEngine(_PipelineEngine):
             self.pipe_stats["grad_sends_dense"] += 1
         self.pipe_buffers["inputs"][buffer_id] = None
 
-    def _exec_recv_grads(self, buffer_id: int) -> None:
+    def recv_grads(self, buffer_id: int) -> None:
         outputs = self.pipe_buffers["outputs"][buffer_id]
         micro_batch = self._grad_recvs
         self._grad_recvs += 1
@@ -282,51 +281,46 @@ class OptimusPipelineEngine(_PipelineEngine):
 
     # ------------------------------------------------------------------ reductions
 
-    def _exec_reduce_tied_grads(self) -> None:
+    def reduce_tied_grads(self) -> None:
         if self._fused:
             return  # FE: reduced together with the data-parallel gradients
         for weight, group in self.module.get_tied_weights_and_groups():
             if weight.grad is not None:
                 ops.all_reduce(weight.grad, kind="embedding", group=group)
 
-    def _exec_reduce_grads(self) -> None:
-        self._force_grad_boundary = True
-        try:
-            params = [
-                p for p in self.module.parameters() if p.requires_grad and p.grad is not None
-            ]
-            if self.dp_world_size > 1:
-                group = self.grid.get_data_parallel_group()
-                untied = [p for p in params if id(p) not in self._tied_ids]
-                tied = [p for p in params if id(p) in self._tied_ids]
-                if self._dp_powersgd is not None:
-                    self._dp_powersgd.reduce_(untied)
-                else:
-                    dense_all_reduce_mean_(
-                        [p.grad for p in untied], group=group, world_size=self.dp_world_size,
-                        kind="data_parallel",
-                    )
-                if not self._fused:
-                    # tied weights stay exact so both copies remain equal
-                    dense_all_reduce_mean_(
-                        [p.grad for p in tied], group=group, world_size=self.dp_world_size,
-                        kind="data_parallel",
-                    )
-            if self._fused:
-                for weight in self._tied:
-                    if weight.grad is None:
-                        continue
-                    ops.all_reduce(weight.grad, kind="embedding", group=self._fused_group)
-                    weight.grad.div_(self.dp_world_size)
-        finally:
-            self._force_grad_boundary = False
+    def reduce_grads(self) -> None:
+        """Data-parallel reduction (runs inside the engine's gradient boundary)."""
+        params = [p for p in self.module.parameters() if p.requires_grad and p.grad is not None]
+        if self.dp_world_size > 1:
+            group = self.grid.get_data_parallel_group()
+            untied = [p for p in params if id(p) not in self._tied_ids]
+            tied = [p for p in params if id(p) in self._tied_ids]
+            if self._dp_powersgd is not None:
+                self._dp_powersgd.reduce_(untied)
+            else:
+                dense_all_reduce_mean_(
+                    [p.grad for p in untied], group=group, world_size=self.dp_world_size,
+                    kind="data_parallel",
+                )
+            if not self._fused:
+                # tied weights stay exact so both copies remain equal
+                dense_all_reduce_mean_(
+                    [p.grad for p in tied], group=group, world_size=self.dp_world_size,
+                    kind="data_parallel",
+                )
+        if self._fused:
+            for weight in self._tied:
+                if weight.grad is None:
+                    continue
+                ops.all_reduce(weight.grad, kind="embedding", group=self._fused_group)
+                weight.grad.div_(self.dp_world_size)
 
-    def _aggregate_total_loss(self) -> torch.Tensor:
+    def aggregate_total_loss(self) -> torch.Tensor:
         """Mean loss over micro-batches and replicas, broadcast from the last stage."""
         last = self.grid.stage_to_global(self.num_stages - 1)
         self.agg_additional_losses = None
         if self.is_last_stage():
-            loss = self._scale_loss_by_gas(self.total_loss).detach().float()
+            loss = self.scale_loss_by_micro_batches(self.total_loss).detach().float()
             self.dp_group_loss = loss.clone()
             agg = loss.clone().reshape(1)
             if self.is_data_parallel:
@@ -340,16 +334,6 @@ class OptimusPipelineEngine(_PipelineEngine):
             ops.broadcast(losses, last, kind="control", group=self.grid.get_pipe_parallel_group())
             self.dp_group_loss = losses[0].clone()
         return losses[1].clone()
-
-    _INSTRUCTION_MAP = {
-        **_PipelineEngine._INSTRUCTION_MAP,
-        _schedule.ReduceGrads: _exec_reduce_grads,
-        _schedule.ReduceTiedGrads: _exec_reduce_tied_grads,
-        _schedule.SendActivation: _exec_send_activations,
-        _schedule.RecvActivation: _exec_recv_activations,
-        _schedule.SendGrad: _exec_send_grads,
-        _schedule.RecvGrad: _exec_recv_grads,
-    }
 
     # ------------------------------------------------------------------ state
 
@@ -382,7 +366,7 @@ def build_pipeline_engine(
 ) -> OptimusPipelineEngine:
     """Build an :class:`OptimusPipelineEngine` the way ``deepspeed.initialize`` builds a
     ``PipelineEngine`` for a ``PipelineModule`` (``deepspeed.initialize`` hard-codes the
-    engine class, so the few steps are repeated here).
+    engine class; the steps are :func:`~easgd_lightning.parallel.deepspeed_compat.construct_engine`).
 
     Args:
         module: A ``deepspeed.pipe.PipelineModule``.
@@ -391,27 +375,8 @@ def build_pipeline_engine(
         optimus: Optimus-CC settings, or ``None`` for the uncompressed engine.
         lr_scheduler: Optional scheduler DeepSpeed steps with the optimizer.
     """
-    import deepspeed
-    from deepspeed.runtime.config import DeepSpeedConfig
-
     init_deepspeed_comm()
-    mpu = module.mpu()
-    config_class = DeepSpeedConfig(config, mpu)
-    deepspeed.set_optimizer_flags(config_class, module)
-    deepspeed.zero.partition_parameters.shutdown_init_context()
-    engine = OptimusPipelineEngine(
-        optimus=optimus,
-        args=None,
-        model=module,
-        optimizer=optimizer,
-        model_parameters=None,
-        training_data=None,
+    return construct_engine(
+        OptimusPipelineEngine, module, config=config, optimus=optimus, optimizer=optimizer,
         lr_scheduler=lr_scheduler,
-        mpu=mpu,
-        dist_init_required=False,
-        collate_fn=None,
-        config=config,
-        config_class=config_class,
     )
-    deepspeed.zero.partition_parameters.restore_init_context()
-    return engine
