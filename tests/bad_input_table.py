@@ -1,10 +1,15 @@
-"""Print the bad-input table of issue #14 from the real ``easgd-train``: input, exit status,
-whether a worker started, and the line printed (errors from stderr, our warnings from the
-log, which Hydra prints on stdout).
+"""Print the bad-input table of issue #14: input, exit status, whether a worker started,
+and the line printed (errors from stderr, our warnings from the log, which Hydra prints on
+stdout).
 
-    python -m tests.bad_input_table            # from the repository root (~7 s per input)
+    python -m tests.bad_input_table               # the real easgd-train (~7 s per input)
+    python -m tests.bad_input_table --in-process  # the checks easgd-train runs, in this process
 
-Every input runs in its own temporary run directory; a worker started iff ``ranks/`` exists.
+Through the real CLI every input runs in its own temporary run directory; a worker started
+iff ``ranks/`` exists. In process, each input goes through what ``easgd-train`` runs before
+it starts anything -- ``compose_checked`` (the command line against the config tree) and
+``validate_config`` (the values) -- and a ``ConfigError`` is the CLI's exit 2 with the line
+``easgd-train: error: MESSAGE``; no worker can start there.
 """
 
 from __future__ import annotations
@@ -43,12 +48,36 @@ def _row(args: str, run: Path) -> tuple[str, int, bool, str]:
     return args, proc.returncode, (run / "ranks").exists(), " / ".join(said) or "(no message)"
 
 
+def _row_in_process(args: str) -> tuple[str, int, bool, str]:
+    """Exit 2 and the CLI's line for a ConfigError; otherwise 0 (the run would start) and
+    the warnings the checks logged."""
+    import logging
+
+    import easgd_lightning.cli.train  # noqa: F401  (registers the recipe resolvers)
+    from easgd_lightning.cli.build import ConfigError, validate_config
+    from easgd_lightning.cli.overrides import compose_checked
+
+    records: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        validate_config(compose_checked(args.split()))
+    except ConfigError as err:
+        return args, 2, False, f"easgd-train: error: {err}"
+    finally:
+        root.removeHandler(handler)
+    return args, 0, False, " / ".join(f"warning: {w}" for w in records) or "(accepted)"
+
+
 def main() -> None:
+    in_process = "--in-process" in sys.argv[1:]
     print("| input | exit | worker started | printed |")
     print("|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for i, args in enumerate(INPUTS):
-            name, code, started, line = _row(args, Path(tmp) / str(i))
+            name, code, started, line = _row_in_process(args) if in_process else _row(args, Path(tmp) / str(i))
             print(f"| `{name}` | {code} | {'yes' if started else 'no'} | {line.replace('|', '/')} |", flush=True)
     sys.exit(0)
 

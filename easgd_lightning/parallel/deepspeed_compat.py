@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 #: the DeepSpeed release every check below was written against
 CHECKED_AGAINST = "0.19.8"
-#: releases this adapter is known to work with: ``low <= version < high``
+#: releases this adapter is known to work with: ``low <= version < high`` (pyproject.toml pins the same)
 CHECKED_RANGE = ("0.19.0", "0.20.0")
 
 #: private ``PipelineEngine`` methods overridden, and their parameters after ``self``

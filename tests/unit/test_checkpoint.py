@@ -292,3 +292,42 @@ def test_resume_of_an_unusable_file_is_refused(tmp_path: Path, kind: str) -> Non
         _overwrite_middle(path, count=8)
     message = _resume_error(["strategy=sync_easgd", f"checkpoint.resume={path}"])
     assert str(path) in message
+
+
+def _pipeline_dir(tmp_path: Path) -> Path:
+    """A pipeline_3d checkpoint directory as the strategy writes it: ``meta.pt`` and one
+    shard per stage, each stamped with its checksum (strategies/pipeline.py)."""
+    d = tmp_path / "ep0.ckpt"
+    d.mkdir()
+    for stage in range(2):
+        save_checkpoint_file({"state_dict": {"w": torch.arange(256, dtype=torch.float64) + stage}},
+                             d / f"stage{stage:02d}_tp00.pt")
+    save_checkpoint_file({"epoch": 0, "pipeline_3d": {"pp": 2, "tp": 1, "dp": 1}}, d / "meta.pt")
+    return d
+
+
+@pytest.mark.parametrize("damage", ["none", "no_meta", "corrupted_shard", "truncated_shard"])
+def test_resume_of_a_pipeline_directory_is_verified_before_launch(tmp_path: Path, damage: str) -> None:
+    from easgd_lightning.cli.build import validate_config
+    from easgd_lightning.utils.checkpoint import verify_checkpoint_dir
+
+    d = _pipeline_dir(tmp_path)
+    shard = d / "stage01_tp00.pt"
+    overrides = ["recipe=nlp3d/gpt_tiny_pp2", f"checkpoint.resume={d}"]
+    if damage == "none":
+        verify_checkpoint_dir(d, "meta.pt")
+        validate_config(_compose(overrides))
+        return
+    if damage == "no_meta":
+        (d / "meta.pt").unlink()
+        expected = f"checkpoint.resume: {d} is not a pipeline_3d checkpoint directory (no meta.pt)"
+    elif damage == "corrupted_shard":
+        _overwrite_middle(shard, count=8)
+        expected = str(shard)
+    else:
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+        expected = f"{shard} is not a readable checkpoint"
+    with pytest.raises(CheckpointError, match="no meta.pt" if damage == "no_meta" else str(shard)):
+        verify_checkpoint_dir(d, "meta.pt")
+    message = _resume_error(overrides)
+    assert expected in message, message
