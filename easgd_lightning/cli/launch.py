@@ -49,6 +49,7 @@ __all__ = [
     "spawn_and_supervise",
     "first_failure",
     "first_failure_of_reports",
+    "is_peer_loss",
     "describe_returncode",
     "remove_stray_temp_files",
     "stop_grace_s",
@@ -221,6 +222,31 @@ def failure_message(first: dict | None, codes: list[int | None] | None) -> str |
     if first.get("error"):
         what += f" ({first['error']})"
     return what if codes is None else f"{what}; worker exit codes {codes}"
+
+
+#: what gloo, NCCL and the TCP store say when a peer died or stopped answering (torch 2.14's
+#: gloo raises these as plain ``RuntimeError``, not ``torch.distributed.DistError``)
+PEER_LOSS_MARKS = (
+    "Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker crashing",
+    "timed out", "Timed out", "NCCL communicator was aborted",
+)
+_DIST_ERRORS = {"DistError", "DistBackendError", "DistNetworkError", "DistStoreError"}
+
+
+def is_peer_loss(err: BaseException | None) -> bool:
+    """Whether ``err``, or an error it was raised from, says another rank was lost: a
+    ``torch.distributed`` error, or a message of :data:`PEER_LOSS_MARKS` (also inside the
+    ``RuntimeError`` a future's callback wraps it in). Such a rank's failure is a
+    consequence of another's, not a cause (:func:`first_failure_of_reports`)."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if _DIST_ERRORS & {k.__name__ for k in type(err).__mro__}:
+            return True
+        if any(mark in str(err) for mark in PEER_LOSS_MARKS):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 #: ``first_failure["error"]`` of a rank that left no report under an external launcher

@@ -218,7 +218,7 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
 
 def _failure_report(rank: int, err: BaseException, stopper) -> dict:
     """What a failed rank says about itself: the error, its signal, whether a peer caused it."""
-    import torch.distributed as dist
+    from easgd_lightning.cli.launch import is_peer_loss
 
     signum = stop.stop_signal()
     if signum is not None:
@@ -234,8 +234,8 @@ def _failure_report(rank: int, err: BaseException, stopper) -> dict:
         "status": "failed",
         "error": error,
         "signal": signal.Signals(signum).name if signum is not None else None,
-        # lost or timed-out peers surface as torch.distributed errors: a consequence, not a cause
-        "peer_error": isinstance(err, getattr(dist, "DistError", ())) or stopper.signal is not None and signum is None,
+        # a lost or timed-out peer (launch.is_peer_loss) is a consequence, not a cause
+        "peer_error": is_peer_loss(err) or stopper.signal is not None and signum is None,
         "failed_at": time.time(),
         "traceback": traceback.format_exc()[-4000:],
     }

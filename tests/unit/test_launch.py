@@ -57,6 +57,31 @@ def test_first_failure_from_rank_reports_under_an_external_launcher() -> None:
     assert of([ok, stopped], 1000.0)["exitcode"] == 143
 
 
+#: what torch 2.14's gloo raised in a rank whose peer had died (a plain RuntimeError), and the
+#: same error after a future's callback re-raised it (comm/ops.all_reduce_async)
+GLOO_PEER_CLOSED = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by "
+                    "peer [127.0.0.1]:60113. This is typically caused by a remote worker crashing.")
+CALLBACK_WRAPPED = f"Got the following error when running the callback: RuntimeError: {GLOO_PEER_CLOSED}\n\nAt:\n"
+
+
+def test_peer_loss_is_told_from_a_ranks_own_error() -> None:
+    import torch.distributed as dist
+
+    assert launch.is_peer_loss(RuntimeError(GLOO_PEER_CLOSED))
+    assert launch.is_peer_loss(RuntimeError(CALLBACK_WRAPPED))
+    assert launch.is_peer_loss(dist.DistNetworkError("anything"))  # torch.distributed's own errors
+    try:  # raised while handling a lost peer: still a consequence
+        try:
+            raise RuntimeError(GLOO_PEER_CLOSED)
+        except RuntimeError as inner:
+            raise ValueError("while syncing metrics") from inner
+    except ValueError as outer:
+        assert launch.is_peer_loss(outer)
+    assert not launch.is_peer_loss(ValueError("bad batch"))
+    assert not launch.is_peer_loss(RuntimeError("CUDA out of memory"))
+    assert not launch.is_peer_loss(None)
+
+
 def test_returncodes_and_the_failure_line() -> None:
     assert launch.describe_returncode(0) == {"exitcode": 0}
     assert launch.describe_returncode(17) == {"exitcode": 17}
