@@ -31,7 +31,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from easgd_lightning.cli import launch
 from easgd_lightning.cli.build import ConfigError, validate_config
-from easgd_lightning.utils.renames import apply_renames
 from easgd_lightning.cli.resolvers import register_resolvers
 from easgd_lightning.cli.summary import build_summary, write_summary
 from easgd_lightning.cli.worker import (
@@ -41,6 +40,7 @@ from easgd_lightning.cli.worker import (
 )
 from easgd_lightning.comm.ops import close_process_group
 from easgd_lightning.conf import CONF_DIR, CONF_PACKAGE
+from easgd_lightning.utils.renames import apply_renames
 
 __all__ = ["main", "train", "CONF_DIR"]
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

@@ -43,6 +43,7 @@ from easgd_lightning.hooks.optimus_cc import (
     is_epilogue_send,
     resolve_selective_stages,
 )
+from easgd_lightning.parallel.deepspeed_compat import PipelineEngineHooks, construct_engine
 
 __all__ = [
     "OptimusPipelineEngine",
@@ -55,8 +56,6 @@ log = logging.getLogger(__name__)
 
 _META_LEN = 16
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
-
-from easgd_lightning.parallel.deepspeed_compat import PipelineEngineHooks, construct_engine
 
 
 def init_deepspeed_comm() -> None:

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from easgd_lightning.utils.checkpoint import CHECKSUM_KEY, content_digest
-
 from tests.helpers import launch_ranks
 
 SCRIPT = Path(__file__).parent / "scripts" / "pipeline_lightning_worker.py"

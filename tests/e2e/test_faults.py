@@ -287,24 +287,24 @@ def _start_external_ranks(run_dir: Path, world: int, overrides: list[str]) -> li
     ]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("crash_rank", [1, 0], ids=["rank1-dies", "rank0-dies"])
-def test_external_launch_names_the_first_failure(tmp_path: Path, crash_rank: int) -> None:
-    """Under torchrun / SLURM the ranks themselves write the summary: a rank that dies
-    without a word (os._exit) is named first failure, by rank 0 or, when rank 0 is the one
-    that died, by the surviving rank; the survivor's own error is a lost peer."""
-    run_dir = tmp_path / "run"
+def case_external_crash(tmp_path: Path, crash_rank: int) -> dict:
+    """Two ranks started torchrun-style; ``crash_rank`` calls os._exit(17) at its 3rd step."""
+    run_dir = tmp_path / f"external-rank{crash_rank}-dies"
     procs = _start_external_ranks(run_dir, 2, [
         "strategy=ddp", "trainer.devices=2", "trainer.max_epochs=3", f"timeout_s={TIMEOUT_S}",
         "checkpoint.enabled=false", f"faults.crash_rank={crash_rank}", "faults.crash_at_step=3"])
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout=TIMEOUT_S + MARGIN_S + 60))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
+    deadline = time.monotonic() + TIMEOUT_S + MARGIN_S + 60
+    crashed_at = None
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if crashed_at is None and procs[crash_rank].poll() is not None:
+            crashed_at = time.monotonic()
+        time.sleep(0.05)
+    if any(p.poll() is None for p in procs):
+        for q in procs:
+            q.kill()
+        raise AssertionError("the ranks did not end")
+    took = time.monotonic() - (crashed_at or time.monotonic())  # from the crash to the last exit
+    codes = [p.returncode for p in procs]
     survivor = 1 - crash_rank
     logs = {r: (run_dir / f"rank{r}.log").read_text()[-3000:] for r in range(2)}
     assert codes[crash_rank] == 17 and codes[survivor] != 0, (codes, logs)
@@ -315,6 +315,18 @@ def test_external_launch_names_the_first_failure(tmp_path: Path, crash_rank: int
     assert str(crash_rank) not in s["rank_errors"]  # no report from the dead rank
     mine = json.loads((run_dir / "ranks" / f"rank{survivor}.json").read_text())
     assert mine["status"] == "failed" and mine["peer_error"], mine
+    left = [p.pid for p in procs if pid_alive(p.pid)]
+    assert left == []
+    return {"code": codes[survivor], "took": took, "summary": {**s, "exit_codes": codes}, "leftovers": left}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("crash_rank", [1, 0], ids=["rank1-dies", "rank0-dies"])
+def test_external_launch_names_the_first_failure(tmp_path: Path, crash_rank: int) -> None:
+    """Under torchrun / SLURM the ranks themselves write the summary: a rank that dies
+    without a word (os._exit) is named first failure, by rank 0 or, when rank 0 is the one
+    that died, by the surviving rank; the survivor's own error is a lost peer."""
+    case_external_crash(tmp_path, crash_rank)
 
 
 if __name__ == "__main__":  # the fault table (a case whose checks fail prints FAIL and why)
@@ -340,6 +352,10 @@ if __name__ == "__main__":  # the fault table (a case whose checks fail prints F
             "launcher-sigterm-async_easgd": ("SIGTERM of the launcher", "async_easgd (3 processes)",
                                              lambda: case_launcher_signal(Path(tmp), "async_easgd", 3, signal.SIGTERM)),
             "sweep-job-crash": ("crash in 1 of 2 sweep jobs", "ddp", lambda: case_failed_sweep_job(Path(tmp))),
+            "external-rank1-dies": ("torchrun-style: rank 1 os._exit(17) (exit status: the survivor's)", "ddp",
+                                    lambda: case_external_crash(Path(tmp), 1)),
+            "external-rank0-dies": ("torchrun-style: rank 0 os._exit(17) (exit status: the survivor's)", "ddp",
+                                    lambda: case_external_crash(Path(tmp), 0)),
         }
         for name, (fault, strategy, fn) in cases.items():
             if "all" not in which and name not in which:
