@@ -213,6 +213,7 @@ def failure_message(first: dict | None, codes: list[int | None] | None) -> str |
     when = f" at {at:.1f}s" if at is not None else ""
     if first.get("state") == "stopped":
         what = f"rank {rank} stopped answering (process stopped{when}, killed after timeout_s)"
+        return what if codes is None else f"{what}; worker exit codes {codes}"  # its error says the same
     elif first.get("state") == "lost":
         what = f"rank {rank} failed first: it ended without a report"
     elif "signal" in first:

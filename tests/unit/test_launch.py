@@ -89,8 +89,9 @@ def test_returncodes_and_the_failure_line() -> None:
     assert launch.describe_returncode(-15) == {"signal": "SIGTERM"}
     line = launch.failure_message({"rank": 1, "t_s": 12.34, "signal": "SIGKILL"}, [1, -9])
     assert line == "rank 1 failed first: killed by SIGKILL at 12.3s; worker exit codes [1, -9]"
-    line = launch.failure_message({"rank": 1, "t_s": 3.0, "state": "stopped"}, [1, -9])
-    assert line.startswith("rank 1 stopped answering")
+    line = launch.failure_message({"rank": 1, "t_s": 3.0, "state": "stopped", "error": "process stopped for 20s"},
+                                  [1, -9])
+    assert line == "rank 1 stopped answering (process stopped at 3.0s, killed after timeout_s); worker exit codes [1, -9]"
     assert launch.stop_grace_s(300) == 30 and launch.stop_grace_s(5) == 5
 
 
