@@ -1,11 +1,15 @@
 """Per-tensor compressed exchange shared by the DDP hook and the elastic exchange.
 
 Policy: tensors with fewer than ``compressor.min_numel`` elements are concatenated and
-all-reduced dense (one message, as DGC and HiPress do for small layers; a compressor with a
+sent dense (one message, as DGC and HiPress do for small layers; a compressor with a
 ``dense_part(tensor, state, world)`` method -- DGC's momentum -- says what they send); every other
 tensor is error-compensated by ``memory``, exchanged with ``compressor.aggregate`` (one
 ``state`` dict per tensor key) and its residual stored. Dense bytes are charged once per
 exchange, so the meter's ``dense_bytes`` is what the same tensors cost uncompressed.
+With a collective that batches all-gathers (:class:`~easgd_lightning.hooks.collective.
+ProcessGroupCollective`), the dense part travels in the same all-gathered message as the
+payloads and is summed in rank order: one collective per exchange for the one-round
+codecs; otherwise it is one all-reduce of its own.
 
 :func:`start_exchange_tensors` is the same exchange split in two, for overlap with
 computation: the launch compensates, compresses, updates the residual and starts the
@@ -28,7 +32,12 @@ from dataclasses import dataclass
 import torch
 
 from easgd_lightning.comm.meter import get_meter
-from easgd_lightning.hooks.compressors.base import Compressor, start_collective
+from easgd_lightning.hooks.compressors.base import (
+    Compressor,
+    scratch_buffer,
+    scratch_of,
+    start_collective,
+)
 from easgd_lightning.hooks.memory import Memory
 
 __all__ = [
@@ -105,6 +114,45 @@ class PendingExchange:
         return self.means, self.locals, st  # type: ignore[return-value]
 
 
+def _start_small(pending, tensors, keys, small, compressor, states, collective, fold: bool) -> None:
+    """Launch the dense exchange of the small tensors: their parts concatenated into one
+    buffer (reused: ``states``' scratch), summed over ranks by an all-reduce, or, when
+    ``fold``, sent in the batched all-gather of the payloads and summed here in rank order
+    (the same sum on every rank; one collective per exchange instead of two)."""
+    world = collective.world_size
+    parts = _dense_parts(tensors, keys, small, compressor, states, world)
+    n = sum(tensors[i].numel() for i in small)
+    first = parts[small[0]]
+    scratch = scratch_of(states)
+    flat = scratch_buffer(scratch, f"small:{keys[small[0]]}", n, first.dtype, first.device)
+    torch.cat([parts[i].reshape(-1) for i in small], out=flat)
+    collective.charge_dense(flat.numel() * flat.element_size())
+    handle = start_collective(collective, "all_gather" if fold else "all_reduce_sum", [flat])
+    offset = 0
+    for i in small:  # this rank's parts: views of its message
+        pending.locals[i] = flat[offset : offset + tensors[i].numel()].view_as(tensors[i])
+        offset += tensors[i].numel()
+
+    def finish_small() -> None:
+        if fold:
+            rows = handle.wait()
+            summed = scratch_buffer(scratch, f"small_sum:{keys[small[0]]}", n, flat.dtype, flat.device)
+            summed.copy_(rows[0][0])
+            for row in rows[1:]:
+                summed.add_(row[0])
+        else:
+            (summed,) = handle.wait()
+        summed /= world
+        offset = 0
+        for i in small:
+            k = tensors[i].numel()
+            pending.means[i] = summed[offset : offset + k].view(pending.locals[i].shape)
+            offset += k
+
+    pending._finishers.append(finish_small)
+    pending.stats.dense_tensors += len(small)
+
+
 def start_exchange_tensors(
     tensors: list[torch.Tensor],
     keys: list,
@@ -121,36 +169,16 @@ def start_exchange_tensors(
     (they may change afterwards).
     """
     kind = collective.kind
-    world = collective.world_size
     start = time.perf_counter()
     pending = PendingExchange(len(tensors), collective, _kind_totals(kind))
     limit = compressor.min_numel if min_numel is None else int(min_numel)
     small = [i for i, t in enumerate(tensors) if t.numel() < limit]
     big = [i for i, t in enumerate(tensors) if t.numel() >= limit]
-    if small:
-        parts = _dense_parts(tensors, keys, small, compressor, states, world)
-        flat = torch.cat([parts[i].reshape(-1) for i in small])
-        collective.charge_dense(flat.numel() * flat.element_size())
-        small_handle = start_collective(collective, "all_reduce_sum", [flat])
-        offset = 0
-        for i in small:  # this rank's parts: views of its (copied) message
-            n = tensors[i].numel()
-            pending.locals[i] = flat[offset : offset + n].view_as(tensors[i])
-            offset += n
-
-        def finish_small() -> None:
-            (summed,) = small_handle.wait()
-            summed /= world
-            offset = 0
-            for i in small:
-                n = tensors[i].numel()
-                pending.means[i] = summed[offset : offset + n].view(pending.locals[i].shape)
-                offset += n
-
-        pending._finishers.append(finish_small)
-        pending.stats.dense_tensors += len(small)
     batched = getattr(collective, "batched", None)  # one message for all payloads
+    fold = bool(batched and big and small)  # the small tensors ride in that message too
     with batched(tuple(keys[i] for i in big)) if batched and big else nullcontext():
+        if small:
+            _start_small(pending, tensors, keys, small, compressor, states, collective, fold)
         for i in big:
             t, key = tensors[i], keys[i]
             st = states.setdefault(key, {})

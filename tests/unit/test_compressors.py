@@ -952,3 +952,27 @@ def test_reused_outputs_are_cleared_even_after_a_caller_writes_them(name):
         if step == 2:
             local.add_(1.0)  # a caller scribbles on the returned buffers
             mean.mul_(3.0)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_native_kth_largest_abs_is_topk_minimum(dtype):
+    """The threshold kernel returns the value torch.topk's minimum gives: spread-out data,
+    ties (integers, -0.0), the largest and the smallest k, inf and NaN."""
+    g = gen(11)
+    cases = [(torch.randn(131072, generator=g, dtype=torch.float64).to(dtype), (1, 1312, 131072))]
+    ties = torch.randint(-3, 4, (10_000,), generator=g).to(dtype)
+    ties[5] = -0.0
+    cases.append((ties, (1, 100, 4000, 9999, 10_000)))
+    odd = torch.randn(1000, generator=g, dtype=torch.float64).to(dtype)
+    odd[3], odd[10] = float("inf"), -float("inf")
+    cases.append((odd, (1, 2, 3, 500)))
+    nan = odd.clone()
+    nan[9] = float("nan")
+    cases.append((nan, (1, 2, 500)))
+    for x, ks in cases:
+        for k in ks:
+            want = torch.topk(x.abs(), k, sorted=False).values.min()
+            got = _native.kth_largest_abs(x, k)
+            assert got.dtype == dtype
+            assert torch.equal(want, got) or (want.isnan() and got.isnan()), (k, want, got)

@@ -760,3 +760,63 @@ double sign_pack_f64(const double *x, int64_t n, uint8_t *packed) {
     for (int l = 0; l < LANES; l++) s += acc[l];
     return s + sign_pack_tail_f64(x, i, n, packed);
 }
+
+/* ------------------------------------------------------------- k-th largest |x| (exact) */
+
+/* The k-th largest |x_i| (1 <= k <= n) into *out, the same value as the minimum of
+ * torch.topk(|x|, k): the bit patterns of non-negative floats sort as the values do (NaN
+ * above +inf, as topk ranks it), so one pass counts the entries per value of the top 16
+ * bits of |x|, the bin holding the k-th largest is found from the top, a second pass
+ * collects that bin's entries (about n / 2^15 of them for spread-out data) and they are
+ * sorted. Two reads of x instead of topk's heap of k entries. A NaN is among the k
+ * largest whenever there is one, and then the minimum is NaN, as topk's is. Returns 0, or
+ * -1 when memory runs out (the caller then uses topk). */
+#include <stdlib.h>
+static int cmp_desc_u32(const void *a, const void *b) {
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return (x < y) - (x > y);
+}
+static int cmp_desc_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x < y) - (x > y);
+}
+#define KTH_BINS (1 << 15) /* the top 16 bits less the sign */
+#define DEF_KTH_ABS(T, U, BITS, INF, CMP, SFX)                                                 \
+    int kth_largest_abs_##SFX(const T *x, int64_t n, int64_t k, T *out) {                  \
+        const int shift = BITS - 16;                                                        \
+        const U mask = ~((U)1 << (BITS - 1));                                               \
+        int64_t *hist = calloc(KTH_BINS, sizeof(int64_t));                                  \
+        if (!hist) return -1;                                                               \
+        int64_t nans = 0;                                                                   \
+        for (int64_t i = 0; i < n; i++) {                                                   \
+            U u;                                                                            \
+            memcpy(&u, x + i, sizeof u);                                                    \
+            u &= mask;                                                                      \
+            hist[u >> shift]++;                                                             \
+            nans += u > (U)(INF);                                                           \
+        }                                                                                   \
+        if (nans) {                                                                         \
+            free(hist);                                                                     \
+            *out = (T)NAN;                                                                  \
+            return 0;                                                                       \
+        }                                                                                   \
+        int64_t bin = KTH_BINS - 1, above = 0;                                              \
+        while (bin > 0 && above + hist[bin] < k) above += hist[bin--];                      \
+        int64_t m = hist[bin];                                                              \
+        free(hist);                                                                         \
+        U *cand = malloc((size_t)(m > 0 ? m : 1) * sizeof(U));                              \
+        if (!cand) return -1;                                                               \
+        int64_t c = 0;                                                                      \
+        for (int64_t i = 0; i < n && c < m; i++) {                                          \
+            U u;                                                                            \
+            memcpy(&u, x + i, sizeof u);                                                    \
+            u &= mask;                                                                      \
+            if ((int64_t)(u >> shift) == bin) cand[c++] = u;                                \
+        }                                                                                   \
+        qsort(cand, (size_t)c, sizeof(U), CMP);                                             \
+        memcpy(out, cand + (k - above - 1), sizeof *out);                                   \
+        free(cand);                                                                         \
+        return 0;                                                                           \
+    }
+DEF_KTH_ABS(float, uint32_t, 32, 0x7f800000u, cmp_desc_u32, f32)
+DEF_KTH_ABS(double, uint64_t, 64, 0x7ff0000000000000ull, cmp_desc_u64, f64)

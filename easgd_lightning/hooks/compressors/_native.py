@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "use", "disabled", "lib", "fn", "add_into", "scatter_into", "scatter_add_into", "zero_at"]
+__all__ = ["available", "use", "disabled", "lib", "fn", "add_into", "scatter_into", "scatter_add_into", "zero_at", "kth_largest_abs"]
 
 _SRC = Path(__file__).with_name("_kernels.c")
 _FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
@@ -66,6 +66,7 @@ for _t, _c in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
     _SIGNATURES[f"scatter_i64_{_t}"] = (None, [ctypes.c_void_p] * 3 + [_i64])
     _SIGNATURES[f"scatter_add_i64_{_t}"] = (None, [ctypes.c_void_p] * 3 + [_i64])
     _SIGNATURES[f"zero_at_{_t}"] = (None, [ctypes.c_void_p] * 2 + [_i64])
+    _SIGNATURES[f"kth_largest_abs_{_t}"] = (ctypes.c_int, [ctypes.c_void_p, _i64, _i64, ctypes.c_void_p])
     _SIGNATURES[f"momentum_select_{_t}"] = (
         ctypes.c_int64, [ctypes.c_void_p] * 3 + [_i64, _c, ctypes.c_int, _c, _i64,
                                                  ctypes.c_void_p, ctypes.c_void_p])
@@ -239,3 +240,16 @@ def zero_at(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         return x.index_fill_(0, idx, 0)
     fn(lib, "zero_at", x.dtype)(x.data_ptr(), idx.data_ptr(), idx.numel())
     return x
+
+
+def kth_largest_abs(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The k-th largest |x_i| (1 <= k <= numel) as a 0-d tensor of x's dtype: the minimum
+    of ``torch.topk(x.abs(), k).values``, the same value (two passes in the kernel instead
+    of topk's selection; topk where the kernel does not apply)."""
+    flat = x.reshape(-1)
+    lib = use(flat)
+    if lib is not None:
+        out = torch.empty((), dtype=flat.dtype)
+        if fn(lib, "kth_largest_abs", flat.dtype)(flat.data_ptr(), flat.numel(), int(k), out.data_ptr()) == 0:
+            return out
+    return torch.topk(flat.abs(), int(k), sorted=False).values.min()

@@ -138,6 +138,8 @@ def sample_threshold(magnitudes: torch.Tensor, ratio: float, sample_size: int) -
     if sample.dtype in (torch.float16, torch.bfloat16):
         sample = sample.float()
     if 4 * (ks + 1) <= m:  # the same order statistic; a small top-k is cheaper than a selection
+        if _native.use(sample.contiguous()) is not None:  # |sample| = sample: magnitudes
+            return _native.kth_largest_abs(sample.contiguous(), ks + 1).to(magnitudes.dtype)
         return torch.topk(sample, ks + 1, sorted=False).values.min().to(magnitudes.dtype)
     # (ks+1)-th largest == (m-ks)-th smallest
     return torch.kthvalue(sample, m - ks).values.to(magnitudes.dtype)
