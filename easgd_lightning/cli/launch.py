@@ -214,8 +214,9 @@ def failure_message(first: dict | None, codes: list[int | None] | None) -> str |
     if first.get("state") == "stopped":
         what = f"rank {rank} stopped answering (process stopped{when}, killed after timeout_s)"
         return what if codes is None else f"{what}; worker exit codes {codes}"  # its error says the same
-    elif first.get("state") == "lost":
-        what = f"rank {rank} failed first: it ended without a report"
+    elif first.get("state") == "lost":  # its error is LOST_RANK_ERROR: said here once
+        what = f"rank {rank} failed first: it ended without a report (SIGKILL, os._exit, or a lost node)"
+        return what if codes is None else f"{what}; worker exit codes {codes}"
     elif "signal" in first:
         what = f"rank {rank} failed first: killed by {first['signal']}{when}"
     else:

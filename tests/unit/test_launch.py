@@ -51,7 +51,7 @@ def test_first_failure_from_rank_reports_under_an_external_launcher() -> None:
     lost = of([stopped, None, peer], 1000.0)
     assert lost["rank"] == 1 and lost["state"] == "lost" and lost["t_s"] is None
     assert launch.failure_message(lost, None) == (
-        f"rank 1 failed first: it ended without a report ({launch.LOST_RANK_ERROR})")
+        "rank 1 failed first: it ended without a report (SIGKILL, os._exit, or a lost node)")
     # only signals and peer errors: the earliest (a SIGTERM to one rank, its peer stopping)
     assert of([ok, stopped, dict(peer, failed_at=1012.0)], 1000.0)["rank"] == 1
     assert of([ok, stopped], 1000.0)["exitcode"] == 143
