@@ -33,8 +33,9 @@ INPUTS = [
     "trainer.max_steps=-2", "data.num_workers=-1", "seed=abc", "strategy=pipeline_3d", _TWO_OPT,
     # Hydra-level (exit 1, several lines, before)
     "strategy=bogus", "compression=bogus", "model=bogus", "optim.milestones=[1,2", "strategy=ddp,sync_easgd",
-    # valid, with a warning
+    # valid, with a warning: the compressor never engages (every tensor is under min_numel)
     "compression=dgc optim.momentum=0 trainer.max_epochs=1 trainer.limit_train_batches=2",
+    # valid: on one node the center is in shared memory, so both processes are workers
     "strategy=hogwild_easgd trainer.devices=2 trainer.max_epochs=1 trainer.limit_train_batches=2",
 ]
 
