@@ -24,6 +24,7 @@ from easgd_lightning.hooks.compressors.csc import CSCCompressor
 from easgd_lightning.hooks.compressors.dgc import DGCCompressor
 from easgd_lightning.hooks.compressors.fp16 import BF16Compressor, FP16Compressor
 from easgd_lightning.hooks.compressors.gcomp import GCompCompressor
+from easgd_lightning.hooks.compressors.lgc import LGCCompressor
 from easgd_lightning.hooks.compressors.none import NoneCompressor
 from easgd_lightning.hooks.compressors.powersgd import PowerSGDCompressor
 from easgd_lightning.hooks.compressors.qsgd import QSGDCompressor
@@ -49,6 +50,7 @@ __all__ = [
     "DGCCompressor",
     "FP16Compressor",
     "GCompCompressor",
+    "LGCCompressor",
     "NoneCompressor",
     "Payload",
     "PowerSGDCompressor",
@@ -101,6 +103,7 @@ for _cls in (
     ACPSGDCompressor,
     SGCCompressor,
     CSCCompressor,
+    LGCCompressor,
 ):
     register_compressor(_cls)
 
