@@ -20,8 +20,6 @@ collective that Lightning runs on its own would re-synchronise them or hang on a
 * ``torch.distributed.distributed_c10d._get_default_store``: the rendezvous store when no
   ``MASTER_ADDR``/``MASTER_PORT`` is set (heartbeats live there).
 * ``Work._source_rank``: the sender of a receive from any source.
-* DeepSpeed ``PipelineModule._grid``: the process grid of a pipeline module (its
-  slice-parallel group is the tensor-parallel group).
 """
 
 from __future__ import annotations
@@ -131,5 +129,6 @@ def source_rank(work: Any) -> int:
 
 # ------------------------------------------------------------------ DeepSpeed
 def pipeline_slice_group(module: Any) -> Any:
-    """The slice-parallel (tensor-parallel) process group of a DeepSpeed ``PipelineModule``."""
-    return module._grid.get_slice_parallel_group()
+    """The slice-parallel (tensor-parallel) process group of a DeepSpeed ``PipelineModule``
+    (through its public ``mpu()``, the process grid; no private DeepSpeed name is read)."""
+    return module.mpu().get_slice_parallel_group()

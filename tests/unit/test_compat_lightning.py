@@ -151,11 +151,11 @@ def test_source_rank_names_the_sender_of_a_receive_from_any_source() -> None:
     assert "OK [" in outs[0]
 
 
-def test_deepspeed_pipeline_module_keeps_its_grid() -> None:
+def test_deepspeed_pipeline_module_gives_its_grid_through_mpu() -> None:
     from deepspeed.runtime.pipe.module import PipelineModule
     from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
-    assert "self._grid = " in inspect.getsource(PipelineModule.__init__)
+    assert list(inspect.signature(PipelineModule.mpu).parameters) == ["self"]
     assert list(inspect.signature(PipelineParallelGrid.get_slice_parallel_group).parameters) == ["self"]
 
     class _Grid:
@@ -163,6 +163,7 @@ def test_deepspeed_pipeline_module_keeps_its_grid() -> None:
             return "tp-group"
 
     class _Module:
-        _grid = _Grid()
+        def mpu(self):
+            return _Grid()
 
     assert compat.pipeline_slice_group(_Module()) == "tp-group"
