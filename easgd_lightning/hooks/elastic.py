@@ -47,18 +47,27 @@ def _memory_for(compressor, memory, state: dict | None):
     return memory
 
 
-def _pieces(diff: torch.Tensor, shapes: list | None, key: str):
-    """``diff`` cut into per-parameter views (with ``shapes``) and their state keys."""
+def _pieces(diff: torch.Tensor, shapes: list | None, key: str, scratch: dict | None = None):
+    """``diff`` cut into per-parameter views (with ``shapes``) and their state keys; the
+    views are kept in ``scratch`` and reused while ``diff`` is the same buffer."""
     flat = diff.reshape(-1)
     if not shapes:
         return [flat], [key]
+    # the cached views hold the buffer they view, so an equal address is the same buffer
+    ident = (diff.data_ptr(), diff.numel(), diff.dtype, key, tuple(tuple(s) for s in shapes))
+    cached = scratch.get("pieces") if scratch is not None else None
+    if cached is not None and cached[0] == ident:
+        return cached[1], cached[2]
     sizes = [int(torch.Size(s).numel()) for s in shapes]
     if sum(sizes) != flat.numel():
         raise ValueError(
             f"exchange_sum: shapes cover {sum(sizes)} elements, diff has {flat.numel()}"
         )
     pieces = [p.view(torch.Size(s)) for p, s in zip(torch.split(flat, sizes), shapes)]
-    return pieces, [f"{key}.{i}" for i in range(len(pieces))]
+    keys = [f"{key}.{i}" for i in range(len(pieces))]
+    if scratch is not None:
+        scratch["pieces"] = (ident, pieces, keys)
+    return pieces, keys
 
 
 def _collective_for(state: dict, group, kind: str) -> ProcessGroupCollective:
@@ -107,7 +116,7 @@ def start_exchange_sum(
         fut = ops.all_reduce_async(diff, kind=kind, group=group)
         return PendingSum(lambda: (ops.wait(fut, kind=kind), diff)[1], local)
     memory = _memory_for(compressor, memory, state)
-    pieces, keys = _pieces(diff, shapes, key)
+    pieces, keys = _pieces(diff, shapes, key, scratch_of(state))
     collective = _collective_for(state, group, kind)
     pending = start_exchange_tensors(pieces, keys, compressor, memory, state, collective)
     local = torch.cat([m.reshape(-1) for m in pending.locals]).view_as(diff) if keep_local else None
