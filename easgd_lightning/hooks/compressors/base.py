@@ -67,6 +67,7 @@ __all__ = [
     "tensor_bytes",
     "num_selected",
     "check_ratio",
+    "check_momentum",
     "check_int",
     "check_positive",
     "check_choice",
@@ -431,6 +432,17 @@ def check_ratio(key: str, value, *, allow_one: bool = True) -> float:
     if not (0.0 < v <= 1.0) or (not allow_one and v == 1.0) or math.isnan(v):
         raise ValueError(f"compression.{key} must be in (0, {hi}, got {value!r}")
     return v
+
+
+def check_momentum(key: str, value) -> float:
+    """``compression.<key>`` must be a momentum factor in [0, 1); returns it as float."""
+    try:
+        m = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"compression.{key} must be a number in [0, 1), got {value!r}") from None
+    if not 0.0 <= m < 1.0:
+        raise ValueError(f"compression.{key} must be in [0, 1), got {value!r}")
+    return m
 
 
 def check_int(key: str, value, minimum: int) -> int:

@@ -31,6 +31,7 @@ from easgd_lightning.hooks.compressors import _native
 from easgd_lightning.hooks.compressors.base import (
     Collective,
     check_int,
+    check_momentum,
     check_positive,
     check_ratio,
     num_selected,
@@ -259,10 +260,7 @@ class DGCCompressor(SparseCompressor):
     ) -> None:
         super().__init__(min_numel=min_numel, memory=memory)
         self.ratio = check_ratio("ratio", ratio)
-        m = float(momentum)
-        if not 0.0 <= m < 1.0:
-            raise ValueError(f"compression.momentum must be in [0, 1), got {momentum!r}")
-        self.momentum = m
+        self.momentum = check_momentum("momentum", momentum)
         if not isinstance(nesterov, bool):
             raise ValueError(f"compression.nesterov must be true or false, got {nesterov!r}")
         self.nesterov = nesterov

@@ -32,6 +32,7 @@ import torch
 from easgd_lightning.hooks.compressors import _native
 from easgd_lightning.hooks.compressors.base import (
     Collective,
+    check_momentum,
     check_ratio,
     num_selected,
     scratch_of,
@@ -79,10 +80,7 @@ class SparseGCCompressor(SparseCompressor):
     ) -> None:
         super().__init__(min_numel=min_numel, memory=memory)
         self.ratio = check_ratio("ratio", ratio)
-        m = float(momentum)
-        if not 0.0 <= m < 1.0:
-            raise ValueError(f"compression.momentum must be in [0, 1), got {momentum!r}")
-        self.momentum = m
+        self.momentum = check_momentum("momentum", momentum)
         if not isinstance(local_update, bool):
             raise ValueError(f"compression.local_update must be true or false, got {local_update!r}")
         self.local_update = local_update
