@@ -17,7 +17,12 @@ from easgd_lightning.hooks.compressors import PLUGINS, base
 from easgd_lightning.hooks.compressors.adaptive import adaptive_ratio
 from easgd_lightning.hooks.compressors.dgc import DGCCompressor
 from easgd_lightning.hooks.compressors.powersgd import power_iteration
-from easgd_lightning.hooks.compressors.qsgd import noise_words, qsgd_dequantize, qsgd_quantize, unpack_levels
+from easgd_lightning.hooks.compressors.qsgd import (
+    noise_words,
+    qsgd_dequantize,
+    qsgd_quantize,
+    unpack_levels,
+)
 from easgd_lightning.hooks.compressors.redsync import threshold_bisect, trimmed_topk
 from easgd_lightning.hooks.compressors.sidco import (
     exponential_threshold,

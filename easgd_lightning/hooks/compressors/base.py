@@ -222,7 +222,7 @@ class Compressor(ABC):
         the per-tensor ``state`` dicts the attach points checkpoint; none by default."""
         return {}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> None:  # noqa: B027 - a no-op unless overridden
         """Restore what :meth:`state_dict` returned."""
 
     def payload_bytes(self, payload: Payload) -> int:

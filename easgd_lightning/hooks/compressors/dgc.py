@@ -144,6 +144,10 @@ class SelectRule(NamedTuple):
     lower: float = 0.8
 
 
+#: the rule with DGC's own settings
+DGC_RULE = SelectRule()
+
+
 def _rounds(v, k, thr, rule: SelectRule, scratch, first=None):
     """DGC's refinement: (indices, values, rounds); ``first`` = round 1's survivors if known."""
     idx, val = v[:0].long(), v[:0]
@@ -164,7 +168,7 @@ def _rounds(v, k, thr, rule: SelectRule, scratch, first=None):
 
 
 def dgc_select_values(
-    v: torch.Tensor, k: int, rule: SelectRule = SelectRule(), scratch: dict | None = None
+    v: torch.Tensor, k: int, rule: SelectRule = DGC_RULE, scratch: dict | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """DGC's sampled threshold on the signed 1-D ``v``: (indices, values, rounds).
 
@@ -187,7 +191,7 @@ def momentum_select_values(
     momentum: float,
     nesterov: bool,
     k: int,
-    rule: SelectRule = SelectRule(),
+    rule: SelectRule = DGC_RULE,
     scratch: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The momentum correction and :func:`dgc_select_values` with round 1 in the same pass.

@@ -36,11 +36,11 @@ from easgd_lightning.hooks.compressors.base import (
     Payload,
     check_choice,
     check_int,
-    pack_bits,
-    unpack_bits,
     dense_out,
+    pack_bits,
     scratch_buffer,
     scratch_of,
+    unpack_bits,
 )
 
 __all__ = [
