@@ -109,25 +109,30 @@ class CSCCompressor(Compressor):
     def _k(self, n: int) -> int:
         return max(1, math.ceil(self.ratio * math.ceil(n / self.chunk_size)))
 
-    def _spans(self, chosen: torch.Tensor, n: int) -> list[tuple[int, int]]:
+    def _rows(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``flat`` as (full chunks x chunk_size) rows plus the short last chunk (views)."""
         c = self.chunk_size
-        return [(j * c, min(n, (j + 1) * c)) for j in chosen.tolist()]
+        full = flat.numel() // c
+        return flat[: full * c].view(full, c), flat[full * c :]
 
     def _gather(self, flat: torch.Tensor, chosen: torch.Tensor, state: dict) -> torch.Tensor:
-        spans = self._spans(chosen, flat.numel())
-        size = sum(b - a for a, b in spans)
+        """The chosen chunks of ``flat``, in order, in one buffer (one indexed copy)."""
+        rows, tail = self._rows(flat)
+        in_rows = chosen[chosen < rows.shape[0]]
+        size = in_rows.numel() * self.chunk_size + (tail.numel() if in_rows.numel() < chosen.numel() else 0)
         out = scratch_buffer(scratch_of(state), "values", size, flat.dtype, flat.device)
-        at = 0
-        for a, b in spans:
-            out[at : at + b - a].copy_(flat[a:b])
-            at += b - a
+        body = in_rows.numel() * self.chunk_size
+        torch.index_select(rows, 0, in_rows, out=out[:body].view(-1, self.chunk_size))
+        out[body:].copy_(tail[: size - body])
         return out
 
     def _scatter(self, values: torch.Tensor, chosen: torch.Tensor, out: torch.Tensor) -> None:
-        at = 0
-        for a, b in self._spans(chosen, out.numel()):
-            out[a:b].copy_(values[at : at + b - a])
-            at += b - a
+        """Write ``values`` (the chosen chunks, in order) into their places in ``out``."""
+        rows, tail = self._rows(out)
+        in_rows = chosen[chosen < rows.shape[0]]
+        body = in_rows.numel() * self.chunk_size
+        rows.index_copy_(0, in_rows, values[:body].view(-1, self.chunk_size))
+        tail[: values.numel() - body].copy_(values[body:])
 
     def _dense(self, values: torch.Tensor, chosen: torch.Tensor, state: dict, key: str, n: int
                ) -> torch.Tensor:
