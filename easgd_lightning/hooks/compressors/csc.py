@@ -75,12 +75,11 @@ class CSCCompressor(Compressor):
         self.ratio = check_ratio("ratio", ratio)
         self.chunk_size = check_int("chunk_size", chunk_size, 1)
 
-    # compress / decompress describe one rank's part (the selection is agreed in aggregate)
+    # compress / decompress: one rank alone (its own top chunks); ``aggregate`` agrees the
+    # selection across ranks first
     def compress(self, tensor: torch.Tensor, state: dict) -> Payload:
         flat = tensor.reshape(-1)
-        chosen = state.get("chosen")
-        if chosen is None:  # no agreed selection (used alone): this rank's own top chunks
-            chosen = select_chunks(chunk_scores(flat, self.chunk_size), self._k(flat.numel()))
+        chosen = select_chunks(chunk_scores(flat, self.chunk_size), self._k(flat.numel()))
         return Payload((self._gather(flat, chosen, state),), {"chosen": chosen, "n": flat.numel()})
 
     def decompress(self, payload: Payload, shape: torch.Size) -> torch.Tensor:
@@ -101,7 +100,7 @@ class CSCCompressor(Compressor):
         local = self._dense(values, chosen, state, "local", n)
         (summed,) = collective.all_reduce_sum([values])
         mean = self._dense(summed.div_(world), chosen, state, "mean", n)
-        state["chosen"] = chosen
+        state["chosen"] = chosen  # the last agreed selection, for inspection
         state["last_payload_bytes"] = (scores.numel() + values.numel()) * values.element_size()
         return mean.view(tensor.shape), local.view(tensor.shape)
 
