@@ -12,7 +12,7 @@ export WANDB_SILENT ?= true
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -e '.[dev]'
+	$(PY) -m pip install -e '.[dev,slurm]'
 	@touch $(STAMP)
 
 venv: $(STAMP)
@@ -27,7 +27,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q --durations=10 tests -m "(unit or distributed) and not slow"
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check easgd_lightning tests bench
+	$(VENV)/bin/ruff check easgd_lightning tests bench scripts hydra_plugins
 
 bench-cluster: $(STAMP)
 	$(PY) bench/cluster.py

@@ -7,7 +7,13 @@ from typing import Any
 
 from easgd_lightning.utils.atomic import atomic_write_json
 
-__all__ = ["build_summary", "write_summary"]
+__all__ = ["build_summary", "write_summary", "SWEEP_JOBS"]
+
+#: Output directories of this process's multirun jobs (the local sweep's own, or those a
+#: launcher plugin such as hydra/launcher=slurm submitted); easgd-train checks their
+#: summaries after the sweep. Here, not in cli/train.py, so that ``python -m
+#: easgd_lightning.cli.train`` (module ``__main__``) and the plugin share one list.
+SWEEP_JOBS: list[Path] = []
 
 
 def _sum_kinds(reports: list[dict]) -> dict:

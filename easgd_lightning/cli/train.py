@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from easgd_lightning.cli import launch
 from easgd_lightning.cli.build import ConfigError, validate_config
 from easgd_lightning.cli.resolvers import register_resolvers
+from easgd_lightning.cli.summary import SWEEP_JOBS as _SWEEP_JOBS
 from easgd_lightning.cli.summary import build_summary, write_summary
 from easgd_lightning.cli.worker import (
     current_run_id,
@@ -285,7 +286,6 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     return summary.get("val_acc") if summary else None
 
 
-_SWEEP_JOBS: list[Path] = []  # output directories of this process's multirun jobs
 
 
 def _failed_sweep_jobs(job_dirs: list[Path]) -> list[str]:

@@ -131,12 +131,12 @@ def test_slurm_launcher_configs(launcher: str, gpus: int | None) -> None:
     recipe = "alexnet_knl" if launcher == "slurm" else "alexnet_gpu"
     cfg = _compose([f"recipe=imagenet/{recipe}", f"hydra/launcher={launcher}"], hydra_config=True)
     lc = cfg.hydra.launcher
-    assert lc._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    assert lc._target_ == "hydra_plugins.easgd_lightning_slurm.launcher.SlurmLauncher"  # wraps the submitit plugin
     assert lc.tasks_per_node == cfg.trainer.devices and lc.nodes == cfg.trainer.num_nodes
     assert lc.gpus_per_node == gpus
     if launcher == "slurm":
         assert lc.cpus_per_task == 16  # threads_per_process
-    # every key is a field of the plugin's SlurmQueueConf (hydra-submitit-launcher 1.2)
+    # every key is a field of the submitit plugin's SlurmQueueConf (hydra-submitit-launcher 1.2)
     fields = {
         "_target_", "submitit_folder", "timeout_min", "cpus_per_task", "gpus_per_node", "tasks_per_node",
         "mem_gb", "nodes", "name", "stderr_to_stdout", "partition", "qos", "comment", "constraint",

@@ -1,0 +1,1 @@
+"""easgd-lightning's Hydra launcher plugin (``hydra/launcher=slurm``, ``slurm_gpu``)."""
