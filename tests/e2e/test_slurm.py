@@ -43,6 +43,8 @@ SHORT = [
 def slurm():
     """The local cluster for this module; stopped (jobs cancelled, daemons ended, state
     removed) at the end, also on Ctrl-C (KeyboardInterrupt) and SIGTERM (turned into one)."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher",
+                        reason="the slurm extra is not installed (make venv installs .[dev,slurm])")
     previous = signal.getsignal(signal.SIGTERM)
 
     def on_term(signum, frame):
