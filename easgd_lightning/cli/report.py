@@ -5,7 +5,11 @@ numbers) and PNG plots: validation accuracy vs wall time, accuracy vs bytes sent
 communication share per run. The communication share is the *exposed* fraction of wall
 time (``comm.exposed_fraction``: the time the training loop waited on communication;
 overlapped communication is not counted), falling back to ``comm.time_fraction`` for
-summaries written before it existed. Works on a sweep directory, a single run directory, and on
+summaries written before it existed. When DIR holds a ``costmodel.json`` written by
+``bench/costmodel.py`` (the fitted alpha-beta cost model), the report adds its
+weak-scaling projection: a table of parallel efficiency at 64 / 512 / 4096 workers per
+strategy and layout, and the plot ``costmodel_projection.png`` (model projections, not
+measurements; SC17's 91.5% marked). Works on a sweep directory, a single run directory, and on
 runs that failed (marked as failed, with the reason; a job that died before writing its
 summary.json is found by its Hydra ``.hydra/`` or ``ranks/`` directory).
 """
@@ -20,7 +24,15 @@ from typing import Any
 
 from easgd_lightning.utils.atomic import atomic_write_text
 
-__all__ = ["collect", "rows", "markdown_table", "write_report", "main"]
+__all__ = [
+    "collect",
+    "rows",
+    "markdown_table",
+    "plot_projection",
+    "projection_markdown",
+    "write_report",
+    "main",
+]
 
 COLUMNS = [
     ("run", "run"),
@@ -228,6 +240,72 @@ def _plots(table: list[dict[str, Any]], out: Path) -> list[Path]:
     return written
 
 
+def projection_markdown(projection: dict) -> str:
+    """The cost model's weak-scaling projection (``costmodel.json``'s ``projection``) as
+    markdown: one table per layout, parallel efficiency at 64 / 512 / 4096 workers."""
+    lines = ["## Weak-scaling projection (cost model)", "", f"**{projection['note']}**", ""]
+    sc17 = projection.get("sc17") or {}
+    if sc17:
+        lines += [f"Reference (marked on the plot): {sc17['what']}.", ""]
+    for layout, table in projection["table"].items():
+        cols = sorted({int(p) for row in table.values() for p in row})
+        lines += [
+            f"### {layout}: {projection['layouts'].get(layout, '')}",
+            "",
+            "| strategy | " + " | ".join(f"E({p})" for p in cols) + " |",
+            "|---|" + "---:|" * len(cols),
+        ]
+        for label, effs in table.items():
+            cells = [f"{100 * effs[str(p)]:.1f}%" if str(p) in effs else "-" for p in cols]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot_projection(projection: dict, path: Path) -> Path:
+    """One panel per layout, one efficiency curve per strategy, SC17's point marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layouts = list(projection["curves"])
+    fig, axes = plt.subplots(1, len(layouts), figsize=(6.5 * len(layouts), 5), squeeze=False)
+    sc17 = projection.get("sc17") or {}
+    for ax, layout in zip(axes[0], layouts):
+        for label, effs in projection["curves"][layout].items():
+            ax.plot(projection["workers"], effs, marker="o", ms=3, label=label)
+        if sc17 and layout == "knl":
+            ax.scatter([sc17["workers"]], [sc17["efficiency"]], marker="*", s=180, c="k", zorder=5,
+                       label=f"SC17 measured: Sync EASGD {100 * sc17['efficiency']:.1f}% "
+                       f"on {sc17['workers']} KNL cores")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(0, 1.05)
+        ax.set_xlabel("workers (weak scaling)")
+        ax.set_ylabel("parallel efficiency t_compute / t_step")
+        ax.set_title(f"{layout}: model projection, not measured", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.suptitle(projection["note"], fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _costmodel(root: Path, out: Path) -> list[str]:
+    """The projection section when ``root`` holds a ``costmodel.json`` (bench/costmodel.py)."""
+    found = sorted(root.rglob("costmodel.json"))
+    if not found:
+        return []
+    try:
+        projection = json.loads(found[0].read_text())["projection"]
+        png = plot_projection(projection, out / "costmodel_projection.png")
+    except (OSError, KeyError, ValueError, TypeError) as err:
+        return ["## Weak-scaling projection (cost model)", "", f"not added: {found[0]}: {err}", ""]
+    return [projection_markdown(projection), f"![{png.stem}]({png.name})", ""]
+
+
 def write_report(root: str | Path, out: str | Path | None = None) -> tuple[Path, list[dict]]:
     """Write report.md and the plots; returns (report path, rows)."""
     root = Path(root)
@@ -242,6 +320,7 @@ def write_report(root: str | Path, out: str | Path | None = None) -> tuple[Path,
     if failed:
         text += ["## Failed runs", ""] + [f"- {r['run']}: {r['error']}" for r in failed] + [""]
     text += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in pngs] + [""]
+    text += _costmodel(root, out)
     path = out / "report.md"
     atomic_write_text(path, "\n".join(text))
     atomic_write_text(out / "report.csv", _csv(table))

@@ -1,0 +1,846 @@
+r"""Alpha-beta cost model fitted on the emulated cluster, and a weak-scaling projection.
+
+Every collective the strategies use costs, on p ranks and a message of n bytes,
+``k_alpha(p) * alpha + k_bytes(p, n) / beta``: alpha is the per-message latency (software
+and network), beta the bandwidth a rank achieves, fitted as ``beta = eta * R`` with R the
+link's nominal rate and eta the share of it the collective gets. The terms:
+
+=================  =====================  ==========================  ===========================
+collective         k_alpha                k_bytes                     used by
+=================  =====================  ==========================  ===========================
+ring all-reduce    2 (p - 1)              2 (p - 1) n / p             ddp, sync_easgd, local_sgd,
+                                                                      fp16 / PowerSGD payloads
+tree all-reduce    2 ceil(log2 p)         2 ceil(log2 p) n            SC17's Sync EASGD (reduce +
+                                                                      broadcast, binomial tree)
+all-gather         p - 1                  (p - 1) m                   sparse payloads (topk, DGC,
+                                                                      ...): m per rank, so the
+                                                                      bytes grow with p
+broadcast (gloo)   p - 1                  (p - 1) n                   set-up, center to workers:
+                                                                      the root sends to each rank
+PS fan-in          2                      2 (p - 1) n                 async EASGD / SGD: p - 1
+                                                                      workers send n at once to
+                                                                      one server, which replies n
+                                                                      to each in turn
+round robin        2 (p - 1)              2 (p - 1) n                 original EASGD: the master
+                                                                      serves workers one by one,
+                                                                      each waiting for the last
+                                                                      (PS's alpha and beta)
+=================  =====================  ==========================  ===========================
+
+so e.g. ring all-reduce = 2(p-1)(alpha + n/(p beta)), tree = 2 log2(p) (alpha + n/beta),
+all-gather = (p-1)(alpha + m/beta). **Hierarchical reduction** (SC17's KNL layout: q
+workers per node reduce through shared memory, nodes through the network) on P = N q
+workers: ``2 ceil(log2 q) (alpha_i + n/beta_i)`` (tree reduce and broadcast inside the
+node) ``+ ring(N, n)`` over the N nodes' links.
+
+**Fit.** For each collective, the probe (``bench/costmodel_probe.py``) times it on the
+emulated cluster at 2, 4 and 8 ranks, at three link rates and four message sizes (the
+slowest rank, median of 3). Each sample gives one linear equation
+``t = alpha * k_alpha + (k_bytes / R) * (1 / eta)``; :func:`fit_alpha_beta` solves them by
+least squares in float64, each row weighted by 1/t (relative errors, so the small
+messages that fix alpha count as much as the large ones).
+
+**Step time** of a (strategy, compression) row on p ranks (:func:`step_time`), with t_c the
+measured compute per step (the ``limit`` row: same hosts, no communication; CPU sharing of
+k computing processes on c cores scales it by max(1, k/c)), t_k the measured codec time
+(``bench/compressors.py``'s round trip on the model's size, same CPU scaling), n the dense
+message and m the row's metered payload per exchange:
+
+- ``ddp``: t_c + t_k + C, C = ring(p, m) (linear payloads; PowerSGD: two all-reduces) or
+  all-gather(p, m) (sparse payloads);
+- ``sync_easgd``: the same C / tau; with ``overlap`` the exchange runs behind the next
+  step's compute: max(t_c, C) + t_k;
+- ``local_sgd``: t_c + ring(p, n) / tau;
+- ``easgd_round_robin``: t_c + round robin(p, n) / tau;
+- ``async_easgd`` (server = one rank, p - 1 workers): max(t_c, PS(p, n)) / tau with overlap,
+  t_c + PS(p, n) / tau without;
+- ``limit``: t_c.
+
+**Held out.** The fit uses only the probe (collectives), the limit row (compute) and the
+codec timings; every training row's step time is a prediction, reported against its
+measured step time (target: within 15%), at a link rate the probe did not use.
+
+**Projection.** Weak scaling (fixed work per worker) to 4096 workers on two layouts,
+efficiency E(P) = t_c / T(P): the fitted formulas, alphas and etas, the measured compute,
+codec and payloads, and per layout (assumptions, stated in the output): workers per node,
+intra- and inter-node nominal rates, the intra-node latency (and the inter-node one where
+the layout does not use the fitted alpha) and a compute speed factor.
+These are MODEL PROJECTIONS, not measurements. SC17's 91.5% weak-scaling efficiency
+(Sync EASGD, 4253 KNL cores) is marked on the plot for reference.
+
+Usage::
+
+    sudo .venv/bin/python bench/costmodel.py --measure            # probe + rows, then fit
+    .venv/bin/python bench/costmodel.py --fit bench/results/costmodel/costmodel_inputs.json
+    easgd-report bench/results/costmodel                          # adds the projection
+
+Outputs in ``--out`` (default ``bench/results/costmodel``): ``costmodel_inputs.json`` (the
+measurements), ``costmodel.json`` (fit, predictions, projection), ``costmodel.md`` and
+``costmodel_projection.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+__all__ = [
+    "COLLECTIVES",
+    "LAYOUTS",
+    "allgather_terms",
+    "broadcast_terms",
+    "collective_time",
+    "fit",
+    "fit_alpha_beta",
+    "hierarchical_allreduce_time",
+    "layouts_with",
+    "predict_rows",
+    "project",
+    "ps_terms",
+    "ring_terms",
+    "round_robin_terms",
+    "step_time",
+    "tree_terms",
+]
+
+PROJECTION_NOTE = (
+    "MODEL PROJECTION, not a measurement: the alpha-beta model fitted on the emulated "
+    "cluster, extrapolated to layouts and scales that were not run."
+)
+SC17_POINT = (4253, 0.915)  # Sync EASGD weak scaling on 4253 KNL cores (SC17)
+PROJECTION_WORKERS = (64, 512, 4096)
+
+
+# ---------------------------------------------------------------- collective formulas
+def _log2(p: int) -> int:
+    return math.ceil(math.log2(p)) if p > 1 else 0
+
+
+def ring_terms(p: int, n: float) -> tuple[float, float]:
+    """Ring all-reduce (reduce-scatter + all-gather): 2(p-1) steps of n/p bytes."""
+    return 2.0 * (p - 1), 2.0 * (p - 1) * n / p
+
+
+def tree_terms(p: int, n: float) -> tuple[float, float]:
+    """Binomial-tree reduce then broadcast: 2 ceil(log2 p) steps of n bytes."""
+    return 2.0 * _log2(p), 2.0 * _log2(p) * n
+
+
+def allgather_terms(p: int, m: float) -> tuple[float, float]:
+    """Ring all-gather of m bytes per rank: p-1 steps of m (the received bytes grow with p)."""
+    return float(p - 1), float(p - 1) * m
+
+
+def broadcast_terms(p: int, n: float) -> tuple[float, float]:
+    """gloo's broadcast: the root sends n to each of the p-1 others over its own link."""
+    return float(p - 1), float(p - 1) * n
+
+
+def ps_terms(p: int, n: float) -> tuple[float, float]:
+    """Parameter-server fan-in: p-1 workers send n at once to one server, which serves
+    them first come first served, replying n to each: the server's link carries (p-1) n
+    in and (p-1) n out, one exchange after the other: 2 alpha + 2 (p-1) n / beta."""
+    return 2.0, 2.0 * (p - 1) * n
+
+
+def round_robin_terms(p: int, n: float) -> tuple[float, float]:
+    """Original EASGD: the master exchanges n both ways with p-1 workers in turn."""
+    return 2.0 * (p - 1), 2.0 * (p - 1) * n
+
+
+COLLECTIVES: dict[str, Callable[[int, float], tuple[float, float]]] = {
+    "ring": ring_terms,
+    "tree": tree_terms,
+    "allgather": allgather_terms,
+    "broadcast": broadcast_terms,
+    "ps": ps_terms,
+}
+#: formulas with no probe of their own and the probe whose alpha and beta they use
+DERIVED = {"round_robin": ("ps", round_robin_terms)}
+
+
+def collective_time(name: str, p: int, n: float, alpha: float, beta: float) -> float:
+    """Seconds of collective ``name`` on p ranks for n bytes: k_alpha alpha + k_bytes / beta.
+
+    Args:
+        name: a key of :data:`COLLECTIVES` or ``round_robin``.
+        p: ranks taking part (>= 1; one rank costs nothing).
+        n: message bytes (per rank for ``allgather``).
+        alpha: latency per message, seconds.
+        beta: bandwidth, bytes per second.
+    """
+    terms = DERIVED[name][1] if name in DERIVED else COLLECTIVES[name]
+    if p <= 1:
+        return 0.0
+    k_alpha, k_bytes = terms(p, n)
+    return k_alpha * alpha + k_bytes / beta
+
+
+def hierarchical_allreduce_time(
+    p: int, per_node: int, n: float, intra: tuple[float, float], inter: tuple[float, float]
+) -> float:
+    """Tree reduce + broadcast inside each node (q = per_node workers, shared memory) and a
+    ring all-reduce over the N = ceil(p / q) nodes: 2 ceil(log2 q)(alpha_i + n/beta_i) +
+    2 (N-1)(alpha_e + n/(N beta_e)). ``intra`` / ``inter``: (alpha, beta)."""
+    q = min(p, per_node)
+    nodes = math.ceil(p / q)
+    return collective_time("tree", q, n, *intra) + collective_time("ring", nodes, n, *inter)
+
+
+# ---------------------------------------------------------------- the fit
+def fit_alpha_beta(
+    k_alpha: Sequence[float], k_bytes_over_rate: Sequence[float], times: Sequence[float]
+) -> tuple[float, float]:
+    """Least squares for ``t = alpha k_alpha + (k_bytes / R) / eta`` (float64).
+
+    Args:
+        k_alpha: latency count of each sample.
+        k_bytes_over_rate: bytes term of each sample divided by the nominal rate (s); pass
+            ``k_bytes`` itself to fit ``1 / beta`` directly.
+        times: measured seconds.
+
+    Returns:
+        ``(alpha, eta)`` (or ``(alpha, beta)`` when the rates were 1).
+
+    Raises:
+        ValueError: fewer than two samples, or samples that do not determine both.
+    """
+    a = np.column_stack([np.asarray(k_alpha, np.float64), np.asarray(k_bytes_over_rate, np.float64)])
+    t = np.asarray(times, np.float64)
+    if a.shape[0] < 2 or np.linalg.matrix_rank(a) < 2:
+        raise ValueError("need samples with at least two independent (k_alpha, k_bytes) pairs")
+    w = 1.0 / np.where(t > 0, t, 1.0)
+    (alpha, inv_eta), *_ = np.linalg.lstsq(a * w[:, None], t * w, rcond=None)
+    return float(alpha), float(1.0 / inv_eta)
+
+
+def _rate_bps(rate_mbit: float) -> float:
+    return rate_mbit * 1e6 / 8.0
+
+
+def fit(samples: Sequence[dict]) -> dict[str, dict]:
+    """Fit every probed collective. ``samples``: ``{"op", "p", "bytes", "rate_mbit",
+    "time_s"}``. Returns ``{op: {"alpha_s", "eta", "samples", "max_rel_err",
+    "median_rel_err"}}``."""
+    out: dict[str, dict] = {}
+    for op, terms in COLLECTIVES.items():
+        rows = [s for s in samples if s["op"] == op and s["p"] > 1]
+        if len(rows) < 2:
+            continue
+        ka, kb = zip(*(terms(s["p"], s["bytes"]) for s in rows))
+        kbr = [b / _rate_bps(s["rate_mbit"]) for b, s in zip(kb, rows)]
+        alpha, eta = fit_alpha_beta(ka, kbr, [s["time_s"] for s in rows])
+        errs = [
+            abs(alpha * a + b / eta - s["time_s"]) / s["time_s"] for a, b, s in zip(ka, kbr, rows)
+        ]
+        out[op] = {
+            "alpha_s": alpha, "eta": eta, "samples": len(rows),
+            "max_rel_err": max(errs), "median_rel_err": statistics.median(errs),
+        }
+    return out
+
+
+# ---------------------------------------------------------------- step time
+def cpu_share(k: int, cpus: int) -> float:
+    """Slow-down of k busy processes on c cores: max(1, k / c)."""
+    return max(1.0, k / max(1, cpus))
+
+
+def step_time(
+    strategy: str,
+    p: int,
+    *,
+    n: float,
+    m: float,
+    t_compute: float,
+    t_codec: float,
+    net: Callable[[str, int, float], float],
+    aggregation: str = "allreduce",
+    calls: int = 1,
+    tau: int = 1,
+    overlap: bool = False,
+) -> dict:
+    """Predicted seconds per step of one row (the module docstring's formulas).
+
+    Args:
+        strategy: the strategy name (``limit`` for no communication).
+        p: ranks (for the parameter-server family the server is one of them).
+        n: dense message bytes; m: the row's payload bytes per exchange.
+        t_compute: compute seconds per step of one worker; t_codec: codec seconds per step.
+        net: ``net(collective, p, bytes) -> seconds``.
+        aggregation: ``allreduce`` or ``allgather`` (the compressor's).
+        calls: collectives per exchange (PowerSGD: 2, for P and Q).
+        tau: steps per exchange.
+        overlap: whether the exchange runs behind the next step's compute.
+
+    Returns:
+        ``{"step_s", "comm_s", "formula"}``.
+    """
+    if strategy == "limit":
+        return {"step_s": t_compute, "comm_s": 0.0, "formula": "t_c"}
+    if strategy in ("ddp", "ddp_compressed", "sync_easgd"):
+        if aggregation == "allgather":
+            comm, form = net("allgather", p, m), "allgather(p, m)"
+        else:
+            comm = calls * net("ring", p, m / calls)
+            form = "ring(p, m)" if calls == 1 else f"{calls} x ring(p, m/{calls})"
+        comm /= tau
+        if strategy == "sync_easgd" and overlap:
+            return {"step_s": max(t_compute, comm) + t_codec, "comm_s": comm,
+                    "formula": f"max(t_c, {form}/tau) + t_k"}
+        return {"step_s": t_compute + t_codec + comm, "comm_s": comm,
+                "formula": f"t_c + t_k + {form}" + ("/tau" if tau > 1 else "")}
+    if strategy == "local_sgd":
+        comm = net("ring", p, n) / tau
+        return {"step_s": t_compute + comm, "comm_s": comm, "formula": "t_c + ring(p, n)/tau"}
+    if strategy == "easgd_round_robin":
+        comm = net("round_robin", p, n) / tau
+        return {"step_s": t_compute + comm, "comm_s": comm, "formula": "t_c + rr(p, n)/tau"}
+    if strategy.startswith("async_"):
+        comm = net("ps", p, n) / tau
+        if overlap:
+            return {"step_s": max(t_compute, comm), "comm_s": comm,
+                    "formula": "max(t_c, ps(p, n)/tau)"}
+        return {"step_s": t_compute + comm, "comm_s": comm, "formula": "t_c + ps(p, n)/tau"}
+    raise ValueError(f"no cost formula for strategy {strategy!r}")
+
+
+def fitted_net(model: dict[str, dict], rate_mbit: float) -> Callable[[str, int, float], float]:
+    """``net(collective, p, bytes)`` of the emulated cluster at one link rate."""
+    def net(name: str, p: int, nbytes: float) -> float:
+        probe = DERIVED[name][0] if name in DERIVED else name
+        par = model[probe]
+        return collective_time(name, p, nbytes, par["alpha_s"], par["eta"] * _rate_bps(rate_mbit))
+    return net
+
+
+_STRATEGY_DEFAULTS = {  # the strategies' config defaults that the cost formulas read
+    "sync_easgd": {"tau": 1, "overlap": True},
+    "async_easgd": {"tau": 1, "overlap": True},
+    "easgd_round_robin": {"tau": 1, "overlap": False},
+    "local_sgd": {"tau": 8, "overlap": False},
+}
+
+
+def row_options(row: dict) -> dict:
+    """tau and overlap of a row: the strategy's defaults, then the row's overrides."""
+    opts = dict(_STRATEGY_DEFAULTS.get(row["strategy"], {"tau": 1, "overlap": False}))
+    for item in row.get("overrides") or []:
+        key, _, value = item.partition("=")
+        if key == "strategy.tau":
+            opts["tau"] = int(value)
+        elif key == "strategy.overlap":
+            opts["overlap"] = value.lower() == "true"
+    return opts
+
+
+def _computing(row: dict, p: int) -> int:
+    """Processes that compute during a step (the parameter server does not)."""
+    return p - 1 if row["strategy"].startswith("async_") else p
+
+
+def _row_inputs(row: dict, inputs: dict) -> dict:
+    """The per-row quantities of :func:`step_time`: n, m, t_c, t_k, aggregation, calls."""
+    p, cpus = row["workers"], inputs["cpus"]
+    limit = next(r for r in inputs["rows"] if r["strategy"] == "limit" and r["workers"] == p)
+    t_c1 = limit["step_time_s"] / cpu_share(p, cpus)  # one worker with a core of its own
+    codec = inputs["codec"].get(row["compression"]) or {}
+    share = cpu_share(_computing(row, p), cpus)
+    n = inputs["dense_bytes"]
+    m = row.get("bytes_per_exchange") or n
+    return {
+        "n": n, "m": m, "t_compute": t_c1 * share, "t_compute_1": t_c1,
+        "t_codec": codec.get("seconds", 0.0) * share, "t_codec_1": codec.get("seconds", 0.0),
+        "aggregation": codec.get("aggregation", "allreduce"), "calls": codec.get("calls", 1),
+    }
+
+
+def predict_rows(model: dict[str, dict], inputs: dict) -> list[dict]:
+    """Predicted against measured step time of every measured training row."""
+    out = []
+    for row in inputs["rows"]:
+        if row.get("status") != "ok" or row.get("step_time_s") is None:
+            continue
+        x = _row_inputs(row, inputs)
+        opts = row_options(row)
+        pred = step_time(
+            row["strategy"], row["workers"], n=x["n"], m=x["m"], t_compute=x["t_compute"],
+            t_codec=x["t_codec"], net=fitted_net(model, row["rate_mbit"]),
+            aggregation=x["aggregation"], calls=x["calls"], **opts,
+        )
+        measured = row["step_time_s"]
+        out.append({
+            "row": _label(row), "workers": row["workers"], "rate_mbit": row["rate_mbit"],
+            "measured_s": measured, "predicted_s": pred["step_s"], "comm_s": pred["comm_s"],
+            "t_compute_s": x["t_compute"], "t_codec_s": x["t_codec"], "payload_bytes": x["m"],
+            "rel_err": (pred["step_s"] - measured) / measured, "formula": pred["formula"],
+            "in_fit": row["strategy"] == "limit",
+        })
+    return out
+
+
+def _label(row: dict) -> str:
+    return ";".join([f"{row['strategy']}/{row['compression']}", *(row.get("overrides") or [])])
+
+
+# ---------------------------------------------------------------- projection
+#: Layout assumptions of the projection (not measured; stated in every output).
+LAYOUTS = {
+    "knl": {
+        "description": "64 nodes x 68 KNL cores (SC17's 4253-core run), one worker per core; "
+        "intra-node: shared memory (tree), 100 Gbit/s per transfer, 5 us; inter-node: "
+        "Cray Aries-class 80 Gbit/s per node at the fitted eta, and the fitted alpha (gloo "
+        "over TCP, the backend this project runs on CPU clusters); a KNL core computes "
+        "like one core here",
+        "per_node": 68, "intra_mbit": 100_000.0, "intra_alpha_s": 5e-6,
+        "inter_mbit": 80_000.0, "inter_alpha_s": None, "compute_factor": 1.0,
+    },
+    "gpu": {
+        "description": "512 nodes x 8 GPUs, one worker per GPU; intra-node: NVLink-class "
+        "1200 Gbit/s, 5 us; inter-node: InfiniBand-class 100 Gbit/s per node at the "
+        "fitted eta, 10 us per message (NCCL-class, not fitted); a GPU step 10x faster "
+        "than one core here",
+        "per_node": 8, "intra_mbit": 1_200_000.0, "intra_alpha_s": 5e-6,
+        "inter_mbit": 100_000.0, "inter_alpha_s": 1e-5, "compute_factor": 0.1,
+    },
+}
+
+
+def layout_net(model: dict[str, dict], layout: dict) -> Callable[[str, int, float], float]:
+    """``net(collective, P, bytes)`` on a layout: inside one node the intra-node link;
+    across nodes, a tree's levels split into intra- and inter-node ones, every other
+    collective paced by the inter-node links (fitted alpha, eta x the layout's rate)."""
+    q = layout["per_node"]
+    intra_beta = _rate_bps(layout["intra_mbit"])
+
+    def params(name: str) -> tuple[float, float]:
+        probe = DERIVED[name][0] if name in DERIVED else name
+        par = model.get(probe) or model["ring"]
+        alpha = layout.get("inter_alpha_s")
+        return par["alpha_s"] if alpha is None else alpha, par["eta"] * _rate_bps(layout["inter_mbit"])
+
+    def net(name: str, p: int, nbytes: float) -> float:
+        if name == "hierarchical":
+            return hierarchical_allreduce_time(
+                p, q, nbytes, (layout["intra_alpha_s"], intra_beta), params("ring")
+            )
+        if p <= q:
+            eta = (model.get(name) or model["ring"])["eta"]
+            return collective_time(name, p, nbytes, layout["intra_alpha_s"], eta * intra_beta)
+        if name == "tree":
+            nodes = math.ceil(p / q)
+            return collective_time("tree", q, nbytes, layout["intra_alpha_s"], intra_beta) + (
+                collective_time("tree", nodes, nbytes, *params("tree"))
+            )
+        return collective_time(name, p, nbytes, *params(name))
+    return net
+
+
+def _workers_axis(limit: int = 4096) -> list[int]:
+    out, p = [], 1
+    while p <= limit:
+        out.append(p)
+        p *= 2
+    return out
+
+
+def layouts_with(overrides: Sequence[str]) -> dict[str, dict]:
+    """:data:`LAYOUTS` with ``layout.key=value`` overrides (numbers), e.g.
+    ``gpu.compute_factor=0.1``.
+
+    Raises:
+        ValueError: an unknown layout or key, or a value that is not a positive number.
+    """
+    layouts = {k: dict(v) for k, v in LAYOUTS.items()}
+    for item in overrides:
+        target, _, value = item.partition("=")
+        name, _, key = target.partition(".")
+        if name not in layouts or key not in layouts[name] or key == "description":
+            keys = sorted(k for k in LAYOUTS["knl"] if k != "description")
+            raise ValueError(
+                f"--layout {item!r}: expected LAYOUT.KEY=VALUE with LAYOUT in "
+                f"{sorted(layouts)} and KEY in {keys}"
+            )
+        try:
+            number = float(value)
+        except ValueError:
+            number = -1.0
+        if not number > 0:
+            raise ValueError(f"--layout {item!r}: the value must be a positive number")
+        layouts[name][key] = int(number) if key == "per_node" else number
+        layouts[name]["description"] += f" [override: {key}={value}]"
+    return layouts
+
+
+def project(
+    model: dict[str, dict],
+    inputs: dict,
+    workers: Sequence[int] | None = None,
+    layouts: dict[str, dict] | None = None,
+) -> dict:
+    """Weak-scaling efficiency t_c / T(P) of every measured row, plus Sync EASGD with
+    SC17's tree and with hierarchical reduction, on each layout (default :data:`LAYOUTS`)."""
+    workers = list(workers or _workers_axis())
+    layouts = layouts or LAYOUTS
+    curves: dict[str, dict[str, list]] = {}
+    rows = [r for r in inputs["rows"] if r.get("status") == "ok" and r["strategy"] != "limit"]
+    for lname, layout in layouts.items():
+        net = layout_net(model, layout)
+        lay: dict[str, list] = {}
+        specs = [(_label(r), r, None) for r in rows]
+        dense = next((r for r in rows if r["strategy"] == "sync_easgd" and r["compression"] == "none"), None)
+        if dense is not None:
+            specs += [("sync_easgd/none (SC17 tree)", dense, "tree"),
+                      ("sync_easgd/none (hierarchical)", dense, "hierarchical")]
+        for label, row, collective in specs:
+            x = _row_inputs(row, inputs)
+            opts = row_options(row)
+            t_c = x["t_compute_1"] * layout["compute_factor"]
+            t_k = x["t_codec_1"] * layout["compute_factor"]
+            row_net = net
+            if collective is not None:
+                def row_net(name, p, nb, _c=collective, _net=net):  # all-reduce another way
+                    return _net(_c if name == "ring" else name, p, nb)
+            effs = []
+            for p in workers:
+                if p == 1:
+                    effs.append(1.0)
+                    continue
+                pred = step_time(
+                    row["strategy"], p, n=x["n"], m=x["m"], t_compute=t_c, t_codec=t_k,
+                    net=row_net, aggregation=x["aggregation"], calls=x["calls"], **opts,
+                )
+                effs.append(t_c / pred["step_s"])
+            lay[label] = effs
+        curves[lname] = lay
+    table = {
+        lname: {
+            label: {str(p): effs[workers.index(p)] for p in PROJECTION_WORKERS if p in workers}
+            for label, effs in lay.items()
+        }
+        for lname, lay in curves.items()
+    }
+    return {
+        "note": PROJECTION_NOTE, "workers": workers, "curves": curves, "table": table,
+        "layouts": {k: v["description"] for k, v in layouts.items()},
+        "layout_parameters": layouts,
+        "sc17": {"workers": SC17_POINT[0], "efficiency": SC17_POINT[1],
+                 "what": "SC17: Sync EASGD, 91.5% weak scaling on 4253 KNL cores (measured there)"},
+        "workload": {"dense_bytes": inputs["dense_bytes"],
+                     "what": "the measured workload (its bytes, compute and codec per step)"},
+    }
+
+
+# ---------------------------------------------------------------- outputs
+def markdown(result: dict) -> str:
+    """The fit, the predictions and the projection as markdown."""
+    inputs = result["inputs_summary"]
+    lines = [
+        "# Cost model (alpha-beta), fitted on the emulated cluster",
+        "",
+        f"- fitted on: {inputs['probe_samples']} probe samples (ranks {inputs['probe_workers']}, "
+        f"link rates {inputs['probe_rates_mbit']} Mbit/s), the limit row (compute) and codec "
+        "timings; every other row below is held out",
+        f"- load average: {inputs.get('loadavg_before')} before, {inputs.get('loadavg_after')} after",
+        "",
+        "| collective | alpha (us) | eta (of the link) | samples | median rel. err | max rel. err |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for op, par in result["fit"].items():
+        lines.append(
+            f"| {op} | {par['alpha_s'] * 1e6:.0f} | {par['eta']:.3f} | {par['samples']} | "
+            f"{100 * par['median_rel_err']:.1f}% | {100 * par['max_rel_err']:.1f}% |"
+        )
+    lines += [
+        "",
+        "| row | ranks | Mbit/s | measured s/step | predicted | error | t_c | t_k | comm | formula | held out |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for r in result["predictions"]:
+        lines.append(
+            f"| {r['row']} | {r['workers']} | {r['rate_mbit']:g} | {r['measured_s']:.4f} | "
+            f"{r['predicted_s']:.4f} | {100 * r['rel_err']:+.1f}% | {r['t_compute_s']:.4f} | "
+            f"{r['t_codec_s']:.4f} | {r['comm_s']:.4f} | {r['formula']} | "
+            f"{'no (fit)' if r['in_fit'] else 'yes'} |"
+        )
+    held = [r for r in result["predictions"] if not r["in_fit"]]
+    if held:
+        within = sum(abs(r["rel_err"]) <= 0.15 for r in held)
+        lines += ["", f"Held-out rows within 15%: {within} of {len(held)}."]
+    lines += ["", projection_markdown(result["projection"])]
+    return "\n".join(lines) + "\n"
+
+
+def projection_markdown(projection: dict) -> str:
+    """The projection table (efficiency at 64 / 512 / 4096 workers); re-exported by
+    ``easgd-report``."""
+    from easgd_lightning.cli.report import projection_markdown as render
+
+    return render(projection)
+
+
+def _loadavg() -> str | None:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return None
+
+
+def analyse(inputs: dict, out: Path, layouts: dict[str, dict] | None = None) -> dict:
+    """Fit, predict, project; write costmodel.json / .md / _projection.png into ``out``."""
+    from easgd_lightning.cli.report import plot_projection
+    from easgd_lightning.utils.atomic import atomic_write_text
+
+    model = fit(inputs["probe"])
+    result = {
+        "fit": model,
+        "predictions": predict_rows(model, inputs),
+        "projection": project(model, inputs, layouts=layouts),
+        "inputs_summary": {
+            "probe_samples": len(inputs["probe"]),
+            "probe_workers": sorted({s["p"] for s in inputs["probe"]}),
+            "probe_rates_mbit": sorted({s["rate_mbit"] for s in inputs["probe"]}),
+            "loadavg_before": inputs.get("loadavg_before"),
+            "loadavg_after": inputs.get("loadavg_after"),
+        },
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    png = plot_projection(result["projection"], out / "costmodel_projection.png")
+    result["projection"]["png"] = png.name
+    atomic_write_text(out / "costmodel.json", json.dumps(result, indent=2))
+    md = markdown(result)
+    atomic_write_text(out / "costmodel.md", md)
+    return result
+
+
+# ---------------------------------------------------------------- measurement
+PROBE_WORKERS = (2, 4, 8)
+PROBE_RATES_MBIT = (50.0, 200.0, 1000.0)
+ROWS_WORKERS = 4
+ROWS_RATE_MBIT = 100.0  # not a probe rate: the rows are predicted at a rate the fit never saw
+DEFAULT_ROWS = (
+    "ddp/none,limit/none,ddp/powersgd,ddp/dgc;compression.warmup_ratio_steps=0;optim.momentum=0,"
+    "sync_easgd/none,sync_easgd/topk,easgd_round_robin/none,async_easgd/none"
+)
+
+
+def probe_sizes(rate_mbit: float, top_ms: float = 40.0) -> list[int]:
+    """Message sizes for one link rate: 1 kB (fixes alpha), then a quarter of and all of
+    ``top_ms`` of the link: at least 5x the token bucket's 2 ms burst, which lets shorter
+    messages through faster than the rate."""
+    top = int(_rate_bps(rate_mbit) * top_ms / 1000.0) // 1024 * 1024
+    return [1024, max(2048, top // 4), max(4096, top)]
+
+
+def run_probe(cluster, out: Path, rates: Sequence[float], port: int, timeout_s: float,
+              repeats: int = 3, latency_ms: float = 0.1, top_ms: float = 40.0) -> list[dict]:
+    """Time every collective on ``cluster`` at each rate (one launch, links reshaped
+    between phases); one sample per (op, bytes, rate): the slowest rank's median."""
+    from _netem import LinkSpec
+    from _runs import _log_tail, _rank_env, _wait_all
+
+    res = out / f"probe_p{cluster.workers}"
+    if res.exists():
+        import shutil
+        shutil.rmtree(res)
+    res.mkdir(parents=True)
+    script = Path(__file__).resolve().parent / "costmodel_probe.py"
+    sizes = ",".join(":".join(str(s) for s in probe_sizes(r, top_ms)) for r in rates)
+    cmd = [sys.executable, str(script), "--phases", ",".join(f"{r:g}" for r in rates),
+           "--sizes", sizes, "--repeats", str(repeats), "--out", str(res),
+           "--timeout-s", str(timeout_s)]
+    cluster.shape(LinkSpec(rates[0], latency_ms))
+    procs = [cluster.spawn(r, cmd, _rank_env(cluster, r, port), res / f"rank{r}.log")
+             for r in range(cluster.workers)]
+    deadline = time.monotonic() + timeout_s
+    for k, rate in enumerate(rates):
+        while not (res / f"phase{k}.ready").exists():
+            if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+                cluster.kill_procs()
+                raise RuntimeError(f"probe failed:\n{_log_tail(res / 'rank0.log')}")
+            time.sleep(0.05)
+        cluster.shape(LinkSpec(rate, latency_ms))
+        (res / f"phase{k}.go").write_text("go")
+    codes, timed_out = _wait_all(procs, max(1.0, deadline - time.monotonic()))
+    cluster.kill_procs()
+    if timed_out or any(c != 0 for c in codes):
+        raise RuntimeError(f"probe failed (rc={codes}):\n{_log_tail(res / 'rank0.log')}")
+    ranks = [json.loads((res / f"rank{r}.json").read_text())["records"] for r in range(cluster.workers)]
+    samples = []
+    for recs in zip(*ranks):
+        slowest = [max(ts) for ts in zip(*(r["times_s"] for r in recs))]
+        samples.append({"op": recs[0]["op"], "p": cluster.workers, "bytes": recs[0]["bytes"],
+                        "rate_mbit": float(recs[0]["phase"]), "time_s": statistics.median(slowest)})
+    return samples
+
+
+def measure_codecs(names: Sequence[str], numel: int, repeats: int = 5) -> dict:
+    """Codec round trip (``bench/compressors.py``'s) on one tensor of the model's size."""
+    import torch
+    from compressors import bench_one, load_config, matrix_shape
+
+    from easgd_lightning.hooks.compressors import build_compressor
+
+    torch.set_num_threads(1)
+    x = torch.randn(matrix_shape(numel))
+    out = {}
+    for name in names:
+        if name == "none":
+            continue
+        res = bench_one(name, x, warmup=2, repeats=repeats)
+        comp = build_compressor(**load_config(name))
+        out[name] = {
+            "seconds": res["seconds"], "payload_bytes": res["payload_bytes"],
+            "aggregation": comp.aggregation, "calls": 2 if name == "powersgd" else 1,
+        }
+    return out
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """The whole measurement: the probe at each rank count, the rows, the codecs."""
+    from _netem import EmulatedCluster, LinkSpec, check_privileges, install_signal_handlers
+    from _runs import run_config
+    from _scenarios import WIDE_MLP_WORKLOAD, parse_configs
+
+    check_privileges()
+    install_signal_handlers()
+    inputs: dict = {
+        "date": _dt.datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join(["bench/costmodel.py", *args.argv]),
+        "loadavg_before": _loadavg(), "cpus": os.cpu_count() or 1,
+        "probe": [], "rows": [], "codec": {}, "timings_s": {},
+    }
+    t0 = time.monotonic()
+    rates = [float(r) for r in args.probe_rates.split(",")]
+    for k, p in enumerate(int(w) for w in args.probe_workers.split(",")):
+        with EmulatedCluster(p, LinkSpec(rates[0], args.latency_ms), subnet=args.subnet) as cluster:
+            print(f"[costmodel] probe: {p} ranks at {rates} Mbit/s", flush=True)
+            inputs["probe"] += run_probe(
+                cluster, args.out, rates, args.port + 10 * k, args.timeout_s,
+                repeats=args.probe_repeats, latency_ms=args.latency_ms, top_ms=args.probe_top_ms,
+            )
+    inputs["timings_s"]["probe"] = time.monotonic() - t0
+    configs = parse_configs(args.rows)
+    if not any(c.strategy == "limit" for c in configs):
+        raise ValueError("--rows needs the limit row (limit/none): it measures the compute")
+    t1 = time.monotonic()
+    link = LinkSpec(args.rows_rate, args.latency_ms)
+    with EmulatedCluster(args.rows_workers, link, subnet=args.subnet) as cluster:
+        for k, config in enumerate(configs):
+            print(f"[costmodel] row {config.label} {' '.join(config.overrides)}", flush=True)
+            res = run_config(
+                cluster, config, steps=args.steps, warmup_steps=args.warmup_steps,
+                workload=list(WIDE_MLP_WORKLOAD), extra=args.extra.split(), out_dir=args.out / "runs",
+                port=args.port + 100 + k, timeout_s=args.timeout_s,
+            )
+            fig = res.figures
+            print(f"[costmodel]   {res.status}: step {fig.get('step_time_s')}", flush=True)
+            inputs["rows"].append({
+                "strategy": config.strategy, "compression": config.compression,
+                "overrides": list(config.overrides), "workers": args.rows_workers,
+                "rate_mbit": args.rows_rate, "status": res.status,
+                "step_time_s": fig.get("step_time_s"), "measured": fig.get("measured"),
+                "bytes_per_step_per_worker": fig.get("bytes_per_step_per_worker"),
+                "run_dir": res.run_dir,
+            })
+    inputs["timings_s"]["rows"] = time.monotonic() - t1
+    base = next(r for r in inputs["rows"] if (r["strategy"], r["compression"]) == ("ddp", "none"))
+    inputs["dense_bytes"] = base["bytes_per_step_per_worker"]
+    t2 = time.monotonic()
+    inputs["codec"] = measure_codecs(sorted({c.compression for c in configs}),
+                                     int(inputs["dense_bytes"]) // 4)
+    inputs["timings_s"]["codec"] = time.monotonic() - t2
+    for row in inputs["rows"]:
+        row["bytes_per_exchange"] = _bytes_per_exchange(row, inputs["dense_bytes"])
+    inputs["loadavg_after"] = _loadavg()
+    return inputs
+
+
+def _bytes_per_exchange(row: dict, dense: float) -> float:
+    """Payload a rank hands to one exchange: the row's metered bytes per step for a
+    compressed row (x tau), the dense message otherwise."""
+    if row["compression"] == "none" or not row.get("bytes_per_step_per_worker"):
+        return dense
+    return row["bytes_per_step_per_worker"] * row_options(row)["tau"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    from _scenarios import REPO
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--measure", action="store_true",
+                      help="run the probe and the rows on the emulated cluster (root), then fit")
+    mode.add_argument("--fit", type=Path, metavar="INPUTS_JSON",
+                      help="fit and project from an existing costmodel_inputs.json")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "costmodel")
+    p.add_argument("--probe-workers", default=",".join(str(w) for w in PROBE_WORKERS))
+    p.add_argument("--probe-rates", default=",".join(f"{r:g}" for r in PROBE_RATES_MBIT))
+    p.add_argument("--probe-repeats", type=int, default=3)
+    p.add_argument("--probe-top-ms", type=float, default=40.0,
+                   help="largest probe message, in ms of the link at each rate")
+    p.add_argument("--layout", action="append", default=[], metavar="LAYOUT.KEY=VALUE",
+                   help="replace a projection layout's assumption, e.g. gpu.compute_factor=0.1")
+    p.add_argument("--rows", default=DEFAULT_ROWS, help="bench/cluster.py --configs syntax")
+    p.add_argument("--rows-workers", type=int, default=ROWS_WORKERS)
+    p.add_argument("--rows-rate", type=float, default=ROWS_RATE_MBIT)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--warmup-steps", type=int, default=10)
+    p.add_argument("--extra", default="", help="Hydra overrides for every row")
+    p.add_argument("--latency-ms", type=float, default=0.1)
+    p.add_argument("--timeout-s", type=float, default=300.0)
+    p.add_argument("--port", type=int, default=29700)
+    p.add_argument("--subnet", default="10.78.0")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; 2 when the emulated network cannot be built here."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    args.argv = argv
+    args.out = args.out.resolve()
+    try:
+        layouts = layouts_with(args.layout)
+    except ValueError as exc:
+        print(f"bench/costmodel.py: {exc}", file=sys.stderr)
+        return 2
+    if args.fit is not None:
+        inputs = json.loads(args.fit.read_text())
+    else:
+        from _netem import ClusterUnavailable, _cleanup_all
+
+        try:
+            inputs = measure(args)
+        except ClusterUnavailable as exc:
+            print(f"bench/costmodel.py: cannot build the emulated cluster: {exc}", file=sys.stderr)
+            return 2
+        finally:
+            _cleanup_all()
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "costmodel_inputs.json").write_text(json.dumps(inputs, indent=2))
+    result = analyse(inputs, args.out, layouts)
+    print(markdown(result))
+    print(f"[costmodel] wrote {args.out / 'costmodel.json'}, costmodel.md, costmodel_projection.png")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except subprocess.CalledProcessError as exc:  # pragma: no cover
+        print(f"bench/costmodel.py: {exc}", file=sys.stderr)
+        sys.exit(1)

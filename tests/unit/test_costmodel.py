@@ -1,0 +1,240 @@
+"""bench/costmodel.py: the alpha-beta fit (exact recovery on synthetic measurements), the
+collective formulas against hand-computed values, step-time predictions, the projection,
+and ``easgd-report`` adding the projection when a sweep directory holds costmodel.json."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from easgd_lightning.cli import report
+from tests.helpers import assert_valid_png
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_costmodel", REPO / "bench" / "costmodel.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_costmodel"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+cm = _load()
+
+ALPHA = 2.5e-4  # s per message
+ETA = 0.875  # share of the nominal rate
+RATES = (50.0, 200.0, 1000.0)
+
+
+def _bps(rate_mbit: float) -> float:
+    return rate_mbit * 1e6 / 8
+
+
+def _synthetic_probe(model: dict[str, tuple[float, float]]) -> list[dict]:
+    """Measurements that follow the formulas exactly, for each collective's (alpha, eta)."""
+    samples = []
+    for op, (alpha, eta) in model.items():
+        for p in (2, 4, 8):
+            for rate in RATES:
+                for nbytes in cm.probe_sizes(rate):
+                    t = cm.collective_time(op, p, nbytes, alpha, eta * _bps(rate))
+                    samples.append({"op": op, "p": p, "bytes": nbytes, "rate_mbit": rate, "time_s": t})
+    return samples
+
+
+def test_fit_recovers_known_alpha_and_eta_exactly():
+    truth = {op: (ALPHA * (k + 1), ETA - 0.1 * k) for k, op in enumerate(cm.COLLECTIVES)}
+    fitted = cm.fit(_synthetic_probe(truth))
+    assert set(fitted) == set(cm.COLLECTIVES)
+    for op, (alpha, eta) in truth.items():
+        assert fitted[op]["alpha_s"] == pytest.approx(alpha, rel=1e-12, abs=0)
+        assert fitted[op]["eta"] == pytest.approx(eta, rel=1e-12, abs=0)
+        assert fitted[op]["max_rel_err"] < 1e-12
+        assert fitted[op]["samples"] == 3 * 3 * 3
+
+
+def test_fit_alpha_beta_without_rates_returns_beta():
+    # t = 3 alpha + k_bytes / beta with alpha = 1e-3 s, beta = 1.25e7 B/s (100 Mbit/s)
+    alpha, beta = 1e-3, 1.25e7
+    ka = [2.0, 6.0, 14.0, 6.0]
+    kb = [1e3, 1.5e6, 7e5, 3e6]
+    t = [a * alpha + b / beta for a, b in zip(ka, kb)]
+    got_alpha, got_beta = cm.fit_alpha_beta(ka, kb, t)
+    assert got_alpha == pytest.approx(alpha, rel=1e-12)
+    assert got_beta == pytest.approx(beta, rel=1e-12)
+
+
+def test_fit_rejects_samples_that_do_not_determine_both():
+    with pytest.raises(ValueError, match="independent"):
+        cm.fit_alpha_beta([2.0, 4.0], [1.0, 2.0], [0.1, 0.2])  # collinear
+    with pytest.raises(ValueError, match="independent"):
+        cm.fit_alpha_beta([2.0], [1.0], [0.1])
+
+
+@pytest.mark.parametrize(
+    ("name", "p", "n", "want"),
+    [
+        # ring: 2 (p-1) (alpha + n / (p beta)) = 6 (1e-4 + 1e6 / 4e8)
+        ("ring", 4, 1e6, 6 * (1e-4 + 2.5e-3)),
+        # tree: 2 ceil(log2 p) (alpha + n / beta); p = 5 -> 3 levels
+        ("tree", 8, 1e6, 6 * (1e-4 + 1e-2)),
+        ("tree", 5, 1e6, 6 * (1e-4 + 1e-2)),
+        # all-gather of m = 1e4 per rank: (p-1)(alpha + m / beta), grows with p
+        ("allgather", 4, 1e4, 3 * (1e-4 + 1e-4)),
+        ("allgather", 16, 1e4, 15 * (1e-4 + 1e-4)),
+        # gloo broadcast: the root sends to each: (p-1)(alpha + n / beta)
+        ("broadcast", 4, 1e6, 3 * (1e-4 + 1e-2)),
+        # PS fan-in: 2 alpha + 2 (p-1) n / beta
+        ("ps", 4, 1e6, 2e-4 + 6e-2),
+        # round robin: 2 (p-1)(alpha + n / beta)
+        ("round_robin", 4, 1e6, 6 * (1e-4 + 1e-2)),
+        ("ring", 1, 1e6, 0.0),
+    ],
+)
+def test_collective_formulas_by_hand(name, p, n, want):
+    assert cm.collective_time(name, p, n, 1e-4, 1e8) == pytest.approx(want, rel=1e-12)
+
+
+def test_hierarchical_allreduce_by_hand():
+    # 16 workers, 4 per node: tree over 4 inside (2 levels, both ways) + ring over 4 nodes
+    intra, inter = (1e-6, 1e10), (1e-4, 1e8)
+    want = 2 * 2 * (1e-6 + 1e6 / 1e10) + 2 * 3 * (1e-4 + 1e6 / (4 * 1e8))
+    assert cm.hierarchical_allreduce_time(16, 4, 1e6, intra, inter) == pytest.approx(want, rel=1e-12)
+    # one node: no network part
+    assert cm.hierarchical_allreduce_time(4, 8, 1e6, intra, inter) == pytest.approx(
+        2 * 2 * (1e-6 + 1e-4), rel=1e-12
+    )
+
+
+def _net(name: str, p: int, nbytes: float) -> float:
+    return cm.collective_time(name, p, nbytes, 1e-4, 1e8)
+
+
+def test_step_time_per_strategy():
+    kw = dict(n=1e6, m=1e4, t_compute=0.05, t_codec=0.002, net=_net)
+    ring_n = _net("ring", 4, 1e6)
+    assert cm.step_time("limit", 4, **kw)["step_s"] == 0.05
+    assert cm.step_time("ddp", 4, **{**kw, "m": 1e6})["step_s"] == pytest.approx(0.052 + ring_n)
+    gather = cm.step_time("ddp", 4, aggregation="allgather", **kw)
+    assert gather["step_s"] == pytest.approx(0.052 + _net("allgather", 4, 1e4))
+    two = cm.step_time("ddp", 4, calls=2, **kw)
+    assert two["comm_s"] == pytest.approx(2 * _net("ring", 4, 5e3))
+    # sync EASGD overlapped: the exchange hides behind compute up to t_c
+    sync = cm.step_time("sync_easgd", 4, overlap=True, **{**kw, "m": 1e6})
+    assert sync["step_s"] == pytest.approx(max(0.05, ring_n) + 0.002)
+    assert cm.step_time("local_sgd", 4, tau=8, **kw)["step_s"] == pytest.approx(0.05 + ring_n / 8)
+    rr = cm.step_time("easgd_round_robin", 4, **kw)
+    assert rr["step_s"] == pytest.approx(0.05 + _net("round_robin", 4, 1e6))
+    ps = _net("ps", 4, 1e6)
+    assert cm.step_time("async_easgd", 4, overlap=True, **kw)["step_s"] == pytest.approx(max(0.05, ps))
+    assert cm.step_time("async_easgd", 4, **kw)["step_s"] == pytest.approx(0.05 + ps)
+    with pytest.raises(ValueError, match="hogwild"):
+        cm.step_time("hogwild_easgd", 4, **kw)
+
+
+def _synthetic_inputs(model: dict[str, dict]) -> dict:
+    """Rows whose measured step times are the model's own predictions (4 ranks, 2 cores)."""
+    n, t_c4 = 614_440.0, 0.06
+    rows = [
+        {"strategy": "limit", "compression": "none", "overrides": [], "step_time_s": t_c4},
+        {"strategy": "ddp", "compression": "none", "overrides": []},
+        {"strategy": "ddp", "compression": "dgc", "overrides": ["optim.momentum=0"],
+         "bytes_per_exchange": 2_000.0},
+        {"strategy": "sync_easgd", "compression": "none", "overrides": []},
+        {"strategy": "async_easgd", "compression": "none", "overrides": []},
+        {"strategy": "easgd_round_robin", "compression": "none", "overrides": []},
+    ]
+    codec = {"dgc": {"seconds": 0.001, "payload_bytes": 2000, "aggregation": "allgather", "calls": 1}}
+    inputs = {"cpus": 2, "dense_bytes": n, "codec": codec, "rows": rows, "probe": []}
+    for row in rows:
+        row.update(workers=4, rate_mbit=100.0, status="ok")
+        row.setdefault("bytes_per_exchange", n)
+    for row in rows[1:]:
+        x = cm._row_inputs(row, inputs)
+        row["step_time_s"] = cm.step_time(
+            row["strategy"], 4, n=x["n"], m=x["m"], t_compute=x["t_compute"], t_codec=x["t_codec"],
+            net=cm.fitted_net(model, 100.0), aggregation=x["aggregation"], calls=x["calls"],
+            **cm.row_options(row),
+        )["step_s"]
+    return inputs
+
+
+MODEL = {op: {"alpha_s": 3e-4, "eta": 0.9} for op in cm.COLLECTIVES}
+
+
+def test_predictions_reproduce_rows_that_follow_the_model():
+    inputs = _synthetic_inputs(MODEL)
+    preds = cm.predict_rows(MODEL, inputs)
+    assert [p["row"] for p in preds][:2] == ["limit/none", "ddp/none"]
+    for p in preds:
+        assert p["rel_err"] == pytest.approx(0.0, abs=1e-12), p["row"]
+    assert [p["in_fit"] for p in preds] == [True] + [False] * 5
+    # the async server does not compute: 3 computing processes on 2 cores, not 4
+    async_row = next(p for p in preds if p["row"] == "async_easgd/none")
+    assert async_row["t_compute_s"] == pytest.approx(0.06 / 2 * 1.5)
+
+
+def test_projection_curves_table_and_sc17_mark(tmp_path):
+    inputs = _synthetic_inputs(MODEL)
+    proj = cm.project(MODEL, inputs)
+    assert "not a measurement" in proj["note"]
+    assert proj["sc17"]["workers"] == 4253 and proj["sc17"]["efficiency"] == 0.915
+    assert proj["workers"][0] == 1 and proj["workers"][-1] == 4096
+    for layout in ("knl", "gpu"):
+        curves = proj["curves"][layout]
+        assert "sync_easgd/none (SC17 tree)" in curves and "sync_easgd/none (hierarchical)" in curves
+        for label, effs in curves.items():
+            assert effs[0] == 1.0, label
+            assert all(0 < e <= 1.0 + 1e-12 for e in effs), label
+        assert set(proj["table"][layout]["ddp/none"]) == {"64", "512", "4096"}
+        # the flat ring's latency term grows with p: efficiency does not rise with scale
+        ddp = curves["ddp/none"]
+        assert all(b <= a + 1e-12 for a, b in zip(ddp, ddp[1:]))
+        # the compressed all-gather grows with p; the tree does not grow linearly
+        tree = proj["table"][layout]["sync_easgd/none (SC17 tree)"]
+        assert tree["4096"] >= proj["table"][layout]["sync_easgd/none"]["4096"]
+    # a 4096-worker ring on the KNL layout by hand: 60 nodes' worth of inter-node hops
+    knl = cm.LAYOUTS["knl"]
+    t_c = 0.06 / 2 * knl["compute_factor"]
+    ring = cm.collective_time("ring", 4096, 614_440.0, 3e-4, 0.9 * knl["inter_mbit"] * 1e6 / 8)
+    assert proj["curves"]["knl"]["ddp/none"][-1] == pytest.approx(t_c / (t_c + ring), rel=1e-12)
+
+
+def test_layout_overrides_and_errors():
+    lay = cm.layouts_with(["gpu.compute_factor=0.5", "knl.per_node=4"])
+    assert lay["gpu"]["compute_factor"] == 0.5 and lay["knl"]["per_node"] == 4
+    assert cm.LAYOUTS["gpu"]["compute_factor"] == 0.1  # the defaults are untouched
+    with pytest.raises(ValueError, match="LAYOUT.KEY=VALUE"):
+        cm.layouts_with(["tpu.per_node=4"])
+    with pytest.raises(ValueError, match="positive number"):
+        cm.layouts_with(["knl.per_node=zero"])
+
+
+def test_report_adds_the_projection_from_costmodel_json(tmp_path):
+    inputs = _synthetic_inputs(MODEL)
+    inputs["probe"] = _synthetic_probe({op: (3e-4, 0.9) for op in cm.COLLECTIVES})
+    result = cm.analyse(inputs, tmp_path / "costmodel")
+    assert result["fit"]["ring"]["eta"] == pytest.approx(0.9, rel=1e-12)
+    md = (tmp_path / "costmodel" / "costmodel.md").read_text()
+    assert "Held-out rows within 15%: 5 of 5." in md
+    assert_valid_png(tmp_path / "costmodel" / "costmodel_projection.png")
+    # a sweep directory holding the file: the report gains the projection section
+    path, _ = report.write_report(tmp_path)
+    text = path.read_text()
+    assert "## Weak-scaling projection (cost model)" in text
+    assert "MODEL PROJECTION, not a measurement" in text
+    assert "| ddp/none |" in text and "E(4096)" in text
+    assert_valid_png(tmp_path / "costmodel_projection.png")
+    # and none without it
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "summary.json").write_text(json.dumps({"status": "ok", "strategy": "ddp"}))
+    assert "Weak-scaling projection" not in report.write_report(plain)[0].read_text()
+    assert math.isfinite(result["projection"]["table"]["knl"]["ddp/none"]["4096"])
