@@ -38,7 +38,11 @@ emulated cluster at 2, 4 and 8 ranks, at three link rates and four message sizes
 slowest rank, median of 3). Each sample gives one linear equation
 ``t = alpha * k_alpha + (k_bytes / R) * (1 / eta)``; :func:`fit_alpha_beta` solves them by
 least squares in float64, each row weighted by 1/t (relative errors, so the small
-messages that fix alpha count as much as the large ones).
+messages that fix alpha count as much as the large ones). With more ranks than cores
+(8 ranks on this 2-core machine) every hop also waits for the next rank to be scheduled,
+so k_alpha is scaled by max(1, p / cores): alpha is the latency of ranks that have a core
+each (what the projection uses), and the predictions on the emulated cluster scale it
+back, as they scale compute and codec time.
 
 **Step time** of a (strategy, compression) row on p ranks (:func:`step_time`), with t_c the
 measured compute per step (the ``limit`` row: same hosts, no communication; CPU sharing of
@@ -231,16 +235,32 @@ def _rate_bps(rate_mbit: float) -> float:
     return rate_mbit * 1e6 / 8.0
 
 
-def fit(samples: Sequence[dict]) -> dict[str, dict]:
-    """Fit every probed collective. ``samples``: ``{"op", "p", "bytes", "rate_mbit",
-    "time_s"}``. Returns ``{op: {"alpha_s", "eta", "samples", "max_rel_err",
-    "median_rel_err"}}``."""
+def cpu_share(k: int, cpus: int) -> float:
+    """Slow-down of k busy processes on c cores: max(1, k / c)."""
+    return max(1.0, k / max(1, cpus))
+
+
+def fit(samples: Sequence[dict], cpus: int | None = None) -> dict[str, dict]:
+    """Fit every probed collective.
+
+    Args:
+        samples: ``{"op", "p", "bytes", "rate_mbit", "time_s"}`` each.
+        cpus: the cores the probe's ranks shared. When given, each latency count is
+            scaled by :func:`cpu_share` (p, cpus): with more ranks than cores every hop
+            also waits for the next rank to be scheduled, so the fitted ``alpha_s`` is the
+            latency of ranks that have a core each (what the projection uses).
+
+    Returns:
+        ``{op: {"alpha_s", "eta", "samples", "max_rel_err", "median_rel_err", "cpus"}}``.
+    """
     out: dict[str, dict] = {}
     for op, terms in COLLECTIVES.items():
         rows = [s for s in samples if s["op"] == op and s["p"] > 1]
         if len(rows) < 2:
             continue
+        share = [cpu_share(s["p"], cpus) if cpus else 1.0 for s in rows]
         ka, kb = zip(*(terms(s["p"], s["bytes"]) for s in rows))
+        ka = [a * f for a, f in zip(ka, share)]
         kbr = [b / _rate_bps(s["rate_mbit"]) for b, s in zip(kb, rows)]
         alpha, eta = fit_alpha_beta(ka, kbr, [s["time_s"] for s in rows])
         errs = [
@@ -248,17 +268,12 @@ def fit(samples: Sequence[dict]) -> dict[str, dict]:
         ]
         out[op] = {
             "alpha_s": alpha, "eta": eta, "samples": len(rows),
-            "max_rel_err": max(errs), "median_rel_err": statistics.median(errs),
+            "max_rel_err": max(errs), "median_rel_err": statistics.median(errs), "cpus": cpus,
         }
     return out
 
 
 # ---------------------------------------------------------------- step time
-def cpu_share(k: int, cpus: int) -> float:
-    """Slow-down of k busy processes on c cores: max(1, k / c)."""
-    return max(1.0, k / max(1, cpus))
-
-
 def step_time(
     strategy: str,
     p: int,
@@ -319,11 +334,13 @@ def step_time(
 
 
 def fitted_net(model: dict[str, dict], rate_mbit: float) -> Callable[[str, int, float], float]:
-    """``net(collective, p, bytes)`` of the emulated cluster at one link rate."""
+    """``net(collective, p, bytes)`` of the emulated cluster at one link rate (alpha
+    scaled by the CPU share of p ranks where the fit was made with ``cpus``)."""
     def net(name: str, p: int, nbytes: float) -> float:
         probe = DERIVED[name][0] if name in DERIVED else name
         par = model[probe]
-        return collective_time(name, p, nbytes, par["alpha_s"], par["eta"] * _rate_bps(rate_mbit))
+        alpha = par["alpha_s"] * (cpu_share(p, par["cpus"]) if par.get("cpus") else 1.0)
+        return collective_time(name, p, nbytes, alpha, par["eta"] * _rate_bps(rate_mbit))
     return net
 
 
@@ -604,7 +621,7 @@ def analyse(inputs: dict, out: Path, layouts: dict[str, dict] | None = None) -> 
     from easgd_lightning.cli.report import plot_projection
     from easgd_lightning.utils.atomic import atomic_write_text
 
-    model = fit(inputs["probe"])
+    model = fit(inputs["probe"], cpus=inputs.get("cpus"))
     result = {
         "fit": model,
         "predictions": predict_rows(model, inputs),

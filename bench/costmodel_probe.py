@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from easgd_lightning.comm import ops
+from easgd_lightning.utils.atomic import atomic_write_text
 
 __all__ = ["OPS", "main"]
 
@@ -146,9 +147,10 @@ def main(argv: list[str] | None = None) -> int:
                             times.append(time.perf_counter() - start)
                         t.fill_(1.0)
                     records.append({"phase": label, "op": op, "bytes": numel * 4, "times_s": times})
-        tmp = args.out / f"rank{rank}.json.tmp"
-        tmp.write_text(json.dumps({"rank": rank, "world_size": world, "records": records}))
-        tmp.replace(args.out / f"rank{rank}.json")
+        atomic_write_text(
+            args.out / f"rank{rank}.json",
+            json.dumps({"rank": rank, "world_size": world, "records": records}),
+        )
     finally:
         dist.destroy_process_group()
     return 0

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -40,14 +39,13 @@ def test_costmodel_predicts_a_held_out_row(tmp_path: Path) -> None:
         "--rows-rate", "50", "--steps", "16", "--warmup-steps", "0", "--out", str(tmp_path),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=REPO, env=env)
-    try:
-        stdout, stderr = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)  # the harness removes its namespaces on SIGTERM
-        stdout, stderr = proc.communicate(timeout=120)
-        pytest.fail(f"bench/costmodel.py --measure timed out:\n{stderr[-4000:]}")
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          cwd=REPO, env=env) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # SIGTERM: the harness removes its namespaces, then exits
+            pytest.fail(f"bench/costmodel.py --measure timed out:\n{proc.communicate(timeout=120)[1][-4000:]}")
     print(stdout[-3000:])
     assert proc.returncode == 0, stderr[-4000:]
 

@@ -60,6 +60,25 @@ def test_fit_recovers_known_alpha_and_eta_exactly():
         assert fitted[op]["samples"] == 3 * 3 * 3
 
 
+def test_fit_with_oversubscribed_cores_recovers_the_own_core_alpha():
+    # 8 ranks on 2 cores: each hop's latency is alpha x 4; the fit divides it out
+    truth = {"ring": (ALPHA, ETA), "allgather": (3 * ALPHA, 0.6)}
+    samples = _synthetic_probe(truth)
+    for s in samples:
+        op, (alpha, eta) = s["op"], truth[s["op"]]
+        share = max(1.0, s["p"] / 2)
+        k_alpha, k_bytes = cm.COLLECTIVES[op](s["p"], s["bytes"])
+        s["time_s"] = k_alpha * alpha * share + k_bytes / (eta * _bps(s["rate_mbit"]))
+    fitted = cm.fit(samples, cpus=2)
+    for op, (alpha, eta) in truth.items():
+        assert fitted[op]["alpha_s"] == pytest.approx(alpha, rel=1e-12)
+        assert fitted[op]["eta"] == pytest.approx(eta, rel=1e-12)
+    # and the emulated cluster's prediction at 8 ranks puts the factor back
+    net = cm.fitted_net(fitted, 200.0)
+    want = 14 * ALPHA * 4 + 14 / 8 * 1e5 / (ETA * _bps(200.0))
+    assert net("ring", 8, 1e5) == pytest.approx(want, rel=1e-12)
+
+
 def test_fit_alpha_beta_without_rates_returns_beta():
     # t = 3 alpha + k_bytes / beta with alpha = 1e-3 s, beta = 1.25e7 B/s (100 Mbit/s)
     alpha, beta = 1e-3, 1.25e7
