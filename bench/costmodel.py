@@ -91,7 +91,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -856,8 +855,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except subprocess.CalledProcessError as exc:  # pragma: no cover
-        print(f"bench/costmodel.py: {exc}", file=sys.stderr)
-        sys.exit(1)
+    sys.exit(main())
