@@ -559,6 +559,12 @@ def validate_config(cfg: Any, *, hardware: bool = True) -> None:
     timeout = cfg.get("timeout_s", 300)
     if not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ConfigError(f"timeout_s must be > 0 seconds, got {timeout!r}")
+    from easgd_lightning.cli.launch import resolve_start_method
+
+    try:
+        resolve_start_method(cfg)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     faults = cfg.get("faults", {}) or {}
     for key in ("slow_rank", "crash_rank", "nan_rank"):
         r = faults.get(key)

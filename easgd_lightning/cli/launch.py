@@ -2,9 +2,14 @@
 
 Rules (README, "Signals, exit codes and run directories"):
 
-* Each rank is a ``python -m easgd_lightning.cli.worker`` process in its own session, so a
+* Each rank is a process running ``easgd_lightning.cli.worker`` in its own session, so a
   terminal's Ctrl-C reaches only the launcher, which forwards it; a rank whose launcher
-  dies gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``).
+  dies gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``). ``launcher.start_method``
+  (:func:`resolve_start_method`): ``fork`` -- forked by the launcher's fork server
+  (``cli/forkserver.py``), which has imported the libraries once; ``spawn`` -- a fresh
+  ``python -m easgd_lightning.cli.worker``; ``auto`` -- fork on Linux for CPU runs, spawn
+  for GPU ones (forking after CUDA is initialised is invalid) and where this process has
+  no fork server (it was not started as ``easgd-train``).
 * The launcher hosts the rendezvous store itself, bound on a free port at once (port 0),
   before any rank starts: no other program can take the port in between.
 * SIGINT / SIGTERM / SIGHUP to the launcher: forwarded to every rank, which stops at the
@@ -38,6 +43,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from easgd_lightning.cli import forkserver
+from easgd_lightning.cli.forkserver import RankProcess
+
 __all__ = [
     "LaunchOutcome",
     "LauncherSignals",
@@ -47,6 +55,9 @@ __all__ = [
     "held_by_another_run",
     "new_run_id",
     "spawn_and_supervise",
+    "resolve_start_method",
+    "preload_modules",
+    "START_METHODS",
     "first_failure",
     "first_failure_of_reports",
     "is_peer_loss",
@@ -60,6 +71,7 @@ log = logging.getLogger("easgd_lightning")
 _POLL_S = 0.05
 _TIE_S = 2.0  # failures this close to the first are ordered by cause, not by when they were seen
 LOCK_NAME = "run.lock"
+_WORKER_FILE = str(Path(__file__).with_name("worker.py"))  # a forked rank's sys.argv[0]
 
 
 def stop_grace_s(timeout_s: float) -> float:
@@ -307,6 +319,57 @@ class LaunchOutcome:
         return first_failure(before)
 
 
+# ---------------------------------------------------------------------------- start method
+START_METHODS = ("auto", "fork", "spawn")
+
+
+def _uses_gpu(cfg: Any) -> bool:
+    accelerator = str(cfg.trainer.get("accelerator", "cpu")).lower()
+    if accelerator in ("gpu", "cuda"):
+        return True
+    if accelerator == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return False
+
+
+def resolve_start_method(cfg: Any) -> str:
+    """``launcher.start_method`` of ``cfg`` as ``fork`` or ``spawn`` (``auto``: fork on Linux
+    for a CPU run, spawn for a GPU one).
+
+    Raises:
+        ValueError: an unknown method, or ``fork`` where it cannot work (one line, naming
+            the key).
+    """
+    launcher = cfg.get("launcher") or {}
+    method = launcher.get("start_method", "auto")
+    if method not in START_METHODS:
+        raise ValueError(f"launcher.start_method={method!r} is unknown; choose one of {', '.join(START_METHODS)}")
+    linux = sys.platform.startswith("linux")
+    gpu = _uses_gpu(cfg)
+    if method == "fork" and gpu:
+        raise ValueError(
+            "launcher.start_method=fork cannot start GPU ranks (a process forked after CUDA is "
+            "initialised is broken); use spawn or auto"
+        )
+    if method == "fork" and not linux:
+        raise ValueError("launcher.start_method=fork needs Linux; use spawn or auto")
+    if method == "auto":
+        return "fork" if linux and not gpu else "spawn"
+    return method
+
+
+def preload_modules(cfg: Any) -> list[str]:
+    """What the fork server imports before forking this run's ranks, beyond what every rank
+    imports (:data:`easgd_lightning.cli.forkserver.WORKER_MODULES`): the project's modules
+    validating the config imported here (models, data), and DeepSpeed for ``pipeline_3d``."""
+    names = sorted(m for m in sys.modules if m.startswith("easgd_lightning.") and sys.modules[m] is not None)
+    if cfg.strategy.get("name") == "pipeline_3d":
+        names.append("easgd_lightning.parallel.engine")  # imports deepspeed
+    return names
+
+
 # ---------------------------------------------------------------------------- processes
 def _rendezvous_store(timeout_s: float):
     """A TCPStore served by the launcher on a port bound now (port 0 = any free one)."""
@@ -324,7 +387,7 @@ def _proc_state(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[0]
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+def _signal_group(proc: subprocess.Popen | RankProcess, sig: int) -> None:
     """Send ``sig`` to the rank's process group (the rank and its data-loader processes)."""
     try:
         os.killpg(proc.pid, sig)
@@ -345,9 +408,19 @@ def spawn_and_supervise(
     timeout_s: float,
     run_id: str,
     signals: LauncherSignals,
+    start_method: str = "spawn",
+    preload: list[str] | None = None,
 ) -> LaunchOutcome:
-    """Start ``world`` ranks and watch them until every one has exited (bounded; see module doc)."""
+    """Start ``world`` ranks and watch them until every one has exited (bounded; see module doc).
+
+    ``start_method``: ``fork`` (from this process's fork server, ``cli/forkserver.py``,
+    importing ``preload`` first; spawn when it has none) or ``spawn``.
+    """
     grace = stop_grace_s(timeout_s)
+    server = forkserver.current_server() if start_method == "fork" else None
+    if start_method == "fork" and server is None:
+        log.info("no fork server in this process: the ranks are spawned")
+    # the store's thread lives in this process only: the fork server was forked before it
     store = _rendezvous_store(timeout_s)
     env = dict(os.environ)
     env.update(
@@ -360,13 +433,18 @@ def spawn_and_supervise(
         EASGD_LAUNCHER_PID=str(os.getpid()),
         EASGD_STOP_GRACE_S=str(grace),
     )
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen | RankProcess] = []
     try:
         for rank in range(world):
+            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            if server is not None:
+                procs.append(server.start([_WORKER_FILE, str(cfg_file), str(out_dir)], rank_env, os.getcwd(),
+                                          list(preload or ())))
+                continue
             procs.append(
                 subprocess.Popen(
                     [sys.executable, "-m", "easgd_lightning.cli.worker", str(cfg_file), str(out_dir)],
-                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                    env=rank_env,
                     stdin=subprocess.DEVNULL,  # in their own session, a read from the terminal would stop them
                     start_new_session=True,
                 )
@@ -375,7 +453,8 @@ def spawn_and_supervise(
 
         atomic_write_json(out_dir / "ranks" / "launch.json", {  # who is who, for users and tests
             "run_id": run_id, "launcher_pid": os.getpid(), "worker_pids": [p.pid for p in procs],
-            "rendezvous_port": store.port,
+            "rendezvous_port": store.port, "start_method": "fork" if server is not None else "spawn",
+            "fork_server_pid": server.pid if server is not None else None,
         })
         return _supervise(procs, out_dir, timeout_s, grace, run_id, signals)
     finally:
@@ -390,7 +469,7 @@ def spawn_and_supervise(
 
 
 def _supervise(
-    procs: list[subprocess.Popen], out_dir: Path, timeout_s: float, grace: float, run_id: str, signals: LauncherSignals
+    procs: list[subprocess.Popen | RankProcess], out_dir: Path, timeout_s: float, grace: float, run_id: str, signals: LauncherSignals
 ) -> LaunchOutcome:
     world = len(procs)
     t0 = time.monotonic()

@@ -29,7 +29,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from easgd_lightning.cli import launch
+from easgd_lightning.cli import forkserver, launch
 from easgd_lightning.cli.build import ConfigError, validate_config
 from easgd_lightning.cli.resolvers import register_resolvers
 from easgd_lightning.cli.summary import SWEEP_JOBS as _SWEEP_JOBS
@@ -101,14 +101,16 @@ def _is_multirun() -> bool:
 
 
 def _launch_local(cfg_yaml: str, out_dir: Path, world: int, timeout_s: float, run_id: str,
-                  signals: launch.LauncherSignals) -> tuple[str, str | None, dict]:
+                  signals: launch.LauncherSignals, start_method: str = "spawn",
+                  preload: list[str] | None = None) -> tuple[str, str | None, dict]:
     """Start and watch the local ranks; returns (status, error, summary fields of the launch)."""
     from easgd_lightning.utils.atomic import atomic_write_text
 
     cfg_file = out_dir / "ranks" / "config.yaml"
     atomic_write_text(cfg_file, cfg_yaml)
     log.info("launching %d worker processes -> %s (run id %s)", world, out_dir, run_id)
-    outcome = launch.spawn_and_supervise(cfg_file, out_dir, world, timeout_s, run_id, signals)
+    outcome = launch.spawn_and_supervise(cfg_file, out_dir, world, timeout_s, run_id, signals,
+                                         start_method=start_method, preload=preload)
     for path in launch.remove_stray_temp_files(out_dir):  # every process of the run has ended
         log.warning("removed %s, left by an interrupted write", path)
     first = outcome.first_failure
@@ -175,7 +177,8 @@ def _train_local(cfg: DictConfig, out_dir: Path, run_id: str, signals: launch.La
             "killed_ranks": []}
     else:
         cfg_yaml = OmegaConf.to_yaml(OmegaConf.create(resolved))
-        status, error, fields = _launch_local(cfg_yaml, out_dir, world, timeout_s, run_id, signals)
+        status, error, fields = _launch_local(cfg_yaml, out_dir, world, timeout_s, run_id, signals,
+                                              launch.resolve_start_method(cfg), launch.preload_modules(cfg))
     reports = read_rank_reports(out_dir, world, run_id)
     if any(r is None or r.get("status") != "ok" for r in reports) and status == "ok":
         status, error = "failed", "some ranks did not report"
@@ -323,6 +326,8 @@ def main() -> None:
     except ConfigError as err:
         print(f"easgd-train: error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
+    if not _externally_launched():  # ranks forked from here (cli/forkserver.py): before
+        forkserver.start_server()   # Hydra, threads, torch operations, the store, the lock
     _hydra_main()
     _exit_if_sweep_failed()
 

@@ -10,7 +10,8 @@ Exit status of a rank: 0 done; 128 + N when it received signal N (SIGTERM: 143, 
 was signalled).
 
 Run as ``python -m easgd_lightning.cli.worker CONFIG.yaml RUN_DIR`` by the local launcher
-(``cli/train.py``), which sets the rank's environment.
+(``cli/train.py``), which sets the rank's environment, or forked by its fork server
+(``cli/forkserver.py``), which calls :func:`worker_main` the same way.
 """
 
 from __future__ import annotations
@@ -351,7 +352,8 @@ def worker_main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
         sys.exit("usage: python -m easgd_lightning.cli.worker CONFIG.yaml RUN_DIR")
-    launcher = os.environ.get("EASGD_LAUNCHER_PID")
+    # the process that started this rank: the launcher, or its fork server (cli/forkserver.py)
+    launcher = os.environ.get("EASGD_PARENT_PID") or os.environ.get("EASGD_LAUNCHER_PID")
     _die_with_launcher(int(launcher) if launcher else None)
     from omegaconf import OmegaConf
 

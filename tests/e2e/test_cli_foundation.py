@@ -80,13 +80,16 @@ def test_round_robin_serves_in_rank_order(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_resume_reaches_the_same_train_loss(tmp_path: Path) -> None:
     common = ["strategy=sync_easgd", "strategy.tau=2", "trainer.precision=64-true", "trainer.limit_train_batches=8"]
-    full = train_summary(tmp_path / "full", *common, "trainer.max_epochs=3")
-    train_summary(tmp_path / "half", *common, "trainer.max_epochs=2")
+    full = train_summary(tmp_path / "full", *common, "trainer.max_epochs=3")  # ranks forked (default)
+    train_summary(tmp_path / "half", *common, "trainer.max_epochs=2", "launcher.start_method=spawn")
+    for run, method in (("full", "fork"), ("half", "spawn")):
+        assert json.loads((tmp_path / run / "ranks" / "launch.json").read_text())["start_method"] == method
     ckpt = tmp_path / "half" / "checkpoints" / "last.ckpt"
     payload = torch.load(ckpt, weights_only=True)  # tensors and plain data only
     assert payload["easgd"]["world_size"] == 2 and len(payload["easgd"]["workers"]) == 2
     # a 2-epoch run's last.ckpt is bitwise the 3-epoch run's end-of-epoch-2 checkpoint, so
-    # tests/e2e/test_resume_matrix.py may resume the latter as "2 epochs + resume"
+    # tests/e2e/test_resume_matrix.py may resume the latter as "2 epochs + resume"; and
+    # spawned ranks train bitwise as forked ones do
     straight = torch.load(tmp_path / "full" / "checkpoints" / "epoch001.ckpt", weights_only=True)
     assert torch.equal(straight["easgd"]["center"], payload["easgd"]["center"])
     for a, b in zip(straight["easgd"]["workers"], payload["easgd"]["workers"]):

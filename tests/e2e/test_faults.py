@@ -91,13 +91,24 @@ class Run:
                 pass
 
     def _known_pids(self) -> list[int]:
+        """The ranks and, when they were forked, the fork server (cli/forkserver.py)."""
         try:
-            return json.loads((self.run_dir / "ranks" / "launch.json").read_text())["worker_pids"]
-        except (OSError, ValueError, KeyError):
+            launch = json.loads((self.run_dir / "ranks" / "launch.json").read_text())
+        except (OSError, ValueError):
             return []
+        return [*launch["worker_pids"], *([launch["fork_server_pid"]] if launch.get("fork_server_pid") else [])]
+
+    def assert_ranks_started_as_promised(self, start_method: str) -> None:
+        """Each rank in its own session; forked ones are children of the fork server."""
+        launch = self.wait_for("ranks/launch.json")
+        assert launch["start_method"] == start_method
+        for pid in launch["worker_pids"]:
+            assert os.getsid(pid) == pid
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[2])
+            assert ppid == (launch["fork_server_pid"] if start_method == "fork" else self.proc.pid)
 
     def leftovers(self) -> list[int]:
-        """PIDs of this run (launcher, ranks) still alive shortly after the launcher ended."""
+        """PIDs of this run (launcher, ranks, fork server) still alive shortly after the launcher ended."""
         pids = [self.proc.pid, *self._known_pids()]
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
@@ -157,12 +168,16 @@ def case_worker_crash(tmp_path: Path, strategy: str, devices: int) -> dict:
     return {"code": code, "took": took, "summary": s, "leftovers": left}
 
 
-def case_worker_signal(tmp_path: Path, strategy: str, devices: int, sig: signal.Signals) -> dict:
-    """SIGKILL / SIGSTOP / SIGTERM to rank 1 once the first epoch checkpoint exists."""
+def case_worker_signal(tmp_path: Path, strategy: str, devices: int, sig: signal.Signals,
+                       start_method: str = "fork") -> dict:
+    """SIGKILL / SIGSTOP / SIGTERM to rank 1 once the first epoch checkpoint exists (the ranks
+    forked by the launcher's fork server, or spawned)."""
     run = _start(tmp_path, f"{sig.name.lower()}-{strategy}", [f"strategy={strategy}", f"trainer.devices={devices}",
-                                                              "trainer.max_epochs=400"])
+                                                              "trainer.max_epochs=400",
+                                                              f"launcher.start_method={start_method}"])
     pids = run.worker_pids
     run.wait_for("checkpoints/epoch000.ckpt")
+    run.assert_ranks_started_as_promised(start_method)
     os.kill(pids[1], sig)
     run.mark_fault()
     code, took = run.wait(TIMEOUT_S + MARGIN_S + (TIMEOUT_S if sig == signal.SIGSTOP else 0))
@@ -252,7 +267,7 @@ def test_killed_worker_is_named_with_its_signal_local_sgd(tmp_path: Path) -> Non
 
 @pytest.mark.slow
 def test_sigterm_to_a_worker_stops_every_rank_and_exits_nonzero_ddp(tmp_path: Path) -> None:
-    case_worker_signal(tmp_path, "ddp", 2, signal.SIGTERM)
+    case_worker_signal(tmp_path, "ddp", 2, signal.SIGTERM, start_method="spawn")  # the spawn path's fault case
 
 
 @pytest.mark.slow
@@ -344,8 +359,8 @@ if __name__ == "__main__":  # the fault table (a case whose checks fail prints F
                                  lambda: case_worker_crash(Path(tmp), "sync_easgd", 2)),
             "sigkill-local_sgd": ("SIGKILL of rank 1", "local_sgd",
                                   lambda: case_worker_signal(Path(tmp), "local_sgd", 2, signal.SIGKILL)),
-            "sigterm-worker-ddp": ("SIGTERM of rank 1", "ddp",
-                                   lambda: case_worker_signal(Path(tmp), "ddp", 2, signal.SIGTERM)),
+            "sigterm-worker-ddp": ("SIGTERM of rank 1 (ranks spawned)", "ddp",
+                                   lambda: case_worker_signal(Path(tmp), "ddp", 2, signal.SIGTERM, "spawn")),
             "launcher-sigint-sync_easgd": ("SIGINT of the launcher", "sync_easgd",
                                            lambda: case_launcher_signal(Path(tmp), "sync_easgd", 2, signal.SIGINT,
                                                                         check_second_run=True)),

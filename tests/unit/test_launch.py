@@ -179,3 +179,26 @@ def test_launcher_signals_are_recorded_not_raised() -> None:
         time.sleep(0.01)
     assert signals.received == [signal.SIGINT, signal.SIGTERM] and signals.first == signal.SIGINT
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
+def test_start_method_fork_for_cpu_spawn_for_gpu() -> None:
+    from omegaconf import OmegaConf
+
+    def cfg(method: str | None, accelerator: str, strategy: str = "ddp"):
+        c = {"trainer": {"accelerator": accelerator}, "strategy": {"name": strategy}}
+        if method is not None:
+            c["launcher"] = {"start_method": method}
+        return OmegaConf.create(c)
+
+    assert launch.resolve_start_method(cfg("auto", "cpu")) == "fork"  # Linux
+    assert launch.resolve_start_method(cfg(None, "cpu")) == "fork"  # a config from before the key
+    assert launch.resolve_start_method(cfg("auto", "gpu")) == "spawn"  # CUDA cannot be forked
+    assert launch.resolve_start_method(cfg("spawn", "cpu")) == "spawn"
+    assert launch.resolve_start_method(cfg("fork", "cpu")) == "fork"
+    with pytest.raises(ValueError, match=r"^launcher.start_method=fork cannot start GPU ranks"):
+        launch.resolve_start_method(cfg("fork", "cuda"))
+    with pytest.raises(ValueError, match=r"^launcher.start_method='thread' is unknown; choose one of auto, fork, spawn"):
+        launch.resolve_start_method(cfg("thread", "cpu"))
+    # the fork server imports DeepSpeed once for pipeline_3d, not once per rank
+    assert "easgd_lightning.parallel.engine" in launch.preload_modules(cfg("auto", "cpu", "pipeline_3d"))
+    assert "easgd_lightning.parallel.engine" not in launch.preload_modules(cfg("auto", "cpu"))

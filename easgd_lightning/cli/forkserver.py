@@ -1,0 +1,412 @@
+"""The fork server of the local launcher: ranks forked from one process that has imported
+the libraries once, instead of a fresh interpreter per rank.
+
+A fresh ``python -m easgd_lightning.cli.worker`` spends seconds importing torch, Lightning
+and what Lightning pulls in (torchmetrics, torchvision, scipy); on a small machine with
+several ranks that is most of a short run. ``easgd-train`` therefore forks a *fork server*
+at the start of :func:`easgd_lightning.cli.train.main`, when it has imported everything and
+has done nothing else yet: no thread of its own, no torch operation, no rendezvous store,
+no Hydra logging, no lock. The launcher later asks the server for ranks; the server forks
+each one, which then runs :func:`easgd_lightning.cli.worker.worker_main` exactly as the
+spawned worker does (``launch.start_method=spawn`` keeps that path; GPU runs always use
+it, since a process that forks after CUDA is initialised is broken).
+
+Contract of a forked rank (the same as a spawned one, README "Signals, exit codes and run
+directories"): its own session (``os.setsid``); ``PR_SET_PDEATHSIG`` (SIGTERM when its
+parent, the server, dies; the server gets SIGKILL when the launcher dies, so a killed
+launcher still stops every rank); stdin ``/dev/null``, stdout and stderr the launcher's;
+the environment, working directory and ``sys.argv`` the launcher gives it; the signal
+handlers of a fresh interpreter; its exit status (``os.waitstatus_to_exitcode``: N, or -S
+for signal S) reported to the launcher, which sees a :class:`RankProcess` with the
+``pid`` / ``poll`` / ``wait`` of ``subprocess.Popen``. Every wait here is bounded.
+
+Protocol (JSON lines over two pipes): the launcher writes ``{"op": "start", "id", "argv",
+"env", "cwd", "preload", "entry"}`` (``entry``: ``module:function`` called with
+``argv[1:]``, :data:`WORKER_ENTRY` for a rank); the server answers ``{"op": "started", "id", "pid"}`` (or
+``{"op": "error", "id", "error"}``) and ``{"op": "exit", "pid", "code"}`` when a rank has
+ended. The server ends when the launcher closes its end (end of file) or dies.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+__all__ = ["ForkServer", "RankProcess", "start_server", "current_server", "stop_server", "WORKER_MODULES",
+           "WORKER_ENTRY"]
+
+log = logging.getLogger("easgd_lightning")
+
+#: what every rank imports (cli/worker.run_worker): imported once, by the server
+WORKER_MODULES = (
+    "torch",
+    "pytorch_lightning",
+    "easgd_lightning",
+    "easgd_lightning.callbacks",
+    "easgd_lightning.cli.build",
+    "easgd_lightning.cli.trainer_config",
+    "easgd_lightning.cli.worker",
+    "easgd_lightning.comm",
+    "easgd_lightning.guards",
+    "easgd_lightning.utils.checkpoint",
+)
+WORKER_ENTRY = "easgd_lightning.cli.worker:worker_main"
+_PR_SET_PDEATHSIG = 1
+_POLL_S = 0.05
+_START_TIMEOUT_S = 120.0  # a preload (DeepSpeed) on a loaded machine plus one fork
+
+_server: ForkServer | None = None
+
+
+def _set_parent_death_signal(sig: int) -> None:
+    """Ask Linux to send ``sig`` to this process when its parent dies."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):  # pragma: no cover - not Linux (fork is Linux-only here)
+        pass
+
+
+def _fork_safe() -> str | None:
+    """Why this process must not fork a server now (None: it may)."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "fork"):
+        return "not Linux"
+    if threading.active_count() != 1:
+        return f"{threading.active_count()} Python threads are running"
+    return None
+
+
+# ---------------------------------------------------------------------------- launcher side
+class RankProcess:
+    """A rank the server forked: the part of ``subprocess.Popen`` the launcher uses."""
+
+    def __init__(self, server: ForkServer, pid: int, args: list[str]) -> None:
+        self._server = server
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._server.exit_code(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self._server.pump(_POLL_S)
+        return self.returncode
+
+
+class ForkServer:
+    """The launcher's handle on its fork server (a child process of the launcher)."""
+
+    def __init__(self, pid: int, requests: int, statuses: int) -> None:
+        self.pid = pid
+        self.owner = os.getpid()
+        self._requests = requests  # write end
+        self._statuses = statuses  # read end (non-blocking)
+        self._buffer = b""
+        self._exits: dict[int, int] = {}
+        self._answers: dict[int, dict] = {}
+        self._next_id = 0
+        self._server_code: int | None = None
+
+    # -- liveness
+    def alive(self) -> bool:
+        if self._server_code is not None:
+            return False
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            self._server_code = -1
+            return False
+        if pid == 0:
+            return True
+        self._server_code = os.waitstatus_to_exitcode(status)
+        return False
+
+    # -- messages
+    def pump(self, wait_s: float = 0.0) -> None:
+        """Read every message the server has written (waiting up to ``wait_s`` for one)."""
+        if self._statuses < 0:
+            if wait_s:
+                time.sleep(wait_s)
+            return
+        ready, _, _ = select.select([self._statuses], [], [], wait_s)
+        while ready:
+            try:
+                chunk = os.read(self._statuses, 1 << 16)
+            except BlockingIOError:
+                break
+            if not chunk:  # the server has ended
+                os.close(self._statuses)
+                self._statuses = -1
+                break
+            self._buffer += chunk
+            ready, _, _ = select.select([self._statuses], [], [], 0)
+        *lines, self._buffer = self._buffer.split(b"\n")
+        for line in lines:
+            msg = json.loads(line)
+            if msg["op"] == "exit":
+                self._exits[int(msg["pid"])] = int(msg["code"])
+            else:
+                self._answers[int(msg["id"])] = msg
+
+    def exit_code(self, pid: int) -> int | None:
+        """The exit status of rank ``pid`` once it has ended (None while it runs)."""
+        self.pump()
+        if pid in self._exits:
+            return self._exits[pid]
+        if not self.alive() and self._statuses < 0 and not _pid_exists(pid):
+            # the server died (its ranks got SIGTERM from the kernel): the status is lost
+            log.error("rank pid %d ended after the fork server; its exit status is unknown", pid)
+            self._exits[pid] = 1
+            return 1
+        return None
+
+    def start(self, argv: list[str], env: dict[str, str], cwd: str, preload: list[str],
+              entry: str = WORKER_ENTRY) -> RankProcess:
+        """Fork one rank running ``entry(argv[1:])`` (bounded wait for its PID).
+
+        Raises:
+            RuntimeError: the server is gone or did not answer in time.
+        """
+        if not self.alive() or self._requests < 0:
+            raise RuntimeError("the fork server is not running")
+        rid = self._next_id
+        self._next_id += 1
+        msg = {"op": "start", "id": rid, "argv": argv, "env": env, "cwd": cwd, "preload": preload, "entry": entry}
+        os.write(self._requests, json.dumps(msg).encode() + b"\n")  # a pipe write of < 64 KiB is whole
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while rid not in self._answers:
+            if time.monotonic() >= deadline or not self.alive():
+                raise RuntimeError("the fork server did not start a rank")
+            self.pump(_POLL_S)
+        answer = self._answers.pop(rid)
+        if answer["op"] != "started":
+            raise RuntimeError(f"the fork server could not start a rank: {answer.get('error')}")
+        return RankProcess(self, int(answer["pid"]), argv)
+
+    def close(self) -> None:
+        """End the server (it ends by itself when the launcher's end of the pipe closes)."""
+        if self._requests >= 0:
+            os.close(self._requests)
+            self._requests = -1
+        deadline = time.monotonic() + 5.0
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self.alive():
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+                os.waitpid(self.pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+        if self._statuses >= 0:
+            os.close(self._statuses)
+            self._statuses = -1
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def start_server(modules: tuple[str, ...] = WORKER_MODULES) -> ForkServer | None:
+    """Fork this process's fork server (once), if it is safe now; None when it is not. The
+    server imports ``modules`` first (what every rank needs).
+
+    Call it while this process has only imported modules: before any thread, torch
+    operation, rendezvous store or lock of its own.
+    """
+    global _server
+    if _server is not None and _server.owner == os.getpid():
+        return _server
+    reason = _fork_safe()
+    if reason is not None:
+        log.debug("no fork server: %s", reason)
+        return None
+    req_r, req_w = os.pipe()
+    st_r, st_w = os.pipe()
+    launcher = os.getpid()
+    for stream in (sys.stdout, sys.stderr):  # nothing buffered is written twice
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    pid = os.fork()
+    if pid == 0:  # the server: never returns
+        code = 1
+        try:
+            os.close(req_w)
+            os.close(st_r)
+            code = _serve(req_r, st_w, launcher, modules)
+        except BaseException:  # noqa: BLE001 - the server must never run the launcher's code
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    os.close(req_r)
+    os.close(st_w)
+    os.set_blocking(st_r, False)
+    os.set_inheritable(req_w, False)
+    os.set_inheritable(st_r, False)
+    _server = ForkServer(pid, req_w, st_r)
+    atexit.register(stop_server)
+    return _server
+
+
+def current_server() -> ForkServer | None:
+    """This process's running fork server, or None (never started here, or gone)."""
+    if _server is None or _server.owner != os.getpid() or not _server.alive():
+        return None
+    return _server
+
+
+def stop_server() -> None:
+    global _server
+    if _server is not None and _server.owner == os.getpid():
+        _server.close()
+    _server = None
+
+
+# ---------------------------------------------------------------------------- server side
+def _serve(requests: int, statuses: int, launcher: int, modules: tuple[str, ...]) -> int:
+    """The server's loop: fork ranks on request, report their exits; ends with the launcher."""
+    os.setsid()  # a terminal's Ctrl-C reaches the launcher only, which forwards it to the ranks
+    _set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != launcher:  # the launcher died before the line above
+        return 1
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    for name in modules:
+        importlib.import_module(name)
+    children: set[int] = set()
+    buffer = b""
+    open_ = True
+
+    def say(msg: dict) -> None:
+        os.write(statuses, json.dumps(msg).encode() + b"\n")
+
+    while open_ or children:
+        ready, _, _ = select.select([requests] if open_ else [], [], [], _POLL_S)
+        if ready:
+            chunk = os.read(requests, 1 << 20)
+            if not chunk:
+                open_ = False  # the launcher is done: end once the ranks have (they end with it)
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                msg = json.loads(line)
+                try:
+                    for name in msg.get("preload") or ():
+                        importlib.import_module(name)
+                    pid = _fork_rank(msg, requests, statuses)
+                except Exception as err:  # noqa: BLE001 - told to the launcher, which fails the run
+                    say({"op": "error", "id": msg["id"], "error": f"{type(err).__name__}: {err}"})
+                    continue
+                children.add(pid)
+                say({"op": "started", "id": msg["id"], "pid": pid})
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                children.clear()
+                break
+            if pid == 0:
+                break
+            children.discard(pid)
+            try:
+                say({"op": "exit", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
+            except BrokenPipeError:  # the launcher is gone
+                pass
+    return 0
+
+
+def _fork_rank(msg: dict, requests: int, statuses: int) -> int:
+    server = os.getpid()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:  # the rank: never returns
+        os.close(requests)
+        os.close(statuses)
+        code = _run_rank(msg, server)
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+    finally:
+        _exit(code)
+    return 0  # pragma: no cover
+
+
+def _run_rank(msg: dict, server: int) -> int:
+    """In the forked rank: become what ``python -m easgd_lightning.cli.worker`` would be."""
+    os.setsid()
+    _set_parent_death_signal(signal.SIGTERM)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a fresh interpreter's handlers
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.chdir(msg["cwd"])
+    os.environ.clear()
+    os.environ.update(msg["env"])
+    os.environ["EASGD_PARENT_PID"] = str(server)  # worker_main: exit if the server is gone already
+    sys.argv = list(msg["argv"])
+    module, _, function = msg.get("entry", WORKER_ENTRY).partition(":")
+    entry = getattr(importlib.import_module(module), function)
+    try:
+        entry(sys.argv[1:])
+    except SystemExit as done:
+        return _exit_status(done.code)
+    return 0
+
+
+def _exit_status(code) -> int:
+    """What the interpreter would exit with for ``sys.exit(code)``."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _exit(code: int) -> None:
+    """End the rank as the interpreter would: join its threads, run the exit handlers
+    (DataLoader workers, loggers), flush, then leave without running the launcher's code."""
+    try:
+        threading._shutdown()  # type: ignore[attr-defined] - waits for non-daemon threads, as at exit
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        atexit._run_exitfuncs()
+    except Exception:  # noqa: BLE001
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(code)

@@ -1,0 +1,72 @@
+"""The fork server's contract (cli/forkserver.py), with probes instead of ranks: each forked
+process is in its own session, reads /dev/null, has the launcher's environment, working
+directory and argv, a fresh interpreter's signal handlers, and ends as an interpreter does
+(threads joined, atexit handlers run); exit codes and signals reach the launcher as
+``Popen.returncode`` would; when the launcher is killed, the server dies and every forked
+process gets SIGTERM (PR_SET_PDEATHSIG)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from tests.helpers import PY, REPO, base_env
+
+SCRIPT = Path(__file__).parent / "scripts" / "forkserver_probe.py"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _wait_for(path: Path, timeout: float = 30) -> dict:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} did not appear"
+        time.sleep(0.05)
+    return json.loads(path.read_text())
+
+
+def test_forked_ranks_keep_the_contract_of_spawned_ones(tmp_path: Path) -> None:
+    launcher = subprocess.Popen([PY, str(SCRIPT), str(tmp_path)], env=base_env(), cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = launcher.stdout.readline()
+        assert line, launcher.stderr.read()[-3000:] if launcher.poll() is not None else "no output"
+        seen = json.loads(line)
+        assert seen["codes"] == {"exit": 7, "kill": -signal.SIGKILL, "raise": 1}
+        server = seen["server"]
+        for kind in ("exit", "kill", "raise", "sleep"):
+            info = _wait_for(tmp_path / f"probe-{kind}.json")
+            assert info["pid"] == seen["pids"][kind]
+            assert info["sid"] == info["pgid"] == info["pid"]  # its own session
+            assert info["ppid"] == server and info["parent_env"] == str(server)
+            assert info["stdin"] == "/dev/null"
+            assert info["argv"] == [str(SCRIPT), kind, *(["7"] if kind == "exit" else [])]
+            assert info["cwd"] == str(tmp_path) and info["mark"] == "from-the-launcher"
+            assert info["sigint_default"] and info["sigterm_default"]
+        assert _wait_for(tmp_path / "probe-exit-thread.json")["ran"]
+        assert _wait_for(tmp_path / "probe-exit-atexit.json")["ran"]
+        assert os.getsid(server) == server != os.getsid(launcher.pid)  # not in the launcher's session
+        sleeper = seen["pids"]["sleep"]
+        assert _alive(sleeper)
+        launcher.kill()  # SIGKILL: no cleanup of its own
+        launcher.wait(timeout=30)
+        term = _wait_for(tmp_path / "probe-sleep-term.json")
+        assert term["signal"] == signal.SIGTERM
+        deadline = time.monotonic() + 30
+        while (_alive(server) or _alive(sleeper)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(server) and not _alive(sleeper)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(timeout=30)
