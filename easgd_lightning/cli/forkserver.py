@@ -42,8 +42,8 @@ import threading
 import time
 import traceback
 
-__all__ = ["ForkServer", "RankProcess", "start_server", "current_server", "stop_server", "WORKER_MODULES",
-           "WORKER_ENTRY"]
+__all__ = ["ForkServer", "RankProcess", "start_server", "current_server", "stop_server", "imported_since_start",
+           "WORKER_MODULES", "WORKER_ENTRY"]
 
 log = logging.getLogger("easgd_lightning")
 
@@ -114,9 +114,10 @@ class RankProcess:
 class ForkServer:
     """The launcher's handle on its fork server (a child process of the launcher)."""
 
-    def __init__(self, pid: int, requests: int, statuses: int) -> None:
+    def __init__(self, pid: int, requests: int, statuses: int, baseline: frozenset[str]) -> None:
         self.pid = pid
         self.owner = os.getpid()
+        self.baseline = baseline  # the modules the server had when it was forked
         self._requests = requests  # write end
         self._statuses = statuses  # read end (non-blocking)
         self._buffer = b""
@@ -247,6 +248,7 @@ def start_server(modules: tuple[str, ...] = WORKER_MODULES) -> ForkServer | None
     req_r, req_w = os.pipe()
     st_r, st_w = os.pipe()
     launcher = os.getpid()
+    baseline = frozenset(sys.modules)
     for stream in (sys.stdout, sys.stderr):  # nothing buffered is written twice
         try:
             stream.flush()
@@ -268,9 +270,19 @@ def start_server(modules: tuple[str, ...] = WORKER_MODULES) -> ForkServer | None
     os.set_blocking(st_r, False)
     os.set_inheritable(req_w, False)
     os.set_inheritable(st_r, False)
-    _server = ForkServer(pid, req_w, st_r)
+    _server = ForkServer(pid, req_w, st_r, baseline)
     atexit.register(stop_server)
     return _server
+
+
+def imported_since_start() -> list[str]:
+    """The modules this process imported after it forked its fork server, in the order they
+    were imported (the server imports them the same way before forking ranks, so a rank
+    does not import again what validating its config imported here: its data set, its model).
+    Empty without a server."""
+    if _server is None or _server.owner != os.getpid():
+        return []
+    return [name for name in list(sys.modules) if name not in _server.baseline]
 
 
 def current_server() -> ForkServer | None:
@@ -315,9 +327,8 @@ def _serve(requests: int, statuses: int, launcher: int, modules: tuple[str, ...]
             *lines, buffer = buffer.split(b"\n")
             for line in lines:
                 msg = json.loads(line)
+                _preload(msg.get("preload") or ())
                 try:
-                    for name in msg.get("preload") or ():
-                        importlib.import_module(name)
                     pid = _fork_rank(msg, requests, statuses)
                 except Exception as err:  # noqa: BLE001 - told to the launcher, which fails the run
                     say({"op": "error", "id": msg["id"], "error": f"{type(err).__name__}: {err}"})
@@ -338,6 +349,18 @@ def _serve(requests: int, statuses: int, launcher: int, modules: tuple[str, ...]
             except BrokenPipeError:  # the launcher is gone
                 pass
     return 0
+
+
+def _preload(names) -> None:
+    """Import ``names`` in order; one that cannot be imported by name (a module some code
+    created itself) is left to the rank, which imports what it needs as usual."""
+    for name in names:
+        if name in sys.modules:
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001, S112 - an optimisation only
+            continue
 
 
 def _fork_rank(msg: dict, requests: int, statuses: int) -> int:

@@ -362,9 +362,10 @@ def resolve_start_method(cfg: Any) -> str:
 
 def preload_modules(cfg: Any) -> list[str]:
     """What the fork server imports before forking this run's ranks, beyond what every rank
-    imports (:data:`easgd_lightning.cli.forkserver.WORKER_MODULES`): the project's modules
-    validating the config imported here (models, data), and DeepSpeed for ``pipeline_3d``."""
-    names = sorted(m for m in sys.modules if m.startswith("easgd_lightning.") and sys.modules[m] is not None)
+    imports (:data:`easgd_lightning.cli.forkserver.WORKER_MODULES`): what validating the
+    config imported here (the data set's and the model's modules), and DeepSpeed for
+    ``pipeline_3d``."""
+    names = forkserver.imported_since_start()
     if cfg.strategy.get("name") == "pipeline_3d":
         names.append("easgd_lightning.parallel.engine")  # imports deepspeed
     return names
