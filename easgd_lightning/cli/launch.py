@@ -424,6 +424,7 @@ def spawn_and_supervise(
     # the store's thread lives in this process only: the fork server was forked before it
     store = _rendezvous_store(timeout_s)
     env = dict(os.environ)
+    env.pop("EASGD_PARENT_PID", None)  # set for each forked rank by the fork server only
     env.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(store.port),
