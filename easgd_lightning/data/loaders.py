@@ -22,9 +22,10 @@ def check_int_at_least(key: str, value, low: int) -> int:
 def loader_start_method(method: str | None) -> str | None:
     """DataLoader worker start method: ``method``, or ``fork`` where available when None.
 
-    ``easgd-train`` spawns its ranks, which makes ``spawn`` the default start method inside
-    them; a spawned DataLoader worker re-imports torch, Lightning and torchvision before
-    its first batch (tens of seconds on a busy machine), a forked one starts at once.
+    Whether ``easgd-train`` forks its ranks or spawns them (``launcher.start_method``), the
+    loaders' start method is set here, not inherited; a spawned DataLoader worker re-imports
+    torch, Lightning and torchvision before its first batch (tens of seconds on a busy
+    machine), a forked one starts at once.
 
     Raises:
         ValueError: a method this platform does not have (naming data.multiprocessing_context).
