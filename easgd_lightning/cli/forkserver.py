@@ -191,7 +191,7 @@ class ForkServer:
         rid = self._next_id
         self._next_id += 1
         msg = {"op": "start", "id": rid, "argv": argv, "env": env, "cwd": cwd, "preload": preload, "entry": entry}
-        os.write(self._requests, json.dumps(msg).encode() + b"\n")  # a pipe write of < 64 KiB is whole
+        _write_all(self._requests, json.dumps(msg).encode() + b"\n")
         deadline = time.monotonic() + _START_TIMEOUT_S
         while rid not in self._answers:
             if time.monotonic() >= deadline or not self.alive():
@@ -219,6 +219,14 @@ class ForkServer:
         if self._statuses >= 0:
             os.close(self._statuses)
             self._statuses = -1
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` (a write to a full pipe interrupted by a signal handler returns
+    early; a request carrying the preload list can be larger than the pipe's buffer)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _pid_exists(pid: int) -> bool:
@@ -315,7 +323,7 @@ def _serve(requests: int, statuses: int, launcher: int, modules: tuple[str, ...]
     open_ = True
 
     def say(msg: dict) -> None:
-        os.write(statuses, json.dumps(msg).encode() + b"\n")
+        _write_all(statuses, json.dumps(msg).encode() + b"\n")
 
     while open_ or children:
         ready, _, _ = select.select([requests] if open_ else [], [], [], _POLL_S)
