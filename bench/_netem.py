@@ -207,6 +207,10 @@ class EmulatedCluster:
         link: rate and latency of every host's link.
         subnet: first three octets of the private /24 (hosts get .1, .2, ...).
         run_id: name prefix of everything created (default ``easgd-bench-<pid>``).
+        procs_per_host: training processes each host runs (ranks ``host * procs_per_host +
+            local``, torchrun's layout). Processes of one host reach each other on the
+            host's own addresses, which Linux routes over the namespace's loopback: their
+            traffic is not shaped; traffic between hosts crosses the shaped link.
     """
 
     host_ifname = "eth0"
@@ -217,9 +221,13 @@ class EmulatedCluster:
         link: LinkSpec,
         subnet: str = "10.77.0",
         run_id: str | None = None,
+        procs_per_host: int = 1,
     ) -> None:
         if not 1 <= workers <= 250:
             raise ValueError(f"--workers must be in 1..250, got {workers}")
+        if not 1 <= procs_per_host <= 64:
+            raise ValueError(f"--procs-per-host must be in 1..64, got {procs_per_host}")
+        self.procs_per_host = procs_per_host
         if not re.fullmatch(r"10\.\d{1,3}\.\d{1,3}", subnet):
             raise ValueError(f"--subnet must be a private 10.x.y prefix, got {subnet}")
         self.workers = workers
@@ -238,6 +246,15 @@ class EmulatedCluster:
     def addr(self, rank: int) -> str:
         """Private address of host ``rank``."""
         return f"{self.subnet}.{rank + 1}"
+
+    @property
+    def world_size(self) -> int:
+        """Training processes on the whole cluster."""
+        return self.workers * self.procs_per_host
+
+    def host_of(self, rank: int) -> int:
+        """The host that runs global rank ``rank``."""
+        return rank // self.procs_per_host
 
     @staticmethod
     def port_ifname(rank: int) -> str:
@@ -335,12 +352,14 @@ class EmulatedCluster:
             + (", netem delay on host egress" if self.latency_emulated else ""),
             "tbf": p,
             "subnet": f"{self.subnet}.0/24",
+            "procs_per_host": self.procs_per_host,
         }
 
     def spawn(
         self, rank: int, cmd: Sequence[str], env: dict[str, str], log: Path
     ) -> subprocess.Popen:
-        """Start ``cmd`` inside host ``rank``'s namespace, output to ``log``.
+        """Start ``cmd`` inside host ``rank``'s namespace (a host index; callers that run
+        several processes per host pass :meth:`host_of` their rank), output to ``log``.
 
         Each process gets its own session so that :meth:`down` can kill its whole group.
         """

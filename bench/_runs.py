@@ -89,10 +89,18 @@ class RunResult:
 
 
 def _rank_env(cluster: EmulatedCluster, rank: int, port: int) -> dict[str, str]:
-    """One host's rank: its own node, rendezvous at host 0, gloo on the emulated link, the
-    checkout this script belongs to first on ``PYTHONPATH``."""
+    """One rank: its host is its node (``procs_per_host`` ranks each, torchrun's
+    ``LOCAL_RANK`` / ``NODE_RANK`` / ``LOCAL_WORLD_SIZE``), rendezvous at host 0, gloo on
+    the emulated link, the checkout this script belongs to first on ``PYTHONPATH``."""
     env = clean_env(repo=REPO, HYDRA_FULL_ERROR="1", GLOO_SOCKET_IFNAME=cluster.host_ifname)
-    return rank_env(env, rank, cluster.workers, port, addr=cluster.addr(0), node_per_rank=True)
+    pph = cluster.procs_per_host
+    if pph == 1:
+        return rank_env(env, rank, cluster.workers, port, addr=cluster.addr(0), node_per_rank=True)
+    out = rank_env(env, rank, cluster.world_size, port, addr=cluster.addr(0))
+    out.update(
+        LOCAL_RANK=str(rank % pph), NODE_RANK=str(cluster.host_of(rank)), LOCAL_WORLD_SIZE=str(pph)
+    )
+    return out
 
 
 def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> tuple[list[int | None], bool]:
@@ -153,8 +161,10 @@ def train_command(
     workload: Sequence[str],
     extra: Sequence[str],
     epochs: int | None = None,
+    procs_per_host: int = 1,
 ) -> list[str]:
-    """The ``easgd-train`` command line of one rank (all ranks share it).
+    """The ``easgd-train`` command line of one rank (all ranks share it); ``workers`` hosts
+    (``trainer.num_nodes``) of ``procs_per_host`` processes (``trainer.devices``).
 
     Precedence, lowest first: the harness defaults (:data:`BENCH_OVERRIDES`), the
     workload, ``extra``, and last what the harness must control (run directory, strategy,
@@ -166,7 +176,7 @@ def train_command(
         f"hydra.run.dir={run_dir}",
         f"strategy={strategy}",
         f"compression={compression}",
-        "trainer.devices=1",
+        f"trainer.devices={procs_per_host}",
         f"trainer.num_nodes={workers}",
     ]
     if epochs:
@@ -212,12 +222,13 @@ def _launch(
         workload,
         [*extra, *overrides],
         epochs=epochs,
+        procs_per_host=cluster.procs_per_host,
     )
     procs, logs = [], []
-    for rank in range(cluster.workers):
+    for rank in range(cluster.world_size):
         log = run_dir / "logs" / f"rank{rank}.log"
         logs.append(log)
-        procs.append(cluster.spawn(rank, cmd, _rank_env(cluster, rank, port), log))
+        procs.append(cluster.spawn(cluster.host_of(rank), cmd, _rank_env(cluster, rank, port), log))
     codes, timed_out = _wait_all(procs, timeout_s)
     cluster.kill_procs()
     summary_path = run_dir / "summary.json"

@@ -189,6 +189,7 @@ class Scenario:
     epochs: int = 0
     target_acc: float = 0.0
     timeout_s: float = 1800.0
+    procs_per_host: int = 1
 
 
 SC17_OVERLAPPED = "sync_easgd/none;strategy.overlap=true"
@@ -202,6 +203,33 @@ TTA_CONFIGS = (
     "local_sgd/none;strategy.tau_rule=qsr;strategy.tau_base=2;strategy.qsr_coefficient=0.1,"
     "async_easgd/none;strategy.tau=4"
 )
+
+
+# Hierarchical reduction (issue 13 section 3): 2 hosts x 2 processes, each dense exchange
+# flat (one all-reduce over the 4 ranks) against comm.hierarchy=node (reduce to the host's
+# leader over its loopback, leaders all-reduce over the link, broadcast on the host).
+HIERARCHY_ROWS = (
+    ("ddp/none", "ddp/none;comm.hierarchy=node"),
+    ("sync_easgd/none", "sync_easgd/none;comm.hierarchy=node"),
+    ("local_sgd/none;strategy.tau=1", "local_sgd/none;strategy.tau=1;comm.hierarchy=node"),
+)
+
+
+# GradientFlow's lazy all-reduce (issue 13 section 1): a model of many small tensors
+# (an MLP of 48 hidden layers of 32: 98 tensors of <= 4 kB), one message per tensor
+# (comm.fusion_mb=0) against the default 25 MiB buffers (one message per exchange here).
+MANY_SMALL_WORKLOAD = ("model.hidden=[" + ",".join(["32"] * 48) + "]",)
+
+
+FUSION_ROWS = (
+    ("sync_easgd/none;comm.fusion_mb=0", "sync_easgd/none"),
+    ("local_sgd/none;strategy.tau=1;comm.fusion_mb=0", "local_sgd/none;strategy.tau=1"),
+)
+
+
+def _pair_targets(pairs: tuple[tuple[str, str], ...]) -> tuple[Target, ...]:
+    """One speedup target per (baseline row, row): the row's step time ratio, printed."""
+    return tuple(Target(row, "speedup", ">=", 1.0, ref=ref) for ref, row in pairs)
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -258,6 +286,38 @@ SCENARIOS: dict[str, Scenario] = {
         steps=40,
         warmup_steps=10,
         timeout_s=600.0,
+    ),
+    "hierarchy": Scenario(
+        name="hierarchy",
+        description=(
+            "2 hosts x 2 processes, 100 Mbit/s, the wide digits MLP: flat against "
+            "comm.hierarchy=node for ddp, sync_easgd and local_sgd (tau 1)"
+        ),
+        workers=2,
+        procs_per_host=2,
+        rate_mbit=100.0,
+        workload=WIDE_MLP_WORKLOAD,
+        configs=",".join(spec for pair in HIERARCHY_ROWS for spec in pair),
+        targets=_pair_targets(HIERARCHY_ROWS),
+        steps=60,
+        warmup_steps=10,
+        timeout_s=300.0,
+    ),
+    "fusion": Scenario(
+        name="fusion",
+        description=(
+            "2 hosts x 2 processes, 1 Gbit/s, an MLP of 48 small hidden layers: one "
+            "message per tensor (comm.fusion_mb=0) against the 25 MiB lazy all-reduce"
+        ),
+        workers=2,
+        procs_per_host=2,
+        rate_mbit=1000.0,
+        workload=MANY_SMALL_WORKLOAD,
+        configs=",".join(spec for pair in FUSION_ROWS for spec in pair),
+        targets=_pair_targets(FUSION_ROWS),
+        steps=60,
+        warmup_steps=10,
+        timeout_s=300.0,
     ),
     "tta": Scenario(
         name="tta",

@@ -146,6 +146,8 @@ def row_from_summary(summary: dict) -> dict:
     * ``comm_share``: ``comm.exposed_fraction``, or ``comm.time_fraction`` where the summary
       has no exposed figure (``comm_share_source``: ``exposed`` / ``total``).
     * ``final_loss``: ``train_loss``.
+    * ``messages_per_step``: ``comm.messages_per_step``, mean over the ranks that stepped
+      (collectives and point-to-point operations of the payload kinds per step).
 
     Args:
         summary: the parsed summary.json.
@@ -163,7 +165,9 @@ def row_from_summary(summary: dict) -> dict:
     step_time = wall / mean_steps if (wall is not None and mean_steps) else None
     bytes_per_step = sum(sent_list) / sum(stepping) if (sent_list and stepping) else None
     share, source = comm_share_of(summary)
+    per_step = [m for m in comm.get("messages_per_step") or [] if m is not None]
     return {
+        "messages_per_step": _mean(per_step),
         "step_time_s": step_time,
         "samples_per_s": summary.get("samples_per_s"),
         "bytes_per_step_per_worker": bytes_per_step,
@@ -205,6 +209,7 @@ def _totals(summary: dict, clock: str) -> dict:
         "samples": float(summary.get("samples_per_s") or 0.0) * wall,
         "sent": [int(b or 0) for b in comm.get("bytes_sent") or []],
         "comm_time": [float(t or 0.0) for t in comm_times],
+        "messages": [int(m or 0) for m in comm.get("messages") or []],
         "comm_source": "exposed" if isinstance(exposed, list) else "total",
     }
 
@@ -246,7 +251,10 @@ def steady_figures(long: dict, short: dict) -> dict | None:
         # Nothing was sent in the window (the limit row): what the comm times differ by is
         # how long the collectives outside it (set-up broadcast, final average) waited.
         fractions = [0.0 for _ in fractions]
+    d_messages = [x - y for x, y in zip(a["messages"], b["messages"])]
+    msg_rates = [m / d for m, d in zip(d_messages, d_steps) if d > 0]
     return {
+        "messages_per_step": _mean(msg_rates) if msg_rates else None,
         "step_time_s": d_time / mean_steps,
         "samples_per_s": (a["samples"] - b["samples"]) / d_time,
         "bytes_per_step_per_worker": d_sent / sum(stepping),
@@ -266,6 +274,7 @@ FIGURES = (
     "bytes_per_step_per_worker",
     "comm_share",
     "final_loss",
+    "messages_per_step",
 )
 
 
@@ -454,9 +463,9 @@ def render_markdown(rows: list[dict], scenario: dict) -> str:
         "",
         (
             "| strategy/compression | step time (s) | x | efficiency | samples/s | x "
-            f"| bytes/step/worker | x | {share} | final loss | targets | status |"
+            f"| bytes/step/worker | x | msgs/step | {share} | final loss | targets | status |"
         ),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     mixed = share == "comm share"
     for r in rows:
@@ -474,6 +483,7 @@ def render_markdown(rows: list[dict], scenario: dict) -> str:
                     _fmt(q.get("samples_per_s"), "ratio"),
                     _fmt(r.get("bytes_per_step_per_worker"), "bytes"),
                     _fmt(q.get("bytes_per_step_per_worker"), "ratio"),
+                    _fmt(r.get("messages_per_step"), "num"),
                     _fmt(r.get("comm_share"), "pct") + star,
                     _fmt(r.get("final_loss"), "num"),
                     _target_cell(r, by_row),

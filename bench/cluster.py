@@ -165,6 +165,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="same as --scenario quick")
     p.add_argument("--workers", type=int, default=None, help="hosts (default: the preset's)")
     p.add_argument(
+        "--procs-per-host",
+        type=int,
+        default=None,
+        help="training processes per host (default: the preset's, 1); ranks of one host talk "
+        "over its loopback, hosts over the shaped link",
+    )
+    p.add_argument(
         "--rate-mbit",
         type=float,
         default=None,
@@ -247,6 +254,7 @@ class Settings:
 
     preset: Scenario
     workers: int
+    procs_per_host: int
     rate_mbit: float | None
     workload: list[str]
     extra: list[str]
@@ -283,6 +291,7 @@ def resolve_settings(args: argparse.Namespace, preset: Scenario) -> Settings:
     settings = Settings(
         preset=preset,
         workers=args.workers or preset.workers,
+        procs_per_host=args.procs_per_host or preset.procs_per_host,
         rate_mbit=args.rate_mbit if args.rate_mbit is not None else preset.rate_mbit,
         workload=args.workload.split() if args.workload is not None else list(preset.workload),
         extra=[*preset.extra, *(tok for item in args.extra for tok in item.split())],
@@ -344,6 +353,7 @@ def _scenario(
         "description": preset.description,
         "run_id": cluster.run_id,
         "workers": cluster.workers,
+        "procs_per_host": cluster.procs_per_host,
         "link": cluster.describe(),
         "workload": list(settings.workload),
         "extra": list(settings.extra),
@@ -409,9 +419,12 @@ def run_scenario(args: argparse.Namespace, settings: Settings, argv: Sequence[st
     out = args.out.resolve() / preset.name
     first_rate = settings.rate_mbit or SC17_FIRST_PROBE_MBIT
     link = LinkSpec(first_rate, args.latency_ms)
-    with EmulatedCluster(settings.workers, link, subnet=args.subnet) as cluster:
+    with EmulatedCluster(
+        settings.workers, link, subnet=args.subnet, procs_per_host=settings.procs_per_host
+    ) as cluster:
         print(
-            f"[cluster] scenario {preset.name} ({cluster.run_id}): {cluster.workers} hosts on "
+            f"[cluster] scenario {preset.name} ({cluster.run_id}): {cluster.workers} hosts "
+            f"x {cluster.procs_per_host} processes on "
             f"{args.subnet}.0/24, {link.latency_ms} ms",
             flush=True,
         )

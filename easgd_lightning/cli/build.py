@@ -19,6 +19,7 @@ __all__ = [
     "strategy_names",
     "build_compression",
     "build_strategy",
+    "build_comm",
     "build_model_and_data",
     "build_module",
     "build_data",
@@ -84,6 +85,35 @@ def build_compression(cfg_compression: Any):
         raise ConfigError(str(err)) from err
 
 
+def build_comm(cfg: Any):
+    """The :class:`~easgd_lightning.comm.layout.CommLayout` of ``cfg.comm`` (defaults when
+    the config has no ``comm`` group).
+
+    Raises:
+        ConfigError: a bad or unknown ``comm.`` key.
+    """
+    from easgd_lightning.comm.layout import CommLayout
+
+    opts = _plain(cfg.get("comm") if hasattr(cfg, "get") else None)
+    opts.pop("_target_", None)
+    try:
+        return CommLayout(**opts)
+    except TypeError:
+        unknown = sorted(set(opts) - {"fusion_mb", "hierarchy", "procs_per_node"})
+        raise ConfigError(
+            f"comm.{unknown[0] if unknown else '?'}: not a comm option; the options are fusion_mb, "
+            "hierarchy, procs_per_node"
+        ) from None
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _takes_comm(cls: type) -> bool:
+    """Whether the strategy class reads the ``comm`` group (``ddp``, ``sync_easgd``,
+    ``local_sgd``: a ``comm`` constructor argument and ``hierarchical = True``)."""
+    return bool(getattr(cls, "hierarchical", False))
+
+
 def min_world_size(name: str) -> int:
     """The fewest processes a strategy needs."""
     return _spec(name).min_world_size
@@ -105,6 +135,19 @@ def build_strategy(cfg: Any, *, world_size: int | None = None):
     if compressor is not None:
         kwargs["compression"] = compressor
     kwargs.update(getattr(spec.cls, "cli_kwargs", lambda c: {})(cfg))
+    layout = build_comm(cfg)
+    if _takes_comm(spec.cls):
+        kwargs["comm"] = layout
+    elif layout.as_dict() != build_comm({}).as_dict():
+        raise ConfigError(
+            f"comm: strategy={name} does not read the comm group (ddp, sync_easgd and local_sgd do); "
+            "leave comm.* at its defaults"
+        )
+    if world_size is not None:
+        try:
+            layout.check_world(world_size)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     timeout = timedelta(seconds=float(cfg.get("timeout_s", 300)))
     try:
         strategy = spec.cls(timeout=timeout, **kwargs)

@@ -21,7 +21,7 @@ def _sum_kinds(reports: list[dict]) -> dict:
     for rep in reports:
         for kind, tot in rep["comm"].get("by_kind", {}).items():
             acc = kinds.setdefault(
-                kind, {"bytes_sent": 0, "bytes_recv": 0, "dense_bytes": 0, "time_s": 0.0, "exposed_s": 0.0}
+                kind, {"bytes_sent": 0, "bytes_recv": 0, "dense_bytes": 0, "time_s": 0.0, "exposed_s": 0.0, "calls": 0}
             )
             for key in acc:
                 acc[key] += tot.get(key, 0)
@@ -55,6 +55,8 @@ def build_summary(
     exposed_fractions = [
         r["comm"].get("exposed_s", r["comm"]["time_s"]) / r["wall_time_s"] for r in ok if r["wall_time_s"] > 0
     ]
+    messages = per_rank("messages", None)
+    steps = [(r["steps"] if r and r.get("status") == "ok" else None) for r in reports]
     first = next((r for r in ok if r.get("val_acc") is not None), ok[0] if ok else None)
     strategy = cfg.get("strategy", {}).get("name")
     compression = cfg.get("compression", {}).get("name")
@@ -68,7 +70,7 @@ def build_summary(
         "roles": [(r.get("role", "worker") if r and r.get("status") == "ok" else "failed") for r in reports],
         "trained_ranks": [i for i, r in enumerate(reports) if r and r.get("status") == "ok" and r.get("role", "worker") == "worker"],
         "failed_ranks": failed_ranks,
-        "steps_per_rank": [(r["steps"] if r and r.get("status") == "ok" else None) for r in reports],
+        "steps_per_rank": steps,
         "train_loss": train_loss,
         "val_loss": first.get("val_loss") if first else None,
         "val_acc": first.get("val_acc") if first else None,
@@ -84,6 +86,12 @@ def build_summary(
             "exposed_fraction": (
                 sum(exposed_fractions) / len(exposed_fractions) if exposed_fractions else 0.0
             ),
+            # messages (collectives / point-to-point operations) of the payload kinds, and
+            # per optimizer step (comm/meter.py: a lazy all-reduce bucket is one message)
+            "messages": messages,
+            "messages_per_step": [
+                (m / s if m is not None and s else None) for m, s in zip(messages, steps)
+            ],
             "by_kind": _sum_kinds(ok),
             "by_kind_per_rank": by_kind_per_rank,
         },

@@ -16,6 +16,11 @@ through :mod:`easgd_lightning.comm.ops`, which records, per call:
   computation counts in ``time_s`` but not in ``exposed_s``, so ``exposed_s <= time_s``
   up to timer resolution.
 
+* ``calls`` -- messages: one per collective or point-to-point operation this rank took
+  part in (a lazy all-reduce bucket, each phase of a hierarchical all-reduce, each round
+  of a variable-length all-gather). ``messages`` is their total over the payload kinds
+  (every kind but :data:`CONTROL_KINDS`); ``summary.json`` divides it by the steps.
+
 Each record carries a ``kind`` (``data_parallel``, ``elastic``, ``parameter_server``,
 ``pipeline``, ``tensor_parallel``, ``embedding``, ...) so summaries can break traffic down.
 """
@@ -26,7 +31,11 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-__all__ = ["CommMeter", "KindTotals", "get_meter", "reset_meter"]
+__all__ = ["CONTROL_KINDS", "CommMeter", "KindTotals", "get_meter", "reset_meter"]
+
+#: kinds that carry no training payload (set-up broadcasts, stop flags, loss reports):
+#: not counted in ``messages``
+CONTROL_KINDS = ("setup", "control")
 
 
 @dataclass
@@ -112,6 +121,11 @@ class CommMeter:
         return sum(t.dense_bytes for t in self.by_kind.values())
 
     @property
+    def messages(self) -> int:
+        """Messages of the payload kinds (every kind but :data:`CONTROL_KINDS`)."""
+        return sum(t.calls for k, t in self.by_kind.items() if k not in CONTROL_KINDS)
+
+    @property
     def time_s(self) -> float:
         return sum(t.time_s for t in self.by_kind.values())
 
@@ -128,6 +142,7 @@ class CommMeter:
                 "dense_bytes": self.dense_bytes,
                 "time_s": self.time_s,
                 "exposed_s": self.exposed_s,
+                "messages": self.messages,
                 "by_kind": {k: v.as_dict() for k, v in sorted(self.by_kind.items())},
             }
 

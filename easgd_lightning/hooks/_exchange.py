@@ -9,7 +9,9 @@ exchange, so the meter's ``dense_bytes`` is what the same tensors cost uncompres
 With a collective that batches all-gathers (:class:`~easgd_lightning.hooks.collective.
 ProcessGroupCollective`), the dense part travels in the same all-gathered message as the
 payloads and is summed in rank order: one collective per exchange for the one-round
-codecs; otherwise it is one all-reduce of its own.
+codecs; otherwise it is one all-reduce of its own. A collective with a ``fused`` context
+(GradientFlow's lazy all-reduce, ``comm.fusion_mb``) puts the all-reduce sums of the
+exchange in buffers of at least that size.
 
 :func:`start_exchange_tensors` is the same exchange split in two, for overlap with
 computation: the launch compensates, compresses, updates the residual and starts the
@@ -176,7 +178,8 @@ def start_exchange_tensors(
     big = [i for i, t in enumerate(tensors) if t.numel() >= limit]
     batched = getattr(collective, "batched", None)  # one message for all payloads
     fold = bool(batched and big and small)  # the small tensors ride in that message too
-    with batched(tuple(keys[i] for i in big)) if batched and big else nullcontext():
+    fused = getattr(collective, "fused", nullcontext)  # lazy all-reduce of the sums (comm.fusion_mb)
+    with batched(tuple(keys[i] for i in big)) if batched and big else nullcontext(), fused():
         if small:
             _start_small(pending, tensors, keys, small, compressor, states, collective, fold)
         for i in big:

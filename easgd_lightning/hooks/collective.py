@@ -1,4 +1,10 @@
-"""A :class:`~easgd_lightning.hooks.compressors.base.Collective` over the metered comm layer."""
+"""A :class:`~easgd_lightning.hooks.compressors.base.Collective` over the metered comm layer.
+
+Two ways of sending fewer, larger messages: :meth:`ProcessGroupCollective.batched` puts
+the all-gathers of an exchange in one message per rank, and
+:meth:`ProcessGroupCollective.fused` puts its all-reduce sums in lazy all-reduce buffers
+of at least ``fusion_bytes`` (GradientFlow; :mod:`easgd_lightning.comm.fusion`).
+"""
 
 from __future__ import annotations
 
@@ -75,17 +81,65 @@ class _BatchPart:
         return [parts[self._first : self._end] for parts in self._batch.wait()]
 
 
+class _ReduceBucket:
+    """One lazy all-reduce buffer: tensors of one dtype, summed as one message."""
+
+    def __init__(self, collective: ProcessGroupCollective, dtype) -> None:
+        self._collective, self.dtype = collective, dtype
+        self._tensors: list[torch.Tensor] = []
+        self.nbytes = 0
+        self._dense = 0
+        self._fut = None
+        self._result: torch.Tensor | None = None
+
+    def add(self, tensor: torch.Tensor, dense: int) -> tuple[_ReduceBucket, int, int]:
+        flat = tensor.reshape(-1).clone()  # it may change before the launch
+        offset = sum(t.numel() for t in self._tensors)
+        self._tensors.append(flat)
+        self.nbytes += flat.numel() * flat.element_size()
+        self._dense += dense
+        return self, offset, flat.numel()
+
+    def launch(self) -> None:
+        if self._fut is None:
+            coll = self._collective
+            buf = torch.cat(self._tensors) if len(self._tensors) > 1 else self._tensors[0]
+            self._tensors = []
+            self._fut = ops.all_reduce_async(buf, kind=coll.kind, group=coll.group, dense_bytes=self._dense)
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            self.launch()
+            self._result = self._fut.wait()[0]
+        return self._result
+
+
+class _FusedPart:
+    """One ``all_reduce_sum_async`` call's share of the lazy all-reduce buffers."""
+
+    def __init__(self, slices: list, shapes: list) -> None:
+        self._slices, self._shapes = slices, shapes
+
+    def wait(self) -> list[torch.Tensor]:
+        return [b.wait()[o : o + n].view(shape) for (b, o, n), shape in zip(self._slices, self._shapes)]
+
+
 class ProcessGroupCollective:
     """Runs a compressor's exchanges on a process group, metering them under ``kind``.
 
     ``dense_bytes_per_call`` is charged as the uncompressed cost of the first collective of
     each exchange (callers set it with :meth:`charge_dense` before ``aggregate``). The
-    blocking calls are the non-blocking ones waited for at once.
+    blocking calls are the non-blocking ones waited for at once. ``fusion_bytes``: the
+    lazy all-reduce buffer size of :meth:`fused` (None: no fusion).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, kind: str = "data_parallel"):
+    def __init__(
+        self, group: dist.ProcessGroup | None = None, kind: str = "data_parallel", fusion_bytes: int | None = None
+    ):
         self.group = group
         self.kind = kind
+        self.fusion_bytes = fusion_bytes
+        self._open: dict | None = None  # dtype -> the open lazy all-reduce buffer
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self._pending_dense: int | None = None
@@ -114,6 +168,38 @@ class ProcessGroupCollective:
             batch, self._batch = self._batch, None
             batch.launch()
 
+    @contextmanager
+    def fused(self) -> Iterator[None]:
+        """All-reduce sums asked for inside join lazy all-reduce buffers (one per dtype,
+        tensors in call order): a buffer is sent once it holds ``fusion_bytes``
+        (:func:`easgd_lightning.comm.fusion.fusion_buckets`), when one of its tensors is
+        waited for (a multi-round codec), or on leaving. Without ``fusion_bytes`` (None)
+        every call is its own message, as outside."""
+        if self.fusion_bytes is None or self._open is not None:
+            yield
+            return
+        self._open = {}
+        try:
+            yield
+        finally:
+            open_buckets, self._open = self._open, None
+            for bucket in open_buckets.values():
+                bucket.launch()
+
+    def _fused_sum(self, tensors: list[torch.Tensor]) -> PendingCollective:
+        dense = self._take_dense()
+        slices = []
+        for t in tensors:
+            bucket = self._open.get(t.dtype)
+            if bucket is None or bucket._fut is not None:  # none open, or waited for already
+                bucket = self._open[t.dtype] = _ReduceBucket(self, t.dtype)
+            slices.append(bucket.add(t, dense))
+            dense = 0
+            if bucket.nbytes >= self.fusion_bytes:
+                bucket.launch()
+                del self._open[t.dtype]
+        return PendingCollective([_FusedPart(slices, [t.shape for t in tensors])], self.kind, lambda v: v[0])
+
     def _take_dense(self) -> int:
         dense, self._pending_dense = (self._pending_dense or 0), None
         return dense
@@ -137,7 +223,10 @@ class ProcessGroupCollective:
         return PendingCollective(handles, self.kind, lambda _: bufs)
 
     def all_reduce_sum_async(self, tensors: list[torch.Tensor]) -> PendingCollective:
-        """Non-blocking :meth:`all_reduce_sum`; ``.wait()`` returns the summed tensors."""
+        """Non-blocking :meth:`all_reduce_sum`; ``.wait()`` returns the summed tensors.
+        Inside :meth:`fused`, the tensors join the lazy all-reduce buffers instead."""
+        if self._open is not None and tensors:
+            return self._fused_sum(tensors)
         return self._all_reduce_async(tensors, dist.ReduceOp.SUM)
 
     def all_reduce_sum(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -55,10 +55,11 @@ __all__ = [
 class DenseHookState:
     """State of the metered dense hook."""
 
-    __slots__ = ("group", "world_size", "kind", "calls", "_inflight")
+    __slots__ = ("group", "world_size", "kind", "calls", "_inflight", "layout")
 
-    def __init__(self, group: dist.ProcessGroup | None = None, kind: str = "data_parallel"):
+    def __init__(self, group: dist.ProcessGroup | None = None, kind: str = "data_parallel", layout=None):
         self.group = group
+        self.layout = layout  # comm.layout.CommLayout: hierarchical reduction (comm.hierarchy)
         self.world_size = dist.get_world_size(group)
         self.kind = kind
         self.calls = 0
@@ -81,7 +82,7 @@ def dense_allreduce_hook(
     state.calls += 1
     buf = bucket.buffer()
     buf.div_(state.world_size)
-    fut = ops.all_reduce_async(buf, kind=state.kind, group=state.group)
+    fut = (state.layout or ops).all_reduce_async(buf, kind=state.kind, group=state.group)
     if state._inflight is None:  # first bucket of this backward
         state._inflight = []
         torch.autograd.Variable._execution_engine.queue_callback(state._wait_inflight)
@@ -103,6 +104,7 @@ class CompressionHookState:
             the previous iteration's last bucket and this iteration's first bucket) when
             it has one (``adaptive``).
         min_numel: overrides ``compressor.min_numel`` (tensors below travel dense).
+        fusion_bytes: lazy all-reduce buffer size of the bucket's payloads (None: none).
     """
 
     __slots__ = (
@@ -141,6 +143,7 @@ class CompressionHookState:
         param_names: dict[int, str] | None = None,
         auto_observe: bool = True,
         min_numel: int | None = None,
+        fusion_bytes: int | None = None,
     ) -> None:
         if isinstance(warmup_steps, bool) or int(warmup_steps) != warmup_steps or warmup_steps < 0:
             raise ValueError(f"hook warmup_steps must be an integer >= 0, got {warmup_steps!r}")
@@ -153,7 +156,7 @@ class CompressionHookState:
             raise ValueError(f"compression.min_numel must be an integer >= 0, got {min_numel!r}")
         self.min_numel = compressor.min_numel if min_numel is None else int(min_numel)
         self.auto_observe = auto_observe
-        self.collective = ProcessGroupCollective(group, kind=kind)
+        self.collective = ProcessGroupCollective(group, kind=kind, fusion_bytes=fusion_bytes)
         self.world_size = self.collective.world_size
         self.iteration = 0
         self.param_names = dict(param_names or {})
@@ -279,6 +282,7 @@ def register_compression_hook(
     kind: str = "data_parallel",
     auto_observe: bool = True,
     min_numel: int | None = None,
+    layout=None,
 ):
     """Register the hook for ``compressor`` on ``model`` and return its state.
 
@@ -297,9 +301,12 @@ def register_compression_hook(
         kind: meter traffic class.
         auto_observe: feed measured compute time to adaptive compressors.
         min_numel: overrides ``compressor.min_numel``.
+        layout: the ``comm`` layout (:class:`easgd_lightning.comm.layout.CommLayout`): the
+            dense hook reduces hierarchically with ``hierarchy=node``; the compressed hook
+            fuses the payloads of a bucket into ``fusion_mb`` buffers.
     """
     if compressor is None or isinstance(compressor, NoneCompressor):
-        state = DenseHookState(group, kind=kind)
+        state = DenseHookState(group, kind=kind, layout=layout)
         model.register_comm_hook(state, dense_allreduce_hook)
         return state
     if not isinstance(compressor, Compressor):
@@ -320,6 +327,7 @@ def register_compression_hook(
         param_names=_param_names(model),
         auto_observe=auto_observe,
         min_numel=min_numel,
+        fusion_bytes=None if layout is None else layout.fusion_bytes,
     )
     model.register_comm_hook(state, compressed_allreduce_hook)
     return state

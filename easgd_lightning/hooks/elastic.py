@@ -10,6 +10,14 @@ message, and matrix compressors (PowerSGD) see matrices instead of one flat vect
 Metered under ``kind`` (default ``elastic``): bytes sent = the payload, dense bytes = the
 flat buffer.
 
+Lazy all-reduce (GradientFlow; ``comm.fusion_mb``, :mod:`easgd_lightning.comm.fusion`):
+with ``layout`` (a :class:`~easgd_lightning.comm.layout.CommLayout`) and ``shapes``, the
+dense flat buffer travels as buckets of whole tensors of at least ``fusion_mb`` (views of
+``diff``, summed in place; hierarchically with ``comm.hierarchy=node``), and the
+compressed path fuses the one-round all-reduce payloads of its tensors the same way
+(:meth:`~easgd_lightning.hooks.collective.ProcessGroupCollective.fused`). Without a
+layout the dense buffer is one message.
+
 ``start_exchange_sum`` is the same exchange without waiting: it returns a
 :class:`PendingSum` whose ``wait()`` gives the sum (Sync EASGD's overlap). Uncompressed it
 is a non-blocking all-reduce in place on ``diff`` (leave ``diff`` alone until ``wait``);
@@ -23,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from easgd_lightning.comm import ops
+from easgd_lightning.comm.layout import CommLayout
 from easgd_lightning.hooks._exchange import start_exchange_tensors
 from easgd_lightning.hooks.collective import ProcessGroupCollective
 from easgd_lightning.hooks.compressors.base import scratch_buffer, scratch_of
@@ -70,13 +79,13 @@ def _pieces(diff: torch.Tensor, shapes: list | None, key: str, scratch: dict | N
     return pieces, keys
 
 
-def _collective_for(state: dict, group, kind: str) -> ProcessGroupCollective:
+def _collective_for(state: dict, group, kind: str, fusion_bytes: int | None) -> ProcessGroupCollective:
     """The collective of ``state``'s exchanges, kept in its scratch so that the message
     capacities of its all-gathers persist from one exchange to the next."""
     scratch = scratch_of(state)
     coll = scratch.get("collective")
-    if coll is None or coll.group is not group or coll.kind != kind:
-        coll = scratch["collective"] = ProcessGroupCollective(group, kind=kind)
+    if coll is None or coll.group is not group or coll.kind != kind or coll.fusion_bytes != fusion_bytes:
+        coll = scratch["collective"] = ProcessGroupCollective(group, kind=kind, fusion_bytes=fusion_bytes)
     return coll
 
 
@@ -103,6 +112,7 @@ def start_exchange_sum(
     key: str = "flat",
     shapes: list | None = None,
     keep_local: bool = False,
+    layout: CommLayout | None = None,
 ) -> PendingSum:
     """Start summing ``diff`` over the ranks of ``group``; arguments as :func:`exchange_sum`
     (``keep_local``: set ``PendingSum.local``, this rank's transmitted part).
@@ -113,11 +123,15 @@ def start_exchange_sum(
     """
     if compressor is None or isinstance(compressor, NoneCompressor):
         local = diff.clone() if keep_local else None
-        fut = ops.all_reduce_async(diff, kind=kind, group=group)
+        if layout is None:
+            fut = ops.all_reduce_async(diff, kind=kind, group=group)
+        else:
+            numels = None if shapes is None else [int(torch.Size(s).numel()) for s in shapes]
+            fut = layout.all_reduce_flat_async(diff, numels, kind=kind, group=group)
         return PendingSum(lambda: (ops.wait(fut, kind=kind), diff)[1], local)
     memory = _memory_for(compressor, memory, state)
     pieces, keys = _pieces(diff, shapes, key, scratch_of(state))
-    collective = _collective_for(state, group, kind)
+    collective = _collective_for(state, group, kind, None if layout is None else layout.fusion_bytes)
     pending = start_exchange_tensors(pieces, keys, compressor, memory, state, collective)
     local = torch.cat([m.reshape(-1) for m in pending.locals]).view_as(diff) if keep_local else None
 
@@ -142,7 +156,9 @@ def exchange_sum(diff: torch.Tensor, *, return_local: bool = False, **options):
         state: a dict that persists across calls (required with a compressor): per-tensor
             compressor state (and the default memory) live in it.
         group: process group; kind: meter traffic class; key: state key prefix.
-        shapes: optional parameter shapes partitioning ``diff`` (compress per parameter).
+        shapes: optional parameter shapes partitioning ``diff`` (compress per parameter;
+            the tensors of the lazy all-reduce buckets).
+        layout: the ``comm`` layout (fusion, hierarchy); None: one dense message.
         return_local: also return this rank's transmitted (decompressed) part, so the
             caller can apply exactly what was sent.
 

@@ -38,13 +38,21 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from easgd_lightning.comm import ops
+from easgd_lightning.comm.layout import CommLayout, build_comm_layout
 from easgd_lightning.strategies import elastic
 from easgd_lightning.strategies.registry import reject_unknown_kwargs
 from easgd_lightning.utils.checkpoint import to_plain
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CenterStrategy", "flatten", "unflatten_into", "check_positive_int", "check_one_optimizer"]
+__all__ = [
+    "CenterStrategy",
+    "flatten",
+    "unflatten_into",
+    "check_positive_int",
+    "check_one_optimizer",
+    "comm_layout_for",
+]
 
 
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -83,6 +91,30 @@ def check_positive_int(key: str, value: Any) -> int:
     return value
 
 
+def comm_layout_for(strategy: Any, comm: Any, compression: Any) -> CommLayout:
+    """The strategy's ``comm`` layout (:class:`CommLayout`, its keyword dict, or None for
+    the defaults); ``comm.hierarchy=node`` only where the strategy's exchange is a dense
+    all-reduce (``hierarchical`` class attribute) and nothing compresses it.
+
+    Raises:
+        ValueError: naming the ``comm.`` key.
+    """
+    layout = build_comm_layout(comm)
+    if layout.hierarchy != "flat":
+        name = getattr(strategy, "strategy_name", "") or type(strategy).__name__
+        if not getattr(strategy, "hierarchical", False):
+            raise ValueError(
+                f"comm.hierarchy: {layout.hierarchy} applies to strategy=ddp, sync_easgd or local_sgd, "
+                f"not {name}; use comm.hierarchy=flat"
+            )
+        if compression is not None and getattr(compression, "name", None) != "none":
+            raise ValueError(
+                f"comm.hierarchy: {layout.hierarchy} reduces the dense all-reduce; with "
+                f"compression={getattr(compression, 'name', compression)} use comm.hierarchy=flat"
+            )
+    return layout
+
+
 def check_one_optimizer(strategy: Any, count: int) -> None:
     """Refuse anything but one optimizer, in one line saying what is allowed."""
     if count != 1:
@@ -103,6 +135,8 @@ class CenterStrategy(DDPStrategy):
     strategy_name = ""
     #: traffic class for the meter
     comm_kind = "elastic"
+    #: the exchange is a dense all-reduce that ``comm.hierarchy=node`` may reduce per node
+    hierarchical = False
     #: fewest processes the strategy needs (elastic averaging needs two workers)
     min_world_size = 2
     #: optimizers ``configure_optimizers`` may return: the exchange is tied to one optimizer
@@ -112,11 +146,13 @@ class CenterStrategy(DDPStrategy):
     #: runs inside ``optimizer.step()``, which the user's ``training_step`` calls
     supports_manual_optimization = True
 
-    def __init__(self, *, compression: Any = None, **kwargs: Any) -> None:
+    def __init__(self, *, compression: Any = None, comm: Any = None, **kwargs: Any) -> None:
         reject_unknown_kwargs(self, kwargs, DDPStrategy)  # no DDP wrapper would read them
         kwargs.setdefault("process_group_backend", None)
         super().__init__(**kwargs)
         self._compression = compression
+        #: the ``comm`` group: lazy all-reduce buckets, hierarchical reduction
+        self._comm = comm_layout_for(self, comm, compression)
         self._center: torch.Tensor | None = None
         self._stash: torch.Tensor | None = None
         self._local_steps = 0
@@ -130,6 +166,7 @@ class CenterStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         ops.close_process_group_at_exit()
+        self._comm.setup()
 
     @override
     def configure_ddp(self) -> None:
@@ -476,4 +513,5 @@ class CenterStrategy(DDPStrategy):
         self._drop_exchange()  # after a failure; on_train_end finished it on success
         self._stash = None
         self._flat, self._flat_ptrs = None, []
+        self._comm.close()
         super().teardown()

@@ -5,6 +5,12 @@ registered on every backend. Lightning's own ``DDPStrategy`` registers hooks onl
 this subclass registers :func:`easgd_lightning.hooks.ddp.register_compression_hook` on
 CPU/gloo too, so every byte is metered and compressors work everywhere. With
 ``compression=None`` it is plain DDP (averaged gradients) plus metering.
+
+Communication layout (``comm`` group): GradientFlow's lazy all-reduce is DDP's own
+bucketing, so ``comm.fusion_mb`` becomes DDP's ``bucket_cap_mb`` (unless given) and every
+bucket is one message (DDP's first bucket is smaller, its own rule); the compressed hook
+fuses the payloads inside a bucket the same way. ``comm.hierarchy=node`` reduces each
+bucket inside the node first (dense hook; not with a compressor).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing_extensions import override
 
 from easgd_lightning.comm import ops
 from easgd_lightning.hooks.ddp import register_compression_hook
+from easgd_lightning.strategies.base import comm_layout_for
 from easgd_lightning.strategies.registry import register_strategy, reject_unknown_kwargs
 
 log = logging.getLogger(__name__)
@@ -44,14 +51,21 @@ class CompressedDDPStrategy(DDPStrategy):
     Args:
         compression: a compressor from ``easgd_lightning.hooks.build_compressor`` or None.
         hook_options: extra keyword options for the hook (e.g. ``min_numel``, ``memory``).
+        comm: the ``comm`` layout (``CommLayout`` or its options: ``fusion_mb``,
+            ``hierarchy``, ``procs_per_node``); None: the defaults.
         **kwargs: passed to Lightning's ``DDPStrategy``.
     """
 
     strategy_name = "ddp_compressed"
     min_world_size = 1
+    hierarchical = True
 
-    def __init__(self, compression: Any = None, hook_options: dict | None = None, **kwargs: Any):
+    def __init__(
+        self, compression: Any = None, hook_options: dict | None = None, comm: Any = None, **kwargs: Any
+    ):
         reject_unknown_kwargs(self, kwargs, DDPStrategy, DistributedDataParallel)
+        self._comm = comm_layout_for(self, comm, compression)
+        kwargs.setdefault("bucket_cap_mb", self._comm.fusion_mb)
         super().__init__(**kwargs)
         self._compression = compression
         self._hook_options = dict(hook_options or {})
@@ -68,11 +82,12 @@ class CompressedDDPStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         ops.close_process_group_at_exit()
+        self._comm.setup()
 
     @override
     def _register_ddp_hooks(self) -> None:
         self.hook_state = register_compression_hook(
-            self.model, self._compression, **self._hook_options
+            self.model, self._compression, layout=self._comm, **self._hook_options
         )
         if self._resume_rank_state is not None:
             self._restore_rank_state(self._resume_rank_state)
@@ -149,6 +164,15 @@ class CompressedDDPStrategy(DDPStrategy):
     def local_steps(self) -> int:
         return self._local_steps
 
+    @override
+    def teardown(self) -> None:
+        self._comm.close()
+        super().teardown()
+
     def summary_extras(self) -> dict:
         stats = getattr(self.hook_state, "compression_stats", None)
-        return {"hook": type(self.hook_state).__name__, **({"compression_stats": stats()} if callable(stats) else {})}
+        return {
+            "hook": type(self.hook_state).__name__,
+            "comm": self._comm.as_dict(),
+            **({"compression_stats": stats()} if callable(stats) else {}),
+        }

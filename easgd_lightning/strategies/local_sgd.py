@@ -46,6 +46,11 @@ r_i, as the compressor chooses; tensors under ``compression.min_numel`` travel d
 
 The compressed exchange is blocking, so it is not combined with ``cocod``.
 
+**Communication layout** (``comm`` group): the average travels as lazy all-reduce buckets
+of whole parameters of at least ``comm.fusion_mb`` (GradientFlow), reduced inside each
+node first with ``comm.hierarchy=node`` (reduce to the node's leader, all-reduce among
+leaders, broadcast); the compressed exchange fuses its all-reduce payloads the same way.
+
 Defaults: H = 8 (constant). QSR: H_base = ``tau_base`` (default: ``tau``),
 ``qsr_coefficient`` (gamma) required; the paper's gamma is tuned so that (gamma / eta)^2 exceeds H_base once the
 learning rate has decayed by a few times. Raise H (16, 32) to cut traffic further; keep
@@ -243,6 +248,8 @@ class LocalSGDStrategy(CenterStrategy):
         qsr_warmup_steps: steps of learning-rate warm-up during which QSR keeps H = H_base
             (default: the LightningModule's ``hparams.warmup_steps`` if it has one, else 0).
         cocod: CoCoD-SGD: run each round's all-reduce while the next round computes.
+        comm: the ``comm`` layout (``CommLayout`` or its options: ``fusion_mb``,
+            ``hierarchy``, ``procs_per_node``); None: the defaults.
         compression: a compressor for the parameter differences (not with ``cocod``).
 
     The names before 0.2 (``period``, ``period_rule``, ``h_base``, ``gamma``,
@@ -254,6 +261,7 @@ class LocalSGDStrategy(CenterStrategy):
     strategy_name = "local_sgd"
     comm_kind = "model_averaging"
     min_world_size = 1
+    hierarchical = True
 
     @accepts_renamed("local_sgd")
     def __init__(
@@ -394,7 +402,7 @@ class LocalSGDStrategy(CenterStrategy):
         if self._compression is None:  # in place in the (resident) elastic buffer
             x = self._elastic_flat()
             x.div_(world)
-            ops.all_reduce(x, kind=self.comm_kind)
+            self._comm.all_reduce_flat(x, [t.numel() for t in tensors], kind=self.comm_kind)
             self._store_elastic(x)
             center = self._take_buffer().copy_(x)
             self._spare, self._center = self._center, center
@@ -407,6 +415,7 @@ class LocalSGDStrategy(CenterStrategy):
             state=self._compress_state,
             kind=self.comm_kind,
             shapes=[t.shape for t in tensors],
+            layout=self._comm,
         )
         self._center = average_from_sum(self._center, total, world)
         self._load_elastic(self._center)
@@ -424,7 +433,7 @@ class LocalSGDStrategy(CenterStrategy):
             self._snapshot = torch.empty_like(x)
         self._snapshot.copy_(x)
         self._inflight = x.div_(self.world_size)
-        self._pending = ops.all_reduce_async(x, kind=self.comm_kind)
+        self._pending = self._comm.all_reduce_flat_async(x, [t.numel() for t in tensors], kind=self.comm_kind)
 
     def _complete_pending(self) -> None:
         """Wait for the in-flight average (if any); it becomes the center."""
@@ -515,6 +524,7 @@ class LocalSGDStrategy(CenterStrategy):
             "cocod": self._overlap,
             "rounds": self._rounds,
             "taus": list(self._periods),
+            "comm": self._comm.as_dict(),
         }
 
     @override

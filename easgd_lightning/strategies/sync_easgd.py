@@ -25,6 +25,12 @@ so they give bitwise the same centers; validation, checkpoints and the end of fi
 a pending exchange first. With a compressor the exchange is split the same way
 (:func:`easgd_lightning.hooks.elastic.start_exchange_sum`): compression and the residual
 update at launch, decompression and the sum at the wait.
+
+Communication layout (``comm`` group, :class:`easgd_lightning.comm.layout.CommLayout`):
+the dense exchange travels as lazy all-reduce buckets of whole parameters of at least
+``comm.fusion_mb`` (GradientFlow; a model under that size is one message, as SC17's
+single-layer communication), and ``comm.hierarchy=node`` reduces each bucket inside the
+node first (reduce to the node's leader, all-reduce among leaders, broadcast).
 """
 
 from __future__ import annotations
@@ -61,9 +67,12 @@ class SyncEASGDStrategy(CenterStrategy):
             dropped reaches the center later through the residual.
         overlap: run each exchange behind the next exchange step's forward and backward
             (exact: the same centers as ``false``, bitwise).
+        comm: the ``comm`` layout (``CommLayout`` or its options: ``fusion_mb``,
+            ``hierarchy``, ``procs_per_node``); None: the defaults.
     """
 
     strategy_name = "sync_easgd"
+    hierarchical = True
 
     def __init__(
         self,
@@ -131,9 +140,8 @@ class SyncEASGDStrategy(CenterStrategy):
             memory=self._memory,
             state=self._compress_state,
             kind=self.comm_kind,
-            shapes=(
-                [t.shape for t in self._elastic_tensors()] if self._compression is not None else None
-            ),
+            shapes=[t.shape for t in self._elastic_tensors()],
+            layout=self._comm,
         )
         if not self._overlap:
             self._complete_exchange()
@@ -187,4 +195,5 @@ class SyncEASGDStrategy(CenterStrategy):
             "beta": (self._alpha or 0) * self.world_size,
             "overlap": self._overlap,
             "exchanges_overlapped": self._overlapped,
+            "comm": self._comm.as_dict(),
         }
