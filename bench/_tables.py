@@ -274,7 +274,6 @@ FIGURES = (
     "bytes_per_step_per_worker",
     "comm_share",
     "final_loss",
-    "messages_per_step",
 )
 
 
@@ -398,8 +397,13 @@ def _header(scenario: dict) -> list[str]:
     machine = scenario["machine"]
     name = scenario.get("name", "custom")
     lines = [
-        f"# Emulated cluster, scenario {name}: {scenario['workers']} workers, "
-        f"{link['rate_mbit']:g} Mbit/s, {lat}",
+        f"# Emulated cluster, scenario {name}: {scenario['workers']} workers"
+        + (
+            f" (hosts) x {scenario['procs_per_host']} processes"
+            if scenario.get("procs_per_host", 1) > 1
+            else ""
+        )
+        + f", {link['rate_mbit']:g} Mbit/s, {lat}",
         "",
         f"- workload: `{workload}`, extra: `{extra}`",
     ]

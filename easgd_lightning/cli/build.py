@@ -138,11 +138,9 @@ def build_strategy(cfg: Any, *, world_size: int | None = None):
     layout = build_comm(cfg)
     if _takes_comm(spec.cls):
         kwargs["comm"] = layout
-    elif layout.as_dict() != build_comm({}).as_dict():
-        raise ConfigError(
-            f"comm: strategy={name} does not read the comm group (ddp, sync_easgd and local_sgd do); "
-            "leave comm.* at its defaults"
-        )
+    elif layout.hierarchy != "flat":  # a recipe's comm.* in a strategy sweep: not an error
+        log.warning("comm.hierarchy=%s does not apply to strategy=%s (ddp, sync_easgd and local_sgd "
+                    "read the comm group): it reduces as it always does", layout.hierarchy, name)
     if world_size is not None:
         try:
             layout.check_world(world_size)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from lightning_fabric.utilities.types import _PATH
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import TrainerFn
+from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -93,26 +94,27 @@ def check_positive_int(key: str, value: Any) -> int:
 
 def comm_layout_for(strategy: Any, comm: Any, compression: Any) -> CommLayout:
     """The strategy's ``comm`` layout (:class:`CommLayout`, its keyword dict, or None for
-    the defaults); ``comm.hierarchy=node`` only where the strategy's exchange is a dense
-    all-reduce (``hierarchical`` class attribute) and nothing compresses it.
+    the defaults). ``comm.hierarchy=node`` applies where the strategy's exchange is a dense
+    all-reduce (``hierarchical`` class attribute) and nothing compresses it; elsewhere the
+    run goes on flat, with a warning (so a recipe that asks for it still composes with any
+    strategy and compression in a sweep).
 
     Raises:
-        ValueError: naming the ``comm.`` key.
+        ValueError: a bad value, naming the ``comm.`` key.
     """
     layout = build_comm_layout(comm)
-    if layout.hierarchy != "flat":
-        name = getattr(strategy, "strategy_name", "") or type(strategy).__name__
-        if not getattr(strategy, "hierarchical", False):
-            raise ValueError(
-                f"comm.hierarchy: {layout.hierarchy} applies to strategy=ddp, sync_easgd or local_sgd, "
-                f"not {name}; use comm.hierarchy=flat"
-            )
-        if compression is not None and getattr(compression, "name", None) != "none":
-            raise ValueError(
-                f"comm.hierarchy: {layout.hierarchy} reduces the dense all-reduce; with "
-                f"compression={getattr(compression, 'name', compression)} use comm.hierarchy=flat"
-            )
-    return layout
+    if layout.hierarchy == "flat":
+        return layout
+    name = getattr(strategy, "strategy_name", "") or type(strategy).__name__
+    why = None
+    if not getattr(strategy, "hierarchical", False):
+        why = f"strategy={name} has no dense all-reduce to reduce per node (ddp, sync_easgd, local_sgd have)"
+    elif compression is not None and getattr(compression, "name", None) != "none":
+        why = f"compression={getattr(compression, 'name', compression)} sends payloads, not the dense all-reduce"
+    if why is None:
+        return layout
+    rank_zero_warn(f"comm.hierarchy={layout.hierarchy} does not apply here ({why}): reducing flat")
+    return CommLayout(fusion_mb=layout.fusion_mb, hierarchy="flat", procs_per_node=layout.procs_per_node)
 
 
 def check_one_optimizer(strategy: Any, count: int) -> None:

@@ -66,6 +66,14 @@ def test_fusion_and_hierarchy_training(tmp_path: Path, world: int) -> None:
     threshold = 700
     launch_ranks(SCRIPT, world, [str(tmp_path), "train", str(threshold)], timeout=600)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for r, res in enumerate(ranks):  # ddp: DDP's buckets; the hierarchy sums the same gradients
+        flat = res[("ddp", "fused")]
+        assert torch.equal(flat["final"], ranks[0][("ddp", "fused")]["final"])
+        assert flat["messages"] >= flat["exchanges"]  # at least one bucket per step
+        if world == 4:
+            node = res[("ddp", "node")]
+            torch.testing.assert_close(node["final"], flat["final"], rtol=1e-12, atol=1e-13)
+            assert node["messages"] == flat["messages"] * (3 if r in (0, 2) else 2)
     for strat in ("sync_easgd", "local_sgd", "local_sgd_cocod"):
         for r, res in enumerate(ranks):
             unf, fus = res[(strat, "unfused")], res[(strat, "fused")]

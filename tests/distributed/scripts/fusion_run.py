@@ -10,8 +10,9 @@ buffer, and hierarchically (``procs_per_node=2``); then the compressed exchange
 message count (the meter's calls under the call's kind).
 
 ``train``: a model of many small layers trained in float64 by sync_easgd (tau 1) and
-local_sgd (tau 2), unfused (fusion_mb 0) vs fused (FUSION_BYTES) vs, with 4 ranks,
-hierarchical (2 nodes x 2); saves the final centers and the messages of each fit.
+local_sgd (tau 2, blocking and CoCoD), unfused (fusion_mb 0) vs fused (FUSION_BYTES) vs,
+with 4 ranks, hierarchical (2 nodes x 2), and by ddp (flat vs hierarchical); saves the
+final centers (parameters) and the messages of each fit.
 """
 
 import os
@@ -86,7 +87,11 @@ def train(out: str, fusion_bytes: int, rank: int, world: int) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     import easgd_lightning  # noqa: F401
-    from easgd_lightning.strategies import LocalSGDStrategy, SyncEASGDStrategy
+    from easgd_lightning.strategies import (
+        CompressedDDPStrategy,
+        LocalSGDStrategy,
+        SyncEASGDStrategy,
+    )
 
     steps, batch = 6, 8
 
@@ -110,10 +115,14 @@ def train(out: str, fusion_bytes: int, rank: int, world: int) -> None:
     if world == 4:
         layouts["node"] = dict(fusion_mb=fusion_bytes / MIB, hierarchy="node", procs_per_node=2)
     res: dict = {}
-    for strat in ("sync_easgd", "local_sgd", "local_sgd_cocod"):
+    for strat in ("sync_easgd", "local_sgd", "local_sgd_cocod", "ddp"):
         for name, opts in layouts.items():
+            if strat == "ddp" and name == "unfused":
+                continue  # DDP's buckets are DDP's (bucket_cap_mb = fusion_mb): flat vs node only
             model = Many()
-            if strat == "sync_easgd":
+            if strat == "ddp":
+                s = CompressedDDPStrategy(comm=opts)
+            elif strat == "sync_easgd":
                 s = SyncEASGDStrategy(tau=1, alpha=0.2, comm=opts)
             else:
                 s = LocalSGDStrategy(tau=2, cocod=strat.endswith("cocod"), comm=opts)
@@ -127,7 +136,7 @@ def train(out: str, fusion_bytes: int, rank: int, world: int) -> None:
             res[(strat, name)] = {
                 "final": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
                 "messages": calls(s.comm_kind),
-                "exchanges": steps if strat == "sync_easgd" else s._rounds,
+                "exchanges": s._rounds if strat.startswith("local_sgd") else steps,
                 "tensor_bytes": [p.numel() * 8 for p in model.parameters()],
             }
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
