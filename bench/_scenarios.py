@@ -227,9 +227,24 @@ FUSION_ROWS = (
 )
 
 
-def _pair_targets(pairs: tuple[tuple[str, str], ...]) -> tuple[Target, ...]:
-    """One speedup target per (baseline row, row): the row's step time ratio, printed."""
-    return tuple(Target(row, "speedup", ">=", 1.0, ref=ref) for ref, row in pairs)
+def _comm_pairs(
+    name: str, description: str, rate_mbit: float, workload: tuple[str, ...], pairs: tuple[tuple[str, str], ...]
+) -> Scenario:
+    """A 2 hosts x 2 processes preset of (baseline row, row) pairs, each row judged by its
+    per-step speedup over its baseline (>= 1x), which prints the ratio."""
+    return Scenario(
+        name=name,
+        description=f"2 hosts x 2 processes, {description}",
+        workers=2,
+        procs_per_host=2,
+        rate_mbit=rate_mbit,
+        workload=workload,
+        configs=",".join(spec for pair in pairs for spec in pair),
+        targets=tuple(Target(row, "speedup", ">=", 1.0, ref=ref) for ref, row in pairs),
+        steps=60,
+        warmup_steps=10,
+        timeout_s=300.0,
+    )
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -287,37 +302,21 @@ SCENARIOS: dict[str, Scenario] = {
         warmup_steps=10,
         timeout_s=600.0,
     ),
-    "hierarchy": Scenario(
-        name="hierarchy",
-        description=(
-            "2 hosts x 2 processes, 100 Mbit/s, the wide digits MLP: flat against "
-            "comm.hierarchy=node for ddp, sync_easgd and local_sgd (tau 1)"
-        ),
-        workers=2,
-        procs_per_host=2,
-        rate_mbit=100.0,
-        workload=WIDE_MLP_WORKLOAD,
-        configs=",".join(spec for pair in HIERARCHY_ROWS for spec in pair),
-        targets=_pair_targets(HIERARCHY_ROWS),
-        steps=60,
-        warmup_steps=10,
-        timeout_s=300.0,
+    "hierarchy": _comm_pairs(
+        "hierarchy",
+        "100 Mbit/s, the wide digits MLP: flat against comm.hierarchy=node for ddp, "
+        "sync_easgd and local_sgd (tau 1)",
+        100.0,
+        WIDE_MLP_WORKLOAD,
+        HIERARCHY_ROWS,
     ),
-    "fusion": Scenario(
-        name="fusion",
-        description=(
-            "2 hosts x 2 processes, 1 Gbit/s, an MLP of 48 small hidden layers: one "
-            "message per tensor (comm.fusion_mb=0) against the 25 MiB lazy all-reduce"
-        ),
-        workers=2,
-        procs_per_host=2,
-        rate_mbit=1000.0,
-        workload=MANY_SMALL_WORKLOAD,
-        configs=",".join(spec for pair in FUSION_ROWS for spec in pair),
-        targets=_pair_targets(FUSION_ROWS),
-        steps=60,
-        warmup_steps=10,
-        timeout_s=300.0,
+    "fusion": _comm_pairs(
+        "fusion",
+        "1 Gbit/s, an MLP of 48 small hidden layers: one message per tensor "
+        "(comm.fusion_mb=0) against the 25 MiB lazy all-reduce",
+        1000.0,
+        MANY_SMALL_WORKLOAD,
+        FUSION_ROWS,
     ),
     "tta": Scenario(
         name="tta",
