@@ -1,0 +1,68 @@
+"""The lazy all-reduce rule, the ``comm`` group's checks, and messages in the summary."""
+
+from __future__ import annotations
+
+import pytest
+
+from easgd_lightning.cli.build import ConfigError, build_comm
+from easgd_lightning.cli.summary import build_summary
+from easgd_lightning.comm.fusion import MIB, fusion_buckets, fusion_threshold
+from easgd_lightning.comm.layout import CommLayout, node_ranks
+from easgd_lightning.comm.meter import CommMeter
+
+
+@pytest.mark.parametrize(
+    "sizes,threshold,expected",
+    [
+        ([10, 10, 10, 10], 0, [(0, 1), (1, 2), (2, 3), (3, 4)]),  # unfused: one per tensor
+        ([10, 10, 10, 10], 20, [(0, 2), (2, 4)]),  # sent once a buffer holds >= 20
+        ([10, 10, 10, 10, 5], 20, [(0, 2), (2, 4), (4, 5)]),  # the rest is the last buffer
+        ([50, 1, 1, 30], 20, [(0, 1), (1, 4)]),  # a big tensor closes its buffer alone
+        ([10, 10], 10**9, [(0, 2)]),  # under the threshold: one message
+        ([], 20, []),
+    ],
+)
+def test_fusion_buckets(sizes, threshold, expected) -> None:
+    assert list(fusion_buckets(sizes, threshold)) == expected
+
+
+def test_fusion_threshold_is_mib() -> None:
+    assert fusion_threshold(25) == 25 * MIB and fusion_threshold(0) == 0
+
+
+@pytest.mark.parametrize(
+    "opts,message",
+    [
+        ({"fusion_mb": -1}, "comm.fusion_mb: must be a number >= 0"),
+        ({"fusion_mb": "big"}, "comm.fusion_mb: must be a number >= 0"),
+        ({"hierarchy": "tree"}, "comm.hierarchy: 'tree' is unknown; choose one of flat, node"),
+        ({"procs_per_node": 0}, "comm.procs_per_node: must be an integer >= 1 or null"),
+        ({"fusion": 1}, "comm.fusion: not a comm option; the options are fusion_mb, hierarchy, procs_per_node"),
+    ],
+)
+def test_bad_comm_values_are_one_line_config_errors(opts, message) -> None:
+    with pytest.raises(ConfigError) as err:
+        build_comm({"comm": opts})
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_nodes_and_defaults() -> None:
+    assert node_ranks(4, 2) == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="comm.procs_per_node: 3 does not divide the 4 processes"):
+        CommLayout(hierarchy="node", procs_per_node=3).check_world(4)
+    layout = build_comm({})
+    assert (layout.fusion_mb, layout.hierarchy, layout.procs_per_node) == (25.0, "flat", None)
+
+
+def test_messages_per_step_in_the_summary() -> None:
+    meter = CommMeter()
+    for _ in range(6):
+        meter.record("elastic", sent=8)
+    meter.record("setup", sent=8)  # control traffic: not a payload message
+    meter.record("control", sent=8)
+    snap = meter.snapshot()
+    assert snap["messages"] == 6 and snap["by_kind"]["elastic"]["calls"] == 6
+    report = {"status": "ok", "steps": 3, "wall_time_s": 1.0, "comm": snap}
+    summary = build_summary({}, [report, dict(report, steps=2)])
+    assert summary["comm"]["messages"] == [6, 6]
+    assert summary["comm"]["messages_per_step"] == [2.0, 3.0]
