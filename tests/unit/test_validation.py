@@ -24,7 +24,7 @@ from easgd_lightning.cli.overrides import CONF_DIR, check_command_line, compose_
 # (overrides, the line's key, a fragment saying what is allowed)
 BAD = [
     # unknown keys, with or without '+': the valid keys of that group, the closest first
-    (["+foo=1"], "foo", "valid keys of the top level: allow_nonfinite_loss, checkpoint, compression"),
+    (["+foo=1"], "foo", "valid keys of the top level: allow_nonfinite_loss, checkpoint, comm, compression"),
     (["foo=1"], "foo", "valid keys of the top level"),
     (["++foo=1"], "foo", "valid keys of the top level"),
     (["+trainer.max_epocs=3"], "trainer.max_epocs", "did you mean trainer.max_epochs?"),
