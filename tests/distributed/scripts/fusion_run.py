@@ -135,7 +135,7 @@ def train(out: str, fusion_bytes: int, rank: int, world: int) -> None:
             trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=False))
             res[(strat, name)] = {
                 "final": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
-                "messages": calls(s.comm_kind),
+                "messages": calls(getattr(s, "comm_kind", "data_parallel")),
                 "exchanges": s._rounds if strat.startswith("local_sgd") else steps,
                 "tensor_bytes": [p.numel() * 8 for p in model.parameters()],
             }
