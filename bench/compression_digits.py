@@ -8,7 +8,7 @@ Every run has the same seed, data, epochs and batch size; the model is the defau
 the momentum itself (``optim.momentum=0``) with a short warm-up (20 steps).
 
 Beside one row per compressor, ``VARIANTS`` adds rows of the same workload under other
-settings: the new schemes at the densities digits can show (sparse_gc at 1%, sgc at the
+settings: the new schemes at the densities digits can show (sparse_gc at 0.1% and 1%, sgc at the
 similarity digits gradients reach) and Adam with one-way and two-way top-k
 (``compression.two_way``, Zhong et al. 2021) beside dense Adam.
 
@@ -48,6 +48,7 @@ EXTRA = {
 ADAM = ["optim.optimizer=adamw", "optim.lr=0.003"]
 #: label -> (compression name, overrides): extra rows of the same workload
 VARIANTS = {
+    "sparse_gc@0.001": ("sparse_gc", ["compression.ratio=0.001"]),
     "sparse_gc@0.01": ("sparse_gc", ["compression.ratio=0.01"]),
     "sgc@0.75": ("sgc", ["compression.threshold=0.75"]),
     "none+adam": ("none", ADAM),
@@ -89,6 +90,8 @@ def run_one(label: str, out: Path, args: argparse.Namespace) -> dict:
         "comm_share": s["comm"]["time_fraction"],
         "wall_time_s": wall,
         "steps": s["steps_per_rank"][0],
+        # lgc: the share of exchanges in its learned phase (codes), the rest top-k
+        "learned_fraction": stats.get("lgc_learned_fraction"),
         "command": " ".join(cmd[1:]),
         "extra": " ".join(EXTRA.get(name, []) + variant),
         "elapsed_s": time.perf_counter() - start,
@@ -115,7 +118,11 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
             f"{100 * r['codec_share']:.1f}% | {100 * r['comm_share']:.1f}% | "
             f"{r['wall_time_s']:.1f} | {r.get('extra', '')} |"
         )
-    lines += ["", "Command per row (with compression=NAME): `python " + (rows[0]["command"] if rows else "") + "`", ""]
+    ok = [r for r in rows if "command" in r]
+    lines += ["", "Command per row (with compression=NAME): `python " + (ok[0]["command"] if ok else "") + "`", ""]
+    for r in rows:
+        if r.get("learned_fraction") is not None:
+            lines.append(f"{r['compressor']}: {100 * r['learned_fraction']:.1f}% of the exchanges in the learned phase (codes).")
     return "\n".join(lines)
 
 

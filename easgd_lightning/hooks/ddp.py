@@ -186,6 +186,8 @@ class CompressionHookState:
             "comm_time_s": t.comm_time_s,
             "codec_time_s": t.codec_time_s,
             "last_density": self._last_density(),
+            # compressor-specific counters (lgc: the share of steps in its learned phase)
+            **(self.compressor.run_stats() if hasattr(self.compressor, "run_stats") else {}),
         }
 
     def _last_density(self) -> float | None:
