@@ -111,3 +111,18 @@ def test_bad_mantissa_bits():
         build_compressor("gcomp", mantissa_bits=60)
     with pytest.raises(ValueError, match=r"compression\.mantissa_bits"):
         build_compressor("gcomp", mantissa_bits=-1)
+
+
+@pytest.mark.parametrize("numel", [1, 10, 64, 65, 1280, 9610])
+def test_round_trip_at_every_block_count(numel):
+    """One block (n <= 64: the block offsets are a one-entry slice), several, and a partial
+    last block all decode; lossless at 23 bits, bfloat16 rounding at 7."""
+    from easgd_lightning.hooks.compressors.gcomp import block_size, gcomp_decode, gcomp_encode
+
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    x[::3] = 0.0
+    assert 64 <= block_size(numel) <= 4096
+    y = gcomp_decode(gcomp_encode(x, 23), numel, torch.float32, 23)
+    assert torch.equal(y.view(torch.int32), x.view(torch.int32))
+    y7 = gcomp_decode(gcomp_encode(x, 7), numel, torch.float32, 7)
+    assert torch.equal(y7, x.to(torch.bfloat16).float())

@@ -179,7 +179,8 @@ def gcomp_encode(x: torch.Tensor, mantissa_bits: int) -> torch.Tensor:
         syms.to(torch.int16).view(torch.uint8),
         torch.tensor([lengths[s] for s in syms.tolist()], dtype=torch.uint8),
         torch.tensor([stream_a.numel()], dtype=torch.int32).view(torch.uint8),
-        starts.to(torch.int64).to(torch.int32).view(torch.uint8),  # bits < 2^32: u32 words
+        # u32 words (bits < 2^32); a fresh tensor: a one-block slice keeps its stride B
+        torch.empty(starts.numel(), dtype=torch.int32).copy_(starts).view(torch.uint8),
     ]
     return torch.cat([*header, stream_a, stream_b])
 
