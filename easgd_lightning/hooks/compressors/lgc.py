@@ -28,9 +28,10 @@ Rule, per tensor and step t, p workers, k = ceil(ratio n):
           relative error ||x_i - s D(z_i)|| / ||x_i|| rides with the codes (one value);
           when its running mean over ranks (EMA, 0.9) exceeds ``max_error`` the compressor
           falls back to phase 1 (logged) and retrains.
-Defaults: ratio 0.01, code_ratio 0.25, warmup_steps 50, max_error 0.8 (on digits the
-held-out error is ~0.6–0.7 at code_ratio 0.25: error feedback carries the rest), hidden 64,
-block 256, train_iters 300, style ring, memory true, min_numel 16384.
+Defaults: ratio 0.01, code_ratio 0.25, warmup_steps 50, max_error 0.8 (bench/
+compression_digits.py, 20 epochs: codes in 48% of the exchanges, the rest shared-mask top-k;
+error feedback carries what the code loses), hidden 64, block 256, train_iters 300, style
+ring, memory true, min_numel 16384.
 """
 
 from __future__ import annotations
