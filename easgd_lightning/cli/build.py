@@ -23,6 +23,11 @@ __all__ = [
     "build_model_and_data",
     "build_module",
     "build_data",
+    "strategy_class",
+    "strategy_rule",
+    "compression_rule",
+    "model_rule",
+    "data_rule",
     "min_world_size",
     "validate_config",
     "validate_values",
@@ -69,18 +74,110 @@ def _plain(d: Any) -> dict:
     return dict(d or {})
 
 
-def build_compression(cfg_compression: Any):
-    """The compressor for ``cfg.compression`` (None for ``none``)."""
-    opts = _plain(cfg_compression)
-    name = opts.get("name", "none")
-    if name == "none":
-        return None
+# ----------------------------------------------------------------------------- the groups' rules
+# Each group is checked and built by cli/targets.py (``_target_``, hydra.utils.instantiate);
+# these say what is particular to each: its default target (by ``name``), the class the
+# target must be, the keys easgd-train reads itself, and the arguments it builds.
+
+#: base classes of Lightning's own: their arguments are set by the Trainer, not by strategy.*
+_LIGHTNING_MODULES = ("pytorch_lightning.", "lightning.")
+
+
+def strategy_rule(cfg: Any):
+    """``strategy``: the class registered as ``strategy.name`` or a subclass; easgd-train
+    passes the compressor, the timeout and the class's ``cli_kwargs(cfg)``."""
+    from easgd_lightning.cli.targets import GroupRule, target_path
+    from easgd_lightning.strategies.registry import LIGHTNING_OPTIONS
+
+    name = cfg.strategy.get("name")
+    cls = _spec(name).cls
+    elsewhere = {"compression": "compression=NAME", "timeout": "timeout_s", "comm": "the comm group (comm.*)"}
+    for key in getattr(cls, "cli_kwargs", lambda c: {})(cfg):
+        elsewhere.setdefault(key, f"the rest of the config ({cls.__name__}.cli_kwargs)")
+    return GroupRule("strategy", target_path(cls), base=cls, base_note=f" (the class of strategy.name={name})",
+                     framework=("name",), elsewhere=elsewhere, stop_modules=_LIGHTNING_MODULES,
+                     passthrough=LIGHTNING_OPTIONS)
+
+
+def compression_rule(cfg: Any):
+    """``compression``: the class registered as ``compression.name`` or a subclass;
+    ``two_way`` (wrap it in TwoWayCompressor) is easgd-train's own key."""
+    from easgd_lightning.cli.targets import GroupRule, target_path
+    from easgd_lightning.hooks.compressors import compressor_class
+
+    name = cfg.compression.get("name", "none")
     try:
-        from easgd_lightning.hooks import build_compressor
-    except ImportError as err:  # pragma: no cover - compressors always ship
-        raise ConfigError(f"compression.name={name!r}: compressors unavailable ({err})") from err
-    try:  # every key of conf/compression/NAME.yaml (min_numel, memory, ...) is a compressor option
-        return build_compressor(**opts)
+        cls = compressor_class(name)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return GroupRule("compression", target_path(cls), base=cls,
+                     base_note=f" (the class of compression.name={name})", framework=("name", "two_way"))
+
+
+def _shipped_model_targets() -> dict[str, str]:
+    """``model.name`` -> the dotted path of its network factory."""
+    from easgd_lightning.cli.targets import target_path
+    from easgd_lightning.models import MODEL_NAMES, model_factory
+
+    return {name: target_path(model_factory(name)) for name in MODEL_NAMES}
+
+
+def model_rule(cfg: Any):
+    """``model``: a callable returning a network (wrapped in ClassifierModule with optim.*)
+    or a LightningModule (used as it is); ``builder`` and ``channels_last`` are easgd-train's."""
+    from easgd_lightning.cli.targets import GroupRule
+
+    default = _shipped_model_targets().get(cfg.model.get("name"), "")
+    return GroupRule("model", default, framework=("name", "builder", "channels_last"))
+
+
+def data_rule(cfg: Any):
+    """``data``: a LightningDataModule class (the one registered as ``data.name`` by default)."""
+    import pytorch_lightning as pl
+
+    from easgd_lightning.cli.targets import GroupRule
+    from easgd_lightning.data import DATA_NAMES, datamodule_target
+
+    name = cfg.data.get("name")
+    default = datamodule_target(name) if name in DATA_NAMES else ""
+    return GroupRule("data", default, base=pl.LightningDataModule, framework=("name",))
+
+
+def _own_target(node: Any, shipped: Any) -> bool:
+    """``node`` names a ``_target_`` of the user's own (not one of ``shipped``): its ``name``
+    is then only a label."""
+    target = node.get("_target_")
+    return bool(target) and target not in set(shipped)
+
+
+def _instantiate(cfg: Any, rule: Any, **kwargs: Any):
+    """``instantiate_group``, a constructor's ValueError (a key out of range, named) or
+    TypeError as a ConfigError."""
+    from easgd_lightning.cli.targets import instantiate_group
+
+    try:
+        return instantiate_group(cfg, rule, **kwargs)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    except TypeError as err:
+        raise ConfigError(f"{rule.group}={cfg[rule.group].get('name')}: {err}") from err
+
+
+def build_compression(cfg: Any):
+    """The compressor of ``cfg.compression`` (None for ``none``)."""
+    from easgd_lightning.cli.targets import check_group
+    from easgd_lightning.hooks.compressors.two_way import TwoWayCompressor
+
+    rule = compression_rule(cfg)
+    two_way = cfg.compression.get("two_way", False)
+    _need_bool("compression.two_way", two_way)
+    if check_group(cfg, rule) is rule.base and cfg.compression.get("name", "none") == "none":
+        return None  # dense: the strategies' own uncompressed path
+    compressor = _instantiate(cfg, rule)
+    if not two_way:
+        return compressor
+    try:
+        return TwoWayCompressor(compressor)
     except ValueError as err:
         raise ConfigError(str(err)) from err
 
@@ -119,40 +216,34 @@ def min_world_size(name: str) -> int:
     return _spec(name).min_world_size
 
 
-def build_strategy(cfg: Any, *, world_size: int | None = None):
-    """Instantiate the strategy of ``cfg.strategy`` with the compressor of ``cfg.compression``."""
-    from easgd_lightning.strategies.registry import check_options
+def strategy_class(cfg: Any) -> type:
+    """The strategy class ``cfg.strategy`` builds (``_target_``; keys checked)."""
+    from easgd_lightning.cli.targets import check_group
 
-    opts = _plain(cfg.strategy)
-    name = opts.pop("name", None)
-    spec = _spec(name)
-    try:
-        check_options(spec.name, opts)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    compressor = build_compression(cfg.compression)
-    kwargs: dict[str, Any] = dict(opts)
+    return check_group(cfg, strategy_rule(cfg))
+
+
+def build_strategy(cfg: Any, *, world_size: int | None = None):
+    """The strategy of ``cfg.strategy`` with the compressor of ``cfg.compression``."""
+    rule = strategy_rule(cfg)
+    cls = strategy_class(cfg)
+    built: dict[str, Any] = {"timeout": timedelta(seconds=float(cfg.get("timeout_s", 300)))}
+    compressor = build_compression(cfg)
     if compressor is not None:
-        kwargs["compression"] = compressor
-    kwargs.update(getattr(spec.cls, "cli_kwargs", lambda c: {})(cfg))
+        built["compression"] = compressor
+    built.update(getattr(cls, "cli_kwargs", lambda c: {})(cfg))
     layout = build_comm(cfg)
-    if _takes_comm(spec.cls):
-        kwargs["comm"] = layout
+    if _takes_comm(cls):
+        built["comm"] = layout
     elif layout.hierarchy != "flat":  # a recipe's comm.* in a strategy sweep: not an error
         log.warning("comm.hierarchy=%s does not apply to strategy=%s (ddp, sync_easgd and local_sgd "
-                    "read the comm group): it reduces as it always does", layout.hierarchy, name)
+                    "read the comm group): it reduces as it always does", layout.hierarchy, cfg.strategy.get("name"))
     if world_size is not None:
         try:
             layout.check_world(world_size)
         except ValueError as err:
             raise ConfigError(str(err)) from None
-    timeout = timedelta(seconds=float(cfg.get("timeout_s", 300)))
-    try:
-        strategy = spec.cls(timeout=timeout, **kwargs)
-    except TypeError as err:
-        raise ConfigError(f"strategy={name}: {err}") from err
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
+    strategy = _instantiate(cfg, rule, **built)
     if world_size is not None:
         try:
             strategy.validate_world_size(world_size)
@@ -168,30 +259,39 @@ def build_model_and_data(cfg: Any):
 
 
 def build_module(cfg: Any, dm: Any):
-    """The LightningModule of ``cfg.model`` and ``cfg.optim`` for the data module ``dm``."""
-    from easgd_lightning.models import ClassifierModule, build_model
+    """The LightningModule of ``cfg.model`` and ``cfg.optim`` for the data module ``dm``.
 
-    model_opts = _plain(cfg.model)
-    model_name = model_opts.pop("name", None)
-    builder = model_opts.pop("builder", None)
-    channels_last = bool(model_opts.pop("channels_last", False))
+    ``model._target_`` is called with the model keys, plus what the run knows and the
+    target takes where the config leaves it out: ``num_classes`` / ``in_features`` /
+    ``vocab_size`` of ``dm``, ``seq_len`` (``data.seq_len``), ``optim`` (the keys of
+    ``cfg.optim``) and ``seed``. A network is wrapped in :class:`ClassifierModule` with
+    ``optim.*``; a LightningModule is used as it is. ``model.builder`` (``module:function``
+    called with ``(cfg, dm)``), when set, builds instead.
+    """
+    import pytorch_lightning as pl
+
+    from easgd_lightning.cli.targets import check_group
+    from easgd_lightning.models import ClassifierModule
+
+    rule = model_rule(cfg)
+    builder = cfg.model.get("builder")
     if builder:  # a module:function returning (LightningModule) for custom model kinds
+        check_group(cfg, rule)
         mod, fn = builder.split(":")
         return getattr(importlib.import_module(mod), fn)(cfg, dm)
-    model_kwargs = dict(model_opts)
-    model_kwargs.setdefault("num_classes", getattr(dm, "num_classes", 10))
-    if model_name == "mlp":
-        model_kwargs.setdefault("in_features", getattr(dm, "in_features", 64))
-    try:
-        net = build_model(model_name, **model_kwargs)
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
-    except TypeError as err:
-        raise ConfigError(f"model={model_name}: {err}") from err
     optim = _plain(cfg.optim)
-    optim["channels_last"] = channels_last or bool(optim.get("channels_last", False))
+    runtime = {"num_classes": getattr(dm, "num_classes", 10), "in_features": getattr(dm, "in_features", 64),
+               "optim": optim, "seed": int(cfg.get("seed", 0))}
+    if "seq_len" in cfg.data:
+        runtime["seq_len"] = cfg.data.seq_len
+    if getattr(dm, "vocab_size", None):
+        runtime["vocab_size"] = dm.vocab_size
+    built = _instantiate(cfg, rule, runtime=runtime)
+    if isinstance(built, pl.LightningModule):
+        return built
+    optim["channels_last"] = bool(cfg.model.get("channels_last", False)) or bool(optim.get("channels_last", False))
     try:
-        return ClassifierModule(net, **optim)
+        return ClassifierModule(built, **optim)
     except ValueError as err:
         raise ConfigError(str(err)) from err
 
@@ -202,16 +302,7 @@ def build_data(cfg: Any):
     Raises:
         ConfigError: a bad data option, naming its ``data.`` key.
     """
-    from easgd_lightning.data import build_datamodule
-
-    data_opts = _plain(cfg.data)
-    data_name = data_opts.pop("name", None)
-    try:
-        return build_datamodule(data_name, **data_opts)
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
-    except TypeError as err:
-        raise ConfigError(f"data={data_name}: {err}") from err
+    return _instantiate(cfg, data_rule(cfg))
 
 
 # ----------------------------------------------------------------------------- value checks
@@ -390,7 +481,8 @@ def _check_model(cfg: Any) -> None:
         if not sizes or not all(_is_int(v) and v >= 1 for v in sizes):
             what = "a positive integer or a list of them" if key == "hidden" else "a positive integer"
             raise ConfigError(f"model.{key}: must be {what}, got {value!r}")
-    if cfg.strategy.get("name") == "pipeline_3d" and not model.get("builder"):
+    net = model.get("_target_") or _shipped_model_targets().get(model.get("name"))
+    if cfg.strategy.get("name") == "pipeline_3d" and not model.get("builder") and net in _shipped_model_targets().values():
         raise ConfigError(
             f"model.name: {model.get('name')!r} has no pipeline form (configure_pipeline), which "
             "strategy=pipeline_3d needs; use model=gpt_tiny or a recipe=nlp3d/... recipe"
@@ -455,7 +547,7 @@ def check_module_features(cfg: Any, module: Any) -> None:
     if module is None:
         return
     name = cfg.strategy.get("name")
-    cls = _spec(name).cls
+    cls = strategy_class(cfg)
     model = f"model={cfg.model.get('name')}"
     if not getattr(module, "automatic_optimization", True) and not getattr(cls, "supports_manual_optimization", True):
         raise ConfigError(
@@ -571,16 +663,17 @@ def validate_config(cfg: Any, *, hardware: bool = True) -> None:
     Raises:
         ConfigError: with one line naming the key and the allowed values.
     """
-    from easgd_lightning.data import DATA_NAMES
+    from easgd_lightning.data import DATA_NAMES, datamodule_target
     from easgd_lightning.models import MODEL_NAMES
 
     name = cfg.strategy.get("name")
     _spec(name)
-    if cfg.model.get("name") not in MODEL_NAMES and not cfg.model.get("builder"):
+    own_model = cfg.model.get("builder") or _own_target(cfg.model, _shipped_model_targets().values())
+    if cfg.model.get("name") not in MODEL_NAMES and not own_model:
         raise ConfigError(
             f"model.name={cfg.model.get('name')!r} is unknown; choose one of {', '.join(MODEL_NAMES)}"
         )
-    if cfg.data.get("name") not in DATA_NAMES:
+    if cfg.data.get("name") not in DATA_NAMES and not _own_target(cfg.data, map(datamodule_target, DATA_NAMES)):
         raise ConfigError(
             f"data.name={cfg.data.get('name')!r} is unknown; choose one of {', '.join(DATA_NAMES)}"
         )
@@ -618,9 +711,11 @@ def validate_config(cfg: Any, *, hardware: bool = True) -> None:
     if (faults.get("slow_ms") or 0) < 0:
         raise ConfigError(f"faults.slow_ms must be >= 0, got {faults.get('slow_ms')}")
     validate_values(cfg)
-    from easgd_lightning.cli.trainer_config import check_trainer_keys
+    from easgd_lightning.cli.targets import check_group
+    from easgd_lightning.cli.trainer_config import trainer_rule
 
-    check_trainer_keys(cfg)  # every trainer key is a Trainer argument (or one easgd-train reads)
+    for rule in (strategy_rule(cfg), compression_rule(cfg), model_rule(cfg), data_rule(cfg), trainer_rule()):
+        check_group(cfg, rule)  # every key is an argument of the group's _target_ (or easgd-train's own)
     if hardware:
         check_hardware(cfg)
     dm = build_data(cfg)  # a bad data.root (or other data option) fails here, before any process

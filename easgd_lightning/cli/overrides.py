@@ -283,7 +283,7 @@ def _check_key(reference: DictConfig, override: Any, choices: dict[str, Any]) ->
     while parent and not isinstance(_select(reference, parent), DictConfig):
         parent, _, leaf = parent.rpartition(".")
     node = _select(reference, parent) if parent else reference
-    valid = sorted(str(k) for k in node.keys())
+    valid = sorted((str(k) for k in node.keys()), key=lambda k: (k.startswith("_"), k))  # _target_ last
     group = parent.split(".")[0]
     choice = choices.get(group) if parent else None
     where = f"{parent} ({group}={choice})" if choice else (parent or "the top level")

@@ -1,6 +1,6 @@
 """LightningDataModules by config name (``data=NAME``)."""
 
 from easgd_lightning.data.digits import DigitsDataModule
-from easgd_lightning.data.factory import DATA_NAMES, build_datamodule
+from easgd_lightning.data.factory import DATA_NAMES, build_datamodule, datamodule_target
 
-__all__ = ["DigitsDataModule", "build_datamodule", "DATA_NAMES"]
+__all__ = ["DigitsDataModule", "build_datamodule", "datamodule_target", "DATA_NAMES"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import pytorch_lightning as pl
@@ -52,6 +53,7 @@ __all__ = [
     "TIED_KEY",
     "GPTLightningModule",
     "build_lightning_module",
+    "gpt_module",
 ]
 
 TIED_KEY = "embed"
@@ -406,33 +408,28 @@ class GPTLightningModule(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def build_lightning_module(cfg: Any, datamodule: Any = None) -> GPTLightningModule:
-    """The CLI builder (``model.builder: easgd_lightning.models.gpt:build_lightning_module``).
-
-    Reads the GPT shape from ``cfg.model`` (``seq_len`` defaults to ``cfg.data.seq_len``,
-    ``vocab_size`` to the data module's) and the optimizer settings from ``cfg.optim``.
+def gpt_module(
+    vocab_size: int = 256,
+    seq_len: int = 64,
+    n_layer: int = 4,
+    n_head: int = 4,
+    d_model: int = 128,
+    d_ff: int | None = None,
+    dropout: float = 0.0,
+    init_std: float = 0.02,
+    optim: Mapping[str, Any] | None = None,
+    seed: int = 0,
+) -> GPTLightningModule:
+    """The GPT of this shape (:class:`GPTConfig`), trained with ``optim`` (the keys of the
+    config's ``optim``): ``conf/model/gpt_tiny.yaml``'s ``_target_``. easgd-train passes
+    ``optim``, ``seed``, ``seq_len`` (``data.seq_len``) and ``vocab_size`` (the data
+    module's) where the model config leaves them out.
     """
-    from omegaconf import DictConfig, OmegaConf
-
-    def plain(node: Any) -> dict:
-        if isinstance(node, DictConfig):
-            return OmegaConf.to_container(node, resolve=True)  # type: ignore[return-value]
-        return dict(node or {})
-
-    model = plain(cfg.get("model"))
-    for key in ("name", "builder"):
-        model.pop(key, None)
-    fields = set(GPTConfig.__dataclass_fields__)
-    unknown = sorted(set(model) - fields)
-    if unknown:
-        raise ValueError(f"unknown model key(s) {unknown} for the GPT; valid: {sorted(fields)}")
-    data = plain(cfg.get("data"))
-    model.setdefault("seq_len", data.get("seq_len", 64))
-    if datamodule is not None and getattr(datamodule, "vocab_size", None):
-        model.setdefault("vocab_size", datamodule.vocab_size)
-    optim = plain(cfg.get("optim"))
+    optim = dict(optim or {})
+    shape = GPTConfig(vocab_size=vocab_size, seq_len=seq_len, n_layer=n_layer, n_head=n_head,
+                      d_model=d_model, d_ff=d_ff, dropout=dropout, init_std=init_std)
     return GPTLightningModule(
-        GPTConfig(**model),
+        shape,
         optimizer=str(optim.get("optimizer", "adamw")),
         momentum=float(optim.get("momentum", 0.9)),
         nesterov=bool(optim.get("nesterov", False)),
@@ -443,5 +440,31 @@ def build_lightning_module(cfg: Any, datamodule: Any = None) -> GPTLightningModu
         schedule=str(optim.get("schedule", "constant")),
         total_steps=optim.get("total_steps"),
         min_lr=float(optim.get("min_lr", 0.0)),
-        base_seed=int(cfg.get("seed", 0)) + 1234,
+        base_seed=int(seed) + 1234,
     )
+
+
+def build_lightning_module(cfg: Any, datamodule: Any = None) -> GPTLightningModule:
+    """The GPT of a whole config (a ``model.builder`` of one's own may start from it):
+    the shape from ``cfg.model`` (``seq_len`` defaults to ``cfg.data.seq_len``,
+    ``vocab_size`` to the data module's), the optimizer from ``cfg.optim``.
+    """
+    from omegaconf import DictConfig, OmegaConf
+
+    def plain(node: Any) -> dict:
+        if isinstance(node, DictConfig):
+            return OmegaConf.to_container(node, resolve=True)  # type: ignore[return-value]
+        return dict(node or {})
+
+    model = plain(cfg.get("model"))
+    for key in ("name", "builder", "_target_"):
+        model.pop(key, None)
+    fields = set(GPTConfig.__dataclass_fields__)
+    unknown = sorted(set(model) - fields)
+    if unknown:
+        raise ValueError(f"unknown model key(s) {unknown} for the GPT; valid: {sorted(fields)}")
+    data = plain(cfg.get("data"))
+    model.setdefault("seq_len", data.get("seq_len", 64))
+    if datamodule is not None and getattr(datamodule, "vocab_size", None):
+        model.setdefault("vocab_size", datamodule.vocab_size)
+    return gpt_module(**model, optim=plain(cfg.get("optim")), seed=int(cfg.get("seed", 0)))

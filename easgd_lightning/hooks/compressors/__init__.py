@@ -64,6 +64,7 @@ __all__ = [
     "SparseGCCompressor",
     "TopKCompressor",
     "build_compressor",
+    "compressor_class",
     "compressor_names",
     "register_compressor",
     "tensor_bytes",
@@ -139,6 +140,29 @@ def _plain(value):
     return value
 
 
+def compressor_class(name: str | None, target: str | None = None) -> type[Compressor]:
+    """The class of compression ``name``, or the class ``target`` names (a dotted path, the
+    config's ``_target_``), which must be that class or a subclass of it.
+
+    Raises:
+        ValueError: unknown name, or a ``target`` that is not such a class.
+    """
+    cls = _lookup(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ValueError(f"compression.name must be one of {compressor_names()}, got {name!r}")
+    if target is None:
+        return cls
+    from hydra.utils import get_object
+
+    try:
+        own = get_object(str(target))
+    except Exception as err:
+        raise ValueError(f"compression._target_: cannot import {target!r}") from err
+    if not (isinstance(own, type) and issubclass(own, cls)):
+        raise ValueError(f"compression._target_: {target!r} is no subclass of {cls.__module__}.{cls.__qualname__}")
+    return own
+
+
 def build_compressor(name: str | None = "none", **params) -> Compressor:
     """The compressor registered as ``name``, constructed with ``params``.
 
@@ -146,7 +170,8 @@ def build_compressor(name: str | None = "none", **params) -> Compressor:
         name: a config name (see :func:`compressor_names`); ``None`` means ``"none"``.
         **params: that compressor's parameters plus ``min_numel`` and ``memory``, and
             ``two_way`` (true: :class:`~easgd_lightning.hooks.compressors.two_way.
-            TwoWayCompressor` around it, compressed in both directions).
+            TwoWayCompressor` around it, compressed in both directions), and ``_target_``
+            (another class for the name: a subclass of its class, as in a config file).
 
     Raises:
         ValueError: unknown name, unknown parameter, or a value out of range; the
@@ -161,9 +186,7 @@ def build_compressor(name: str | None = "none", **params) -> Compressor:
         from easgd_lightning.hooks.compressors.two_way import TwoWayCompressor
 
         return TwoWayCompressor(build_compressor(name, **params))
-    cls = _lookup(name) if isinstance(name, str) else None
-    if cls is None:
-        raise ValueError(f"compression.name must be one of {compressor_names()}, got {name!r}")
+    cls = compressor_class(name, params.pop("_target_", None))
     sig = inspect.signature(cls.__init__)
     valid = [p for p in sig.parameters if p != "self"]
     for key in params:
