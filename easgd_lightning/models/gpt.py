@@ -21,8 +21,8 @@ Layer ``i`` is initialised from ``torch.manual_seed(base_seed + i)`` (DeepSpeed'
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import pytorch_lightning as pl

@@ -32,7 +32,6 @@ from easgd_lightning.models.gpt import gpt_module
 from easgd_lightning.strategies import SyncEASGDStrategy
 from easgd_lightning.strategies.registry import strategy_spec
 
-
 # ------------------------------------------------------------------ a user's own targets
 
 class NotedSyncEASGD(SyncEASGDStrategy):
