@@ -1,7 +1,10 @@
 """Turn a resolved config into objects: strategy, compressor, model, data, logger, callbacks.
 
 Every builder raises ``ConfigError`` naming the config key and the allowed values, so the
-parent process can validate a whole config before any worker starts.
+parent process can validate a whole config before any worker starts. The groups that build
+an object go through one rule, :mod:`easgd_lightning.cli.targets` (``_target_``, every key
+an argument of it, ``hydra.utils.instantiate``); the ``*_rule`` functions here say what is
+particular to each group.
 """
 
 from __future__ import annotations
