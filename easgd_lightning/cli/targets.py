@@ -40,6 +40,7 @@ class GroupRule:
         group: the config group (``strategy``).
         default: the target when the group has no ``_target_`` (a dotted path).
         base: the target must be this class or a subclass of it (None: any callable).
+        base_name: how refusals name ``base`` (default: its dotted path).
         base_note: why, appended to the refusal (``the class of strategy.name=sync_easgd``).
         framework: keys easgd-train reads itself; never passed to the target.
         elsewhere: arguments easgd-train passes at build time, with where they are set;
@@ -52,6 +53,7 @@ class GroupRule:
     group: str
     default: str
     base: type | None = None
+    base_name: str = ""
     base_note: str = ""
     framework: tuple[str, ...] = ()
     elsewhere: Mapping[str, str] = field(default_factory=dict)
@@ -73,7 +75,7 @@ def _locate(rule: GroupRule, node: Any) -> Callable:
     from hydra.utils import get_object
 
     target = node.get("_target_") or rule.default
-    base = f"{target_path(rule.base)}{rule.base_note}" if rule.base is not None else ""
+    base = f"{rule.base_name or target_path(rule.base)}{rule.base_note}" if rule.base is not None else ""
     try:
         obj = get_object(str(target))
     except Exception as err:

@@ -37,7 +37,7 @@ def trainer_rule() -> GroupRule:
     """The ``trainer`` group: a Lightning Trainer (or subclass), no framework keys."""
     import pytorch_lightning as pl
 
-    return GroupRule("trainer", DEFAULT_TARGET, base=pl.Trainer, elsewhere=SET_ELSEWHERE)
+    return GroupRule("trainer", DEFAULT_TARGET, base=pl.Trainer, base_name=DEFAULT_TARGET, elsewhere=SET_ELSEWHERE)
 
 
 def check_trainer_keys(cfg: Any) -> type:
