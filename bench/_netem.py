@@ -20,6 +20,8 @@ from typing import Self
 
 from _scenarios import REPO
 
+from easgd_lightning.utils.procs import pid_alive, stop_signals_held
+
 PREFIX = "easgd-bench"
 
 
@@ -107,16 +109,6 @@ def check_privileges() -> None:
         )
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _list_netns() -> list[str]:
     out = subprocess.run(
         ["ip", "netns", "list"], check=False, capture_output=True, text=True, timeout=_CMD_TIMEOUT_S
@@ -139,7 +131,7 @@ def cleanup_stale(dry_run: bool = False) -> list[str]:
     stale = []
     for name in _list_netns():
         m = re.fullmatch(rf"{PREFIX}-(\d+)-(?:br|\d+)", name)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             stale.append(name)
     if not dry_run:
         for name in stale:
@@ -403,8 +395,10 @@ class EmulatedCluster:
         if self._down:
             return
         self._down = True
-        held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
-        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+        with stop_signals_held():
+            self._tear_down()
+
+    def _tear_down(self) -> None:
         try:
             steps = [self.kill_procs]
             # Anything that escaped its process group still lives inside our namespaces.
@@ -436,4 +430,3 @@ class EmulatedCluster:
         finally:
             if self in _LIVE:
                 _LIVE.remove(self)
-            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)

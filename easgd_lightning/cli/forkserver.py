@@ -42,6 +42,8 @@ import threading
 import time
 import traceback
 
+from easgd_lightning.utils.procs import pid_alive
+
 __all__ = ["ForkServer", "RankProcess", "start_server", "current_server", "stop_server", "imported_since_start",
            "WORKER_MODULES", "WORKER_ENTRY"]
 
@@ -172,7 +174,7 @@ class ForkServer:
         self.pump()
         if pid in self._exits:
             return self._exits[pid]
-        if not self.alive() and self._statuses < 0 and not _pid_exists(pid):
+        if not self.alive() and self._statuses < 0 and not pid_alive(pid):
             # the server died (its ranks got SIGTERM from the kernel): the status is lost
             log.error("rank pid %d ended after the fork server; its exit status is unknown", pid)
             self._exits[pid] = 1
@@ -227,16 +229,6 @@ def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
-
-
-def _pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def start_server(modules: tuple[str, ...] = WORKER_MODULES) -> ForkServer | None:

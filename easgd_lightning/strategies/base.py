@@ -42,7 +42,7 @@ from easgd_lightning.comm import ops
 from easgd_lightning.comm.layout import CommLayout, build_comm_layout
 from easgd_lightning.strategies import elastic
 from easgd_lightning.strategies.registry import reject_unknown_kwargs
-from easgd_lightning.utils.checkpoint import to_plain
+from easgd_lightning.utils.checkpoint import check_saved_world_size, from_plain, to_plain
 
 log = logging.getLogger(__name__)
 
@@ -443,6 +443,23 @@ class CenterStrategy(DDPStrategy):
     def _load_worker_extra_state(self, state: dict) -> None:
         """Restore what :meth:`_worker_extra_state` saved on this rank."""
 
+    def _compression_state(self) -> dict:
+        """The compressed exchange's per-rank state (error-feedback memory, the codec's state
+        across steps, the compressor's own), for the strategies that compress their exchange
+        (they keep ``self._memory`` and ``self._compress_state``)."""
+        mem = self._memory.state_dict() if hasattr(self._memory, "state_dict") else None
+        comp = None if self._compression is None else self._compression.state_dict()
+        return {"memory": mem, "compress_state": self._compress_state, "compressor": comp}
+
+    def _load_compression_state(self, state: dict) -> None:
+        """Restore what :meth:`_compression_state` saved on this rank."""
+        self._compress_state = from_plain(state.get("compress_state") or {}, self.root_device)
+        if self._compression is not None:
+            self._compression.load_state_dict(from_plain(state.get("compressor") or {}))
+        mem = state.get("memory")
+        if mem is not None and hasattr(self._memory, "load_state_dict"):
+            self._memory.load_state_dict(from_plain(mem, self.root_device))
+
     def _gather_worker_states(self) -> list[dict]:
         """Every rank's parameters, optimizer state and extra state (tensors and plain data)."""
         mine = to_plain(
@@ -489,11 +506,7 @@ class CenterStrategy(DDPStrategy):
         easgd = checkpoint.get("easgd")
         if easgd is None:
             return
-        if easgd.get("world_size") != self.world_size:
-            raise ValueError(
-                f"checkpoint was written by {easgd.get('world_size')} workers; this run has "
-                f"{self.world_size} (trainer.devices x trainer.num_nodes must match to resume)"
-            )
+        check_saved_world_size(easgd, self.world_size)
         self._resume_state = easgd
 
     @override

@@ -30,6 +30,7 @@ from easgd_lightning.comm import ops
 from easgd_lightning.hooks.ddp import register_compression_hook
 from easgd_lightning.strategies.base import comm_layout_for
 from easgd_lightning.strategies.registry import register_strategy, reject_unknown_kwargs
+from easgd_lightning.utils.checkpoint import check_saved_world_size
 
 log = logging.getLogger(__name__)
 
@@ -144,11 +145,7 @@ class CompressedDDPStrategy(DDPStrategy):
         saved = checkpoint.get("ddp")
         if saved is None:
             return
-        if saved.get("world_size") != self.world_size:
-            raise ValueError(
-                f"checkpoint was written by {saved.get('world_size')} processes; this run has "
-                f"{self.world_size} (trainer.devices x trainer.num_nodes must match to resume)"
-            )
+        check_saved_world_size(saved, self.world_size)
         state = saved["ranks"][self.global_rank]
         if self.hook_state is None:  # restored before DDP is configured: apply at registration
             self._resume_rank_state = state

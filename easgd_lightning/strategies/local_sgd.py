@@ -76,7 +76,6 @@ from easgd_lightning.comm import ops
 from easgd_lightning.hooks.elastic import exchange_sum
 from easgd_lightning.strategies.base import CenterStrategy
 from easgd_lightning.strategies.registry import register_strategy
-from easgd_lightning.utils.checkpoint import from_plain
 from easgd_lightning.utils.renames import accepts_renamed
 
 log = logging.getLogger(__name__)
@@ -484,7 +483,6 @@ class LocalSGDStrategy(CenterStrategy):
     def _worker_extra_state(self) -> dict:
         self._complete_pending()
         # the base turns this into tensors and plain data (utils.checkpoint.to_plain)
-        mem = self._memory.state_dict() if hasattr(self._memory, "state_dict") else None
         return {
             "round_steps": self._round_steps,
             "current_period": self._current_period,
@@ -492,9 +490,7 @@ class LocalSGDStrategy(CenterStrategy):
             "rounds": self._rounds,
             "snapshot": None if self._snapshot is None else self._snapshot.detach().cpu().clone(),
             "merge_ready": self._merge_ready,
-            "memory": mem,
-            "compress_state": self._compress_state,
-            "compressor": None if self._compression is None else self._compression.state_dict(),
+            **self._compression_state(),
         }
 
     @override
@@ -506,12 +502,7 @@ class LocalSGDStrategy(CenterStrategy):
         snap = state.get("snapshot")
         self._snapshot = None if snap is None else snap.to(self.root_device, self._center.dtype)
         self._merge_ready = bool(state.get("merge_ready", False)) and self._snapshot is not None
-        self._compress_state = from_plain(state.get("compress_state") or {}, self.root_device)
-        if self._compression is not None:
-            self._compression.load_state_dict(from_plain(state.get("compressor") or {}))
-        mem = state.get("memory")
-        if mem is not None and hasattr(self._memory, "load_state_dict"):
-            self._memory.load_state_dict(from_plain(mem, self.root_device))
+        self._load_compression_state(state)
 
     # ------------------------------------------------------------------ reporting
     @override

@@ -46,7 +46,6 @@ from easgd_lightning.hooks.elastic import PendingSum, start_exchange_sum
 from easgd_lightning.strategies import elastic
 from easgd_lightning.strategies.base import CenterStrategy, check_positive_int
 from easgd_lightning.strategies.registry import register_strategy
-from easgd_lightning.utils.checkpoint import from_plain
 
 __all__ = ["SyncEASGDStrategy"]
 
@@ -174,18 +173,11 @@ class SyncEASGDStrategy(CenterStrategy):
     def _worker_extra_state(self) -> dict:
         self._complete_exchange()
         # the base turns this into tensors and plain data (utils.checkpoint.to_plain)
-        mem = self._memory.state_dict() if hasattr(self._memory, "state_dict") else None
-        comp = None if self._compression is None else self._compression.state_dict()
-        return {"memory": mem, "compress_state": self._compress_state, "compressor": comp}
+        return self._compression_state()
 
     @override
     def _load_worker_extra_state(self, state: dict) -> None:
-        self._compress_state = from_plain(state.get("compress_state") or {}, self.root_device)
-        if self._compression is not None:
-            self._compression.load_state_dict(from_plain(state.get("compressor") or {}))
-        mem = state.get("memory")
-        if mem is not None and hasattr(self._memory, "load_state_dict"):
-            self._memory.load_state_dict(from_plain(mem, self.root_device))
+        self._load_compression_state(state)
 
     @override
     def summary_extras(self) -> dict:

@@ -42,6 +42,7 @@ __all__ = [
     "load_checkpoint_file",
     "verify_checkpoint_dir",
     "checkpoint_identity",
+    "check_saved_world_size",
     "VerifiedCheckpointIO",
 ]
 
@@ -245,3 +246,11 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(self, path: _PATH, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         return load_checkpoint_file(path, map_location=map_location if map_location is not None else "cpu")
 
+
+def check_saved_world_size(saved: dict, world_size: int) -> None:
+    """Refuse to resume a strategy's per-rank state written by a different number of processes."""
+    if saved.get("world_size") != world_size:
+        raise ValueError(
+            f"checkpoint was written by {saved.get('world_size')} processes; this run has "
+            f"{world_size} (trainer.devices x trainer.num_nodes must match to resume)"
+        )
