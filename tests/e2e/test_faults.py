@@ -104,7 +104,7 @@ class Run:
         assert launch["start_method"] == start_method
         for pid in launch["worker_pids"]:
             assert os.getsid(pid) == pid
-            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[2])
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])  # state, ppid, pgrp
             assert ppid == (launch["fork_server_pid"] if start_method == "fork" else self.proc.pid)
 
     def leftovers(self) -> list[int]:
@@ -143,10 +143,26 @@ TIMEOUT_S = 20  # timeout_s of the runs: collectives and stragglers
 MARGIN_S = 60  # what a bounded exit may add on a loaded 2-core machine (process exits, teardown)
 
 
+_RUNS: list[Run] = []  # every run a test started; a failed check must not leave it running
+
+
+@pytest.fixture(autouse=True)
+def _end_every_run():
+    """After each test, SIGKILL whatever of its runs is still alive (a check that failed
+    before the run ended would otherwise leave a 400-epoch run on the machine)."""
+    yield
+    while _RUNS:
+        run = _RUNS.pop()
+        if run.proc.poll() is None:
+            run.kill_all()
+
+
 def _start(tmp_path: Path, name: str, overrides: list[str]) -> Run:
     run_dir = tmp_path / name
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    return Run(run_dir, [f"timeout_s={TIMEOUT_S}", *overrides])
+    run = Run(run_dir, [f"timeout_s={TIMEOUT_S}", *overrides])
+    _RUNS.append(run)
+    return run
 
 
 def case_worker_crash(tmp_path: Path, strategy: str, devices: int) -> dict:
