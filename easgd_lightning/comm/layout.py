@@ -212,6 +212,7 @@ class CommLayout:
         self.hierarchy = hierarchy
         self.procs_per_node = procs_per_node
         self.node: NodeGroups | None = None
+        self.nodes_used: list | None = None  # the nodes of the last setup (kept after close, for the summary)
 
     @property
     def fusion_bytes(self) -> int:
@@ -225,8 +226,8 @@ class CommLayout:
 
     def as_dict(self) -> dict:
         out = {"fusion_mb": self.fusion_mb, "hierarchy": self.hierarchy, "procs_per_node": self.procs_per_node}
-        if self.node is not None:
-            out["nodes"] = self.node.nodes
+        if self.nodes_used is not None:
+            out["nodes"] = self.nodes_used
         return out
 
     def check_world(self, world_size: int) -> None:
@@ -242,6 +243,7 @@ class CommLayout:
         if self.node is not None and sum(map(len, self.node.nodes)) == world and self.node.rank == rank:
             return
         self.node = NodeGroups(_detect_nodes(world, self.procs_per_node), rank)
+        self.nodes_used = self.node.nodes
 
     def close(self) -> None:
         if self.node is not None:

@@ -37,14 +37,16 @@ def _bps(rate_mbit: float) -> float:
     return rate_mbit * 1e6 / 8
 
 
-def _synthetic_probe(model: dict[str, tuple[float, float]]) -> list[dict]:
-    """Measurements that follow the formulas exactly, for each collective's (alpha, eta)."""
+def _synthetic_probe(model: dict[str, tuple[float, float]], cpus: int | None = None) -> list[dict]:
+    """Measurements that follow the formulas exactly, for each collective's (alpha, eta);
+    with ``cpus``, each latency is slowed by the ranks' share of the cores, as fit(cpus=) assumes."""
     samples = []
     for op, (alpha, eta) in model.items():
         for p in (2, 4, 8):
             for rate in RATES:
                 for nbytes in cm.probe_sizes(rate):
-                    t = cm.collective_time(op, p, nbytes, alpha, eta * _bps(rate))
+                    a = alpha * (cm.cpu_share(p, cpus) if cpus else 1.0)
+                    t = cm.collective_time(op, p, nbytes, a, eta * _bps(rate))
                     samples.append({"op": op, "p": p, "bytes": nbytes, "rate_mbit": rate, "time_s": t})
     return samples
 
@@ -237,8 +239,9 @@ def test_layout_overrides_and_errors():
 
 
 def test_report_adds_the_projection_from_costmodel_json(tmp_path):
-    inputs = _synthetic_inputs(MODEL)
-    inputs["probe"] = _synthetic_probe({op: (3e-4, 0.9) for op in cm.COLLECTIVES})
+    # the probe shared 2 cores (inputs["cpus"]): rows and probe follow the same scaled model
+    inputs = _synthetic_inputs({op: {**par, "cpus": 2} for op, par in MODEL.items()})
+    inputs["probe"] = _synthetic_probe({op: (3e-4, 0.9) for op in cm.COLLECTIVES}, cpus=inputs["cpus"])
     result = cm.analyse(inputs, tmp_path / "costmodel")
     assert result["fit"]["ring"]["eta"] == pytest.approx(0.9, rel=1e-12)
     md = (tmp_path / "costmodel" / "costmodel.md").read_text()
