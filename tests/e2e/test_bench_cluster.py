@@ -75,31 +75,32 @@ def netns_ok() -> None:
         pytest.skip(reason)
 
 
+def run_cluster_bench(tmp_path: Path, scenario: str, args: list[str]) -> dict:
+    """``bench/cluster.py --scenario SCENARIO ARGS --out tmp_path``, bounded (SIGTERM on
+    timeout: the harness removes its namespaces then); its ``cluster.json``, parsed."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, str(SCRIPT), "--scenario", scenario, *args, "--out", str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    try:
+        # Generous: the machine may be shared; each scenario here takes a minute or two alone.
+        stdout, stderr = proc.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+        pytest.fail(f"bench/cluster.py --scenario {scenario} timed out:\n{stderr[-4000:]}")
+    print(stdout[-4000:])
+    print(stderr[-4000:], file=sys.stderr)
+    assert proc.returncode == 0, f"bench/cluster.py --scenario {scenario} exited {proc.returncode}"
+    return json.loads((tmp_path / scenario / "cluster.json").read_text())
+
+
 @pytest.mark.slow
 @pytest.mark.netns
 def test_quick_cluster_limit_efficiency_targets_and_cleanup(netns_ok: None, tmp_path: Path) -> None:
     """Quick scenario, short: ddp/none, the limit row and DGC (a row with a target)."""
     before_veth = _root_veths()
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONUNBUFFERED="1")
-    cmd = [
-        sys.executable, str(SCRIPT), "--scenario", "quick", "--configs", cluster.DGC_ROW,
-        "--steps", "12", "--warmup-steps", "4", "--out", str(tmp_path),
-    ]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env
-    )
-    try:
-        # Generous: the machine may be shared; this takes about a minute alone.
-        stdout, stderr = proc.communicate(timeout=900)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)  # the harness removes its namespaces on SIGTERM
-        stdout, stderr = proc.communicate(timeout=120)
-        pytest.fail(f"bench/cluster.py --scenario quick timed out:\n{stderr[-4000:]}")
-    print(stdout[-4000:])
-    print(stderr[-4000:], file=sys.stderr)
-    assert proc.returncode == 0, f"bench/cluster.py --scenario quick exited {proc.returncode}"
-
-    table = json.loads((tmp_path / "quick" / "cluster.json").read_text())
+    table = run_cluster_bench(tmp_path, "quick", ["--configs", cluster.DGC_ROW, "--steps", "12",
+                                                  "--warmup-steps", "4"])
     md = (tmp_path / "quick" / "cluster.md").read_text()
     rows = {(r["strategy"], r["compression"]): r for r in table["rows"]}
     assert list(rows) == [("ddp", "none"), ("limit", "none"), ("ddp", "dgc")]

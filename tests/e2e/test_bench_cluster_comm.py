@@ -13,34 +13,15 @@ skipped, with the reason printed, elsewhere.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_bench_cluster import REPO, SCRIPT, _netns_names, netns_ok  # noqa: F401
+from tests.e2e.test_bench_cluster import _netns_names, netns_ok, run_cluster_bench  # noqa: F401
 
 
 def _run(tmp_path: Path, scenario: str, configs: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONUNBUFFERED="1")
-    cmd = [
-        sys.executable, str(SCRIPT), "--scenario", scenario, "--configs", configs,
-        "--steps", "8", "--warmup-steps", "0", "--out", str(tmp_path),
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
-    try:
-        stdout, stderr = proc.communicate(timeout=900)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)  # the harness removes its namespaces on SIGTERM
-        stdout, stderr = proc.communicate(timeout=120)
-        pytest.fail(f"bench/cluster.py --scenario {scenario} timed out:\n{stderr[-4000:]}")
-    print(stdout[-4000:])
-    print(stderr[-4000:], file=sys.stderr)
-    assert proc.returncode == 0, f"bench/cluster.py --scenario {scenario} exited {proc.returncode}"
-    table = json.loads((tmp_path / scenario / "cluster.json").read_text())
+    table = run_cluster_bench(tmp_path, scenario, ["--configs", configs, "--steps", "8", "--warmup-steps", "0"])
     run_id = table["scenario"]["run_id"]
     assert not {n for n in _netns_names() if n.startswith(run_id + "-")}, "namespaces left behind"
     assert table["scenario"]["workers"] == 2 and table["scenario"]["procs_per_host"] == 2
