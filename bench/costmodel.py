@@ -44,29 +44,55 @@ so k_alpha is scaled by max(1, p / cores): alpha is the latency of ranks that ha
 each (what the projection uses), and the predictions on the emulated cluster scale it
 back, as they scale compute and codec time.
 
+**Loops: the synchronisation cost.** The idle probe times collectives between barriers on
+idle ranks. In training the ranks compute between collectives, on the same cores (here
+more ranks than cores), so a collective starts when the slowest rank's compute ends and
+its hops wait for ranks that are being scheduled. The probe therefore also times three
+loop shapes around a fixed CPU kernel (``bench/costmodel_probe.py --loops``, at the
+smallest and the largest message of each rate): the kernel alone (F), kernel + blocking
+collective (serial) and kernel + the previous iteration's non-blocking collective
+(overlapped), for the all-reduce and the all-gather. :func:`fit_loops` pairs each loop
+sample with F and with C, the idle probe's sample at the same p, rate and size. Serial:
+T = F + C + s, s(p, shape) the median of T - F - C. Overlapped: T = F + C - h min(F, C) + s,
+h(p, shape) in [0, 1] the share of the shorter one the overlap actually hides (least
+squares of T - F - C on min(F, C); 1 is the ideal max(F, C)), then s the median of the
+rest. s is reported per size too: a cost that grows with the message would be a slower
+collective, not a synchronisation.
+
 **Step time** of a (strategy, compression) row on p ranks (:func:`step_time`), with t_c the
 measured compute per step (the ``limit`` row: same hosts, no communication; CPU sharing of
-k computing processes on c cores scales it by max(1, k/c)), t_k the measured codec time
-(``bench/compressors.py``'s round trip on the model's size, same CPU scaling), n the dense
-message and m the row's metered payload per exchange:
+k computing processes on c cores scales it by max(1, k/c)), t_k the codec time of one
+exchange (:func:`measure_exchange_codec`: error feedback, compression, this rank's decode
+and the decode of every rank's payload (all-gather) or of the sum (all-reduce), on the
+model's own tensors; linear in p between the measured world sizes; same CPU scaling), n
+the dense message, m the payload a rank sends per exchange and k its messages
+(:func:`count_exchange_messages`: the exchange run through the strategies' own collective
+on a one-rank group, e.g. PowerSGD: a P and a Q round per matrix plus the small tensors'
+dense all-reduce), C = k x ring(p, m/k) (linear payloads) or k x all-gather(p, m/k)
+(sparse payloads), s = s(p, the row's loop shape):
 
-- ``ddp``: t_c + t_k + C, C = ring(p, m) (linear payloads; PowerSGD: two all-reduces) or
-  all-gather(p, m) (sparse payloads);
-- ``sync_easgd``: the same C / tau; with ``overlap`` the exchange runs behind the next
-  step's compute: max(t_c, C) + t_k;
-- ``local_sgd``: t_c + ring(p, n) / tau;
+- ``ddp``: t_c + t_k + C + s (serial);
+- ``sync_easgd``: the same, C and s per exchange / tau; with ``overlap`` the exchange runs
+  behind the next step's compute: t_c + C - h min(t_c, C) + t_k + s (overlapped; h = 1:
+  max(t_c, C) + t_k + s);
+- ``local_sgd``: t_c + (ring(p, n) + s) / tau;
 - ``easgd_round_robin``: t_c + round robin(p, n) / tau;
 - ``async_easgd`` (server = one rank, p - 1 workers): max(t_c, PS(p, n)) / tau with overlap,
-  t_c + PS(p, n) / tau without;
+  t_c + PS(p, n) / tau without (no loop shape probed: s = 0);
 - ``limit``: t_c.
 
-**Held out.** The fit uses only the probe (collectives), the limit row (compute) and the
-codec timings; every training row's step time is a prediction, reported against its
-measured step time (target: within 15%), at a link rate the probe did not use.
+**Held out.** The fit uses only the probe (collectives and loops), the limit row
+(compute) and the codec measurements (time, messages and bytes of each exchange); every
+training row's step time is a prediction, reported against its measured step time
+(target: within 15%), at a link rate the probe did not use. Each row's own meter
+(communication, exposed and codec time, messages per step) is printed beside its
+prediction for diagnosis; none of it enters a prediction.
 
 **Projection.** Weak scaling (fixed work per worker) to 4096 workers on two layouts,
 efficiency E(P) = t_c / T(P): the fitted formulas, alphas and etas, the measured compute,
-codec and payloads, and per layout (assumptions, stated in the output): workers per node,
+codec (growing with p where it decodes every rank's payload), messages and payloads
+(s = 0 and h = 1: both are measured for ranks that share this machine's two cores), and
+per layout (assumptions, stated in the output): workers per node,
 intra- and inter-node nominal rates, the intra-node latency (and the inter-node one where
 the layout does not use the fitted alpha) and a compute speed factor.
 These are MODEL PROJECTIONS, not measurements. SC17's 91.5% weak-scaling efficiency
@@ -272,6 +298,78 @@ def fit(samples: Sequence[dict], cpus: int | None = None) -> dict[str, dict]:
     return out
 
 
+LOOP_SHAPES = ("serial_ring", "overlap_ring", "serial_allgather", "overlap_allgather")
+
+
+def fit_loops(loops: Sequence[dict], probe: Sequence[dict]) -> dict:
+    """The synchronisation cost s and the hidden share h of a compute loop around each
+    collective shape, per p.
+
+    Each loop sample (``bench/costmodel_probe.py --loops``: per iteration, the slowest
+    rank) is paired with the same rate and message's ``loop_free`` sample (F: the kernel
+    alone, the ranks sharing the cores) and the idle probe's sample of the collective (C).
+    Serial loops: T = F + C + s, s the median over rates and sizes of T - F - C.
+    Overlapped loops: T = F + C - h min(F, C) + s, h the share of the shorter of compute
+    and collective that the overlap actually hides (1: T = max(F, C) + s, the ideal; 0:
+    nothing hidden), fitted by least squares of T - F - C on min(F, C) and clipped to
+    [0, 1], then s the median of T - F - C + h min(F, C). Per size too (a cost that grows
+    with the message is a slower collective, not a synchronisation).
+
+    Returns:
+        ``{"free_s": {p: F}, "sync_s": {shape: {p: s}}, "hidden": {shape: {p: h}},
+        "by_size": {shape: {p: {bytes: s}}}, "samples": n}`` (p as strings, JSON keys).
+    """
+    idle = {(s["op"], s["p"], s["bytes"], s["rate_mbit"]): s["time_s"] for s in probe}
+    free = {(s["p"], s["bytes"], s["rate_mbit"]): s["time_s"] for s in loops if s["op"] == "loop_free"}
+    out: dict = {"free_s": {}, "sync_s": {}, "hidden": {}, "by_size": {}, "samples": 0}
+    for p in sorted({s["p"] for s in loops}):
+        fs = [t for (q, _, _), t in free.items() if q == p]
+        if fs:
+            out["free_s"][str(p)] = statistics.median(fs)
+    for shape in LOOP_SHAPES:
+        mode, coll = shape.split("_")
+        points: dict[int, list[tuple[int, float, float]]] = {}  # p -> (bytes, T - F - C, min(F, C))
+        for s in loops:
+            if s["op"] != f"loop_{shape}":
+                continue
+            f = free.get((s["p"], s["bytes"], s["rate_mbit"]))
+            c = idle.get((coll, s["p"], s["bytes"], s["rate_mbit"]))
+            if f is None or c is None:
+                continue
+            points.setdefault(s["p"], []).append((s["bytes"], s["time_s"] - f - c, min(f, c)))
+            out["samples"] += 1
+        for p, pts in points.items():
+            h = 0.0
+            if mode == "overlap":
+                h = 1.0
+                x = np.array([q[2] for q in pts])
+                if len(pts) >= 2 and np.ptp(x) > 0:
+                    a = np.column_stack([np.ones_like(x), -x])
+                    (_, h_ls), *_ = np.linalg.lstsq(a, np.array([q[1] for q in pts]), rcond=None)
+                    h = float(min(1.0, max(0.0, h_ls)))
+                out["hidden"].setdefault(shape, {})[str(p)] = h
+            costs = [(b, y + h * x) for b, y, x in pts]
+            out["sync_s"].setdefault(shape, {})[str(p)] = statistics.median(c for _, c in costs)
+            by_size: dict[int, list[float]] = {}
+            for b, c in costs:
+                by_size.setdefault(b, []).append(c)
+            out["by_size"].setdefault(shape, {})[str(p)] = {
+                str(b): statistics.median(cs) for b, cs in sorted(by_size.items())}
+    return out
+
+
+def loop_shape(row: dict, aggregation: str) -> str | None:
+    """The probe loop a row's exchange has the shape of (None: not probed: the parameter
+    server and round robin)."""
+    opts = row_options(row)
+    coll = "allgather" if aggregation == "allgather" and row["compression"] != "none" else "ring"
+    if row["strategy"] in ("ddp", "ddp_compressed", "local_sgd"):
+        return f"serial_{coll}"
+    if row["strategy"] == "sync_easgd":
+        return f"{'overlap' if opts['overlap'] else 'serial'}_{coll}"
+    return None
+
+
 # ---------------------------------------------------------------- step time
 def step_time(
     strategy: str,
@@ -283,9 +381,11 @@ def step_time(
     t_codec: float,
     net: Callable[[str, int, float], float],
     aggregation: str = "allreduce",
-    calls: int = 1,
+    calls: float = 1,
     tau: int = 1,
     overlap: bool = False,
+    sync_cost: float = 0.0,
+    hidden: float = 1.0,
 ) -> dict:
     """Predicted seconds per step of one row (the module docstring's formulas).
 
@@ -296,9 +396,15 @@ def step_time(
         t_compute: compute seconds per step of one worker; t_codec: codec seconds per step.
         net: ``net(collective, p, bytes) -> seconds``.
         aggregation: ``allreduce`` or ``allgather`` (the compressor's).
-        calls: collectives per exchange (PowerSGD: 2, for P and Q).
+        calls: messages per exchange (:func:`count_exchange_messages`; e.g. PowerSGD's P
+            and Q rounds per tensor), the payload m split among them.
         tau: steps per exchange.
         overlap: whether the exchange runs behind the next step's compute.
+        sync_cost: seconds a compute loop around this exchange's collective loses per
+            exchange beyond compute and the idle collective (:func:`fit_loops`; 0 where
+            not measured), added per exchange for the synchronous all-reduce family.
+        hidden: with ``overlap``, the share h of min(t_c, C) the overlap hides
+            (:func:`fit_loops`; 1: max(t_c, C), the ideal).
 
     Returns:
         ``{"step_s", "comm_s", "formula"}``.
@@ -306,20 +412,24 @@ def step_time(
     if strategy == "limit":
         return {"step_s": t_compute, "comm_s": 0.0, "formula": "t_c"}
     if strategy in ("ddp", "ddp_compressed", "sync_easgd"):
-        if aggregation == "allgather":
-            comm, form = net("allgather", p, m), "allgather(p, m)"
-        else:
-            comm = calls * net("ring", p, m / calls)
-            form = "ring(p, m)" if calls == 1 else f"{calls} x ring(p, m/{calls})"
+        op = "allgather" if aggregation == "allgather" else "ring"
+        comm = calls * net(op, p, m / calls)
+        form = f"{op}(p, m)" if calls == 1 else f"{calls:g} x {op}(p, m/{calls:g})"
         comm /= tau
+        sync = sync_cost / tau
+        extra = " + s" if sync_cost else ""
         if strategy == "sync_easgd" and overlap:
-            return {"step_s": max(t_compute, comm) + t_codec, "comm_s": comm,
-                    "formula": f"max(t_c, {form}/tau) + t_k"}
-        return {"step_s": t_compute + t_codec + comm, "comm_s": comm,
-                "formula": f"t_c + t_k + {form}" + ("/tau" if tau > 1 else "")}
+            step = t_compute + comm - hidden * min(t_compute, comm) + t_codec + sync
+            if hidden == 1.0:
+                return {"step_s": step, "comm_s": comm, "formula": f"max(t_c, {form}/tau) + t_k{extra}"}
+            return {"step_s": step, "comm_s": comm,
+                    "formula": f"t_c + {form}/tau - {hidden:.2f} min(t_c, C) + t_k{extra}"}
+        return {"step_s": t_compute + t_codec + comm + sync, "comm_s": comm,
+                "formula": f"t_c + t_k + {form}" + ("/tau" if tau > 1 else "") + extra}
     if strategy == "local_sgd":
         comm = net("ring", p, n) / tau
-        return {"step_s": t_compute + comm, "comm_s": comm, "formula": "t_c + ring(p, n)/tau"}
+        return {"step_s": t_compute + comm + sync_cost / tau, "comm_s": comm,
+                "formula": "t_c + ring(p, n)/tau" + (" + s/tau" if sync_cost else "")}
     if strategy == "easgd_round_robin":
         comm = net("round_robin", p, n) / tau
         return {"step_s": t_compute + comm, "comm_s": comm, "formula": "t_c + rr(p, n)/tau"}
@@ -368,43 +478,105 @@ def _computing(row: dict, p: int) -> int:
     return p - 1 if row["strategy"].startswith("async_") else p
 
 
+def _codec_seconds(exchange: dict, p: int) -> float:
+    """Codec seconds of one exchange on p ranks, linear in p between the measured world
+    sizes (decoding p payloads: the all-gather's codec grows with p), never below the
+    smallest world's."""
+    pts = sorted((int(w), float(t)) for w, t in exchange["seconds_by_world"].items())
+    (w0, t0), (w1, t1) = pts[0], pts[-1]
+    slope = max(0.0, (t1 - t0) / (w1 - w0)) if w1 > w0 else 0.0
+    return t0 + slope * (p - w0)
+
+
+def dense_bytes(inputs: dict) -> float:
+    """The dense message: 4 bytes per parameter of the model (float32), else the ddp/none
+    row's metered bytes per step (older inputs)."""
+    shapes = inputs.get("model_shapes")
+    if shapes:
+        return 4.0 * sum(math.prod(s) for s in shapes)
+    return inputs["dense_bytes"]
+
+
 def _row_inputs(row: dict, inputs: dict) -> dict:
-    """The per-row quantities of :func:`step_time`: n, m, t_c, t_k, aggregation, calls."""
+    """The per-row quantities of :func:`step_time`: n, m, t_c, t_k, aggregation, calls.
+
+    With the per-exchange codec measurement (``codec_exchange``: inputs of this
+    measurement, not of the row) the codec time is that of the whole exchange on p ranks
+    and the messages and payload bytes are counted through the strategies' collective;
+    older inputs fall back to the round trip on one tensor, ``calls`` of the compressor
+    and the row's metered payload."""
     p, cpus = row["workers"], inputs["cpus"]
-    limit = next(r for r in inputs["rows"] if r["strategy"] == "limit" and r["workers"] == p)
+    limit = next(r for r in inputs["rows"] if r["strategy"] == "limit" and r.get("workers") == p)
     t_c1 = limit["step_time_s"] / cpu_share(p, cpus)  # one worker with a core of its own
     codec = inputs["codec"].get(row["compression"]) or {}
+    exchange = (inputs.get("codec_exchange") or {}).get(row["compression"])
     share = cpu_share(_computing(row, p), cpus)
-    n = inputs["dense_bytes"]
-    m = row.get("bytes_per_exchange") or n
+    n = dense_bytes(inputs)
+    round_trip = codec.get("seconds", 0.0)
+
+    def t_k1(q: int) -> float:
+        """Codec seconds per exchange on q ranks, one worker per core."""
+        return _codec_seconds(exchange, q) if exchange else round_trip
+
+    if exchange:
+        m, calls = exchange["bytes"], exchange["messages"]
+    else:
+        m, calls = row.get("bytes_per_exchange") or n, codec.get("calls", 1)
+    if row["compression"] == "none":
+        m, calls = n, 1
     return {
         "n": n, "m": m, "t_compute": t_c1 * share, "t_compute_1": t_c1,
-        "t_codec": codec.get("seconds", 0.0) * share, "t_codec_1": codec.get("seconds", 0.0),
-        "aggregation": codec.get("aggregation", "allreduce"), "calls": codec.get("calls", 1),
+        "t_codec": t_k1(p) * share, "t_codec_1": t_k1, "calls": calls,
+        "aggregation": codec.get("aggregation", "allreduce"),
     }
 
 
-def predict_rows(model: dict[str, dict], inputs: dict) -> list[dict]:
-    """Predicted against measured step time of every measured training row."""
+def predict_rows(model: dict[str, dict], inputs: dict, loops: dict | None = None) -> list[dict]:
+    """Predicted against measured step time of every measured training row (with
+    ``loops``, :func:`fit_loops`, the synchronisation cost of the row's loop shape)."""
     out = []
     for row in inputs["rows"]:
         if row.get("status") != "ok" or row.get("step_time_s") is None:
             continue
         x = _row_inputs(row, inputs)
         opts = row_options(row)
+        shape = loop_shape(row, x["aggregation"])
+        sync = ((loops or {}).get("sync_s", {}).get(shape) or {}).get(str(row["workers"]), 0.0)
+        hidden = ((loops or {}).get("hidden", {}).get(shape) or {}).get(str(row["workers"]), 1.0)
         pred = step_time(
             row["strategy"], row["workers"], n=x["n"], m=x["m"], t_compute=x["t_compute"],
             t_codec=x["t_codec"], net=fitted_net(model, row["rate_mbit"]),
-            aggregation=x["aggregation"], calls=x["calls"], **opts,
+            aggregation=x["aggregation"], calls=x["calls"], sync_cost=sync, hidden=hidden, **opts,
         )
         measured = row["step_time_s"]
         out.append({
             "row": _label(row), "workers": row["workers"], "rate_mbit": row["rate_mbit"],
             "measured_s": measured, "predicted_s": pred["step_s"], "comm_s": pred["comm_s"],
             "t_compute_s": x["t_compute"], "t_codec_s": x["t_codec"], "payload_bytes": x["m"],
+            "messages": x["calls"], "sync_s": sync, "hidden": hidden, "loop_shape": shape,
             "rel_err": (pred["step_s"] - measured) / measured, "formula": pred["formula"],
-            "in_fit": row["strategy"] == "limit",
+            "in_fit": row["strategy"] == "limit", "meter": row.get("meter"),
         })
+    return out
+
+
+def ablation(model: dict[str, dict], inputs: dict, loops: dict) -> list[dict]:
+    """Each held-out row's error as the model's parts are added in turn: the idle
+    collectives with the codec round trip on one tensor, the compressor's nominal calls
+    and the row's metered payload (the model before the loops); + the exchange's codec,
+    messages and bytes measured on the model's tensors; + the loops' synchronisation cost
+    (the full model). What each part explains, row by row."""
+    old = {k: v for k, v in inputs.items() if k not in ("codec_exchange", "model_shapes")}
+    variants = {
+        "idle": predict_rows(model, old),
+        "+ exchange": predict_rows(model, inputs),
+        "+ loops": predict_rows(model, inputs, loops),
+    }
+    out = []
+    for k, row in enumerate(variants["idle"]):
+        if row["in_fit"]:
+            continue
+        out.append({"row": row["row"], **{name: preds[k]["rel_err"] for name, preds in variants.items()}})
     return out
 
 
@@ -525,7 +697,6 @@ def project(
             x = _row_inputs(row, inputs)
             opts = row_options(row)
             t_c = x["t_compute_1"] * layout["compute_factor"]
-            t_k = x["t_codec_1"] * layout["compute_factor"]
             row_net = net
             if collective is not None:
                 def row_net(name, p, nb, _c=collective, _net=net):  # all-reduce another way
@@ -535,6 +706,7 @@ def project(
                 if p == 1:
                     effs.append(1.0)
                     continue
+                t_k = x["t_codec_1"](p) * layout["compute_factor"]
                 pred = step_time(
                     row["strategy"], p, n=x["n"], m=x["m"], t_compute=t_c, t_codec=t_k,
                     net=row_net, aggregation=x["aggregation"], calls=x["calls"], **opts,
@@ -555,7 +727,7 @@ def project(
         "layout_parameters": layouts,
         "sc17": {"workers": SC17_POINT[0], "efficiency": SC17_POINT[1],
                  "what": "SC17: Sync EASGD, 91.5% weak scaling on 4253 KNL cores (measured there)"},
-        "workload": {"dense_bytes": inputs["dense_bytes"],
+        "workload": {"dense_bytes": dense_bytes(inputs),
                      "what": "the measured workload (its bytes, compute and codec per step)"},
     }
 
@@ -568,8 +740,8 @@ def markdown(result: dict) -> str:
         "# Cost model (alpha-beta), fitted on the emulated cluster",
         "",
         f"- fitted on: {inputs['probe_samples']} probe samples (ranks {inputs['probe_workers']}, "
-        f"link rates {inputs['probe_rates_mbit']} Mbit/s), the limit row (compute) and codec "
-        "timings; every other row below is held out",
+        f"link rates {inputs['probe_rates_mbit']} Mbit/s) and their loops, the limit row (compute) and the codec "
+        "measurements; every other row below is held out",
         f"- load average: {inputs.get('loadavg_before')} before, {inputs.get('loadavg_after')} after",
         "",
         "| collective | alpha (us) | eta (of the link) | samples | median rel. err | max rel. err |",
@@ -580,18 +752,81 @@ def markdown(result: dict) -> str:
             f"| {op} | {par['alpha_s'] * 1e6:.0f} | {par['eta']:.3f} | {par['samples']} | "
             f"{100 * par['median_rel_err']:.1f}% | {100 * par['max_rel_err']:.1f}% |"
         )
+    loops = result.get("loops") or {}
+    if loops.get("sync_s"):
+        ps = sorted({int(q) for v in loops["sync_s"].values() for q in v})
+        lines += [
+            "",
+            "Probe loops (compute + collective, the slowest rank per iteration): the "
+            "synchronisation cost s, what a loop took beyond the kernel alone (F) plus the "
+            "idle collective C (serial) or beyond F + C - h min(F, C) (overlapped; h: the "
+            "share the overlap hid), ms per iteration; median over rates and sizes (in "
+            "brackets: per message size, ascending).",
+            "",
+            "| shape | " + " | ".join(f"p={q}" for q in ps) + " |",
+            "|---|" + "---:|" * len(ps),
+            "| F: kernel alone | " + " | ".join(
+                f"{1e3 * loops['free_s'].get(str(q), float('nan')):.1f}" for q in ps) + " |",
+        ]
+        for shape, by_p in loops["sync_s"].items():
+            cells = []
+            for q in ps:
+                if str(q) not in by_p:
+                    cells.append("")
+                    continue
+                sizes = loops["by_size"][shape][str(q)]
+                per = " / ".join(f"{1e3 * v:.1f}" for v in sizes.values())
+                h = (loops.get("hidden", {}).get(shape) or {}).get(str(q))
+                cells.append(f"{1e3 * by_p[str(q)]:.1f} ({per})" + ("" if h is None else f", h={h:.2f}"))
+            lines.append(f"| {shape} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "| row | ranks | Mbit/s | measured s/step | predicted | error | t_c | t_k | comm | formula | held out |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "| row | ranks | Mbit/s | measured s/step | predicted | error | t_c | t_k | comm | msgs | s | formula | held out |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in result["predictions"]:
         lines.append(
             f"| {r['row']} | {r['workers']} | {r['rate_mbit']:g} | {r['measured_s']:.4f} | "
             f"{r['predicted_s']:.4f} | {100 * r['rel_err']:+.1f}% | {r['t_compute_s']:.4f} | "
-            f"{r['t_codec_s']:.4f} | {r['comm_s']:.4f} | {r['formula']} | "
+            f"{r['t_codec_s']:.4f} | {r['comm_s']:.4f} | {r.get('messages', 1):g} | "
+            f"{r.get('sync_s', 0.0):.4f} | {r['formula']} | "
             f"{'no (fit)' if r['in_fit'] else 'yes'} |"
         )
+    metered = [r for r in result["predictions"] if r.get("meter")]
+    if metered:
+        lines += [
+            "",
+            "What each row's own meter saw per steady-state step (diagnosis only: no figure "
+            "of a row enters its prediction); rest = step - exposed communication:",
+            "",
+            "| row | step | comm (meter) | exposed | rest | codec (hook) | msgs/step | "
+            "model: comm | model: t_c + t_k + s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in metered:
+            m = r["meter"]
+            msgs = m.get("messages_per_step")
+            lines.append(
+                f"| {r['row']} | {m['step_s']:.4f} | {m['comm_s']:.4f} | {m['exposed_s']:.4f} | "
+                f"{m['rest_s']:.4f} | {m['codec_s']:.4f} | "
+                f"{'' if msgs is None else format(msgs, '.2f')} | {r['comm_s']:.4f} | "
+                f"{r['t_compute_s'] + r['t_codec_s'] + r.get('sync_s', 0.0):.4f} |"
+            )
+    if result.get("ablation"):
+        lines += [
+            "",
+            "The error as the model's parts are added in turn (idle: the idle probe's "
+            "collectives, the codec round trip on one tensor, the compressor's nominal "
+            "collectives and the row's metered payload; + exchange: codec, messages and bytes "
+            "of the whole exchange on the model's tensors; + loops: the synchronisation cost "
+            "and the overlap's hidden share):",
+            "",
+            "| row | idle | + exchange | + loops |",
+            "|---|---:|---:|---:|",
+        ]
+        for a in result["ablation"]:
+            lines.append(f"| {a['row']} | {100 * a['idle']:+.1f}% | {100 * a['+ exchange']:+.1f}% | "
+                         f"{100 * a['+ loops']:+.1f}% |")
     held = [r for r in result["predictions"] if not r["in_fit"]]
     if held:
         within = sum(abs(r["rel_err"]) <= 0.15 for r in held)
@@ -615,15 +850,19 @@ def _loadavg() -> str | None:
         return None
 
 
-def analyse(inputs: dict, out: Path, layouts: dict[str, dict] | None = None) -> dict:
+def analyse(inputs: dict, out: Path, layouts: dict[str, dict] | None = None,
+            use_loops: bool = True) -> dict:
     """Fit, predict, project; write costmodel.json / .md / _projection.png into ``out``."""
     from easgd_lightning.cli.report import plot_projection
     from easgd_lightning.utils.atomic import atomic_write_text
 
     model = fit(inputs["probe"], cpus=inputs.get("cpus"))
+    loops = fit_loops(inputs.get("probe_loops") or [], inputs["probe"])
     result = {
         "fit": model,
-        "predictions": predict_rows(model, inputs),
+        "loops": loops,
+        "predictions": predict_rows(model, inputs, loops if use_loops else None),
+        "ablation": ablation(model, inputs, loops),
         "projection": project(model, inputs, layouts=layouts),
         "inputs_summary": {
             "probe_samples": len(inputs["probe"]),
@@ -662,9 +901,11 @@ def probe_sizes(rate_mbit: float, top_ms: float = 40.0) -> list[int]:
 
 
 def run_probe(cluster, out: Path, rates: Sequence[float], port: int, timeout_s: float,
-              repeats: int = 3, latency_ms: float = 0.1, top_ms: float = 40.0) -> list[dict]:
+              repeats: int = 3, latency_ms: float = 0.1, top_ms: float = 40.0,
+              loops: bool = False) -> list[dict]:
     """Time every collective on ``cluster`` at each rate (one launch, links reshaped
-    between phases); one sample per (op, bytes, rate): the slowest rank's median."""
+    between phases); one sample per (op, bytes, rate): the slowest rank's median. With
+    ``loops``, also the probe's training-shaped loops (ops ``loop_*``)."""
     from _netem import LinkSpec
     from _runs import _log_tail, _rank_env, _wait_all
 
@@ -677,7 +918,7 @@ def run_probe(cluster, out: Path, rates: Sequence[float], port: int, timeout_s: 
     sizes = ",".join(":".join(str(s) for s in probe_sizes(r, top_ms)) for r in rates)
     cmd = [sys.executable, str(script), "--phases", ",".join(f"{r:g}" for r in rates),
            "--sizes", sizes, "--repeats", str(repeats), "--out", str(res),
-           "--timeout-s", str(timeout_s)]
+           "--timeout-s", str(timeout_s), *(["--loops"] if loops else [])]
     cluster.shape(LinkSpec(rates[0], latency_ms))
     procs = [cluster.spawn(r, cmd, _rank_env(cluster, r, port), res / f"rank{r}.log")
              for r in range(cluster.workers)]
@@ -725,6 +966,125 @@ def measure_codecs(names: Sequence[str], numel: int, repeats: int = 5) -> dict:
     return out
 
 
+class LocalCollective:
+    """The collectives of one exchange without a network: p ranks that all hand in this
+    rank's payload (all-reduce: p times it; all-gather: p copies). With it,
+    :func:`measure_exchange_codec` times everything an exchange does but the wire."""
+
+    kind = "costmodel_codec"
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+
+    def charge_dense(self, nbytes: int, key=None) -> None:
+        pass
+
+    def all_reduce_sum(self, tensors):
+        return [t * self.world_size for t in tensors]
+
+    def all_reduce_max(self, tensors):
+        return [t.clone() for t in tensors]
+
+    def all_gather(self, tensors):
+        return [[t.clone() for t in tensors] for _ in range(self.world_size)]
+
+
+def model_shapes(workload: Sequence[str], in_features: int = 64, num_classes: int = 10) -> list[tuple]:
+    """Parameter shapes of the rows' MLP (``model.hidden=...`` of the workload; digits'
+    64 inputs and 10 classes), in DDP's gradient order (last layer first)."""
+    from easgd_lightning.models.factory import mlp
+
+    hidden: object = 128
+    for item in workload:
+        key, _, value = item.partition("=")
+        if key == "model.hidden":
+            hidden = json.loads(value)
+    model = mlp(in_features=in_features, hidden=hidden, num_classes=num_classes)
+    return [tuple(q.shape) for q in reversed(list(model.parameters()))]
+
+
+def measure_exchange_codec(name: str, overrides: Sequence[str], shapes: Sequence[tuple], world: int,
+                           warmup: int = 3, repeats: int = 7) -> float:
+    """Median seconds of one compressed exchange of tensors of ``shapes`` on
+    :class:`LocalCollective` (``world`` ranks): error feedback, compression, this rank's
+    decode, the decode of every rank's payload (all-gather) or of the sum (all-reduce), the
+    small tensors' dense path: the codec work of a training step's exchange, per step."""
+    import torch
+
+    from easgd_lightning.hooks._exchange import exchange_tensors
+
+    torch.set_num_threads(1)
+    comp, memory = _row_compressor(name, overrides)
+    states: dict = {}
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    keys = [f"t{i}" for i in range(len(shapes))]
+    coll = LocalCollective(world)
+    times = []
+    for i in range(warmup + repeats):
+        start = time.perf_counter()
+        exchange_tensors(grads, keys, comp, memory, states, coll)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def count_exchange_messages(name: str, overrides: Sequence[str], shapes: Sequence[tuple],
+                            fusion_mb: float = 25.0, exchanges: int = 3) -> dict:
+    """Messages (collectives, as the meter counts them) and payload bytes a rank sends in
+    one compressed exchange of
+    tensors of ``shapes``, through the strategies' own collective
+    (``ProcessGroupCollective`` with the ``comm.fusion_mb`` lazy all-reduce and the batched
+    all-gather) on a one-rank gloo group: the message structure of the exchange (e.g.
+    PowerSGD's P and Q rounds per tensor, a fused or a separate dense part), counted in
+    its last of ``exchanges`` exchanges (the first all-gather of a tensor takes two)."""
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    from easgd_lightning.comm.meter import get_meter
+    from easgd_lightning.hooks._exchange import exchange_tensors
+    from easgd_lightning.hooks.collective import ProcessGroupCollective
+
+    kind = "costmodel_count"
+    comp, memory = _row_compressor(name, overrides)
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    keys = [f"t{i}" for i in range(len(shapes))]
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        try:
+            coll = ProcessGroupCollective(kind=kind, fusion_bytes=int(fusion_mb * 2**20))
+            states: dict = {}
+            for _ in range(exchanges - 1):
+                exchange_tensors(grads, keys, comp, memory, states, coll)
+            totals = get_meter().by_kind[kind]
+            calls, sent = totals.calls, totals.bytes_sent
+            exchange_tensors(grads, keys, comp, memory, states, coll)
+            return {"messages": float(totals.calls - calls), "bytes": float(totals.bytes_sent - sent)}
+        finally:
+            dist.destroy_process_group()
+
+
+def _row_compressor(name: str, overrides: Sequence[str]):
+    """The row's compressor (its yaml plus the row's ``compression.*`` overrides) and its
+    error-feedback memory."""
+    import yaml
+    from compressors import load_config
+
+    from easgd_lightning.hooks.compressors import build_compressor
+    from easgd_lightning.hooks.memory import make_memory
+
+    cfg = load_config(name)
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key.startswith("compression."):
+            cfg[key.split(".", 1)[1]] = yaml.safe_load(value)
+    comp = build_compressor(**cfg)
+    return comp, make_memory(comp)
+
+
 def measure(args: argparse.Namespace) -> dict:
     """The whole measurement: the probe at each rank count, the rows, the codecs."""
     from _netem import EmulatedCluster, LinkSpec, check_privileges, install_signal_handlers
@@ -733,35 +1093,66 @@ def measure(args: argparse.Namespace) -> dict:
 
     check_privileges()
     install_signal_handlers()
+    args.out.mkdir(parents=True, exist_ok=True)
+    partial = args.out / "costmodel_inputs.partial.json"  # what a timed-out batch leaves
     inputs: dict = {
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join(["bench/costmodel.py", *args.argv]),
         "loadavg_before": _loadavg(), "cpus": os.cpu_count() or 1,
-        "probe": [], "rows": [], "codec": {}, "timings_s": {},
+        "probe": [], "probe_loops": [], "rows": [], "codec": {}, "timings_s": {},
     }
     t0 = time.monotonic()
     rates = [float(r) for r in args.probe_rates.split(",")]
     for k, p in enumerate(int(w) for w in args.probe_workers.split(",")):
         with EmulatedCluster(p, LinkSpec(rates[0], args.latency_ms), subnet=args.subnet) as cluster:
             print(f"[costmodel] probe: {p} ranks at {rates} Mbit/s", flush=True)
-            inputs["probe"] += run_probe(
+            samples = run_probe(
                 cluster, args.out, rates, args.port + 10 * k, args.timeout_s,
                 repeats=args.probe_repeats, latency_ms=args.latency_ms, top_ms=args.probe_top_ms,
+                loops=args.probe_loops,
             )
+            inputs["probe"] += [s for s in samples if not s["op"].startswith("loop_")]
+            inputs["probe_loops"] += [s for s in samples if s["op"].startswith("loop_")]
     inputs["timings_s"]["probe"] = time.monotonic() - t0
+    partial.write_text(json.dumps(inputs, indent=2))
     configs = parse_configs(args.rows)
     if not any(c.strategy == "limit" for c in configs):
         raise ValueError("--rows needs the limit row (limit/none): it measures the compute")
+    t2 = time.monotonic()
+    shapes = model_shapes(WIDE_MLP_WORKLOAD)
+    inputs["model_shapes"] = shapes
+    inputs["codec"] = measure_codecs(sorted({c.compression for c in configs}),
+                                     sum(math.prod(s) for s in shapes))
+    inputs["codec_exchange"] = {}
+    for config in configs:
+        if config.compression != "none" and config.compression not in inputs["codec_exchange"]:
+            inputs["codec_exchange"][config.compression] = {
+                "overrides": [o for o in config.overrides if o.startswith("compression.")],
+                "seconds_by_world": {
+                    str(w): measure_exchange_codec(config.compression, config.overrides, shapes, w)
+                    for w in sorted({1, args.rows_workers})
+                },
+                **count_exchange_messages(config.compression, config.overrides, shapes),
+            }
+    inputs["timings_s"]["codec"] = time.monotonic() - t2
     t1 = time.monotonic()
     link = LinkSpec(args.rows_rate, args.latency_ms)
+    longest = 0.0
     with EmulatedCluster(args.rows_workers, link, subnet=args.subnet) as cluster:
         for k, config in enumerate(configs):
+            started = time.monotonic()
+            if args.budget_s and started - t0 + longest > args.budget_s:
+                print(f"[costmodel] row {config.label}: skipped (--budget-s {args.budget_s:g})", flush=True)
+                inputs["rows"].append({"strategy": config.strategy, "compression": config.compression,
+                                       "overrides": list(config.overrides), "status": "skipped (budget)"})
+                continue
             print(f"[costmodel] row {config.label} {' '.join(config.overrides)}", flush=True)
             res = run_config(
                 cluster, config, steps=args.steps, warmup_steps=args.warmup_steps,
                 workload=list(WIDE_MLP_WORKLOAD), extra=args.extra.split(), out_dir=args.out / "runs",
                 port=args.port + 100 + k, timeout_s=args.timeout_s,
             )
+            longest = max(longest, time.monotonic() - started)
             fig = res.figures
             print(f"[costmodel]   {res.status}: step {fig.get('step_time_s')}", flush=True)
             inputs["rows"].append({
@@ -771,18 +1162,73 @@ def measure(args: argparse.Namespace) -> dict:
                 "step_time_s": fig.get("step_time_s"), "measured": fig.get("measured"),
                 "bytes_per_step_per_worker": fig.get("bytes_per_step_per_worker"),
                 "run_dir": res.run_dir,
+                "meter": row_meter(Path(res.run_dir), args.warmup_steps) if res.status == "ok" else None,
             })
+            partial.write_text(json.dumps(inputs, indent=2))
     inputs["timings_s"]["rows"] = time.monotonic() - t1
-    base = next(r for r in inputs["rows"] if (r["strategy"], r["compression"]) == ("ddp", "none"))
-    inputs["dense_bytes"] = base["bytes_per_step_per_worker"]
-    t2 = time.monotonic()
-    inputs["codec"] = measure_codecs(sorted({c.compression for c in configs}),
-                                     int(inputs["dense_bytes"]) // 4)
-    inputs["timings_s"]["codec"] = time.monotonic() - t2
+    inputs["dense_bytes"] = dense_bytes(inputs)  # float32 parameters of the model
     for row in inputs["rows"]:
         row["bytes_per_exchange"] = _bytes_per_exchange(row, inputs["dense_bytes"])
     inputs["loadavg_after"] = _loadavg()
     return inputs
+
+
+def _find(tree, key: str) -> float:
+    """Sum of every number stored under ``key`` anywhere in ``tree`` (dicts and lists)."""
+    if isinstance(tree, dict):
+        return sum(_find(v, key) for v in tree.values()) + (
+            float(tree[key]) if isinstance(tree.get(key), (int, float)) else 0.0)
+    if isinstance(tree, list):
+        return sum(_find(v, key) for v in tree)
+    return 0.0
+
+
+def row_meter(run_dir: Path, warmup_steps: int) -> dict | None:
+    """:func:`_row_meter`, or None where the summaries lack a figure (diagnosis only)."""
+    try:
+        return _row_meter(run_dir, warmup_steps)
+    except (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError):
+        return None
+
+
+def _row_meter(run_dir: Path, warmup_steps: int) -> dict | None:
+    """What a row's own meter saw per steady-state step, for diagnosis only (never an
+    input of a prediction): the difference of the full run and its first ``warmup_steps``
+    (``run_dir/first<W>``), per step and mean over the ranks that stepped: time inside
+    communication (``comm_s``), of it the time the training loop waited (``exposed_s``),
+    the hooks' codec time (``codec_s``, where the strategy reports it), messages per step,
+    and the step time minus the exposed communication (``rest_s``: compute, codec and
+    every other local cost)."""
+    from _tables import steady_figures
+
+    try:
+        long = json.loads((Path(run_dir) / "summary.json").read_text())
+        short = json.loads((Path(run_dir) / f"first{warmup_steps}" / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    steady = steady_figures(long, short)
+    if steady is None:
+        return None
+    d_steps = [int(a or 0) - int(b or 0) for a, b in zip(long["steps_per_rank"], short["steps_per_rank"])]
+    stepping = [i for i, d in enumerate(d_steps) if d > 0]
+
+    def per_step(key: str) -> float:
+        a, b = long["comm"].get(key) or [], short["comm"].get(key) or []
+        vals = [(float(a[i] or 0) - float(b[i] or 0)) / d_steps[i] for i in stepping if i < min(len(a), len(b))]
+        return sum(vals) / len(vals) if vals else 0.0
+
+    codec = [(_find(long["extras"][i], "codec_time_s") - _find(short["extras"][i], "codec_time_s")) / d_steps[i]
+             for i in stepping]
+    step = steady["step_time_s"]
+    exposed = per_step("exposed_time_s")
+    return {
+        "step_s": step, "comm_s": per_step("time_s"), "exposed_s": exposed,
+        "codec_s": sum(codec) / len(codec) if codec else 0.0,
+        "messages_per_step": steady.get("messages_per_step"), "rest_s": step - exposed,
+        "per_rank_exposed_s": [
+            (float(long["comm"]["exposed_time_s"][i] or 0) - float(short["comm"]["exposed_time_s"][i] or 0))
+            / d_steps[i] for i in stepping],
+    }
 
 
 def _bytes_per_exchange(row: dict, dense: float) -> float:
@@ -808,6 +1254,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--probe-repeats", type=int, default=3)
     p.add_argument("--probe-top-ms", type=float, default=40.0,
                    help="largest probe message, in ms of the link at each rate")
+    p.add_argument("--probe-loops", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the probe's training-shaped loops (compute + collective)")
     p.add_argument("--layout", action="append", default=[], metavar="LAYOUT.KEY=VALUE",
                    help="replace a projection layout's assumption, e.g. gpu.compute_factor=0.1")
     p.add_argument("--rows", default=DEFAULT_ROWS, help="bench/cluster.py --configs syntax")
@@ -818,6 +1266,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--extra", default="", help="Hydra overrides for every row")
     p.add_argument("--latency-ms", type=float, default=0.1)
     p.add_argument("--timeout-s", type=float, default=300.0)
+    p.add_argument("--budget-s", type=float, default=0.0,
+                   help="skip the rows that would end past this many seconds of --measure "
+                   "(judged by the longest row so far; 0: no budget)")
     p.add_argument("--port", type=int, default=29700)
     p.add_argument("--subnet", default="10.78.0")
     return p

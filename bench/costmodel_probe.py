@@ -16,6 +16,23 @@ sizes:
   server), which serves them first come first served (``recv`` from any source) and
   sends each one a reply of the same size (the asynchronous strategies' exchange).
 
+With ``--loops`` each rank also runs, per link rate and message size, three short
+training-shaped loops of ``--loop-iters`` iterations around a fixed CPU kernel
+(``--kernel-matmuls`` products of two 256 x 256 float32 matrices, one thread):
+
+- ``loop_free``: the kernel alone, no collective (the ``limit`` row's shape: every rank
+  computes, the ranks share the cores);
+- ``loop_serial_ring``: kernel, then a blocking all-reduce (DDP's and the blocking
+  strategies' shape);
+- ``loop_overlap_ring``: kernel, then wait for the previous iteration's all-reduce and
+  launch the next one non-blocking (Sync EASGD's overlap);
+- ``loop_serial_allgather`` / ``loop_overlap_allgather``: the same with the sparse
+  compressors' all-gather (``ops.all_gather_varlen``) of the message;
+
+at the smallest and the largest message of each rate, each timed per iteration (the loop's time over its iterations, the slowest rank's). They
+measure what the idle probe cannot: how a collective behaves when the ranks that run it
+also compute on the same cores.
+
 Between link rates (``--phases``) rank 0 writes ``OUT/phase<K>.ready`` and waits for the
 harness, which reshapes the links and writes ``OUT/phase<K>.go``. Each rank writes its
 per-repeat times to ``OUT/rank<R>.json``; a collective's time is the slowest rank's
@@ -28,6 +45,7 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -37,10 +55,41 @@ import torch.distributed as dist
 from easgd_lightning.comm import ops
 from easgd_lightning.utils.atomic import atomic_write_text
 
-__all__ = ["OPS", "main"]
+__all__ = ["LOOPS", "OPS", "main"]
 
 OPS = ("ring", "tree", "allgather", "broadcast", "ps")
+LOOPS = ("loop_free", "loop_serial_ring", "loop_overlap_ring", "loop_serial_allgather",
+         "loop_overlap_allgather")
 _KIND = "probe"
+_KERNEL_N = 256
+
+
+def _kernel(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, matmuls: int) -> None:
+    """The loops' compute: ``matmuls`` products of two 256 x 256 matrices."""
+    for _ in range(matmuls):
+        torch.mm(a, b, out=out)
+
+
+def _loop(kind: str, t: torch.Tensor, iters: int, kernel: Callable[[], None], slot: dict) -> float:
+    """One training-shaped loop (the module docstring); seconds per iteration."""
+    start = time.perf_counter()
+    pending = None
+    gather = kind.endswith("allgather")
+    for _ in range(iters):
+        kernel()
+        if kind.startswith("loop_serial"):
+            if gather:
+                ops.all_gather_varlen([t], kind=_KIND, slot=slot)
+            else:
+                ops.all_reduce(t, kind=_KIND)
+        elif kind.startswith("loop_overlap"):
+            if pending is not None:
+                ops.wait(pending, kind=_KIND)
+            pending = (ops.all_gather_varlen_async([t], kind=_KIND, slot=slot) if gather
+                       else ops.all_reduce_async(t, kind=_KIND))
+    if pending is not None:
+        ops.wait(pending, kind=_KIND)
+    return (time.perf_counter() - start) / iters
 
 
 def _tree_allreduce(t: torch.Tensor, rank: int, world: int, scratch: torch.Tensor) -> None:
@@ -114,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--timeout-s", type=float, default=300.0)
+    parser.add_argument("--loops", action="store_true",
+                        help="also time the training-shaped loops (module docstring)")
+    parser.add_argument("--loop-iters", type=int, default=4)
+    parser.add_argument("--loop-repeats", type=int, default=2)
+    parser.add_argument("--kernel-matmuls", type=int, default=32)
     args = parser.parse_args(argv)
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -123,6 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     phases = args.phases.split(",")
     sizes = [[int(s) for s in part.split(":")] for part in args.sizes.split(",")]
     wanted = [o for o in args.ops.split(",") if o]
+    ka, kb = torch.randn(_KERNEL_N, _KERNEL_N), torch.randn(_KERNEL_N, _KERNEL_N)
+    kout = torch.empty(_KERNEL_N, _KERNEL_N)
+
+    def kernel() -> None:
+        _kernel(ka, kb, kout, args.kernel_matmuls)
+
     records = []
     try:
         for k, (label, phase_sizes) in enumerate(zip(phases, sizes)):
@@ -147,6 +207,17 @@ def main(argv: list[str] | None = None) -> int:
                             times.append(time.perf_counter() - start)
                         t.fill_(1.0)
                     records.append({"phase": label, "op": op, "bytes": numel * 4, "times_s": times})
+                looped = args.loops and nbytes in (phase_sizes[0], phase_sizes[-1])
+                for op in LOOPS if looped else ():
+                    times = []
+                    for i in range(args.loop_repeats + 1):  # the first is a warm-up
+                        ops.barrier()
+                        per_iter = _loop(op, t, args.loop_iters, kernel, slot)
+                        if i:
+                            times.append(per_iter)
+                        t.fill_(1.0)
+                    records.append({"phase": label, "op": op, "bytes": numel * 4, "times_s": times,
+                                    "kernel_matmuls": args.kernel_matmuls})
         atomic_write_text(
             args.out / f"rank{rank}.json",
             json.dumps({"rank": rank, "world_size": world, "records": records}),

@@ -1,8 +1,8 @@
 """End-to-end: ``bench/costmodel.py --measure`` on a two-host emulated network, short.
 
-The probe (every collective at two link rates), the limit row (compute) and one held-out
-row (``ddp/none``) at a third, slower rate; the fit, the prediction for the held-out row, the
-projection and its PNG. Needs root and network namespaces (skipped with the reason
+The probe (every collective and the compute loops at two link rates), the limit row
+(compute) and one held-out row (``ddp/none``) at a third, slower rate; the fit, the
+prediction for the held-out row, the projection and its PNG. Needs root and network namespaces (skipped with the reason
 elsewhere). The bound on the prediction error is loose on purpose (the machine is
 shared and the run is short); the 15% target is judged on the exclusive run in
 bench/README.md.
@@ -52,6 +52,11 @@ def test_costmodel_predicts_a_held_out_row(tmp_path: Path) -> None:
     inputs = json.loads((tmp_path / "costmodel_inputs.json").read_text())
     assert {s["rate_mbit"] for s in inputs["probe"]} == {100.0, 1000.0}
     assert {s["op"] for s in inputs["probe"]} == {"ring", "tree", "allgather", "broadcast", "ps"}
+    # the training-shaped loops, at the smallest and the largest message of each rate
+    assert {s["op"] for s in inputs["probe_loops"]} == {
+        "loop_free", "loop_serial_ring", "loop_overlap_ring", "loop_serial_allgather",
+        "loop_overlap_allgather"}
+    assert len(inputs["probe_loops"]) == 5 * 2 * 2
     result = json.loads((tmp_path / "costmodel.json").read_text())
     held = [p for p in result["predictions"] if not p["in_fit"]]
     assert [p["row"] for p in held] == ["ddp/none"]
@@ -60,6 +65,8 @@ def test_costmodel_predicts_a_held_out_row(tmp_path: Path) -> None:
     print(f"ddp/none: measured {row['measured_s']:.4f} s, predicted {row['predicted_s']:.4f} s, "
           f"error {100 * row['rel_err']:+.1f}%")
     assert row["comm_s"] > 0 and math.isfinite(row["rel_err"])
+    assert row["loop_shape"] == "serial_ring" and math.isfinite(row["sync_s"])
+    assert row["meter"] is None  # --warmup-steps 0: no pair of runs for the steady state
     # within 40%: at 50 Mbit/s the all-reduce (~0.1 s) outweighs the compute, so a model
     # that dropped the communication or counted it twice would miss
     assert abs(row["rel_err"]) < 0.4

@@ -260,3 +260,126 @@ def test_report_adds_the_projection_from_costmodel_json(tmp_path):
     (plain / "summary.json").write_text(json.dumps({"status": "ok", "strategy": "ddp"}))
     assert "Weak-scaling projection" not in report.write_report(plain)[0].read_text()
     assert math.isfinite(result["projection"]["table"]["knl"]["ddp/none"]["4096"])
+
+
+# ---------------------------------------------------------------- loops, codec, messages
+def _synthetic_loops(probe: list[dict], free: dict[int, float], sync: dict[str, dict[int, float]],
+                     hidden: float = 1.0) -> list[dict]:
+    """Loop samples that follow the loop model exactly: serial = F + C + s, overlapped =
+    F + C - h min(F, C) + s, at the smallest and the largest probe message of each rate."""
+    idle = {(s["op"], s["p"], s["bytes"], s["rate_mbit"]): s["time_s"] for s in probe}
+    loops = []
+    for (op, p, nbytes, rate), c in idle.items():
+        if nbytes not in (cm.probe_sizes(rate)[0], cm.probe_sizes(rate)[-1]) or op != "ring":
+            continue
+        loops.append({"op": "loop_free", "p": p, "bytes": nbytes, "rate_mbit": rate, "time_s": free[p]})
+        for shape, by_p in sync.items():
+            mode, coll = shape.split("_")
+            c = idle[(coll, p, nbytes, rate)]
+            base = free[p] + c - (hidden * min(free[p], c) if mode == "overlap" else 0.0)
+            loops.append({"op": f"loop_{shape}", "p": p, "bytes": nbytes, "rate_mbit": rate,
+                          "time_s": base + by_p[p]})
+    return loops
+
+
+def test_fit_loops_recovers_known_synchronisation_costs():
+    probe = _synthetic_probe({"ring": (ALPHA, ETA), "allgather": (2 * ALPHA, 0.6)}, cpus=2)
+    free = {2: 0.012, 4: 0.024, 8: 0.048}
+    sync = {shape: {p: 1e-3 * (k + 1) * p for p in free} for k, shape in enumerate(cm.LOOP_SHAPES)}
+    got = cm.fit_loops(_synthetic_loops(probe, free, sync), probe)
+    assert got["samples"] == len(cm.LOOP_SHAPES) * 3 * 3 * 2
+    for p, f in free.items():
+        assert got["free_s"][str(p)] == pytest.approx(f, rel=1e-12)
+    for shape, by_p in sync.items():
+        for p, s in by_p.items():
+            assert got["sync_s"][shape][str(p)] == pytest.approx(s, rel=1e-9), (shape, p)
+            assert all(v == pytest.approx(s, rel=1e-9) for v in got["by_size"][shape][str(p)].values())
+    assert all(h == pytest.approx(1.0, abs=1e-9) for h in got["hidden"]["overlap_ring"].values())
+
+
+@pytest.mark.parametrize("hidden", [0.0, 0.3, 0.85])
+def test_fit_loops_recovers_the_hidden_share_of_an_overlap(hidden):
+    probe = _synthetic_probe({"ring": (ALPHA, ETA), "allgather": (2 * ALPHA, 0.6)}, cpus=2)
+    free = {2: 0.012, 4: 0.024, 8: 0.048}
+    sync = {"overlap_ring": {p: 0.004 for p in free}, "overlap_allgather": {p: 0.002 for p in free}}
+    got = cm.fit_loops(_synthetic_loops(probe, free, sync, hidden=hidden), probe)
+    for shape, by_p in sync.items():
+        for p, s in by_p.items():
+            assert got["hidden"][shape][str(p)] == pytest.approx(hidden, abs=1e-9), (shape, p)
+            assert got["sync_s"][shape][str(p)] == pytest.approx(s, abs=1e-12), (shape, p)
+    # and the step time of an overlapped row with it: t_c + C - h min(t_c, C) + t_k + s
+    kw = dict(n=1e6, m=1e6, t_compute=0.05, t_codec=0.002, net=_net, overlap=True)
+    ring = _net("ring", 4, 1e6)
+    got_t = cm.step_time("sync_easgd", 4, hidden=hidden, sync_cost=0.004, **kw)["step_s"]
+    assert got_t == pytest.approx(0.05 + ring - hidden * min(0.05, ring) + 0.002 + 0.004)
+
+
+def test_step_time_adds_the_synchronisation_cost_per_exchange():
+    kw = dict(n=1e6, m=1e4, t_compute=0.05, t_codec=0.002, net=_net)
+    serial = cm.step_time("ddp", 4, aggregation="allgather", calls=2, sync_cost=0.01, **kw)
+    assert serial["step_s"] == pytest.approx(0.052 + 2 * _net("allgather", 4, 5e3) + 0.01)
+    ring_n = _net("ring", 4, 1e6)
+    ovl = cm.step_time("sync_easgd", 4, overlap=True, sync_cost=0.01, tau=2, **{**kw, "m": 1e6})
+    assert ovl["step_s"] == pytest.approx(max(0.05, ring_n / 2) + 0.002 + 0.005)
+    local = cm.step_time("local_sgd", 4, tau=8, sync_cost=0.008, **kw)
+    assert local["step_s"] == pytest.approx(0.05 + (ring_n + 0.008) / 8)
+
+
+def test_codec_seconds_grow_linearly_with_the_world_and_never_fall():
+    ex = {"seconds_by_world": {"1": 0.001, "4": 0.0025}}
+    assert cm._codec_seconds(ex, 4) == pytest.approx(0.0025)
+    assert cm._codec_seconds(ex, 4096) == pytest.approx(0.001 + 0.0005 * 4095)
+    flat = {"seconds_by_world": {"1": 0.002, "4": 0.0019}}  # timing noise: no negative slope
+    assert cm._codec_seconds(flat, 4096) == pytest.approx(0.002)
+
+
+def test_predictions_with_loops_and_exchange_measurements():
+    model = {op: {**par, "cpus": 2} for op, par in MODEL.items()}
+    inputs = _synthetic_inputs(model)
+    shapes = [(10,), (10, 2048), (2048,), (2048, 64)]
+    inputs["model_shapes"] = shapes
+    inputs["codec_exchange"] = {"dgc": {"seconds_by_world": {"1": 0.001, "4": 0.0025},
+                                        "messages": 2.0, "bytes": 3000.0}}
+    loops = {"sync_s": {"serial_ring": {"4": 0.011}, "serial_allgather": {"4": 0.007},
+                        "overlap_ring": {"4": 0.013}}}
+    preds = {p["row"]: p for p in cm.predict_rows(model, inputs, loops)}
+    n = 4.0 * (10 + 20480 + 2048 + 131072)
+    net = cm.fitted_net(model, 100.0)
+    t_c = 0.06  # 4 ranks on 2 cores
+    assert preds["ddp/none"]["predicted_s"] == pytest.approx(t_c + net("ring", 4, n) + 0.011)
+    dgc = preds["ddp/dgc;optim.momentum=0"]
+    assert dgc["t_codec_s"] == pytest.approx(0.0025 * 2)
+    assert dgc["predicted_s"] == pytest.approx(t_c + 0.005 + 2 * net("allgather", 4, 1500.0) + 0.007)
+    sync = preds["sync_easgd/none"]
+    assert sync["predicted_s"] == pytest.approx(max(t_c, net("ring", 4, n)) + 0.013)
+    assert preds["async_easgd/none"]["sync_s"] == 0.0  # no loop shape for the server
+
+
+def test_count_exchange_messages_follows_the_exchange_structure():
+    shapes = [(10,), (10, 2048), (2048,), (2048, 64)]
+    # PowerSGD, rank 2: a P and a Q all-reduce per matrix of >= 16384 entries, (n + m) r
+    # floats each, and the 1-D tensors' dense all-reduce as one more message
+    got = cm.count_exchange_messages("powersgd", [], shapes)
+    assert got["messages"] == 2 * 2 + 1
+    # (the dense part may carry a few bytes of the compressor's own beside the 1-D tensors)
+    assert got["bytes"] == pytest.approx(4 * 2 * (10 + 2048) + 4 * 2 * (2048 + 64) + 4 * (10 + 2048), abs=16)
+    # top-k: every payload and the small tensors in one batched all-gather
+    assert cm.count_exchange_messages("topk", [], shapes)["messages"] == 1
+
+
+def test_row_meter_reads_the_steady_state_from_the_two_runs(tmp_path):
+    def summary(steps, clock, comm, exposed, codec, msgs):
+        return {"steps_per_rank": [steps] * 2, "wall_time_s": clock + 1, "samples_per_s": 10,
+                "val_history": [{"step": steps, "time_s": clock}],
+                "comm": {"bytes_sent": [steps * 100] * 2, "time_s": [comm] * 2,
+                         "exposed_time_s": [exposed] * 2, "messages": [msgs] * 2},
+                "extras": [{"compression_stats": {"codec_time_s": codec}}] * 2}
+    (tmp_path / "first10").mkdir()
+    (tmp_path / "summary.json").write_text(json.dumps(summary(40, 4.0, 2.0, 1.5, 0.4, 40)))
+    (tmp_path / "first10" / "summary.json").write_text(json.dumps(summary(10, 1.3, 0.5, 0.4, 0.1, 10)))
+    got = cm.row_meter(tmp_path, 10)
+    assert got["step_s"] == pytest.approx(2.7 / 30)
+    assert got["comm_s"] == pytest.approx(1.5 / 30) and got["exposed_s"] == pytest.approx(1.1 / 30)
+    assert got["codec_s"] == pytest.approx(0.3 / 30) and got["messages_per_step"] == pytest.approx(1.0)
+    assert got["rest_s"] == pytest.approx(1.6 / 30)
+    assert cm.row_meter(tmp_path / "missing", 10) is None
