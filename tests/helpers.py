@@ -5,9 +5,14 @@ tests/conftest.py; this module is importable outside pytest too.)"""
 
 from __future__ import annotations
 
+import atexit
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from easgd_lightning.utils.rank_env import clean_env, free_port, rank_env
@@ -63,12 +68,117 @@ def one_error_line(stderr: str) -> str:
     return lines[0]
 
 
-def start_ranks(script: Path, world: int, args: list[str]) -> list[subprocess.Popen]:
-    """Start ``script`` as ``world`` ranks (torchrun-style environment); pipes for out/err."""
+_script_server = None
+
+
+def script_server():
+    """The test session's fork server for rank scripts (cli/forkserver.py, a fresh interpreter
+    that imports torch, Lightning, DeepSpeed and the package once): each rank of
+    :func:`start_ranks` is forked from it instead of paying those imports itself.
+    ``EASGD_TEST_SPAWN_RANKS=1``: a fresh interpreter per rank instead."""
+    global _script_server
+    if os.environ.get("EASGD_TEST_SPAWN_RANKS") == "1" or not sys.platform.startswith("linux"):
+        return None
+    if _script_server is None or not _script_server.alive():
+        from easgd_lightning.cli import forkserver
+
+        _script_server = forkserver.spawn_server(
+            (*forkserver.WORKER_MODULES, "easgd_lightning.parallel.engine"), env=base_env())
+        atexit.register(_script_server.close)
+    return _script_server
+
+
+def _run_forked(server, argv: list[str], entry: str, env: dict[str, str], cwd: Path, timeout: float,
+                cmd: list[str]) -> subprocess.CompletedProcess:
+    """Fork ``entry(argv[1:])`` from ``server`` and wait for it, as ``subprocess.run(cmd,
+    capture_output=True, text=True, timeout=timeout)`` would; on timeout its whole process
+    group (its own session, with what it started) gets SIGKILL first."""
+    logs = Path(tempfile.mkdtemp(prefix="easgd-test-run-"))
+    out, err = logs / "stdout", logs / "stderr"
+    proc = server.start(argv, env, str(cwd), [], entry=entry, stdout=str(out), stderr=str(err))
+    try:
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(30)
+            raise subprocess.TimeoutExpired(cmd, timeout, out.read_text(errors="replace"),
+                                            err.read_text(errors="replace")) from None
+        return subprocess.CompletedProcess(cmd, code, out.read_text(errors="replace"), err.read_text(errors="replace"))
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
+
+
+def run_python(script: Path, args: list[str], *, timeout: float, cwd: Path | None = None,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGS`` (output captured as text), forked from the session's
+    :func:`script_server` (or spawned with ``EASGD_TEST_SPAWN_RANKS=1``). The processes the
+    script starts itself (Lightning's launcher: the other ranks) are fresh interpreters."""
+    cmd = [PY, str(script), *args]
+    env = base_env() if env is None else env
+    server = script_server()
+    if server is None:
+        return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    return _run_forked(server, [str(script), *args], "tests.helpers:run_script", env, cwd or Path.cwd(),
+                       timeout, cmd)
+
+
+def run_script(args: list[str]) -> None:
+    """A forked rank's entry (``start_ranks``): run ``sys.argv[0]`` as ``python SCRIPT ARGS`` would."""
+    import runpy
+
+    sys.path.insert(0, str(Path(sys.argv[0]).parent))
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+class ScriptRank:
+    """A rank script forked by :func:`script_server`: ``subprocess.Popen``'s API, with its
+    output in files that :meth:`communicate` reads."""
+
+    def __init__(self, proc, out: Path, err: Path) -> None:
+        self._proc, self._out, self._err = proc, out, err
+        self.pid, self.args = proc.pid, proc.args
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.poll()
+
+    def poll(self) -> int | None:
+        return self._proc.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self._proc.wait(timeout)
+
+    def send_signal(self, sig: int) -> None:
+        self._proc.send_signal(sig)
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self._proc.wait(timeout)
+        return (self._out.read_text(errors="replace") if self._out.exists() else "",
+                self._err.read_text(errors="replace") if self._err.exists() else "")
+
+
+def start_ranks(script: Path, world: int, args: list[str]) -> list[subprocess.Popen | ScriptRank]:
+    """Start ``script`` as ``world`` ranks (torchrun-style environment), forked by the
+    session's :func:`script_server` (or spawned); their out/err are read by ``communicate``."""
     port = free_port()
-    procs = []
+    server = script_server()
+    procs: list = []
+    logs = Path(tempfile.mkdtemp(prefix="ranks-")) if server is not None else None
     for rank in range(world):
         env = rank_env(base_env(), rank, world, port)
+        if server is not None:
+            out, err = logs / f"rank{rank}.out", logs / f"rank{rank}.err"
+            proc = server.start([str(script), *args], env, os.getcwd(), [], entry="tests.helpers:run_script",
+                                stdout=str(out), stderr=str(err))
+            procs.append(ScriptRank(proc, out, err))
+            continue
         procs.append(
             subprocess.Popen([PY, str(script), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )

@@ -44,8 +44,8 @@ import traceback
 
 from easgd_lightning.utils.procs import pid_alive
 
-__all__ = ["ForkServer", "RankProcess", "start_server", "current_server", "stop_server", "imported_since_start",
-           "WORKER_MODULES", "WORKER_ENTRY"]
+__all__ = ["ForkServer", "RankProcess", "start_server", "spawn_server", "current_server", "stop_server",
+           "imported_since_start", "WORKER_MODULES", "WORKER_ENTRY"]
 
 log = logging.getLogger("easgd_lightning")
 
@@ -104,6 +104,16 @@ class RankProcess:
             self.returncode = self._server.exit_code(self.pid)
         return self.returncode
 
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
@@ -116,8 +126,10 @@ class RankProcess:
 class ForkServer:
     """The launcher's handle on its fork server (a child process of the launcher)."""
 
-    def __init__(self, pid: int, requests: int, statuses: int, baseline: frozenset[str]) -> None:
+    def __init__(self, pid: int, requests: int, statuses: int, baseline: frozenset[str],
+                 popen: subprocess.Popen | None = None) -> None:
         self.pid = pid
+        self._popen = popen  # a server started as a fresh interpreter (spawn_server)
         self.owner = os.getpid()
         self.baseline = baseline  # the modules the server had when it was forked
         self._requests = requests  # write end
@@ -132,6 +144,9 @@ class ForkServer:
     def alive(self) -> bool:
         if self._server_code is not None:
             return False
+        if self._popen is not None:
+            self._server_code = self._popen.poll()
+            return self._server_code is None
         try:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
         except ChildProcessError:
@@ -167,6 +182,8 @@ class ForkServer:
             if msg["op"] == "exit":
                 self._exits[int(msg["pid"])] = int(msg["code"])
             else:
+                if msg["op"] == "started":  # a PID reused after an earlier rank's exit
+                    self._exits.pop(int(msg["pid"]), None)
                 self._answers[int(msg["id"])] = msg
 
     def exit_code(self, pid: int) -> int | None:
@@ -182,8 +199,9 @@ class ForkServer:
         return None
 
     def start(self, argv: list[str], env: dict[str, str], cwd: str, preload: list[str],
-              entry: str = WORKER_ENTRY) -> RankProcess:
-        """Fork one rank running ``entry(argv[1:])`` (bounded wait for its PID).
+              entry: str = WORKER_ENTRY, stdout: str | None = None, stderr: str | None = None) -> RankProcess:
+        """Fork one rank running ``entry(argv[1:])`` (bounded wait for its PID); its output
+        goes to the files ``stdout`` / ``stderr`` when given, else to the launcher's.
 
         Raises:
             RuntimeError: the server is gone or did not answer in time.
@@ -192,7 +210,8 @@ class ForkServer:
             raise RuntimeError("the fork server is not running")
         rid = self._next_id
         self._next_id += 1
-        msg = {"op": "start", "id": rid, "argv": argv, "env": env, "cwd": cwd, "preload": preload, "entry": entry}
+        msg = {"op": "start", "id": rid, "argv": argv, "env": env, "cwd": cwd, "preload": preload, "entry": entry,
+               "stdout": stdout, "stderr": stderr}
         _write_all(self._requests, json.dumps(msg).encode() + b"\n")
         deadline = time.monotonic() + _START_TIMEOUT_S
         while rid not in self._answers:
@@ -215,8 +234,11 @@ class ForkServer:
         if self.alive():
             try:
                 os.kill(self.pid, signal.SIGKILL)
-                os.waitpid(self.pid, 0)
-            except (ProcessLookupError, ChildProcessError):
+                if self._popen is not None:
+                    self._popen.wait(timeout=10)
+                else:
+                    os.waitpid(self.pid, 0)
+            except (ProcessLookupError, ChildProcessError, subprocess.TimeoutExpired):
                 pass
         if self._statuses >= 0:
             os.close(self._statuses)
@@ -273,6 +295,22 @@ def start_server(modules: tuple[str, ...] = WORKER_MODULES) -> ForkServer | None
     _server = ForkServer(pid, req_w, st_r, baseline)
     atexit.register(stop_server)
     return _server
+
+
+def spawn_server(modules: tuple[str, ...] = WORKER_MODULES, env: dict[str, str] | None = None) -> ForkServer:
+    """A fork server started as a fresh interpreter (``python -m easgd_lightning.cli.forkserver``),
+    for a process that cannot fork one of its own (it has threads or has run torch, e.g. a
+    test session). Its ranks are the children of that server, as with :func:`start_server`."""
+    req_r, req_w = os.pipe()
+    st_r, st_w = os.pipe()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "easgd_lightning.cli.forkserver", str(req_r), str(st_w), str(os.getpid()), *modules],
+        pass_fds=(req_r, st_w), env=env, stdin=subprocess.DEVNULL,
+    )
+    os.close(req_r)
+    os.close(st_w)
+    os.set_blocking(st_r, False)
+    return ForkServer(proc.pid, req_w, st_r, frozenset(), popen=proc)
 
 
 def imported_since_start() -> list[str]:
@@ -392,6 +430,11 @@ def _run_rank(msg: dict, server: int) -> int:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
+    for fd, key in ((1, "stdout"), (2, "stderr")):  # default: the launcher's
+        if msg.get(key):
+            out = os.open(msg[key], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(out, fd)
+            os.close(out)
     os.chdir(msg["cwd"])
     os.environ.clear()
     os.environ.update(msg["env"])
@@ -433,3 +476,7 @@ def _exit(code: int) -> None:
         except Exception:  # noqa: BLE001
             pass
     os._exit(code)
+
+
+if __name__ == "__main__":  # spawn_server: REQUESTS_FD STATUS_FD PARENT_PID MODULE...
+    os._exit(_serve(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), tuple(sys.argv[4:])))

@@ -17,6 +17,7 @@ from pathlib import Path
 from tests.helpers import PY, REPO, base_env
 
 SCRIPT = Path(__file__).parent / "scripts" / "forkserver_probe.py"
+PROBE_ENTRY = "tests.distributed.scripts.forkserver_probe:probe"
 
 
 def _alive(pid: int) -> bool:
@@ -70,3 +71,33 @@ def test_forked_ranks_keep_the_contract_of_spawned_ones(tmp_path: Path) -> None:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait(timeout=30)
+
+
+def test_a_spawned_server_forks_ranks_for_a_process_that_cannot_fork_one(tmp_path: Path) -> None:
+    """``spawn_server`` (the test session's servers, tests/helpers.py): a fresh interpreter
+    whose forked processes keep the same contract, write to the files they are given, get
+    signals through ``send_signal``, and report their exit codes; ``close`` ends it."""
+    from easgd_lightning.cli import forkserver
+
+    server = forkserver.spawn_server(modules=(), env=base_env())
+    try:
+        env = base_env(PROBE_OUT=str(tmp_path), PROBE_MARK="from-the-launcher")
+        out, err = tmp_path / "raise.out", tmp_path / "raise.err"
+        failing = server.start([str(SCRIPT), "raise"], env, str(tmp_path), [], entry=PROBE_ENTRY,
+                               stdout=str(out), stderr=str(err))
+        sleeper = server.start([str(SCRIPT), "sleep"], env, str(tmp_path), [], entry=PROBE_ENTRY)
+        assert failing.wait(60) == 1
+        assert "RuntimeError: probe failure" in err.read_text() and out.read_text() == ""
+        info = _wait_for(tmp_path / "probe-raise.json")
+        assert info["ppid"] == server.pid and info["sid"] == info["pid"] == failing.pid
+        assert info["cwd"] == str(tmp_path) and info["mark"] == "from-the-launcher"
+        assert os.getsid(server.pid) == server.pid != os.getsid(0)
+        _wait_for(tmp_path / "probe-sleep.json")  # its SIGTERM handler is installed right after
+        time.sleep(1.0)
+        sleeper.send_signal(signal.SIGTERM)
+        assert sleeper.wait(60) == 143
+        assert _wait_for(tmp_path / "probe-sleep-term.json")["signal"] == signal.SIGTERM
+        sleeper.kill()  # already ended: nothing to do
+    finally:
+        server.close()
+    assert not server.alive() and not _alive(server.pid)

@@ -4,20 +4,18 @@
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import PY, base_env
+from tests.helpers import run_python
 
 SCRIPT = Path(__file__).parent / "scripts" / "feature_run.py"
 
 
 def _run(tmp_path: Path, strategy: str, feature: str) -> dict:
-    proc = subprocess.run([PY, str(SCRIPT), strategy, feature, str(tmp_path)], env=base_env(), cwd=tmp_path,
-                          capture_output=True, text=True, timeout=240)
+    proc = run_python(SCRIPT, [strategy, feature, str(tmp_path)], cwd=tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((tmp_path / f"{strategy}-{feature}-rank0.json").read_text())
 

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
-from tests.helpers import PY, base_env
+from tests.helpers import run_python
 
 SCRIPT = Path(__file__).parent / "scripts" / "two_optimizers_run.py"
 
 
 def test_two_optimizers_are_refused_in_setup_with_one_line() -> None:
-    proc = subprocess.run(
-        [PY, str(SCRIPT), "sync_easgd"], env=base_env(), capture_output=True, text=True, timeout=180
-    )
+    proc = run_python(SCRIPT, ["sync_easgd"], timeout=180)
     assert proc.returncode != 0
     # torch prefixes each rank's traceback lines with "[rankN]: "
     lines = [re.sub(r"^\[rank\d+\]: ", "", ln) for ln in proc.stderr.splitlines()]

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import torch
 
-from tests.helpers import PY, base_env
+from tests.helpers import run_python
 
 SCRIPT = Path(__file__).parent / "scripts" / "user_module_run.py"
 
 
 def test_user_module_with_sync_easgd_by_name(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [PY, str(SCRIPT), str(tmp_path)], env=base_env(), capture_output=True, text=True, timeout=240
-    )
+    proc = run_python(SCRIPT, [str(tmp_path)], timeout=240)
     assert proc.returncode == 0, proc.stderr[-5000:]
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert r0["strategy"] == "SyncEASGDStrategy"
