@@ -9,8 +9,6 @@ from __future__ import annotations
 import inspect
 import os
 import signal
-import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -22,7 +20,7 @@ from pytorch_lightning.loops.training_epoch_loop import _TrainingEpochLoop
 from pytorch_lightning.strategies import DDPStrategy
 
 from easgd_lightning.compat import lightning as compat
-from tests.helpers import REPO, base_env, free_port
+from tests.helpers import launch_ranks
 
 
 def _trainer() -> pl.Trainer:
@@ -129,26 +127,12 @@ dist.destroy_process_group()
 """
 
 
-def test_source_rank_names_the_sender_of_a_receive_from_any_source() -> None:
+def test_source_rank_names_the_sender_of_a_receive_from_any_source(tmp_path: Path) -> None:
     assert hasattr(dist.Work, "_source_rank")
-    port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", SOURCE_RANK], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, env=base_env(RANK=str(r), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
-        )
-        for r in range(3)
-    ]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=120)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [0, 0, 0], outs
-    assert "OK [" in outs[0]
+    script = tmp_path / "source_rank.py"
+    script.write_text(SOURCE_RANK)
+    outs = [r.stdout for r in launch_ranks(script, 3, [], timeout=120)]  # every rank exits 0
+    assert "OK [" in outs[0], outs
 
 
 def test_deepspeed_pipeline_module_gives_its_grid_through_mpu() -> None:
