@@ -42,7 +42,7 @@ INPUTS = [
 
 def _row(args: str, run: Path) -> tuple[str, int, bool, str]:
     proc = run_cli([f"hydra.run.dir={run}", "logger=none", "trainer.enable_progress_bar=false", *args.split()],
-                   check=False, timeout=300)
+                   check=False, timeout=300, fresh=True)
     errors = [ln for ln in proc.stderr.splitlines() if "easgd-train: error:" in ln]
     warnings = [ln.split(" - ", 1)[-1] for ln in proc.stdout.splitlines() if "[WARNING]" in ln]  # Hydra logs to stdout
     said = errors + [f"warning: {w}" for w in warnings]

@@ -27,10 +27,22 @@ def base_env(**extra: str) -> dict[str, str]:
     return clean_env(repo=REPO, WANDB_MODE="offline", **extra)
 
 
-def run_cli(args: list[str], *, timeout: float = 300, check: bool = True, cwd: Path | None = None):
-    """Run ``easgd-train ARGS`` (via ``python -m``); returns the CompletedProcess."""
-    cmd = [PY, "-m", "easgd_lightning.cli.train", *args]
-    proc = subprocess.run(cmd, env=base_env(), cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout)
+def run_cli(args: list[str], *, timeout: float = 300, check: bool = True, cwd: Path | None = None,
+            fresh: bool = False):
+    """Run ``easgd-train ARGS``; returns the CompletedProcess.
+
+    The process is forked from the session's :func:`cli_server`, which has imported what
+    ``python -m easgd_lightning.cli.train`` imports, and runs the same ``main()`` with the
+    same argv, environment and working directory (a process of its own, in its own session,
+    starting its own ranks); ``fresh=True`` (or ``EASGD_TEST_SPAWN_CLI=1``): a fresh
+    ``python -m easgd_lightning.cli.train``, for the checks of the command itself.
+    """
+    server = None if fresh else cli_server()
+    if server is not None:
+        proc = _run_forked_cli(server, args, cwd or REPO, timeout)
+    else:
+        cmd = [PY, "-m", "easgd_lightning.cli.train", *args]
+        proc = subprocess.run(cmd, env=base_env(), cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"easgd-train failed ({proc.returncode}):\n{' '.join(args)}\n"
@@ -88,6 +100,33 @@ def script_server():
     return _script_server
 
 
+_cli_server = None
+
+
+def cli_server():
+    """The test session's fork server for ``easgd-train`` runs (:func:`run_cli`): a fresh
+    interpreter that has imported ``easgd_lightning.cli.train``. None with
+    ``EASGD_TEST_SPAWN_CLI=1`` (a fresh interpreter per run)."""
+    global _cli_server
+    if os.environ.get("EASGD_TEST_SPAWN_CLI") == "1" or not sys.platform.startswith("linux"):
+        return None
+    if _cli_server is None or not _cli_server.alive():
+        from easgd_lightning.cli import forkserver
+
+        _cli_server = forkserver.spawn_server(("easgd_lightning.cli.train", "easgd_lightning.cli.overrides"),
+                                              env=base_env())
+        atexit.register(_cli_server.close)
+    return _cli_server
+
+
+def run_train_main(args: list[str]) -> None:
+    """A forked ``easgd-train``'s entry (:func:`run_cli`): ``main()`` with the command's argv."""
+    from easgd_lightning.cli import train
+
+    sys.argv = [train.__file__, *args]  # as ``python -m easgd_lightning.cli.train ARGS`` has it
+    train.main()
+
+
 def _run_forked(server, argv: list[str], entry: str, env: dict[str, str], cwd: Path, timeout: float,
                 cmd: list[str]) -> subprocess.CompletedProcess:
     """Fork ``entry(argv[1:])`` from ``server`` and wait for it, as ``subprocess.run(cmd,
@@ -110,6 +149,12 @@ def _run_forked(server, argv: list[str], entry: str, env: dict[str, str], cwd: P
         return subprocess.CompletedProcess(cmd, code, out.read_text(errors="replace"), err.read_text(errors="replace"))
     finally:
         shutil.rmtree(logs, ignore_errors=True)
+
+
+def _run_forked_cli(server, args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    return _run_forked(server, [str(REPO / "easgd_lightning" / "cli" / "train.py"), *args],
+                       "tests.helpers:run_train_main", base_env(), cwd, timeout,
+                       [PY, "-m", "easgd_lightning.cli.train", *args])
 
 
 def run_python(script: Path, args: list[str], *, timeout: float, cwd: Path | None = None,

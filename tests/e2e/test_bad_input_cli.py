@@ -28,7 +28,7 @@ CASES = [
 @pytest.mark.parametrize("overrides,expected", CASES, ids=[" ".join(o) for o, _ in CASES])
 def test_exit_2_one_line_no_worker(tmp_path: Path, overrides: list[str], expected: str) -> None:
     run = tmp_path / "run"
-    proc = run_cli([f"hydra.run.dir={run}", "logger=none", *overrides], check=False, timeout=120)
+    proc = run_cli([f"hydra.run.dir={run}", "logger=none", *overrides], check=False, timeout=120, fresh=True)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert expected in _one_error_line(proc.stderr)
     assert not (run / "ranks").exists()  # no worker started

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import PY, REPO, base_env, train_summary
+from tests.helpers import run_cli, train_summary
 
 STRATEGIES = ("ddp", "sync_easgd", "easgd_round_robin")
 
@@ -21,10 +20,10 @@ def digits_sweep(tmp_path_factory) -> dict[str, Path]:
     convergence checks and the multirun's own checks (every job its own workers and
     directory) read the same jobs."""
     sweep = tmp_path_factory.mktemp("digits") / "sweep"
-    proc = subprocess.run(
-        [PY, "-m", "easgd_lightning.cli.train", "-m", f"strategy={','.join(STRATEGIES)}", "trainer.devices=2",
+    proc = run_cli(
+        ["-m", f"strategy={','.join(STRATEGIES)}", "trainer.devices=2",
          "trainer.max_epochs=5", "logger=csv", "trainer.enable_progress_bar=false", f"hydra.sweep.dir={sweep}"],
-        env=base_env(), cwd=REPO, capture_output=True, text=True, timeout=900,
+        check=False, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-5000:]
     summaries = sorted(sweep.rglob("summary.json"))
