@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import PY, REPO, base_env, free_port
+from tests.helpers import PY, REPO, base_env, free_port, run_cli
 
 #: small and quick: digits, the default MLP, one thread per rank
 COMMON = ["logger=csv", "trainer.enable_progress_bar=false", "data.num_workers=0"]
@@ -223,10 +223,7 @@ def case_launcher_signal(tmp_path: Path, strategy: str, devices: int, sig: signa
     run.worker_pids  # noqa: B018
     run.wait_for("checkpoints/epoch000.ckpt")
     if check_second_run:  # a second run pointed at the directory of this live one is refused
-        second = subprocess.run(
-            [PY, "-m", "easgd_lightning.cli.train", f"hydra.run.dir={run.run_dir}", *COMMON],
-            env=base_env(), cwd=REPO, capture_output=True, text=True, timeout=120,
-        )
+        second = run_cli([f"hydra.run.dir={run.run_dir}", *COMMON], check=False, timeout=120)  # forked (helpers)
         assert second.returncode == 2, second.stderr[-3000:]
         assert "is in use by another live run" in second.stderr and f"pid {run.proc.pid}" in second.stderr
         assert not (run.run_dir / "summary.json").exists()  # it wrote nothing there
