@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from tests.helpers import PY, base_env, launch_ranks, start_ranks
+from tests.helpers import launch_ranks, start_ranks
 
 SCRIPT = Path(__file__).parent / "scripts" / "async_user_run.py"
 RUNS = [("async_sgd", 4), ("async_easgd", 4), ("hogwild_sgd", 3)]
@@ -165,11 +165,13 @@ lock.acquire()  # never returns: handlers run in between, nothing ends the proce
 def test_signal_watch_ends_a_rank_whose_handler_cannot_end_it(tmp_path: Path) -> None:
     """A process whose SIGTERM handler only records the signal and whose main thread stays
     blocked: the watch passes the signal on at once and exits with 128 + SIGTERM."""
-    proc = subprocess.Popen([PY, "-c", WATCHED, str(tmp_path)], env=base_env(), stderr=subprocess.PIPE, text=True)
+    script = tmp_path / "watched.py"
+    script.write_text(WATCHED)
+    (proc,) = start_ranks(script, 1, [str(tmp_path)])  # forked from the session's script server
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / "ready").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=5)
             time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
