@@ -186,6 +186,45 @@ def train_command(
     return [str(exe), *merge_overrides(BENCH_OVERRIDES, workload, extra, fixed)]
 
 
+#: the bridge namespace's address of the switch's aggregator (last host of the /24)
+SWITCH_HOST = 254
+
+
+def switch_row(cluster: EmulatedCluster, overrides: Sequence[str]) -> bool:
+    """Whether a row runs on the switch's aggregator: ``comm.allreduce=switch`` in its
+    overrides and the cluster built with ``--aggregator switch`` (else rank 0 starts the
+    aggregator process beside itself on host 0, as outside the bench)."""
+    return bool(getattr(cluster, "switch_addr", None)) and "comm.allreduce=switch" in overrides
+
+
+def place_switch_aggregator(cluster: EmulatedCluster) -> str:
+    """Give the bridge (the emulated switch) an address on the hosts' /24: the aggregator
+    runs there, on the switch's own interface, which no ``tc`` shapes (a switch
+    backplane); each host's traffic to it still passes the host's shaped link both ways."""
+    addr = f"{cluster.subnet}.{SWITCH_HOST}"
+    cluster._run(f"ip -n {cluster.bridge_ns} addr add {addr}/24 dev br0")
+    cluster.switch_addr = addr
+    return addr
+
+
+def start_switch_aggregator(cluster: EmulatedCluster, port: int, log: Path, timeout_s: float) -> subprocess.Popen:
+    """Start ``python -m easgd_lightning.comm.switch`` in the bridge namespace for one run
+    (it joins the run's rendezvous store on host 0 and exits when the workers close)."""
+    env = clean_env(repo=REPO, GLOO_SOCKET_IFNAME="br0")
+    cmd = [
+        sys.executable, "-m", "easgd_lightning.comm.switch", "--addr", cluster.addr(0),
+        "--port", str(port), "--workers", str(cluster.world_size), "--timeout-s", str(timeout_s),
+    ]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", cluster.bridge_ns, *cmd], stdout=fh, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, env=env, cwd=REPO, start_new_session=True,
+        )
+    cluster._procs.append(proc)  # killed with the run's processes
+    return proc
+
+
 def run_spec(config: BenchConfig) -> tuple[str, str, tuple[str, ...]]:
     """What ``easgd-train`` runs for a row: the limit row is local SGD that never averages."""
     if config.key == LIMIT:
@@ -225,6 +264,10 @@ def _launch(
         procs_per_host=cluster.procs_per_host,
     )
     procs, logs = [], []
+    switch = switch_row(cluster, [*extra, *overrides])
+    if switch:  # NetReduce emulated: the aggregator at the switch (bench/cluster.py --aggregator switch)
+        cmd = [*cmd, "comm.aggregator=external"]
+        start_switch_aggregator(cluster, port, run_dir / "logs" / "switch.log", timeout_s)
     for rank in range(cluster.world_size):
         log = run_dir / "logs" / f"rank{rank}.log"
         logs.append(log)

@@ -32,6 +32,8 @@ Usage (as root)::
     .venv/bin/python bench/cluster.py --workers 4 --rate-mbit 100 --latency-ms 1 \\
         --configs "ddp/none,ddp/powersgd,ddp/dgc;optim.momentum=0" --steps 50 \
         --extra "optim.lr=0.01"
+    .venv/bin/python bench/cluster.py --workers 4 --rate-mbit 1000 --configs ddp/none \\
+        --aggregator switch                                  # NetReduce emulated vs ring
     .venv/bin/python bench/cluster.py --smoke               # network check, no training
     .venv/bin/python bench/cluster.py --cleanup-stale       # after a SIGKILLed run
 
@@ -77,6 +79,7 @@ from _runs import (  # noqa: E402,F401
     _missing_configs,
     calibrate_sc17_rate,
     merge_overrides,
+    place_switch_aggregator,
     run_config,
     run_smoke,
     run_spec,
@@ -150,6 +153,10 @@ __all__ = [
 ]
 
 
+#: the row ``--aggregator switch`` adds: DDP's dense all-reduce through the switch
+SWITCH_ROW = BenchConfig("ddp", "none", ("comm.allreduce=switch",))
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Emulated cluster benchmark: N network namespaces behind a shaped bridge.",
@@ -218,6 +225,14 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="per run (default: the preset's, 300-1200 s)",
     )
+    p.add_argument(
+        "--aggregator",
+        choices=("none", "switch"),
+        default="none",
+        help="switch: NetReduce emulated: an aggregator process at the emulated switch (the "
+        "bridge namespace, its port unshaped) sums the dense gradients of the rows with "
+        "comm.allreduce=switch; a row ddp/none;comm.allreduce=switch is added after ddp/none",
+    )
     p.add_argument("--port", type=int, default=29500, help="first rendezvous port")
     p.add_argument("--subnet", default="10.77.0", help="private /24 prefix behind the bridge")
     p.add_argument(
@@ -285,6 +300,8 @@ def resolve_settings(args: argparse.Namespace, preset: Scenario) -> Settings:
     configs = parse_configs(args.configs or preset.configs)
     base = next((c for c in configs if c.key == BASELINE and not c.overrides), BenchConfig(*BASELINE))
     rows = [base] + [c for c in configs if c != base and c.key != LIMIT]
+    if getattr(args, "aggregator", "none") == "switch" and SWITCH_ROW not in rows:
+        rows.insert(1, SWITCH_ROW)
     if preset.kind == "throughput":
         limit = next((c for c in configs if c.key == LIMIT), BenchConfig(*LIMIT))
         rows.insert(1, limit)
@@ -422,6 +439,9 @@ def run_scenario(args: argparse.Namespace, settings: Settings, argv: Sequence[st
     with EmulatedCluster(
         settings.workers, link, subnet=args.subnet, procs_per_host=settings.procs_per_host
     ) as cluster:
+        if getattr(args, "aggregator", "none") == "switch":
+            addr = place_switch_aggregator(cluster)
+            print(f"[cluster] switch aggregator at {addr} (bridge namespace, unshaped)", flush=True)
         print(
             f"[cluster] scenario {preset.name} ({cluster.run_id}): {cluster.workers} hosts "
             f"x {cluster.procs_per_host} processes on "

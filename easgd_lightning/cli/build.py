@@ -84,6 +84,8 @@ def _plain(d: Any) -> dict:
 
 #: base classes of Lightning's own: their arguments are set by the Trainer, not by strategy.*
 _LIGHTNING_MODULES = ("pytorch_lightning.", "lightning.")
+#: the compression group's SeCoPa planner keys (easgd-train's own; set on the built compressor)
+_PLAN_KEYS = ("plan", "replan_steps", "max_partitions")
 
 
 def strategy_rule(cfg: Any):
@@ -104,7 +106,8 @@ def strategy_rule(cfg: Any):
 
 def compression_rule(cfg: Any):
     """``compression``: the class registered as ``compression.name`` or a subclass;
-    ``two_way`` (wrap it in TwoWayCompressor) is easgd-train's own key."""
+    ``two_way`` (wrap it in TwoWayCompressor) and the attach point's SeCoPa planner keys
+    (``plan``, ``replan_steps``, ``max_partitions``) are easgd-train's own keys."""
     from easgd_lightning.cli.targets import GroupRule, target_path
     from easgd_lightning.hooks.compressors import compressor_class
 
@@ -114,7 +117,7 @@ def compression_rule(cfg: Any):
     except ValueError as err:
         raise ConfigError(str(err)) from None
     return GroupRule("compression", target_path(cls), base=cls,
-                     base_note=f" (the class of compression.name={name})", framework=("name", "two_way"))
+                     base_note=f" (the class of compression.name={name})", framework=("name", "two_way", *_PLAN_KEYS))
 
 
 def _shipped_model_targets() -> dict[str, str]:
@@ -171,18 +174,27 @@ def build_compression(cfg: Any):
     from easgd_lightning.cli.targets import check_group
     from easgd_lightning.hooks.compressors.two_way import TwoWayCompressor
 
+    from easgd_lightning.hooks.planner import check_plan_options
+
     rule = compression_rule(cfg)
     two_way = cfg.compression.get("two_way", False)
     _need_bool("compression.two_way", two_way)
+    plan = {key: cfg.compression.get(key, default) for key, default in zip(_PLAN_KEYS, ("none", 0, 8))}
+    try:
+        check_plan_options(**plan)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if check_group(cfg, rule) is rule.base and cfg.compression.get("name", "none") == "none":
         return None  # dense: the strategies' own uncompressed path
     compressor = _instantiate(cfg, rule)
-    if not two_way:
-        return compressor
-    try:
-        return TwoWayCompressor(compressor)
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
+    if two_way:
+        try:
+            compressor = TwoWayCompressor(compressor)
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+    for key, value in plan.items():  # read by the DDP hook (hooks/planner.py)
+        setattr(compressor, key, value)
+    return compressor
 
 
 def build_comm(cfg: Any):
@@ -199,10 +211,10 @@ def build_comm(cfg: Any):
     try:
         return CommLayout(**opts)
     except TypeError:
-        unknown = sorted(set(opts) - {"fusion_mb", "hierarchy", "procs_per_node"})
+        unknown = sorted(set(opts) - {"fusion_mb", "hierarchy", "procs_per_node", "allreduce", "aggregator"})
         raise ConfigError(
             f"comm.{unknown[0] if unknown else '?'}: not a comm option; the options are fusion_mb, "
-            "hierarchy, procs_per_node"
+            "hierarchy, procs_per_node, allreduce, aggregator"
         ) from None
     except ValueError as err:
         raise ConfigError(str(err)) from None
@@ -236,6 +248,9 @@ def build_strategy(cfg: Any, *, world_size: int | None = None):
         built["compression"] = compressor
     built.update(getattr(cls, "cli_kwargs", lambda c: {})(cfg))
     layout = build_comm(cfg)
+    if layout.allreduce != "ring" and not getattr(cls, "switch_allreduce", False):
+        raise ConfigError(f"comm.allreduce: {layout.allreduce} sums strategy=ddp's dense gradient buckets only, "
+                          f"not strategy={cfg.strategy.get('name')}")
     if _takes_comm(cls):
         built["comm"] = layout
     elif layout.hierarchy != "flat":  # a recipe's comm.* in a strategy sweep: not an error

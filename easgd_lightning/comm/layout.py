@@ -42,10 +42,15 @@ from easgd_lightning.comm import ops
 from easgd_lightning.comm.fusion import DEFAULT_FUSION_MB, fusion_buckets, fusion_threshold
 from easgd_lightning.comm.meter import get_meter
 
-__all__ = ["HIERARCHIES", "CommLayout", "NodeGroups", "node_ranks"]
+__all__ = ["ALLREDUCES", "AGGREGATORS", "HIERARCHIES", "CommLayout", "NodeGroups", "node_ranks"]
 
 #: accepted values of ``comm.hierarchy``
 HIERARCHIES = ("flat", "node")
+#: accepted values of ``comm.allreduce`` (strategy=ddp's dense hook): gloo's ring, or the
+#: emulated in-network aggregator (:mod:`easgd_lightning.comm.switch`)
+ALLREDUCES = ("ring", "switch")
+#: accepted values of ``comm.aggregator``: who starts the switch's aggregator process
+AGGREGATORS = ("rank0", "external")
 
 
 def node_ranks(world: int, procs_per_node: int) -> list[list[int]]:
@@ -189,6 +194,11 @@ class CommLayout:
             node, all-reduce among node leaders, broadcast inside the node).
         procs_per_node: processes per node for ``hierarchy=node`` (None: ``LOCAL_WORLD_SIZE``,
             else the host names).
+        allreduce: ``ring`` (gloo's all-reduce) or ``switch`` (strategy=ddp's dense buckets
+            summed by the emulated in-network aggregator, :mod:`easgd_lightning.comm.switch`;
+            not with ``hierarchy=node``).
+        aggregator: who starts the switch's aggregator process: ``rank0`` (beside itself)
+            or ``external`` (bench/cluster.py --aggregator switch).
 
     Raises:
         ValueError: a bad value, naming its ``comm.`` key.
@@ -199,6 +209,8 @@ class CommLayout:
         fusion_mb: float = DEFAULT_FUSION_MB,
         hierarchy: str = "flat",
         procs_per_node: int | None = None,
+        allreduce: str = "ring",
+        aggregator: str = "rank0",
     ) -> None:
         if isinstance(fusion_mb, bool) or not isinstance(fusion_mb, (int, float)) or not fusion_mb >= 0:
             raise ValueError(f"comm.fusion_mb: must be a number >= 0 (MiB; 0 = no fusion), got {fusion_mb!r}")
@@ -208,9 +220,17 @@ class CommLayout:
             isinstance(procs_per_node, bool) or not isinstance(procs_per_node, int) or procs_per_node < 1
         ):
             raise ValueError(f"comm.procs_per_node: must be an integer >= 1 or null, got {procs_per_node!r}")
+        if allreduce not in ALLREDUCES:
+            raise ValueError(f"comm.allreduce: {allreduce!r} is unknown; choose one of {', '.join(ALLREDUCES)}")
+        if aggregator not in AGGREGATORS:
+            raise ValueError(f"comm.aggregator: {aggregator!r} is unknown; choose one of {', '.join(AGGREGATORS)}")
+        if allreduce == "switch" and hierarchy == "node":
+            raise ValueError("comm.allreduce: switch sums every process's bucket itself; it does not combine with comm.hierarchy=node")
         self.fusion_mb = float(fusion_mb)
         self.hierarchy = hierarchy
         self.procs_per_node = procs_per_node
+        self.allreduce = allreduce
+        self.aggregator = aggregator
         self.node: NodeGroups | None = None
         self.nodes_used: list | None = None  # the nodes of the last setup (kept after close, for the summary)
 
@@ -221,11 +241,13 @@ class CommLayout:
     def __repr__(self) -> str:
         return (
             f"CommLayout(fusion_mb={self.fusion_mb:g}, hierarchy={self.hierarchy!r}, "
-            f"procs_per_node={self.procs_per_node!r})"
+            f"procs_per_node={self.procs_per_node!r}, allreduce={self.allreduce!r}, aggregator={self.aggregator!r})"
         )
 
     def as_dict(self) -> dict:
         out = {"fusion_mb": self.fusion_mb, "hierarchy": self.hierarchy, "procs_per_node": self.procs_per_node}
+        if self.allreduce != "ring":
+            out |= {"allreduce": self.allreduce, "aggregator": self.aggregator}
         if self.nodes_used is not None:
             out["nodes"] = self.nodes_used
         return out

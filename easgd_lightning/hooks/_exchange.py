@@ -22,6 +22,19 @@ stateful ones (PowerSGD, sketch, DGC, adaptive, fp16's own) run their whole
 ``aggregate`` at launch. Both halves run every rank's arithmetic in the same order
 whether they are called back to back or far apart, so an overlapped exchange gives
 bitwise the result of one finished at once.
+
+A ``plan`` (HiPress SeCoPa, :mod:`easgd_lightning.hooks.planner`) replaces the
+``min_numel`` policy per tensor key: dense or compressed, and in how many partitions.
+A tensor planned in K > 1 partitions travels through CaSync's pipeline
+(:func:`pipelined_exchange`): it is error-compensated whole, cut along its first dimension
+(:func:`split_partitions`), and each partition is exchanged as a tensor of its own (state
+key ``"<key>#<j>/<K>"``) with non-blocking collectives: partition j + 1 is encoded and
+launched while partition j is on the wire, and partition j is decoded while the later
+ones still travel. Each partition's collective rounds are driven by a generator
+(:func:`exchange_rounds`): the compressor's ``aggregate_rounds`` when it has one
+(PowerSGD: the P all-reduce, then the Q all-reduce), else ``start_aggregate`` (encode and
+launch) then its ``finish`` (wait and decode). The result is bitwise that of each
+partition exchanged alone, one after the other.
 """
 
 from __future__ import annotations
@@ -46,6 +59,11 @@ __all__ = [
     "ExchangeStats",
     "PendingExchange",
     "exchange_tensors",
+    "exchange_rounds",
+    "pipelined_exchange",
+    "start_pipeline",
+    "split_partitions",
+    "partition_key",
     "start_exchange_tensors",
     "key_hash",
 ]
@@ -155,6 +173,121 @@ def _start_small(pending, tensors, keys, small, compressor, states, collective, 
     pending.stats.dense_tensors += len(small)
 
 
+def split_partitions(tensor: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    """``parts`` contiguous views of ``tensor`` cut along its first dimension (1-D: its
+    elements), as equal as ``torch.tensor_split`` makes them (at most one per row)."""
+    if tensor.dim() >= 2:
+        return list(torch.tensor_split(tensor, min(parts, tensor.shape[0]), dim=0))
+    flat = tensor.reshape(-1)
+    return list(torch.tensor_split(flat, max(1, min(parts, flat.numel()))))
+
+
+def partition_key(key, j: int, parts: int) -> str:
+    """The state key of partition ``j`` of ``parts`` of the tensor ``key``."""
+    return f"{key}#{j}/{parts}"
+
+
+def exchange_rounds(compressor: Compressor, tensor: torch.Tensor, state: dict, collective):
+    """One tensor's exchange as a generator: it yields after launching each non-blocking
+    collective round and returns (mean, local) when the last one is decoded.
+    ``compressor.aggregate_rounds`` (same protocol) when it has one, else
+    ``start_aggregate`` then its ``finish``."""
+    rounds = getattr(compressor, "aggregate_rounds", None)
+    if callable(rounds):
+        return (yield from rounds(tensor, state, collective))
+    local, finish = compressor.start_aggregate(tensor, state, collective)
+    yield
+    return finish(), local
+
+
+def start_pipeline(
+    compressor: Compressor, parts: list[torch.Tensor], states: list[dict], collective, dense_bytes: list[int] | None = None
+):
+    """CaSync's pipeline over the partitions of one tensor, launched: every partition's
+    first round is encoded and launched, in order (``dense_bytes``, per partition, charged
+    before each launch). Returns ``finish``: it advances the partitions round by round in
+    order (wait, decode or encode the next round and launch it) and returns, per
+    partition, (mean, local)."""
+    streams = [exchange_rounds(compressor, p, st, collective) for p, st in zip(parts, states, strict=True)]
+    results: list = [None] * len(streams)
+
+    def advance(j: int) -> bool:
+        try:
+            next(streams[j])
+            return True
+        except StopIteration as done:
+            results[j] = done.value
+            return False
+
+    live = []
+    for j in range(len(streams)):
+        if dense_bytes is not None:
+            collective.charge_dense(dense_bytes[j], key=states[j].get("_partition_key"))
+        if advance(j):
+            live.append(j)
+
+    def finish() -> list:
+        nonlocal live
+        while live:
+            live = [j for j in live if advance(j)]
+        return results
+
+    return finish
+
+
+def pipelined_exchange(compressor: Compressor, parts, states, collective, dense_bytes=None) -> list:
+    """:func:`start_pipeline` finished at once: per partition, (mean, local)."""
+    return start_pipeline(compressor, parts, states, collective, dense_bytes)()
+
+
+def _start_partitioned(pending, i, tensor, key, parts, compressor, memory, states, collective) -> None:
+    """Launch tensor ``i``'s pipelined exchange in ``parts`` partitions (module docstring);
+    the pipeline is driven to its end, the residual updated and the mean joined at finish."""
+    st = states.setdefault(key, {})
+    st.setdefault("key_hash", key_hash(key))
+    comp = memory.compensate(key, tensor)
+    if comp is tensor:  # no memory: later rounds must not read the caller's tensor
+        comp = tensor.detach().clone()
+    pieces = split_partitions(comp, parts)
+    pstates = []
+    for j in range(len(pieces)):
+        pk = partition_key(key, j, len(pieces))
+        pst = states.setdefault(pk, {})
+        pst.setdefault("key_hash", key_hash(pk))
+        pst["_partition_key"] = pk
+        pstates.append(pst)
+    dense = [p.numel() * p.element_size() for p in pieces]
+    pending.stats.compressed_tensors += 1
+    finish = start_pipeline(compressor, pieces, pstates, collective, dense)
+
+    def finish_partitioned() -> None:
+        results = finish()
+        cat = (lambda ts: torch.cat(ts, dim=0)) if comp.dim() >= 2 else (lambda ts: torch.cat([t.reshape(-1) for t in ts]))
+        local = cat([loc.reshape(p.shape) for (_, loc), p in zip(results, pieces)]).view(comp.shape)
+        memory.update(key, comp, local)
+        pending.locals[i] = local
+        pending.means[i] = cat([m.reshape(p.shape) for (m, _), p in zip(results, pieces)]).view(comp.shape)
+
+    pending._finishers.append(finish_partitioned)
+
+
+def _policy(tensors, keys, limit: int, plan) -> tuple[list[int], list[int], dict[int, int]]:
+    """(dense, compressed whole, {index: partitions > 1}): ``plan``'s decision per key where
+    it has one, else dense under ``limit`` elements."""
+    small, big, piped = [], [], {}
+    for i, t in enumerate(tensors):
+        d = plan.get(keys[i]) if plan is not None else None
+        if d is None:
+            (small if t.numel() < limit else big).append(i)
+        elif not d.compress:
+            small.append(i)
+        elif d.partitions > 1:
+            piped[i] = d.partitions
+        else:
+            big.append(i)
+    return small, big, piped
+
+
 def start_exchange_tensors(
     tensors: list[torch.Tensor],
     keys: list,
@@ -163,19 +296,20 @@ def start_exchange_tensors(
     states: dict,
     collective,
     min_numel: int | None = None,
+    plan=None,
 ) -> PendingExchange:
     """Launch the exchange of the module docstring; :meth:`PendingExchange.finish` ends it.
 
     Every rank must call this with tensors of the same shapes in the same order; ``min_numel``
-    overrides ``compressor.min_numel``. The input tensors are read during the launch only
-    (they may change afterwards).
+    overrides ``compressor.min_numel``; ``plan`` (a :class:`~easgd_lightning.hooks.planner.
+    Plan`, the same on every rank) decides per key instead. The input tensors are read
+    during the launch only (they may change afterwards).
     """
     kind = collective.kind
     start = time.perf_counter()
     pending = PendingExchange(len(tensors), collective, _kind_totals(kind))
     limit = compressor.min_numel if min_numel is None else int(min_numel)
-    small = [i for i, t in enumerate(tensors) if t.numel() < limit]
-    big = [i for i, t in enumerate(tensors) if t.numel() >= limit]
+    small, big, piped = _policy(tensors, keys, limit, plan)
     batched = getattr(collective, "batched", None)  # one message for all payloads
     fold = bool(batched and big and small)  # the small tensors ride in that message too
     fused = getattr(collective, "fused", nullcontext)  # lazy all-reduce of the sums (comm.fusion_mb)
@@ -197,6 +331,8 @@ def start_exchange_tensors(
                 pending.means[i] = finish()
 
             pending._finishers.append(finish_big)
+    for i, parts in piped.items():
+        _start_partitioned(pending, i, tensors[i], keys[i], parts, compressor, memory, states, collective)
     pending._busy_s = time.perf_counter() - start
     return pending
 

@@ -15,6 +15,17 @@ calls :func:`register_compression_hook` itself, so the hook runs on CPU/gloo as 
   the first iteration, like PyTorch's PowerSGD ``start_powerSGD_iter``); compressor and
   residual state is keyed by parameter name, so it survives the rebuild.
 
+* With ``allreduce="switch"`` (``comm.allreduce: switch``), the dense hook sums each bucket
+  through the emulated in-network aggregator of :mod:`easgd_lightning.comm.switch`
+  (NetReduce: one send and one receive per worker) instead of gloo's ring all-reduce.
+* With ``plan="secopa"`` (``compression.plan: secopa``), the compressed hook measures and
+  fits the cost model of :mod:`easgd_lightning.hooks.planner` at its first compressed
+  iteration (and every ``replan_steps`` iterations after it, 0: never again) and
+  exchanges each parameter as the plan says: dense, compressed whole, or compressed in
+  K partitions through CaSync's pipeline (:mod:`easgd_lightning.hooks._exchange`). Rank 0
+  writes the plan to ``<plan_dir>/plan.json`` (atomically); ``compression_stats()``
+  carries its summary into ``summary.json``.
+
 Metering (kind ``data_parallel``): ``bytes_sent`` is the real payload (indices, values,
 scales, factors, length headers), ``dense_bytes`` the bucket bytes.
 
@@ -36,14 +47,17 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from easgd_lightning.comm import ops
+from easgd_lightning.hooks import planner
 from easgd_lightning.hooks._exchange import ExchangeStats, exchange_tensors
 from easgd_lightning.hooks.collective import ProcessGroupCollective
 from easgd_lightning.hooks.compressors.base import Compressor
 from easgd_lightning.hooks.compressors.none import NoneCompressor
 from easgd_lightning.hooks.memory import Memory, NoMemory, ResidualMemory, make_memory
+from easgd_lightning.utils.atomic import atomic_write_json
 from easgd_lightning.utils.checkpoint import from_plain, to_plain
 
 __all__ = [
+    "check_allreduce",
     "DenseHookState",
     "CompressionHookState",
     "dense_allreduce_hook",
@@ -55,14 +69,17 @@ __all__ = [
 class DenseHookState:
     """State of the metered dense hook."""
 
-    __slots__ = ("group", "world_size", "kind", "calls", "_inflight", "layout")
+    __slots__ = ("group", "world_size", "kind", "calls", "_inflight", "layout", "switch")
 
-    def __init__(self, group: dist.ProcessGroup | None = None, kind: str = "data_parallel", layout=None):
+    def __init__(
+        self, group: dist.ProcessGroup | None = None, kind: str = "data_parallel", layout=None, switch=None
+    ):
         self.group = group
         self.layout = layout  # comm.layout.CommLayout: hierarchical reduction (comm.hierarchy)
         self.world_size = dist.get_world_size(group)
         self.kind = kind
         self.calls = 0
+        self.switch = switch  # a comm.switch.SwitchClient: sum through the aggregator
         self._inflight: list[torch.futures.Future] | None = None
 
     def _wait_inflight(self) -> None:
@@ -72,7 +89,7 @@ class DenseHookState:
             ops.wait(fut, kind=self.kind)
 
     def compression_stats(self) -> dict:
-        return {"compressor": "none", "calls": self.calls}
+        return {"compressor": "none", "calls": self.calls, **({"allreduce": "switch"} if self.switch else {})}
 
 
 def dense_allreduce_hook(
@@ -82,7 +99,10 @@ def dense_allreduce_hook(
     state.calls += 1
     buf = bucket.buffer()
     buf.div_(state.world_size)
-    fut = (state.layout or ops).all_reduce_async(buf, kind=state.kind, group=state.group)
+    if state.switch is not None:
+        fut = state.switch.all_reduce_async(buf, kind=state.kind)
+    else:
+        fut = (state.layout or ops).all_reduce_async(buf, kind=state.kind, group=state.group)
     if state._inflight is None:  # first bucket of this backward
         state._inflight = []
         torch.autograd.Variable._execution_engine.queue_callback(state._wait_inflight)
@@ -105,6 +125,14 @@ class CompressionHookState:
             it has one (``adaptive``).
         min_numel: overrides ``compressor.min_numel`` (tensors below travel dense).
         fusion_bytes: lazy all-reduce buffer size of the bucket's payloads (None: none).
+        plan: ``none`` (the ``min_numel`` policy) or ``secopa`` (:mod:`~easgd_lightning.
+            hooks.planner`); default: ``compressor.plan``.
+        replan_steps: measure and plan again every this many iterations (0: once);
+            default: ``compressor.replan_steps``.
+        max_partitions: the most partitions a tensor is cut into; default:
+            ``compressor.max_partitions``.
+        param_specs: the parameters the planner plans (``TensorSpec`` per name).
+        plan_dir: where rank 0 writes ``plan.json`` (None: not written).
     """
 
     __slots__ = (
@@ -116,6 +144,11 @@ class CompressionHookState:
         "warmup_steps",
         "min_numel",
         "auto_observe",
+        "plan",
+        "replan_steps",
+        "max_partitions",
+        "plan_dir",
+        "param_specs",
         # internal state
         "collective",
         "world_size",
@@ -124,6 +157,9 @@ class CompressionHookState:
         "tensor_states",
         "_new_iteration",
         "_last_end",
+        "active_plan",
+        "planned_at",
+        "replans",
         # statistics
         "calls",
         "compressed_calls",
@@ -144,6 +180,11 @@ class CompressionHookState:
         auto_observe: bool = True,
         min_numel: int | None = None,
         fusion_bytes: int | None = None,
+        plan: str | None = None,
+        replan_steps: int | None = None,
+        max_partitions: int | None = None,
+        param_specs: list | None = None,
+        plan_dir: str | None = None,
     ) -> None:
         if isinstance(warmup_steps, bool) or int(warmup_steps) != warmup_steps or warmup_steps < 0:
             raise ValueError(f"hook warmup_steps must be an integer >= 0, got {warmup_steps!r}")
@@ -156,6 +197,15 @@ class CompressionHookState:
             raise ValueError(f"compression.min_numel must be an integer >= 0, got {min_numel!r}")
         self.min_numel = compressor.min_numel if min_numel is None else int(min_numel)
         self.auto_observe = auto_observe
+        self.plan = getattr(compressor, "plan", "none") if plan is None else plan
+        self.replan_steps = getattr(compressor, "replan_steps", 0) if replan_steps is None else replan_steps
+        self.max_partitions = getattr(compressor, "max_partitions", 8) if max_partitions is None else max_partitions
+        planner.check_plan_options(self.plan, self.replan_steps, self.max_partitions)
+        self.param_specs = list(param_specs or [])
+        self.plan_dir = plan_dir
+        self.active_plan: planner.Plan | None = None
+        self.planned_at = -1
+        self.replans = 0
         self.collective = ProcessGroupCollective(group, kind=kind, fusion_bytes=fusion_bytes)
         self.world_size = self.collective.world_size
         self.iteration = 0
@@ -188,7 +238,34 @@ class CompressionHookState:
             "last_density": self._last_density(),
             # compressor-specific counters (lgc: the share of steps in its learned phase)
             **(self.compressor.run_stats() if hasattr(self.compressor, "run_stats") else {}),
+            **({"plan": self.active_plan.summary() | {"replans": self.replans}} if self.active_plan else {}),
         }
+
+    def maybe_plan(self) -> None:
+        """Measure and plan (``plan="secopa"``) when none is active or ``replan_steps``
+        iterations passed since the last one: a collective call on every rank."""
+        if self.plan != "secopa" or not self.param_specs:
+            return
+        due = self.active_plan is None or (
+            self.replan_steps > 0 and self.iteration - self.planned_at >= self.replan_steps
+        )
+        if not due:
+            return
+        largest = min(max(s.numel for s in self.param_specs), planner.MAX_PROBE_NUMEL)
+        costs, probes = planner.measure_costs(
+            self.compressor, group=self.group, sizes=planner.probe_sizes(largest)
+        )
+        self.active_plan = planner.make_plan(
+            costs, self.param_specs, min_numel=self.min_numel, max_partitions=self.max_partitions,
+            iteration=self.iteration, probes=probes,
+        )
+        self.replans += self.active_plan is not None and self.planned_at >= 0
+        self.planned_at = self.iteration
+        if self.plan_dir is not None and dist.get_rank(self.group) == 0:
+            atomic_write_json(
+                f"{self.plan_dir}/plan.json",
+                {"compressor": self.compressor.name, **self.active_plan.to_dict(), "replans": self.replans},
+            )
 
     def _last_density(self) -> float | None:
         """The density a scheduled sparsifier (DGC's warm-up) used in its last step (the
@@ -228,6 +305,7 @@ def compressed_allreduce_hook(
     """Average the bucket through ``state.compressor`` (synchronous; completed future)."""
     state.calls += 1
     now = time.perf_counter()
+    first_bucket = state._new_iteration
     if state._new_iteration:
         state._new_iteration = False
         observe = getattr(state.compressor, "observe_compute_time", None)
@@ -240,6 +318,8 @@ def compressed_allreduce_hook(
         ops.all_reduce(buf, kind=state.kind, group=state.group)
     else:
         state.compressed_calls += 1
+        if first_bucket or state.active_plan is None:
+            state.maybe_plan()
         grads = bucket.gradients()
         params = bucket.parameters()
         idx = bucket.index()
@@ -252,6 +332,7 @@ def compressed_allreduce_hook(
             state.tensor_states,
             state.collective,
             min_numel=state.min_numel,
+            plan=state.active_plan,
         )
         for g, m in zip(grads, means):
             if g.data_ptr() != m.data_ptr():
@@ -274,6 +355,30 @@ def _param_names(model: torch.nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in inner.named_parameters()}
 
 
+def check_allreduce(allreduce: str, aggregator: str, compressor) -> None:
+    """``comm.allreduce`` / ``comm.aggregator`` values; ValueError naming the key."""
+    from easgd_lightning.comm.layout import AGGREGATORS, ALLREDUCES
+
+    if allreduce not in ALLREDUCES:
+        raise ValueError(f"comm.allreduce must be one of {list(ALLREDUCES)}, got {allreduce!r}")
+    if aggregator not in AGGREGATORS:
+        raise ValueError(f"comm.aggregator must be one of {list(AGGREGATORS)}, got {aggregator!r}")
+    if allreduce == "switch" and not (compressor is None or isinstance(compressor, NoneCompressor)):
+        raise ValueError(
+            "comm.allreduce=switch sums dense gradients; it needs compression=none, got "
+            f"compression={compressor.name}"
+        )
+
+
+def _param_specs(model: torch.nn.Module) -> list[planner.TensorSpec]:
+    inner = getattr(model, "module", model)
+    return [
+        planner.TensorSpec(name, tuple(p.shape), p.element_size())
+        for name, p in inner.named_parameters()
+        if p.requires_grad
+    ]
+
+
 def register_compression_hook(
     model: DistributedDataParallel,
     compressor: Compressor | None = None,
@@ -285,6 +390,13 @@ def register_compression_hook(
     auto_observe: bool = True,
     min_numel: int | None = None,
     layout=None,
+    allreduce: str = "ring",
+    aggregator: str = "rank0",
+    plan: str | None = None,
+    replan_steps: int | None = None,
+    max_partitions: int | None = None,
+    plan_dir: str | None = None,
+    timeout_s: float = 300.0,
 ):
     """Register the hook for ``compressor`` on ``model`` and return its state.
 
@@ -306,9 +418,21 @@ def register_compression_hook(
         layout: the ``comm`` layout (:class:`easgd_lightning.comm.layout.CommLayout`): the
             dense hook reduces hierarchically with ``hierarchy=node``; the compressed hook
             fuses the payloads of a bucket into ``fusion_mb`` buffers.
+        allreduce: ``ring`` (gloo's all-reduce) or ``switch`` (the emulated in-network
+            aggregator, :class:`~easgd_lightning.comm.switch.SwitchClient`; dense only).
+        aggregator: where the switch's aggregator runs (``rank0`` or ``external``).
+        plan, replan_steps, max_partitions, plan_dir: the SeCoPa planner's options
+            (:class:`CompressionHookState`).
+        timeout_s: how long the switch group's members wait for each other.
     """
+    check_allreduce(allreduce, aggregator, compressor)
     if compressor is None or isinstance(compressor, NoneCompressor):
-        state = DenseHookState(group, kind=kind, layout=layout)
+        switch = None
+        if allreduce == "switch":
+            from easgd_lightning.comm.switch import SwitchClient
+
+            switch = SwitchClient(aggregator, timeout_s=timeout_s)
+        state = DenseHookState(group, kind=kind, layout=layout, switch=switch)
         model.register_comm_hook(state, dense_allreduce_hook)
         return state
     if not isinstance(compressor, Compressor):
@@ -330,6 +454,11 @@ def register_compression_hook(
         auto_observe=auto_observe,
         min_numel=min_numel,
         fusion_bytes=None if layout is None else layout.fusion_bytes,
+        plan=plan,
+        replan_steps=replan_steps,
+        max_partitions=max_partitions,
+        param_specs=_param_specs(model),
+        plan_dir=plan_dir,
     )
     model.register_comm_hook(state, compressed_allreduce_hook)
     return state

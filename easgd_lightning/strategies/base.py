@@ -114,7 +114,8 @@ def comm_layout_for(strategy: Any, comm: Any, compression: Any) -> CommLayout:
     if why is None:
         return layout
     rank_zero_warn(f"comm.hierarchy={layout.hierarchy} does not apply here ({why}): reducing flat")
-    return CommLayout(fusion_mb=layout.fusion_mb, hierarchy="flat", procs_per_node=layout.procs_per_node)
+    return CommLayout(fusion_mb=layout.fusion_mb, hierarchy="flat", procs_per_node=layout.procs_per_node,
+                      allreduce=layout.allreduce, aggregator=layout.aggregator)
 
 
 def check_one_optimizer(strategy: Any, count: int) -> None:

@@ -27,7 +27,8 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from easgd_lightning.comm import ops
-from easgd_lightning.hooks.ddp import register_compression_hook
+from easgd_lightning.compat.lightning import process_group_timeout
+from easgd_lightning.hooks.ddp import check_allreduce, register_compression_hook
 from easgd_lightning.strategies.base import comm_layout_for
 from easgd_lightning.strategies.registry import register_strategy, reject_unknown_kwargs
 from easgd_lightning.utils.checkpoint import check_saved_world_size
@@ -53,19 +54,25 @@ class CompressedDDPStrategy(DDPStrategy):
         compression: a compressor from ``easgd_lightning.hooks.build_compressor`` or None.
         hook_options: extra keyword options for the hook (e.g. ``min_numel``, ``memory``).
         comm: the ``comm`` layout (``CommLayout`` or its options: ``fusion_mb``,
-            ``hierarchy``, ``procs_per_node``); None: the defaults.
+            ``hierarchy``, ``procs_per_node``, ``allreduce``, ``aggregator``); None: the
+            defaults. ``comm.allreduce=switch`` sums the dense buckets through the emulated
+            in-network aggregator of :mod:`easgd_lightning.comm.switch` (NetReduce; needs
+            compression=none); ``comm.aggregator`` says who starts its process (``rank0``
+            or ``external``: bench/cluster.py --aggregator switch).
         **kwargs: passed to Lightning's ``DDPStrategy``.
     """
 
     strategy_name = "ddp_compressed"
     min_world_size = 1
     hierarchical = True
+    switch_allreduce = True  # comm.allreduce=switch: the dense hook sums through comm.switch
 
     def __init__(
         self, compression: Any = None, hook_options: dict | None = None, comm: Any = None, **kwargs: Any
     ):
         reject_unknown_kwargs(self, kwargs, DDPStrategy, DistributedDataParallel)
         self._comm = comm_layout_for(self, comm, compression)
+        check_allreduce(self._comm.allreduce, self._comm.aggregator, compression)
         kwargs.setdefault("bucket_cap_mb", self._comm.fusion_mb)
         super().__init__(**kwargs)
         self._compression = compression
@@ -87,8 +94,16 @@ class CompressedDDPStrategy(DDPStrategy):
 
     @override
     def _register_ddp_hooks(self) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         self.hook_state = register_compression_hook(
-            self.model, self._compression, layout=self._comm, **self._hook_options
+            self.model,
+            self._compression,
+            layout=self._comm,
+            allreduce=self._comm.allreduce,
+            aggregator=self._comm.aggregator,
+            plan_dir=getattr(trainer, "default_root_dir", None),
+            timeout_s=process_group_timeout(self),
+            **self._hook_options,
         )
         if self._resume_rank_state is not None:
             self._restore_rank_state(self._resume_rank_state)

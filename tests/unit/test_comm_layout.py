@@ -37,7 +37,10 @@ def test_fusion_threshold_is_mib() -> None:
         ({"fusion_mb": "big"}, "comm.fusion_mb: must be a number >= 0"),
         ({"hierarchy": "tree"}, "comm.hierarchy: 'tree' is unknown; choose one of flat, node"),
         ({"procs_per_node": 0}, "comm.procs_per_node: must be an integer >= 1 or null"),
-        ({"fusion": 1}, "comm.fusion: not a comm option; the options are fusion_mb, hierarchy, procs_per_node"),
+        ({"allreduce": "tree"}, "comm.allreduce: 'tree' is unknown; choose one of ring, switch"),
+        ({"aggregator": "rank1"}, "comm.aggregator: 'rank1' is unknown; choose one of rank0, external"),
+        ({"allreduce": "switch", "hierarchy": "node"}, "comm.allreduce: switch sums every process's bucket itself"),
+        ({"fusion": 1}, "comm.fusion: not a comm option; the options are fusion_mb, hierarchy, procs_per_node, allreduce, aggregator"),
     ],
 )
 def test_bad_comm_values_are_one_line_config_errors(opts, message) -> None:

@@ -163,7 +163,14 @@ def compressor_class(name: str | None, target: str | None = None) -> type[Compre
     return own
 
 
-def build_compressor(name: str | None = "none", **params) -> Compressor:
+def build_compressor(
+    name: str | None = "none",
+    *,
+    plan: str = "none",
+    replan_steps: int = 0,
+    max_partitions: int = 8,
+    **params,
+) -> Compressor:
     """The compressor registered as ``name``, constructed with ``params``.
 
     Args:
@@ -172,11 +179,23 @@ def build_compressor(name: str | None = "none", **params) -> Compressor:
             ``two_way`` (true: :class:`~easgd_lightning.hooks.compressors.two_way.
             TwoWayCompressor` around it, compressed in both directions), and ``_target_``
             (another class for the name: a subclass of its class, as in a config file).
+        plan, replan_steps, max_partitions: the attach point's SeCoPa planner
+            (:mod:`easgd_lightning.hooks.planner`): ``plan`` ``none`` (the ``min_numel``
+            policy) or ``secopa``; set as attributes of the compressor, read by the DDP hook.
 
     Raises:
         ValueError: unknown name, unknown parameter, or a value out of range; the
             message names the ``compression.<key>`` and what is allowed.
     """
+    from easgd_lightning.hooks.planner import check_plan_options
+
+    check_plan_options(plan, replan_steps, max_partitions)
+    compressor = _build(name, **params)
+    compressor.plan, compressor.replan_steps, compressor.max_partitions = plan, replan_steps, max_partitions
+    return compressor
+
+
+def _build(name: str | None, **params) -> Compressor:
     if name is None:
         name = "none"
     two_way = params.pop("two_way", False)
@@ -185,7 +204,7 @@ def build_compressor(name: str | None = "none", **params) -> Compressor:
     if two_way:
         from easgd_lightning.hooks.compressors.two_way import TwoWayCompressor
 
-        return TwoWayCompressor(build_compressor(name, **params))
+        return TwoWayCompressor(_build(name, **params))
     cls = compressor_class(name, params.pop("_target_", None))
     sig = inspect.signature(cls.__init__)
     valid = [p for p in sig.parameters if p != "self"]
@@ -193,6 +212,6 @@ def build_compressor(name: str | None = "none", **params) -> Compressor:
         if key not in valid:
             raise ValueError(
                 f"compression.{key} is not a parameter of compression {name!r}; "
-                f"valid parameters: {['name', *valid]}"
+                f"valid parameters: {['name', *valid, 'plan', 'replan_steps', 'max_partitions']}"
             )
     return cls(**{k: _plain(v) for k, v in params.items()})

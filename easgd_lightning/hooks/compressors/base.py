@@ -87,6 +87,7 @@ __all__ = [
     "sparse_out",
     "record_sparse",
     "start_collective",
+    "run_rounds",
     "mean_of",
 ]
 
@@ -295,6 +296,16 @@ class _Done:
 
     def wait(self):
         return self._value
+
+
+def run_rounds(rounds):
+    """Drive an ``aggregate_rounds`` generator (it yields after each non-blocking launch)
+    to its end at once; returns what it returns (mean, local)."""
+    while True:
+        try:
+            next(rounds)
+        except StopIteration as done:
+            return done.value
 
 
 def start_collective(collective: Collective, name: str, tensors: list[torch.Tensor]):

@@ -12,7 +12,13 @@ from typing import ClassVar
 
 import torch
 
-from easgd_lightning.hooks.compressors.base import Collective, Compressor, Payload
+from easgd_lightning.hooks.compressors.base import (
+    Collective,
+    Compressor,
+    Payload,
+    run_rounds,
+    start_collective,
+)
 
 __all__ = ["FP16Compressor", "BF16Compressor"]
 
@@ -43,10 +49,17 @@ class FP16Compressor(Compressor):
         self, tensor: torch.Tensor, state: dict, collective: Collective
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Divide by p before the cast, all-reduce the 16-bit payload, cast back."""
+        return run_rounds(self.aggregate_rounds(tensor, state, collective))
+
+    def aggregate_rounds(self, tensor: torch.Tensor, state: dict, collective: Collective):
+        """:meth:`aggregate` as a generator that yields once its all-reduce is launched
+        (non-blocking where the collective can): partitions pipeline (HiPress CaSync)."""
         world = collective.world_size
         local = self.decompress(self.compress(tensor, state), tensor.shape)
         payload = self.compress(tensor / world, state)
-        (summed,) = collective.all_reduce_sum(list(payload.tensors))
+        pending = start_collective(collective, "all_reduce_sum", list(payload.tensors))
+        yield
+        (summed,) = pending.wait()
         mean = self.decompress(Payload((summed,), payload.meta), tensor.shape)
         return mean.to(tensor.dtype), local.to(tensor.dtype)
 

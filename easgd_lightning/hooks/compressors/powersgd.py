@@ -32,6 +32,8 @@ from easgd_lightning.hooks.compressors.base import (
     Payload,
     check_choice,
     check_int,
+    run_rounds,
+    start_collective,
 )
 
 __all__ = [
@@ -174,10 +176,40 @@ class PowerSGDCompressor(Compressor):
         self, tensor: torch.Tensor, state: dict, collective: Collective
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Two all-reduce rounds (P, then Q); returns (P Q_bar^T, P Q_local^T)."""
+        return run_rounds(self.aggregate_rounds(tensor, state, collective))
+
+    def aggregate_rounds(self, tensor: torch.Tensor, state: dict, collective: Collective):
+        """:meth:`aggregate` as a generator that yields after launching each all-reduce
+        (non-blocking where the collective can) and returns (mean, local): the attach
+        points pipeline the partitions of a tensor with it (HiPress CaSync)."""
         if not self.compresses(tensor.shape):
-            (summed,) = collective.all_reduce_sum([tensor.reshape(-1)])
+            pending = start_collective(collective, "all_reduce_sum", [tensor.reshape(-1)])
+            yield
+            (summed,) = pending.wait()
             return summed.reshape(tensor.shape) / collective.world_size, tensor.clone()
-        return self.aggregate_many([tensor], [state], collective)[0]
+        world = collective.world_size
+        mat = as_matrix(tensor, self.matrix_view)
+        n, m = mat.shape
+        pending = start_collective(
+            collective, "all_reduce_sum", [(mat @ self._initial_q(m, min(self.rank, n, m), state, mat)).reshape(-1)]
+        )
+        yield
+        (p_sum,) = pending.wait()
+        p = orthonormalize(p_sum.view(n, -1) / world)
+        q_local = mat.t() @ p
+        pending = start_collective(collective, "all_reduce_sum", [q_local.reshape(-1)])
+        yield
+        (q_sum,) = pending.wait()
+        return self._finish_one(tensor, state, p, q_local, q_sum.view(q_local.shape), world)
+
+    def _finish_one(self, tensor, state: dict, p, q_local, q_sum, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, local) of one tensor from its P and its local and summed Q; the state's
+        warm start, step and payload bytes."""
+        q_mean = q_sum / world
+        state["q"] = q_mean
+        state["step"] = int(state.get("step", 0)) + 1
+        state["last_payload_bytes"] = (p.numel() + q_local.numel()) * p.element_size()
+        return low_rank_product(p, q_mean, tensor.shape), low_rank_product(p, q_local, tensor.shape)
 
     def aggregate_many(
         self, tensors: Sequence[torch.Tensor], states: Sequence[dict], collective: Collective
@@ -199,13 +231,7 @@ class PowerSGDCompressor(Compressor):
         ps = [orthonormalize(p / world) for p in _all_reduce_flat(collective, ps)]
         q_locals = [mat.t() @ p for mat, p in zip(mats, ps)]
         q_sums = _all_reduce_flat(collective, q_locals)
-        out = []
-        for tensor, state, p, q_local, q_sum in zip(tensors, states, ps, q_locals, q_sums):
-            q_mean = q_sum / world
-            state["q"] = q_mean
-            state["step"] = int(state.get("step", 0)) + 1
-            state["last_payload_bytes"] = (p.numel() + q_local.numel()) * p.element_size()
-            out.append(
-                (low_rank_product(p, q_mean, tensor.shape), low_rank_product(p, q_local, tensor.shape))
-            )
-        return out
+        return [
+            self._finish_one(tensor, state, p, q_local, q_sum, world)
+            for tensor, state, p, q_local, q_sum in zip(tensors, states, ps, q_locals, q_sums)
+        ]

@@ -1,0 +1,100 @@
+"""Real gloo processes: the SeCoPa plan under DDP gives, decision by decision, dense
+all-reduce bits for dense tensors and the codec's result for compressed (and partitioned)
+ones; CaSync's pipelined partitions equal the partitions exchanged alone; the emulated
+switch's sum equals all_reduce (float64) with the aggregator in rank 0 or in a process of
+its own."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from easgd_lightning.utils.rank_env import free_port, rank_env
+from tests.helpers import PY, base_env, launch_ranks
+
+SCRIPT = Path(__file__).parent / "scripts" / "plan_run.py"
+
+
+def _run(tmp_path: Path, world: int, scenarios: str) -> list[dict]:
+    launch_ranks(SCRIPT, world, [str(tmp_path), scenarios], timeout=300)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan")
+    return out, _run(out, 2, "plan_fixed,casync,switch")
+
+
+def test_fixed_plan_is_followed_decision_by_decision(two_ranks):
+    _, ranks = two_ranks
+    for r in ranks:
+        res = r["plan_fixed"]
+        assert res["worst"] == {"dense": 0.0, "compressed": 0.0}
+        assert res["decisions"]["fc2.weight"] == [True, 4] and res["decisions"]["fc3.weight"] == [False, 1]
+        assert res["stats"]["plan"]["partitioned"] == 1
+
+
+def test_measured_plan_is_the_same_on_every_rank_and_followed(tmp_path):
+    ranks = _run(tmp_path, 2, "plan_measured")
+    a, b = (r["plan_measured"] for r in ranks)
+    assert a["decisions"] == b["decisions"]
+    assert a["worst"] == {"dense": 0.0, "compressed": 0.0} and b["worst"] == a["worst"]
+    logged = json.loads((tmp_path / "plan.json").read_text())
+    assert {d["key"]: [d["compress"], d["partitions"]] for d in logged["decisions"]} == a["decisions"]
+    assert logged["costs"]["world"] == 2 and len(logged["probes"]["sizes"]) >= 2
+    # the biases (< min_numel = 1000 elements) travel dense whatever the measurements say
+    assert not a["decisions"]["fc1.bias"][0] and not a["decisions"]["fc3.bias"][0]
+    assert a["stats"]["plan"]["tensors"] == 6
+
+
+def test_casync_pipeline_equals_partitions_exchanged_alone(two_ranks):
+    _, ranks = two_ranks
+    for r in ranks:
+        res = r["casync"]
+        for codec in ("topk", "fp16", "powersgd"):
+            assert res[codec]["diff_vs_alone"] == 0.0, (codec, res[codec])
+        assert res["fp16"]["diff_vs_whole"] == 0.0
+        assert res["exchange_plan"]["mean_diff"] == 0.0
+        assert res["exchange_plan"]["mass"] < 1e-6
+        assert res["exchange_plan"]["dense_diff"] == 0.0
+
+
+def test_switch_sum_equals_all_reduce_float64(two_ranks):
+    _, ranks = two_ranks
+    for r in ranks:
+        res = r["switch"]
+        assert res["equal"] == [True, True, True]
+        assert res["sent"] == res["expected_sent"]  # each tensor once (+ a 24-byte header)
+        assert res["ddp_equal"]
+
+
+def test_switch_with_an_external_aggregator_process(tmp_path):
+    world, port = 2, free_port()
+    env = base_env()
+    agg = subprocess.Popen(
+        [PY, "-m", "easgd_lightning.comm.switch", "--addr", "127.0.0.1", "--port", str(port),
+         "--workers", str(world), "--timeout-s", "60"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    procs = [
+        subprocess.Popen([PY, str(SCRIPT), str(tmp_path), "switch_external"], env=rank_env(base_env(), r, world, port),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(world)
+    ]
+    try:
+        outs = [p.communicate(timeout=240) for p in procs]
+        agg_out = agg.communicate(timeout=60)
+    finally:
+        for p in [*procs, agg]:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), [o[1][-3000:] for o in outs]
+    assert agg.returncode == 0, agg_out[1][-3000:]
+    assert "served" in agg_out[0]
+    for r in range(world):
+        res = json.loads((tmp_path / f"rank{r}.json").read_text())["switch_external"]
+        assert res["equal"] == [True, True, True] and res["ddp_equal"]
