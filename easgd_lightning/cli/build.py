@@ -173,7 +173,6 @@ def build_compression(cfg: Any):
     """The compressor of ``cfg.compression`` (None for ``none``)."""
     from easgd_lightning.cli.targets import check_group
     from easgd_lightning.hooks.compressors.two_way import TwoWayCompressor
-
     from easgd_lightning.hooks.planner import check_plan_options
 
     rule = compression_rule(cfg)
