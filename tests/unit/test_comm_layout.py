@@ -69,3 +69,23 @@ def test_messages_per_step_in_the_summary() -> None:
     summary = build_summary({}, [report, dict(report, steps=2)])
     assert summary["comm"]["messages"] == [6, 6]
     assert summary["comm"]["messages_per_step"] == [2.0, 3.0]
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["strategy=sync_easgd", "comm.allreduce=switch"],
+         "comm.allreduce: switch sums strategy=ddp's dense gradient buckets only, not strategy=sync_easgd"),
+        (["strategy=ddp", "compression=topk", "comm.allreduce=switch"],
+         "comm.allreduce=switch sums dense gradients; it needs compression=none, got compression=topk"),
+    ],
+)
+def test_the_switch_is_refused_where_it_cannot_sum(overrides, message) -> None:
+    import easgd_lightning.cli.train  # noqa: F401  (registers the recipe resolvers)
+    from easgd_lightning.cli.build import validate_config
+    from easgd_lightning.cli.overrides import compose_checked
+
+    validate_config(compose_checked(["strategy=ddp", "comm.allreduce=switch"]), hardware=False)
+    with pytest.raises(ConfigError) as err:
+        validate_config(compose_checked(overrides), hardware=False)
+    assert str(err.value) == message

@@ -145,6 +145,26 @@ def test_plan_options_are_checked_with_the_key_named():
     assert (c.plan, c.replan_steps, c.max_partitions) == ("secopa", 50, 8)
 
 
+def test_config_keys_reach_the_built_compressor_and_bad_values_are_one_line():
+    """compression.plan / replan_steps / max_partitions are easgd-train's own keys: set on
+    the compressor it builds (two_way: on the wrapper, which the hook gets)."""
+    import easgd_lightning.cli.train  # noqa: F401  (registers the recipe resolvers)
+    from easgd_lightning.cli.build import ConfigError, build_compression, validate_config
+    from easgd_lightning.cli.overrides import compose_checked
+
+    cfg = compose_checked(["compression=topk", "compression.plan=secopa", "compression.replan_steps=7",
+                           "compression.two_way=true"])
+    validate_config(cfg, hardware=False)
+    c = build_compression(cfg)
+    assert (type(c).__name__, c.plan, c.replan_steps, c.max_partitions) == ("TwoWayCompressor", "secopa", 7, 8)
+    assert build_compression(compose_checked(["compression=topk"])).plan == "none"
+    with pytest.raises(ConfigError) as err:
+        build_compression(compose_checked(["compression=topk", "compression.max_partitions=0"]))
+    assert str(err.value) == "compression.max_partitions must be an integer >= 1, got 0"
+    with pytest.raises(ConfigError, match=r"^compression\.plan must be one of \['none', 'secopa'\], got 'x'$"):
+        build_compression(compose_checked(["compression=none", "compression.plan=x"]))
+
+
 def test_split_partitions_cuts_the_first_dimension_into_views():
     t = torch.arange(24.0).view(6, 4)
     parts = split_partitions(t, 4)

@@ -87,7 +87,7 @@ def _default_target(group: str, name: str) -> str:
 
 @pytest.mark.parametrize("group", ["strategy", "compression", "model", "data"])
 def test_every_shipped_option_names_its_target_and_keys_are_its_arguments(group: str) -> None:
-    framework = {"strategy": {"name"}, "compression": {"name", "two_way"},
+    framework = {"strategy": {"name"}, "compression": {"name", "two_way", "plan", "replan_steps", "max_partitions"},
                  "model": {"name", "builder", "channels_last"}, "data": {"name"}}[group]
     for path in sorted(Path(CONF_DIR, group).glob("*.yaml")):
         keys = yaml.safe_load(path.read_text())
@@ -107,7 +107,8 @@ UNKNOWN = [
      "easgd_lightning.strategies.sync_easgd.SyncEASGDStrategy, and name): ", "alpha, beta"),
     (["compression=topk"], "compression", "ration",
      "compression.ration: unknown key; did you mean compression.ratio? valid keys of compression (arguments of "
-     "easgd_lightning.hooks.compressors.topk.TopKCompressor, and name, two_way): ", "exact, memory, min_numel"),
+     "easgd_lightning.hooks.compressors.topk.TopKCompressor, and name, two_way, plan, replan_steps, "
+     "max_partitions): ", "exact, max_partitions, memory, min_numel"),
     (["model=mlp"], "model", "hiden",
      "model.hiden: unknown key; did you mean model.hidden? valid keys of model (arguments of "
      "easgd_lightning.models.factory.mlp, and name, builder, channels_last): ", "hidden, in_features"),
