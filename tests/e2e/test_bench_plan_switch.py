@@ -11,45 +11,18 @@ root (or CAP_NET_ADMIN + CAP_SYS_ADMIN); skipped with the reason elsewhere.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_bench_cluster import _netns_unavailable
-
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "bench" / "cluster.py"
-
-
-@pytest.fixture(scope="module")
-def netns_ok() -> None:
-    reason = _netns_unavailable()
-    if reason:
-        print(f"skipping the emulated-cluster test: {reason}")
-        pytest.skip(reason)
+from tests.e2e.test_bench_cluster import netns_ok, run_cluster_bench  # noqa: F401 (fixture)
 
 
 def _bench(tmp_path: Path, *args: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONUNBUFFERED="1")
-    cmd = [
-        sys.executable, str(SCRIPT), "--scenario", "quick", "--workers", "2", "--rate-mbit", "100",
-        "--steps", "12", "--warmup-steps", "0", "--out", str(tmp_path), *args,
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
-    try:
-        stdout, stderr = proc.communicate(timeout=900)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)  # the harness removes its namespaces on SIGTERM
-        stdout, stderr = proc.communicate(timeout=120)
-        pytest.fail(f"bench/cluster.py timed out:\n{stderr[-4000:]}")
-    print(stdout[-4000:])
-    print(stderr[-4000:], file=sys.stderr)
-    assert proc.returncode == 0, f"bench/cluster.py exited {proc.returncode}:\n{stderr[-3000:]}"
-    table = json.loads((tmp_path / "quick" / "cluster.json").read_text())
+    """bench/cluster.py quick, 2 hosts, 100 Mbit/s, 12 steps (bounded by the shared runner)."""
+    table = run_cluster_bench(
+        tmp_path, "quick", ["--workers", "2", "--rate-mbit", "100", "--steps", "12", "--warmup-steps", "0", *args]
+    )
     md = (tmp_path / "quick" / "cluster.md").read_text()
     assert "limit" in md and "efficiency" in md  # the no-communication floor is printed
     return table
@@ -64,7 +37,8 @@ def _row(table: dict, strategy: str, compression: str, *overrides: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.netns
-def test_planner_against_compress_everything_and_nothing(netns_ok: None, tmp_path: Path) -> None:
+@pytest.mark.usefixtures("netns_ok")
+def test_planner_against_compress_everything_and_nothing(tmp_path: Path) -> None:
     table = _bench(
         tmp_path, "--configs",
         "ddp/none,ddp/topk;compression.min_numel=0,ddp/topk;compression.plan=secopa;compression.min_numel=0",
@@ -80,7 +54,8 @@ def test_planner_against_compress_everything_and_nothing(netns_ok: None, tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.netns
-def test_switch_aggregator_against_ring(netns_ok: None, tmp_path: Path) -> None:
+@pytest.mark.usefixtures("netns_ok")
+def test_switch_aggregator_against_ring(tmp_path: Path) -> None:
     table = _bench(tmp_path, "--configs", "ddp/none", "--aggregator", "switch")
     keys = [(r["strategy"], r["compression"], tuple(r["overrides"])) for r in table["rows"]]
     assert keys == [("ddp", "none", ()), ("limit", "none", ()), ("ddp", "none", ("comm.allreduce=switch",))]
