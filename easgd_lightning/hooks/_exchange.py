@@ -60,6 +60,7 @@ __all__ = [
     "PendingExchange",
     "exchange_tensors",
     "exchange_rounds",
+    "rounds_of",
     "pipelined_exchange",
     "start_pipeline",
     "split_partitions",
@@ -187,13 +188,24 @@ def partition_key(key, j: int, parts: int) -> str:
     return f"{key}#{j}/{parts}"
 
 
+def rounds_of(compressor: Compressor):
+    """``compressor.aggregate_rounds`` when it is the generator of the compressor's own
+    ``aggregate`` (the class that defines ``aggregate`` defines it too), else None: a
+    subclass that replaces ``aggregate`` (ACP-SGD's one collective under PowerSGD) does not
+    inherit its parent's rounds."""
+    owner = next((c for c in type(compressor).__mro__ if "aggregate" in vars(c)), None)
+    if owner is None or "aggregate_rounds" not in vars(owner):
+        return None
+    return compressor.aggregate_rounds
+
+
 def exchange_rounds(compressor: Compressor, tensor: torch.Tensor, state: dict, collective):
     """One tensor's exchange as a generator: it yields after launching each non-blocking
     collective round and returns (mean, local) when the last one is decoded.
-    ``compressor.aggregate_rounds`` (same protocol) when it has one, else
-    ``start_aggregate`` then its ``finish``."""
-    rounds = getattr(compressor, "aggregate_rounds", None)
-    if callable(rounds):
+    ``compressor.aggregate_rounds`` (same protocol, :func:`rounds_of`) when it has one,
+    else ``start_aggregate`` then its ``finish``."""
+    rounds = rounds_of(compressor)
+    if rounds is not None:
         return (yield from rounds(tensor, state, collective))
     local, finish = compressor.start_aggregate(tensor, state, collective)
     yield

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from easgd_lightning.hooks import build_compressor
-from easgd_lightning.hooks._exchange import split_partitions
+from easgd_lightning.hooks._exchange import rounds_of, split_partitions
 from easgd_lightning.hooks.planner import (
     CostModel,
     Line,
@@ -173,3 +173,10 @@ def test_split_partitions_cuts_the_first_dimension_into_views():
     assert torch.equal(torch.cat(parts), t)
     assert len(split_partitions(torch.zeros(3, 5), 8)) == 3
     assert [p.numel() for p in split_partitions(torch.zeros(10), 3)] == [4, 3, 3]
+
+
+def test_only_codecs_whose_own_aggregate_is_multi_round_are_driven_by_rounds():
+    # ACP-SGD subclasses PowerSGD but replaces its aggregate with one collective per step:
+    # driving it by PowerSGD's inherited P-then-Q rounds would run the wrong algorithm
+    driven = {name: rounds_of(build_compressor(name)) is not None for name in ("powersgd", "fp16", "bf16", "acpsgd", "topk")}
+    assert driven == {"powersgd": True, "fp16": True, "bf16": True, "acpsgd": False, "topk": False}
