@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.helpers import PY, REPO, base_env, train_summary
+from tests.helpers import REPO, run_cli, train_summary
 from tests.helpers import compose as _compose
 
 RECIPE_DIR = REPO / "easgd_lightning" / "conf" / "recipe" / "imagenet"
@@ -180,11 +179,8 @@ def recipe_runs(tmp_path_factory) -> dict[str, dict]:
     """The TRAINED recipes, 2 steps each, one multirun; {recipe: summary}."""
     sweep = tmp_path_factory.mktemp("recipes")
     recipes = ",".join(f"imagenet/{r}" for r in TRAINED)
-    proc = subprocess.run(
-        [PY, "-m", "easgd_lightning.cli.train", "-m", f"recipe={recipes}", *SMOKE,
-         f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=${hydra.job.num}"],
-        env=base_env(), cwd=REPO, capture_output=True, text=True, timeout=1500,
-    )
+    proc = run_cli(["-m", f"recipe={recipes}", *SMOKE, f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=${hydra.job.num}"],
+                   check=False, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-6000:]
     runs = {}
     for job in sorted(p for p in sweep.iterdir() if p.is_dir()):

@@ -33,8 +33,8 @@ def _report(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("sweep") / "digits_sweep"
-    proc = subprocess.run(
-        [PY, "-m", "easgd_lightning.cli.train", "-m",
+    proc = run_cli(
+        ["-m",
          f"strategy={','.join(STRATEGIES)}", f"compression={','.join(COMPRESSIONS)}",
          # hidden 512: the 64x512 layer is over the compressors' default min_numel (16384),
          # which EASGD strategies apply; min_numel=0 reaches the DDP hook
@@ -42,7 +42,7 @@ def sweep(tmp_path_factory) -> Path:
          "trainer.limit_train_batches=6",
          "checkpoint.enabled=false", "logger=csv", "trainer.enable_progress_bar=false",
          f"hydra.sweep.dir={root}"],
-        env=base_env(), cwd=REPO, capture_output=True, text=True, timeout=900,
+        check=False, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
     return root
