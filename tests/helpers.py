@@ -81,6 +81,16 @@ def one_error_line(stderr: str) -> str:
 
 
 _script_server = None
+_tmp: Path | None = None
+
+
+def _session_tmp() -> Path:
+    """A directory for the forked ranks' output files, removed when the session ends."""
+    global _tmp
+    if _tmp is None:
+        _tmp = Path(tempfile.mkdtemp(prefix="easgd-test-ranks-"))
+        atexit.register(shutil.rmtree, _tmp, True)
+    return _tmp
 
 
 def script_server():
@@ -215,7 +225,7 @@ def start_ranks(script: Path, world: int, args: list[str]) -> list[subprocess.Po
     port = free_port()
     server = script_server()
     procs: list = []
-    logs = Path(tempfile.mkdtemp(prefix="ranks-")) if server is not None else None
+    logs = Path(tempfile.mkdtemp(prefix="ranks-", dir=_session_tmp())) if server is not None else None
     for rank in range(world):
         env = rank_env(base_env(), rank, world, port)
         if server is not None:
