@@ -67,8 +67,11 @@ def _externally_launched() -> bool:
     return _external_rank_world() is not None
 
 
-def _share_reports(report: dict, out_dir: Path, rank: int) -> None:
-    """Across nodes the run directory may not be shared: rank 0 gathers every report."""
+def _share_reports(report: dict, out_dir: Path, rank: int) -> bool:
+    """Across nodes the run directory may not be shared: rank 0 gathers every report.
+
+    Returns True when rank 0 now holds every rank's report (the other ranks then leave the
+    summary to it instead of waiting for reports that never reach their own directory)."""
     import torch.distributed as dist
 
     from easgd_lightning.cli.worker import rank_file
@@ -76,12 +79,13 @@ def _share_reports(report: dict, out_dir: Path, rank: int) -> None:
     from easgd_lightning.utils.atomic import atomic_write_json
 
     if not (dist.is_available() and dist.is_initialized()):
-        return
+        return False
     reports = ops.all_gather_object(report)
     if rank == 0:
         for r, rep in enumerate(reports):
             if rep is not None and not rank_file(out_dir, r).exists():
                 atomic_write_json(rank_file(out_dir, r), rep)
+    return all(rep is not None for rep in reports)
 
 
 def _output_dir() -> Path:
@@ -207,9 +211,12 @@ def _train_as_rank(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         report = run_worker(cfg, out_dir)  # on failure it has written this rank's report
     except BaseException as err:  # noqa: BLE001 -- re-raised below, after the summary
         failure = err
+    gathered = False
     if failure is None and int(cfg.trainer.get("num_nodes", 1)) > 1:
-        _share_reports(report, out_dir, rank)
+        gathered = _share_reports(report, out_dir, rank)
     close_process_group()  # the last collective is done (issue 14: an abort at exit)
+    if gathered and rank != 0:  # rank 0 has every report: one summary, on its node
+        return {}
     summary = _summarize_external_run(resolved, out_dir, rank, world, started, _report_wait_s(timeout_s))
     if failure is not None:
         raise failure
