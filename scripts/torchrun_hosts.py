@@ -36,6 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 from _netem import ClusterUnavailable, EmulatedCluster, LinkSpec, check_privileges  # noqa: E402
+from _runs import _wait_all  # noqa: E402
 
 from easgd_lightning.utils.rank_env import clean_env  # noqa: E402
 
@@ -90,13 +91,8 @@ def host_env(cluster: EmulatedCluster) -> dict[str, str]:
 
 
 def _wait(procs: list[subprocess.Popen], timeout_s: float) -> list[int | None]:
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    return [p.poll() for p in procs]
+    """Every host's launcher ends, one fails (the others get 2 s), or ``timeout_s`` passes."""
+    return _wait_all(procs, timeout_s)[0]
 
 
 def torchrun_cmd(cluster: EmulatedCluster, host: int, nproc: int, port: int) -> list[str]:
