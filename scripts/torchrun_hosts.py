@@ -54,8 +54,9 @@ FAMILIES: dict[str, tuple[list[str], bool]] = {
     "sync_easgd": (["strategy=sync_easgd", *DIGITS64], True),
     "local_sgd": (["strategy=local_sgd", *DIGITS64], True),
     "async_easgd": (["strategy=async_easgd", *DIGITS64], False),
-    "pipeline_3d": (["recipe=nlp3d/gpt_tiny_pp2_dp2_optimus", "trainer.max_steps=4", "trainer.precision=32-true",
-                     "trainer.limit_val_batches=1"], True),
+    # pp=2 stages x dp = world / 2 replicas (ranks 0..world/2-1: stage 0): the stages on different hosts
+    "pipeline_3d": (["recipe=nlp3d/gpt_tiny_pp2_dp2_optimus", "strategy.dp=null", "trainer.max_steps=4",
+                     "trainer.precision=32-true", "trainer.limit_val_batches=1"], True),
 }
 
 
@@ -95,49 +96,52 @@ def _wait(procs: list[subprocess.Popen], timeout_s: float) -> list[int | None]:
     return _wait_all(procs, timeout_s)[0]
 
 
-def torchrun_cmd(cluster: EmulatedCluster, host: int, nproc: int, port: int) -> list[str]:
+def torchrun_cmd(cluster: EmulatedCluster, host: int, nnodes: int, nproc: int, port: int, run_id: str) -> list[str]:
     return [
-        str(BIN / "torchrun"), "--nnodes", str(cluster.workers), "--nproc-per-node", str(nproc),
+        str(BIN / "torchrun"), "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
         "--node-rank", str(host), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{cluster.addr(0)}:{port}",
-        "--rdzv-conf", f"is_host={int(host == 0)}", "--local-addr", cluster.addr(host), "--max-restarts", "0",
-        "-m", "easgd_lightning.cli.train",
+        "--rdzv-id", run_id, "--rdzv-conf", f"is_host={int(host == 0)}", "--local-addr", cluster.addr(host),
+        "--max-restarts", "0", "-m", "easgd_lightning.cli.train",
     ]
 
 
-def run_on_hosts(cluster: EmulatedCluster, name: str, overrides: list[str], out: Path, *, nproc: int = 2,
-                 port: int = 29400, timeout_s: float = 300.0) -> HostRun:
-    """``torchrun`` on every host of ``cluster`` (``nproc`` ranks each); each host its own run dir."""
+def run_on_hosts(cluster: EmulatedCluster, name: str, overrides: list[str], out: Path, *, hosts: int | None = None,
+                 nproc: int = 2, port: int = 29400, timeout_s: float = 300.0) -> HostRun:
+    """``torchrun`` on the first ``hosts`` hosts of ``cluster`` (all by default), ``nproc``
+    ranks each; each host its own run directory ``out/host<i>``."""
+    hosts = hosts or cluster.workers
     procs, logs = [], []
     started = time.monotonic()
-    for host in range(cluster.workers):
-        cmd = [*torchrun_cmd(cluster, host, nproc, port), *COMMON, *overrides, f"trainer.devices={nproc}",
-               f"trainer.num_nodes={cluster.workers}", f"hydra.run.dir={out / f'host{host}'}"]
+    for host in range(hosts):
+        cmd = [*torchrun_cmd(cluster, host, hosts, nproc, port, f"{name}-{hosts}x{nproc}"), *COMMON, *overrides,
+               f"trainer.devices={nproc}", f"trainer.num_nodes={hosts}", f"hydra.run.dir={out / f'host{host}'}"]
         logs.append(out / f"host{host}.log")
         procs.append(cluster.spawn(host, cmd, host_env(cluster), logs[-1]))
     codes = _wait(procs, timeout_s)
     wall = time.monotonic() - started
     if any(c is None for c in codes):
         cluster.kill_procs()
-    return HostRun(name, "torchrun", codes, wall, [_read_summary(out / f"host{h}") for h in range(cluster.workers)],
-                   logs)
+    return HostRun(name, "torchrun", codes, wall, [_read_summary(out / f"host{h}") for h in range(hosts)], logs)
 
 
 def run_deepspeed_on_hosts(cluster: EmulatedCluster, name: str, overrides: list[str], out: Path, *,
-                           nproc: int = 2, port: int = 29500, timeout_s: float = 300.0) -> HostRun:
+                           hosts: int | None = None, nproc: int = 2, port: int = 29500,
+                           timeout_s: float = 300.0) -> HostRun:
     """DeepSpeed's launcher on every host, ssh-less: ``deepspeed --hostfile H --no_ssh
     --node_rank i --master_addr HOST0 --master_port P --no_local_rank --module ...`` (each
     host's ``deepspeed.launcher.launch`` starts its ``slots`` ranks; nothing is started over
     ssh or pdsh). ``--no_local_rank``: Hydra takes no ``--local_rank`` argument."""
+    hosts = hosts or cluster.workers
     out.mkdir(parents=True, exist_ok=True)
     hostfile = out / "hostfile"
-    hostfile.write_text("".join(f"{cluster.addr(h)} slots={nproc}\n" for h in range(cluster.workers)))
+    hostfile.write_text("".join(f"{cluster.addr(h)} slots={nproc}\n" for h in range(hosts)))
     procs, logs = [], []
     started = time.monotonic()
-    for host in range(cluster.workers):
+    for host in range(hosts):
         cmd = [str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(host),
                "--master_addr", cluster.addr(0), "--master_port", str(port), "--no_local_rank",
                "--module", "easgd_lightning.cli.train", *COMMON, *overrides, f"trainer.devices={nproc}",
-               f"trainer.num_nodes={cluster.workers}", f"hydra.run.dir={out / f'ds_host{host}'}"]
+               f"trainer.num_nodes={hosts}", f"hydra.run.dir={out / f'ds_host{host}'}"]
         logs.append(out / f"ds_host{host}.log")
         procs.append(cluster.spawn(host, cmd, {**host_env(cluster), "DS_ACCELERATOR": "cpu"}, logs[-1]))
     codes = _wait(procs, timeout_s)
@@ -145,7 +149,7 @@ def run_deepspeed_on_hosts(cluster: EmulatedCluster, name: str, overrides: list[
     if any(c is None for c in codes):
         cluster.kill_procs()
     return HostRun(name, "deepspeed", codes, wall,
-                   [_read_summary(out / f"ds_host{h}") for h in range(cluster.workers)], logs)
+                   [_read_summary(out / f"ds_host{h}") for h in range(hosts)], logs)
 
 
 def run_on_one_host(name: str, overrides: list[str], out: Path, world: int, timeout_s: float = 300.0) -> HostRun:

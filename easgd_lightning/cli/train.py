@@ -67,6 +67,27 @@ def _externally_launched() -> bool:
     return _external_rank_world() is not None
 
 
+def _set_node_rank(devices: int) -> None:
+    """Set ``NODE_RANK`` from ``RANK`` and ``LOCAL_RANK`` when the launcher set neither it
+    nor ``GROUP_RANK``.
+
+    DeepSpeed's launcher (``deepspeed.launcher.launch``) sets ``RANK``, ``LOCAL_RANK`` and
+    ``WORLD_SIZE`` but names the node only as ``CROSS_RANK``; Lightning's
+    ``LightningEnvironment`` reads ``NODE_RANK`` / ``GROUP_RANK`` (default 0) and sets the
+    global rank to ``node_rank * trainer.devices + LOCAL_RANK``, so every node would claim
+    ranks ``0..devices-1``. The inverse of that rule: ``NODE_RANK = (RANK - LOCAL_RANK) /
+    trainer.devices``.
+    """
+    if "LOCAL_RANK" not in os.environ or "NODE_RANK" in os.environ or "GROUP_RANK" in os.environ:
+        return
+    rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    node, rest = divmod(rank - local, devices)
+    if rest or local >= devices:
+        raise ConfigError(f"trainer.devices={devices} is not the launcher's processes per node "
+                          f"(RANK={rank}, LOCAL_RANK={local})")
+    os.environ["NODE_RANK"] = str(node)
+
+
 def _share_reports(report: dict, out_dir: Path, rank: int) -> bool:
     """Across nodes the run directory may not be shared: rank 0 gathers every report.
 
@@ -205,6 +226,8 @@ def _train_as_rank(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     resolved = OmegaConf.to_container(cfg, resolve=True)
     timeout_s = float(cfg.get("timeout_s", 300))
     rank, world = _external_rank_world()
+    if "RANK" in os.environ and isinstance(cfg.trainer.get("devices"), int):
+        _set_node_rank(cfg.trainer.devices)
     started = time.time()
     failure: BaseException | None = None
     try:
