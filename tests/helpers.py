@@ -137,6 +137,18 @@ def run_train_main(args: list[str]) -> None:
     train.main()
 
 
+def start_cli(args: list[str], env: dict[str, str], log: Path, *, cwd: Path = REPO):
+    """``easgd-train ARGS`` in the background with ``env``, stdout and stderr into ``log``:
+    forked from the session's :func:`cli_server` (a :class:`RankProcess`: ``pid``, ``poll``,
+    ``wait``, ``kill``), or a ``subprocess.Popen`` with ``EASGD_TEST_SPAWN_CLI=1``."""
+    server = cli_server()
+    if server is None:
+        return subprocess.Popen([PY, "-m", "easgd_lightning.cli.train", *args], env=env, cwd=cwd,
+                                stdout=open(log, "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    return server.start([str(REPO / "easgd_lightning" / "cli" / "train.py"), *args], env, str(cwd), [],
+                        entry="tests.helpers:run_train_main", stdout=str(log), stderr=str(log))
+
+
 def _run_forked(server, argv: list[str], entry: str, env: dict[str, str], cwd: Path, timeout: float,
                 cmd: list[str]) -> subprocess.CompletedProcess:
     """Fork ``entry(argv[1:])`` from ``server`` and wait for it, as ``subprocess.run(cmd,

@@ -430,11 +430,14 @@ def _run_rank(msg: dict, server: int) -> int:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
+    opened: dict[str, int] = {}  # stdout and stderr to one file share one descriptor (2>&1)
     for fd, key in ((1, "stdout"), (2, "stderr")):  # default: the launcher's
         if msg.get(key):
-            out = os.open(msg[key], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(out, fd)
-            os.close(out)
+            if msg[key] not in opened:
+                opened[msg[key]] = os.open(msg[key], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(opened[msg[key]], fd)
+    for out in opened.values():
+        os.close(out)
     os.chdir(msg["cwd"])
     os.environ.clear()
     os.environ.update(msg["env"])

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import PY, REPO, base_env, free_port, run_cli
+from tests.helpers import PY, REPO, base_env, free_port, run_cli, start_cli
 
 #: small and quick: digits, the default MLP, one thread per rank
 COMMON = ["logger=csv", "trainer.enable_progress_bar=false", "data.num_workers=0"]
@@ -299,18 +299,16 @@ def test_a_sweep_with_a_failed_job_exits_1_naming_it(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------- torchrun-style
-def _start_external_ranks(run_dir: Path, world: int, overrides: list[str]) -> list[subprocess.Popen]:
+def _start_external_ranks(run_dir: Path, world: int, overrides: list[str]) -> list:
     """``easgd-train`` once per rank with torchrun's environment (RANK, WORLD_SIZE, MASTER_*):
     each process is one rank (cli/train.py ``_train_as_rank``), no local launcher."""
     port = free_port()
     run_dir.mkdir(parents=True)
-    return [
-        subprocess.Popen(
-            [PY, "-m", "easgd_lightning.cli.train", f"hydra.run.dir={run_dir}", *COMMON, *overrides],
-            env=base_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), NODE_RANK="0",
-                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
-            cwd=REPO, stdout=open(run_dir / f"rank{r}.log", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
-        )
+    return [  # forked from the session's CLI server (tests/helpers.py), as run_cli's runs
+        start_cli([f"hydra.run.dir={run_dir}", *COMMON, *overrides],
+                  base_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), NODE_RANK="0",
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+                  run_dir / f"rank{r}.log")
         for r in range(world)
     ]
 
