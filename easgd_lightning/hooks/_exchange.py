@@ -17,9 +17,13 @@ exchange in buffers of at least that size.
 computation: the launch compensates, compresses, updates the residual and starts the
 collectives without blocking; :meth:`PendingExchange.finish` waits, decompresses and sums.
 It splits the compressors whose exchange is one collective between ``compress`` and
-``decompress`` (the base class's or the sparse base's ``aggregate``); multi-round or
-stateful ones (PowerSGD, sketch, DGC, adaptive, fp16's own) run their whole
-``aggregate`` at launch. Both halves run every rank's arithmetic in the same order
+``decompress`` (the base class's or the sparse base's ``aggregate``). Those with
+``aggregate_rounds`` (PowerSGD's two all-reduces, fp16/bf16) are driven round by round
+over all the exchange's tensors (:func:`_start_rounds`): each round of every tensor is
+launched before any is waited for, so with ``fused`` the exchange sends one lazy
+all-reduce buffer per round (and dtype), not one message per tensor and round; their
+``locals`` are known at finish. Other multi-round or stateful ones (sketch, csc, DGC,
+adaptive) run their whole ``aggregate`` at launch (one message per tensor and round). Both halves run every rank's arithmetic in the same order
 whether they are called back to back or far apart, so an overlapped exchange gives
 bitwise the result of one finished at once.
 
@@ -213,13 +217,21 @@ def exchange_rounds(compressor: Compressor, tensor: torch.Tensor, state: dict, c
 
 
 def start_pipeline(
-    compressor: Compressor, parts: list[torch.Tensor], states: list[dict], collective, dense_bytes: list[int] | None = None
+    compressor: Compressor,
+    parts: list[torch.Tensor],
+    states: list[dict],
+    collective,
+    dense_bytes: list[int] | None = None,
+    *,
+    fuse: bool = False,
 ):
     """CaSync's pipeline over the partitions of one tensor, launched: every partition's
     first round is encoded and launched, in order (``dense_bytes``, per partition, charged
     before each launch). Returns ``finish``: it advances the partitions round by round in
     order (wait, decode or encode the next round and launch it) and returns, per
-    partition, (mean, local)."""
+    partition, (mean, local). With ``fuse``, each of those passes runs inside the
+    collective's ``fused`` context: the rounds launched in one pass share lazy all-reduce
+    buffers (the tensors of an exchange driven round by round, :func:`_start_rounds`)."""
     streams = [exchange_rounds(compressor, p, st, collective) for p, st in zip(parts, states, strict=True)]
     results: list = [None] * len(streams)
 
@@ -238,10 +250,13 @@ def start_pipeline(
         if advance(j):
             live.append(j)
 
+    fused = getattr(collective, "fused", nullcontext) if fuse else nullcontext
+
     def finish() -> list:
         nonlocal live
         while live:
-            live = [j for j in live if advance(j)]
+            with fused():
+                live = [j for j in live if advance(j)]
         return results
 
     return finish
@@ -283,6 +298,36 @@ def _start_partitioned(pending, i, tensor, key, parts, compressor, memory, state
     pending._finishers.append(finish_partitioned)
 
 
+def _start_rounds(pending, idx, tensors, keys, compressor, memory, states, collective) -> None:
+    """Launch the compressed tensors ``idx`` of a codec with ``aggregate_rounds`` (several
+    collective rounds: PowerSGD's P and Q, fp16's one all-reduce) round by round over all
+    of them: every tensor's first round now (inside the exchange's ``fused`` context: one
+    lazy all-reduce buffer with the dense small tensors), each later round of every tensor
+    in one pass of ``finish`` (GradientFlow's lazy all-reduce for multi-round codecs: the
+    messages of an exchange are its rounds' buffers, not rounds x tensors). Each tensor's
+    arithmetic is that of its own ``aggregate``; its residual is updated at finish."""
+    comps, pstates, dense = [], [], []
+    for i in idx:
+        key, t = keys[i], tensors[i]
+        st = states.setdefault(key, {})
+        st.setdefault("key_hash", key_hash(key))
+        comp = memory.compensate(key, t)
+        if comp is t:  # no memory: later rounds must not read the caller's tensor
+            comp = t.detach().clone()
+        comps.append(comp)
+        pstates.append(st)
+        dense.append(t.numel() * t.element_size())
+    pending.stats.compressed_tensors += len(idx)
+    finish = start_pipeline(compressor, comps, pstates, collective, dense, fuse=True)
+
+    def finish_rounds() -> None:
+        for i, comp, (mean, local) in zip(idx, comps, finish(), strict=True):
+            memory.update(keys[i], comp, local)
+            pending.locals[i], pending.means[i] = local, mean
+
+    pending._finishers.append(finish_rounds)
+
+
 def _policy(tensors, keys, limit: int, plan) -> tuple[list[int], list[int], dict[int, int]]:
     """(dense, compressed whole, {index: partitions > 1}): ``plan``'s decision per key where
     it has one, else dense under ``limit`` elements."""
@@ -322,6 +367,8 @@ def start_exchange_tensors(
     pending = PendingExchange(len(tensors), collective, _kind_totals(kind))
     limit = compressor.min_numel if min_numel is None else int(min_numel)
     small, big, piped = _policy(tensors, keys, limit, plan)
+    staged = big if rounds_of(compressor) is not None else []  # multi-round codecs (PowerSGD, fp16)
+    big = [] if staged else big
     batched = getattr(collective, "batched", None)  # one message for all payloads
     fold = bool(batched and big and small)  # the small tensors ride in that message too
     fused = getattr(collective, "fused", nullcontext)  # lazy all-reduce of the sums (comm.fusion_mb)
@@ -343,6 +390,8 @@ def start_exchange_tensors(
                 pending.means[i] = finish()
 
             pending._finishers.append(finish_big)
+        if staged:
+            _start_rounds(pending, staged, tensors, keys, compressor, memory, states, collective)
     for i, parts in piped.items():
         _start_partitioned(pending, i, tensors[i], keys[i], parts, compressor, memory, states, collective)
     pending._busy_s = time.perf_counter() - start

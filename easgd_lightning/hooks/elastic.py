@@ -91,7 +91,8 @@ def _collective_for(state: dict, group, kind: str, fusion_bytes: int | None) -> 
 
 class PendingSum:
     """A sum over ranks in flight; :meth:`wait` returns it (once). ``local`` is this rank's
-    transmitted part when it was asked for (else None)."""
+    transmitted part when it was asked for (else None; a multi-round codec's is set by
+    :meth:`wait`)."""
 
     def __init__(self, finish, local: torch.Tensor | None = None) -> None:
         self._finish = finish
@@ -133,15 +134,19 @@ def start_exchange_sum(
     pieces, keys = _pieces(diff, shapes, key, scratch_of(state))
     collective = _collective_for(state, group, kind, None if layout is None else layout.fusion_bytes)
     pending = start_exchange_tensors(pieces, keys, compressor, memory, state, collective)
-    local = torch.cat([m.reshape(-1) for m in pending.locals]).view_as(diff) if keep_local else None
+    ready = keep_local and all(m is not None for m in pending.locals)  # multi-round codecs: at finish
+    local = torch.cat([m.reshape(-1) for m in pending.locals]).view_as(diff) if ready else None
 
     def finish() -> torch.Tensor:
-        means, _, _ = pending.finish()
+        means, mine, _ = pending.finish()
+        if keep_local and result.local is None:
+            result.local = torch.cat([m.reshape(-1) for m in mine]).view_as(diff)
         out = scratch_buffer(scratch_of(state), f"{key}.sum", diff.numel(), diff.dtype, diff.device)
         total = torch.cat([m.reshape(-1) for m in means], out=out)
         return total.mul_(collective.world_size).view_as(diff)
 
-    return PendingSum(finish, local)
+    result = PendingSum(finish, local)
+    return result
 
 
 def exchange_sum(diff: torch.Tensor, *, return_local: bool = False, **options):

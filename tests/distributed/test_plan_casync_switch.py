@@ -26,7 +26,7 @@ def _run(tmp_path: Path, world: int, scenarios: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("plan")
-    return out, _run(out, 2, "plan_fixed,casync")
+    return out, _run(out, 2, "plan_fixed,casync,fused_rounds")
 
 
 def test_fixed_plan_is_followed_decision_by_decision(two_ranks):
@@ -61,6 +61,24 @@ def test_casync_pipeline_equals_partitions_exchanged_alone(two_ranks):
         assert res["exchange_plan"]["mean_diff"] == 0.0
         assert res["exchange_plan"]["mass"] < 1e-6
         assert res["exchange_plan"]["dense_diff"] == 0.0
+
+
+def test_multi_round_codecs_fuse_their_rounds_across_tensors(two_ranks):
+    """GradientFlow's lazy all-reduce (issue 13 s1) for PowerSGD and fp16: each tensor's
+    result is its own aggregate's (bits); one fusion buffer per round and dtype instead of
+    a message per tensor and round."""
+    _, ranks = two_ranks
+    for r in ranks:
+        res = r["fused_rounds"]
+        for codec in ("powersgd", "fp16"):
+            for mode in ("unfused", "fused"):
+                assert res[codec][mode]["worst"] == 0.0, (codec, mode, res[codec])
+        # 3 compressed tensors, the 3 small ones dense in one message
+        assert res["powersgd"]["unfused"]["messages"] == [1 + 3 * 2] * 2  # P and Q per tensor
+        assert res["powersgd"]["fused"]["messages"] == [2] * 2  # P's (with the small ones), Q's
+        assert res["fp16"]["unfused"]["messages"] == [1 + 3] * 2
+        assert res["fp16"]["fused"]["messages"] == [2] * 2  # one float16 buffer, one float32
+        assert res["elastic"]["messages"] == 2 and res["elastic"]["local_shape"] == [48 * 16 + 7 + 32 * 24 + 15 + 800 + 9]
 
 
 def test_switch_sum_equals_all_reduce_float64(tmp_path):

@@ -161,6 +161,62 @@ def scenario_casync(rank: int, world: int, out_dir: str) -> dict:
     return out
 
 
+def scenario_fused_rounds(rank: int, world: int, out_dir: str) -> dict:
+    """The lazy all-reduce for multi-round codecs (PowerSGD: P then Q; fp16): two
+    exchanges of several tensors (small ones dense) with one fusion buffer and without,
+    against each tensor exchanged alone by the codec's own ``aggregate`` (residual kept
+    here; the small ones one dense all-reduce). Bits, and the messages of each exchange
+    (the meter's calls). With 2 ranks every sum is a + b in any grouping (bits)."""
+    from easgd_lightning.comm.layout import CommLayout
+    from easgd_lightning.comm.meter import reset_meter
+    from easgd_lightning.hooks._exchange import key_hash
+    from easgd_lightning.hooks.elastic import exchange_sum
+
+    shapes = [(48, 16), (7,), (32, 24), (5, 3), (40, 20), (9,)]  # 3 compressed, 3 dense (< 64)
+    keys = [f"t{j}" for j in range(len(shapes))]
+    out = {}
+    for name, params in (("powersgd", {"rank": 2}), ("fp16", {"memory": True})):
+        res: dict = {}
+        for mode, fusion in (("unfused", None), ("fused", 1 << 30)):
+            comp = build_compressor(name, min_numel=64, **params)
+            ref_comp = build_compressor(name, min_numel=64, **params)
+            coll = ProcessGroupCollective(None, kind=f"{name}_{mode}", fusion_bytes=fusion)
+            ref_coll = ProcessGroupCollective(None, kind="ref")
+            mem, states = ResidualMemory(), {}
+            residual = {k: 0.0 for k in keys}
+            ref_states = {k: {"key_hash": key_hash(k)} for k in keys}
+            worst, messages = 0.0, []
+            for step in range(2):
+                g = torch.Generator().manual_seed(1000 * rank + step)
+                xs = [torch.randn(s, generator=g) for s in shapes]
+                reset_meter()
+                means, _ = exchange_tensors([x.clone() for x in xs], keys, comp, mem, states, coll)
+                messages.append(get_meter().by_kind[f"{name}_{mode}"].calls)
+                for k, x, m in zip(keys, xs, means):
+                    if x.numel() < 64:
+                        summed = x.clone()
+                        dist.all_reduce(summed)
+                        expected = summed / world
+                    else:
+                        comp_in = x + residual[k]
+                        expected, local = ref_comp.aggregate(comp_in, ref_states[k], ref_coll)
+                        residual[k] = comp_in - local
+                    worst = max(worst, (m - expected).abs().max().item())
+            res[mode] = {"worst": worst, "messages": messages}
+        out[name] = res
+    # the elastic exchange (sync_easgd / local_sgd) with return_local: the multi-round
+    # codec's local part arrives at wait(); sum = world x the exchange's means
+    comp = build_compressor("powersgd", rank=2, min_numel=64)
+    g = torch.Generator().manual_seed(7 + rank)
+    diff = torch.randn(sum(math.prod(s) for s in shapes), generator=g)
+    reset_meter()
+    total, local = exchange_sum(
+        diff.clone(), compressor=comp, state={}, kind="e", shapes=shapes, layout=CommLayout(fusion_mb=25), return_local=True
+    )
+    out["elastic"] = {"messages": get_meter().by_kind["e"].calls, "local_shape": list(local.shape)}
+    return out
+
+
 def _switch_checks(rank: int, world: int, aggregator: str) -> dict:
     """A float64 DDP run with the switch hook against the ring hook (same data, bits);
     then sums through the hook's switch against dist.all_reduce (exact values), several
