@@ -10,13 +10,17 @@ the momentum itself (``optim.momentum=0``) with a short warm-up (20 steps).
 Beside one row per compressor, ``VARIANTS`` adds rows of the same workload under other
 settings: the new schemes at the densities digits can show (sparse_gc at 0.1% and 1%, sgc at the
 similarity digits gradients reach) and Adam with one-way and two-way top-k
-(``compression.two_way``, Zhong et al. 2021) beside dense Adam.
+(``compression.two_way``, Zhong et al. 2021) beside dense Adam, on the ring (``ddp``) and
+through the asynchronous parameter server (``async_sgd``, 2 workers + the server rank; its
+ratio: rank 0's dense push + reply bytes over its compressed ones; its codec share is not
+measured and shows 0).
 
 Usage::
 
     .venv/bin/python bench/compression_digits.py                 # all compressors
     .venv/bin/python bench/compression_digits.py --names none,dgc --epochs 5
     .venv/bin/python bench/compression_digits.py --epochs 5 --batch-size 32 --variants
+    .venv/bin/python bench/compression_digits.py --names none --adam-ratios 0.001,0.0001
 
 Writes bench/results/compression_digits.{json,md}.
 """
@@ -57,16 +61,30 @@ VARIANTS = {
     "signsgd+adam one-way": ("signsgd", ADAM),
     "signsgd+adam two-way": ("signsgd", ["compression.two_way=true", *ADAM]),
 }
+#: the asynchronous parameter server (``strategy=async_sgd``: 2 workers + the server rank,
+#: which steps AdamW), dense, one-way and two-way (the server keeps the second residual)
+PS = ["strategy=async_sgd", "trainer.devices=3"]
+VARIANTS.update({
+    "async_sgd none+adam": ("none", [*PS, *ADAM]),
+    "async_sgd topk@0.01+adam one-way": ("topk", [*PS, "compression.ratio=0.01", *ADAM]),
+    "async_sgd topk@0.01+adam two-way": ("topk", [*PS, "compression.ratio=0.01", "compression.two_way=true", *ADAM]),
+})
 
 
 def run_one(label: str, out: Path, args: argparse.Namespace) -> dict:
     name, variant = VARIANTS.get(label, (label, []))
     run_dir = out / "runs" / label.replace(" ", "_").replace("@", "_").replace("+", "_")
+    base = {"strategy": "ddp", "trainer.devices": "2"}
+    for item in variant:  # a variant may name another strategy / world size
+        key, _, value = item.partition("=")
+        if key in base:
+            base[key] = value
+    variant = [v for v in variant if v.partition("=")[0] not in base]
     cmd = [
         sys.executable, "-m", "easgd_lightning.cli.train",
         f"hydra.run.dir={run_dir}", "logger=csv", "trainer.enable_progress_bar=false",
-        "strategy=ddp", f"compression={name}", "trainer.devices=2", f"seed={args.seed}",
-        f"data.batch_size={args.batch_size}", f"trainer.max_epochs={args.epochs}",
+        f"strategy={base['strategy']}", f"compression={name}", f"trainer.devices={base['trainer.devices']}",
+        f"seed={args.seed}", f"data.batch_size={args.batch_size}", f"trainer.max_epochs={args.epochs}",
         "checkpoint.enabled=false",
     ]
     if name != "none":
@@ -79,13 +97,19 @@ def run_one(label: str, out: Path, args: argparse.Namespace) -> dict:
         return {"compressor": label, "status": "failed", "error": proc.stderr[-2000:]}
     s = json.loads((run_dir / "summary.json").read_text())
     dp = s["comm"]["by_kind"].get("data_parallel", {})
-    stats = (s.get("extras") or [{}])[0].get("compression_stats", {})
+    extras0 = (s.get("extras") or [{}])[0]
+    stats = extras0.get("compression_stats", {})
     wall = s["wall_time_s"] or float("nan")
+    ratio = dp.get("dense_bytes", 0) / max(1, dp.get("bytes_sent", 1))
+    if base["strategy"] != "ddp":  # parameter server: rank 0's pushes and replies vs dense ones
+        push = extras0.get("compressed_pushes")
+        ratio = 1.0 if push is None else (
+            2 * push["pushes"] * push["dense_bytes_per_direction"] / max(1, push["bytes_up"] + push["bytes_down"]))
     return {
         "compressor": label,
         "status": s["status"],
         "val_acc": s["val_acc"],
-        "ratio": dp.get("dense_bytes", 0) / max(1, dp.get("bytes_sent", 1)),
+        "ratio": ratio,
         "codec_share": stats.get("codec_time_s", 0.0) / wall,
         "comm_share": s["comm"]["time_fraction"],
         "wall_time_s": wall,
@@ -134,11 +158,19 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     p.add_argument("--variants", action="store_true", help="add the VARIANTS rows")
+    p.add_argument("--adam-ratios", default="",
+                   help="comma-separated top-k ratios: add AdamW one-way and two-way rows at each (ddp)")
     args = p.parse_args(argv)
+    for r in filter(None, args.adam_ratios.split(",")):
+        for way, extra in (("one-way", []), ("two-way", ["compression.two_way=true"])):
+            VARIANTS[f"topk@{r}+adam {way}"] = ("topk", [f"compression.ratio={r}", *extra, *ADAM])
     # optimus_cc is the pipeline (3D) compressor: see bench/nlp3d_optimus.py
     names = args.names.split(",") if args.names else [n for n in compressor_names() if n != "optimus_cc"]
     if args.variants:
         names += list(VARIANTS)
+    elif args.adam_ratios:
+        names += [k for k in VARIANTS if k.startswith("topk@") and k.split("@")[1].split("+")[0]
+                  in args.adam_ratios.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in names:

@@ -11,8 +11,9 @@ Rule, p workers, any sparsifier or sign compressor C, per tensor and step:
                      and the result is the concatenation of d_0 .. d_{p-1}.
 Shard j is entries [j n / p, (j + 1) n / p) of the flattened tensor; each rank owns one,
 so no dedicated server is needed. Nothing is lost in either direction: sum_t c_i + e_i =
-sum_t g_i and sum_t d_j + f_j = sum_t m_j. With the async parameter-server strategies the
-server would keep f; this module is the ring form. The optimizer (Adam, AdamW) then gets
+sum_t g_i and sum_t d_j + f_j = sum_t m_j. This module is the ring form; with the async
+parameter server (``async_sgd``, ``async_msgd``) the server keeps f, one per worker:
+:mod:`easgd_lightning.strategies.ps.compressed`. The optimizer (Adam, AdamW) then gets
 the doubly compressed mean. The first direction uses C's own exchange, so its bytes are
 those of one-way compression; the second adds one all-gather of C's payload of each shard.
 """

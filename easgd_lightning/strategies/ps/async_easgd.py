@@ -19,6 +19,8 @@ in :mod:`easgd_lightning.strategies.ps.rules`):
   SGD that is ``w <- w - eta (g + wd w)``. Each group's eta is the worker optimizer's current
   learning rate of that group (sent with the request; schedules apply) unless ``lr`` is set.
   Parameters the worker has no gradient for (frozen) are skipped, as ``torch.optim`` does.
+  With ``compression`` the pushes are compressed with error feedback, and with
+  ``compression.two_way`` the replies too (:mod:`easgd_lightning.strategies.ps.compressed`).
 * ``async_msgd``: Async SGD with heavy-ball momentum held by the server
   (``b <- mu b + g; w <- w - eta b``, ``momentum`` = mu, default 0.9): SGD's own momentum,
   so the optimizer must be ``torch.optim.SGD`` with momentum 0 or mu (refused otherwise).

@@ -17,6 +17,7 @@ from easgd_lightning.comm import get_meter, ops
 from easgd_lightning.comm.liveness import CancellableWait, Liveness, interruption
 from easgd_lightning.strategies.ps.protocol import (
     HEADER,
+    OP_CGRAD,
     OP_DONE,
     OP_ELASTIC,
     OP_GRAD,
@@ -90,16 +91,19 @@ class ServerClient:
         return hdr
 
     def begin(self, op: int, payload: torch.Tensor | None, step: int, lr: float = 0.0, wd: float = 0.0,
-              extras: list[float] | None = None) -> _Pending:
-        """Send a request and post the reply receives; returns a handle for :meth:`end`."""
+              extras: list[float] | None = None, dense_reply: bool = True) -> _Pending:
+        """Send a request and post the reply receives; returns a handle for :meth:`end`.
+        ``dense_reply`` False: the reply is a uint8 message whose length its header gives
+        (received in :meth:`end`)."""
         hdr = self._header(op, step, lr, wd, extras)
         works = [ops.isend(hdr, self.server, kind=self.kind, tag=TAG_REQ)]
         if payload is not None:
             works.append(ops.isend(payload, self.server, kind=self.kind, tag=TAG_REQ_DATA))
         reply_hdr = torch.zeros(HEADER, dtype=torch.float64)
-        reply = torch.empty_like(self.like)
+        reply = torch.empty_like(self.like) if dense_reply else None
         works.append(ops.irecv(reply_hdr, self.server, kind=self.kind, tag=TAG_REP))
-        works.append(ops.irecv(reply, self.server, kind=self.kind, tag=TAG_REP_DATA))
+        if dense_reply:
+            works.append(ops.irecv(reply, self.server, kind=self.kind, tag=TAG_REP_DATA))
         return _Pending(works, reply_hdr, reply, (hdr, payload))
 
     def end(self, pending: _Pending) -> torch.Tensor:
@@ -111,6 +115,9 @@ class ServerClient:
         try:
             for work in pending.works:
                 work.wait()
+            if pending.reply is None:  # a message whose length the reply header gives
+                pending.reply = torch.empty(int(pending.reply_hdr[3]), dtype=torch.uint8)
+                ops.recv(pending.reply, self.server, kind=self.kind, tag=TAG_REP_DATA)
         except RuntimeError as err:
             raise self._error(err) from err
         done = time.perf_counter()
@@ -122,6 +129,13 @@ class ServerClient:
     def call(self, op: int, payload: torch.Tensor | None, step: int, lr: float = 0.0, wd: float = 0.0,
              extras: list[float] | None = None) -> torch.Tensor:
         return self.end(self.begin(op, payload, step, lr, wd, extras))
+
+    def push_compressed(self, message: torch.Tensor, step: int, extras: list[float] | None,
+                        dense_reply: bool) -> torch.Tensor:
+        """``OP_CGRAD``: a compressed push (its byte length in the header's lr entry); the
+        reply: the dense center, or (``dense_reply`` False) the server's uint8 message."""
+        return self.end(self.begin(OP_CGRAD, message, step, lr=float(message.numel()), extras=extras,
+                                   dense_reply=dense_reply))
 
     def pull(self, step: int) -> torch.Tensor:
         """The server's current center."""
@@ -171,8 +185,10 @@ class ServerClient:
 class ServerTransport(CenterTransport):
     """Worker-side exchange through the parameter server."""
 
-    def __init__(self, client: ServerClient) -> None:
+    def __init__(self, client: ServerClient, push=None) -> None:
         self.client = client
+        #: compressed pushes (:class:`~easgd_lightning.strategies.ps.compressed.WorkerPush`)
+        self.push = push
 
     @property
     def stop(self) -> bool:
@@ -188,7 +204,11 @@ class ServerTransport(CenterTransport):
     steps_locally = False
 
     def push_gradient(self, g: torch.Tensor, step: int, extras: list[float]) -> torch.Tensor:
-        return self.client.call(OP_GRAD, g, step, extras=extras)
+        if self.push is None:
+            return self.client.call(OP_GRAD, g, step, extras=extras)
+        message = self.push.encode(g)
+        reply = self.client.push_compressed(message, step, extras, dense_reply=not self.push.two_way)
+        return self.push.apply(reply).to(device=g.device, dtype=g.dtype)
 
     def pull(self, step: int) -> torch.Tensor:
         return self.client.pull(step)

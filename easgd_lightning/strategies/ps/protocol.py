@@ -6,6 +6,9 @@ per parameter group, its learning rate and, per parameter tensor, whether the wo
 gradient for it) followed, for ``OP_ELASTIC`` / ``OP_GRAD``, by one flat payload (the SC17
 single-layer message). A reply is a header ``[op, server_updates, stop, extra]`` plus one
 flat payload; ``OP_STATE`` adds the server's state as one serialized blob of ``extra`` bytes.
+``OP_CGRAD`` (a compressed push, :mod:`easgd_lightning.strategies.ps.compressed`) carries
+the byte length of its uint8 message in the header's ``lr`` entry; its reply is the dense
+center (one-way, ``extra`` 0) or a uint8 message of ``extra`` bytes (two-way).
 """
 
 from __future__ import annotations
@@ -17,13 +20,13 @@ import torch
 from torch.optim import Optimizer
 
 __all__ = [
-    "OP_ELASTIC", "OP_GRAD", "OP_PULL", "OP_STATE", "OP_DONE", "OP_FINAL",
+    "OP_ELASTIC", "OP_GRAD", "OP_PULL", "OP_STATE", "OP_DONE", "OP_FINAL", "OP_CGRAD",
     "TAG_REQ", "TAG_REQ_DATA", "TAG_REP", "TAG_REP_DATA", "TAG_REP_STATE", "HEADER",
     "request_header_size", "request_extras", "split_request_extras", "to_blob", "from_blob",
 ]
 
 # request / reply operation codes (first header entry)
-OP_ELASTIC, OP_GRAD, OP_PULL, OP_STATE, OP_DONE, OP_FINAL = 1, 2, 3, 4, 5, 6
+OP_ELASTIC, OP_GRAD, OP_PULL, OP_STATE, OP_DONE, OP_FINAL, OP_CGRAD = 1, 2, 3, 4, 5, 6, 7
 # point-to-point tags (gloo slots)
 TAG_REQ, TAG_REQ_DATA, TAG_REP, TAG_REP_DATA, TAG_REP_STATE = 41, 42, 43, 44, 45
 HEADER = 4

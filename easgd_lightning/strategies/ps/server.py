@@ -24,6 +24,7 @@ from easgd_lightning.comm.liveness import CancellableWait, Liveness, interruptio
 from easgd_lightning.compat import lightning as compat
 from easgd_lightning.strategies.ps import rules
 from easgd_lightning.strategies.ps.protocol import (
+    OP_CGRAD,
     OP_DONE,
     OP_ELASTIC,
     OP_FINAL,
@@ -71,6 +72,8 @@ class ParameterServer:
         kind: meter traffic class.
         on_checkpoint: ``fn(state_dict)`` called every ``checkpoint_every_s`` and at the end.
         poll_s: how often liveness is checked while waiting.
+        replies: compressed pushes (``OP_CGRAD``) and, two-way, compressed replies with one
+            replica per worker (:class:`~easgd_lightning.strategies.ps.compressed.ServerReplies`).
     """
 
     def __init__(
@@ -94,6 +97,7 @@ class ParameterServer:
         poll_s: float = 0.1,
         log_size: int = 2000,
         interrupted: Callable[[], int | None] | None = None,
+        replies=None,
     ) -> None:
         if rule not in ("elastic", "sgd"):
             raise ValueError(f"rule must be 'elastic' or 'sgd', got {rule!r}")
@@ -113,6 +117,9 @@ class ParameterServer:
             rules.bind_views(self.params, center)
         self.header_size = request_header_size(optimizer, self.params)
         self.interrupted = interrupted
+        self.replies = replies
+        if replies is not None and (rule != "sgd" or lockfree):
+            raise ValueError("compressed pushes need the SGD rule without lockfree application")
         self.active: set[int] = set(workers)
         self.done: list[int] = []
         self.dead: list[int] = []
@@ -228,6 +235,8 @@ class ParameterServer:
                     self.served[sender] += 1
                     self.service_log.append(sender)
                     self._reply(sender, op, reply)
+                elif op == OP_CGRAD and self.replies is not None:
+                    self._serve_compressed(sender, hdr)
                 elif op == OP_PULL:
                     self._reply(sender, op, self.center)
                 elif op == OP_STATE:
@@ -251,6 +260,22 @@ class ParameterServer:
             self._reply(r, OP_FINAL, self.center)
         self.finished = time.time()
         self._maybe_checkpoint(force=True)
+
+    def _serve_compressed(self, sender: int, hdr: torch.Tensor) -> None:
+        """A compressed push: decode it, step as for a dense gradient, reply with the dense
+        center (one-way) or d = C(w - r_sender) (two-way)."""
+        message = torch.empty(int(hdr[2]), dtype=torch.uint8)
+        ops.recv(message, src=sender, kind=self.kind, tag=TAG_REQ_DATA)
+        grad = self.replies.decode_push(message, self.center.dtype).to(self.center.device)
+        self._apply(OP_GRAD, grad, hdr)
+        self.updates += 1
+        self.served[sender] += 1
+        self.service_log.append(sender)
+        if self.replies.two_way:
+            reply = self.replies.reply(sender, self.center)
+            self._reply(sender, OP_CGRAD, reply, extra=float(reply.numel()))
+        else:
+            self._reply(sender, OP_CGRAD, self.center.clone())
 
     def _reply_state(self, dst: int) -> None:
         """The center, then the rest of :meth:`state_dict` as one serialized blob."""

@@ -90,7 +90,7 @@ from easgd_lightning.strategies.base import (
     flatten,
     unflatten_into,
 )
-from easgd_lightning.strategies.ps import rules
+from easgd_lightning.strategies.ps import compressed, rules
 from easgd_lightning.strategies.ps.client import ServerClient, ServerTransport
 from easgd_lightning.strategies.ps.protocol import request_extras, request_header_size
 from easgd_lightning.strategies.ps.server import ParameterServer
@@ -215,11 +215,14 @@ class AsyncCenterStrategy(CenterStrategy):
         **kwargs: Any,
     ) -> None:
         name = self.strategy_name
+        self._compression: tuple | None = None
         if compression is not None:
-            raise ValueError(
-                f"compression: {name} sends uncompressed parameter-server messages; use compression=none "
-                "(compressed elastic exchanges: sync_easgd)"
-            )
+            if self.rule != "sgd" or self.lockfree:
+                raise ValueError(
+                    f"compression: {name} sends uncompressed parameter-server messages; use compression=none "
+                    "(compressed pushes: async_sgd, async_msgd; compressed elastic exchanges: sync_easgd)"
+                )
+            self._compression = compressed.unwrap(compression, name)
         super().__init__(**kwargs)
         self._tau = check_positive_int("strategy.tau", tau)
         for key, value in (("alpha", alpha), ("beta", beta)):
@@ -554,6 +557,7 @@ class AsyncCenterStrategy(CenterStrategy):
                 on_checkpoint=self._write_center_checkpoint if self._center_ckpt_file else None,
                 checkpoint_every_s=self._checkpoint_every_s,
                 interrupted=self._interrupted_by,
+                replies=self._compressed_side(compressed.ServerReplies, list(range(self.world_size - 1))),
             )
             if self._resume_state is not None:
                 srv = self._resume_state.get("server") or {}
@@ -565,8 +569,20 @@ class AsyncCenterStrategy(CenterStrategy):
             self._transport = ServerTransport(
                 ServerClient(self.world_size - 1, self._center, self.world_size, n_params=self._n_params,
                              kind=self.comm_kind, liveness=self._liveness, header_size=header,
-                             interrupted=self._interrupted_by)
+                             interrupted=self._interrupted_by),
+                push=self._compressed_side(compressed.WorkerPush),
             )
+
+    def _compressed_side(self, cls, *workers):
+        """This rank's half of compressed pushes (None without compression): the worker's
+        :class:`~.compressed.WorkerPush` or the server's :class:`~.compressed.ServerReplies`."""
+        if self._compression is None:
+            return None
+        compressor, two_way = self._compression
+        sizes = [p.numel() for p in self.lightning_module.parameters()]
+        if cls is compressed.ServerReplies:
+            return cls(compressor, sizes, self._center, workers[0], two_way)
+        return cls(compressor, sizes, self._center, two_way)
 
     def _own_momentum(self, optimizer: Optimizer) -> None:
         """EAMSGD applies its own momentum: switch the optimizer's off."""
@@ -823,6 +839,10 @@ class AsyncCenterStrategy(CenterStrategy):
             )
         else:
             extras.update(exchanges=self._exchanges, stop_reason=self._stop_reason or "own epochs/steps done")
+            push = getattr(self._transport, "push", None)
+            if push is not None:  # compressed pushes: what this worker's messages carried
+                extras["compressed_pushes"] = dict(push.traffic, compressor=self._compression[0].name,
+                                                   two_way=push.two_way)
         return extras
 
     @override

@@ -1,0 +1,215 @@
+"""Compressed parameter-server messages for the SGD rule (``async_sgd``, ``async_msgd``), one-way
+or both ways (``compression.two_way``; Zhong et al., 2021), the server keeping the second residual.
+
+Rule, C the configured compressor (one of :data:`PS_COMPRESSORS`), per parameter tensor
+(tensors with fewer than ``compression.min_numel`` entries travel dense), worker i, push t:
+
+  worker -> server:  p = g_i + e_i;  c = C(p);  e_i <- p - c
+                     (e_i: error feedback when ``compression.memory`` is on, the compressor's
+                     default otherwise); the server decodes c and steps the user's optimizer
+                     (Adam, SGD, ...) with it, as ``async_sgd`` steps it for a dense gradient.
+  server -> worker, one-way: the dense center w, as uncompressed ``async_sgd`` replies.
+  server -> worker, two-way: q = w - r_i;  d = C(q);  r_i <- r_i + d;  the worker adds d to
+                     its weights, which stay equal to r_i. r_i is the server's replica of
+                     worker i's weights, so the second residual is f_i = q - d = w - r_i after
+                     the reply: what the center moved since worker i's last reply (its own
+                     update and every other worker's), plus what earlier replies left out.
+                     The server keeps one per worker, because asynchronous workers have each
+                     seen a different part of the center's moves (on the ring every rank sees
+                     the same mean, so each owner keeps one residual per shard: see
+                     :mod:`easgd_lightning.hooks.compressors.two_way`).
+
+Nothing is lost in either direction: sum_t c_t + e_i = sum_t g_t on every worker, and
+sum_t d_t + f_i = w_now - w_start per worker at the server. Floating-point buffers travel
+dense both ways (the server overwrites its copy, as for dense pushes).
+
+Wire form (one uint8 message each way): an int32 header listing, per payload tensor, its
+dtype code, number of dimensions and sizes; then the tensors' bytes. ``payload.meta`` stays
+local (as on the ring): each side derives it from the compressor and the tensor's size.
+Replicas, residuals and compressor states are not checkpointed: a resume restarts every
+worker from the center, so both sides start again from r_i = w.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from easgd_lightning.hooks.compressors.base import Compressor, Payload
+from easgd_lightning.hooks.compressors.two_way import TWO_WAY_INNER, TwoWayCompressor
+
+__all__ = ["PS_COMPRESSORS", "MessageCodec", "WorkerPush", "ServerReplies", "unwrap"]
+
+#: compressors whose payload decodes from itself (no per-step seed or shared state)
+PS_COMPRESSORS = TWO_WAY_INNER
+
+_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+           torch.bfloat16, torch.float32, torch.float64, torch.bool)
+
+
+def unwrap(compression, who: str) -> tuple[Compressor, bool]:
+    """(the compressor, two_way) of a ``compression`` object; ValueError naming the key."""
+    two_way = isinstance(compression, TwoWayCompressor)
+    inner = compression.inner if two_way else compression
+    if getattr(inner, "name", None) not in PS_COMPRESSORS:
+        raise ValueError(
+            f"compression.name: {who} compresses its pushes with one of {list(PS_COMPRESSORS)}, "
+            f"got {getattr(inner, 'name', inner)!r}"
+        )
+    return inner, two_way
+
+
+class MessageCodec:
+    """One flat vector (parameter segments of ``sizes``, then dense buffers) <-> one uint8 message."""
+
+    def __init__(self, compressor: Compressor, sizes: list[int]) -> None:
+        self.compressor = compressor
+        self.sizes = [int(n) for n in sizes]
+        self.n_params = sum(self.sizes)
+        self.bounds = []
+        start = 0
+        for n in self.sizes:
+            self.bounds.append((start, start + n))
+            start += n
+        self.dense = [n < compressor.min_numel for n in self.sizes]
+        self._templates: dict = {}
+        self._probe = copy.deepcopy(compressor)  # derives metas without touching C's own state
+
+    def template(self, numel: int, dtype: torch.dtype) -> tuple[dict, int]:
+        """(``payload.meta``, number of payload tensors) of a ``numel``-entry tensor; both
+        data-independent, as the ring assumes too."""
+        key = (numel, dtype)
+        if key not in self._templates:
+            payload = self._probe.compress(torch.zeros(numel, dtype=dtype), {})
+            meta = dict(payload.meta)
+            meta.pop("out", None)
+            self._templates[key] = (meta, len(payload.tensors))
+        return self._templates[key]
+
+    def encode(self, vec: torch.Tensor, states: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the message, the decoded parameter part) of ``vec``; ``states``: one per segment."""
+        header: list[int] = []
+        parts: list[torch.Tensor] = []
+        decoded = torch.empty(self.n_params, dtype=vec.dtype, device=vec.device)
+        for j, (a, b) in enumerate(self.bounds):
+            seg = vec[a:b]
+            if self.dense[j]:
+                tensors = (seg,)
+                decoded[a:b] = seg
+            else:
+                payload = self.compressor.compress(seg, states[j])
+                tensors = tuple(t.detach().contiguous() for t in payload.tensors)
+                shown = self.compressor.decompress(Payload(tensors, self.template(b - a, vec.dtype)[0]), seg.shape)
+                decoded[a:b] = shown.reshape(-1).to(vec.dtype)
+            for t in tensors:
+                header += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
+                parts.append(t.contiguous().reshape(-1).view(torch.uint8))
+        parts.append(vec[self.n_params :].contiguous().view(torch.uint8))  # buffers, dense
+        head = torch.tensor([len(header), *header], dtype=torch.int32)
+        return torch.cat([head.view(torch.uint8), *[p.cpu() for p in parts]]), decoded
+
+    def decode(self, message: torch.Tensor, dtype: torch.dtype, n_total: int) -> torch.Tensor:
+        """The flat vector (decoded parameter part, then the dense buffers) of a message."""
+        length = int(message[:4].view(torch.int32)[0])
+        header = message[4 : 4 * (1 + length)].view(torch.int32).tolist()
+        pos, h = 4 * (1 + length), 0
+        out = torch.empty(n_total, dtype=dtype)
+
+        def take() -> torch.Tensor:
+            nonlocal pos, h
+            dt, ndim = _DTYPES[header[h]], header[h + 1]
+            shape = header[h + 2 : h + 2 + ndim]
+            h += 2 + ndim
+            count = 1
+            for s in shape:
+                count *= s
+            nbytes = count * torch.empty(0, dtype=dt).element_size()
+            t = message[pos : pos + nbytes].clone().view(dt).reshape(shape)
+            pos += nbytes
+            return t
+
+        for j, (a, b) in enumerate(self.bounds):
+            if self.dense[j]:
+                out[a:b] = take()
+                continue
+            meta, n_tensors = self.template(b - a, dtype)
+            tensors = tuple(take() for _ in range(n_tensors))
+            out[a:b] = self.compressor.decompress(Payload(tensors, meta), torch.Size([b - a])).reshape(-1).to(dtype)
+        out[self.n_params :] = message[pos:].clone().view(dtype)
+        return out
+
+
+class WorkerPush:
+    """A worker's side: compresses each push with its residual e_i; two-way, applies the
+    server's compressed d to its weights (which equal the server's replica r_i)."""
+
+    def __init__(self, compressor: Compressor, sizes: list[int], start: torch.Tensor, two_way: bool) -> None:
+        self.codec = MessageCodec(compressor, sizes)
+        self.two_way = two_way
+        self.memory = compressor.memory
+        self.states = [{} for _ in sizes]
+        self.residual = torch.zeros(self.codec.n_params, dtype=start.dtype)
+        self.weights = start.detach().cpu().clone()
+        self.last_message_bytes = 0
+        #: payload bytes this worker sent and got back, over its pushes (headers not counted)
+        self.traffic = {"pushes": 0, "bytes_up": 0, "bytes_down": 0,
+                        "dense_bytes_per_direction": start.numel() * start.element_size()}
+
+    def encode(self, vec: torch.Tensor) -> torch.Tensor:
+        """The message of the flat gradient (then buffers) ``vec``: p = g + e; send C(p); e = p - C(p)."""
+        vec = vec.detach().cpu().clone()
+        n = self.codec.n_params
+        if self.memory:
+            vec[:n] += self.residual
+        message, sent = self.codec.encode(vec, self.states)
+        if self.memory:
+            self.residual = vec[:n] - sent
+        self.last_message_bytes = int(message.numel())
+        self.traffic["pushes"] += 1
+        self.traffic["bytes_up"] += self.last_message_bytes
+        return message
+
+    def apply(self, reply: torch.Tensor) -> torch.Tensor:
+        """The worker's weights after a reply (one-way: the dense center; two-way: w += d)."""
+        self.traffic["bytes_down"] += reply.numel() * reply.element_size()
+        if not self.two_way:
+            self.weights = reply.detach().cpu().clone()
+            return self.weights
+        d = self.codec.decode(reply, self.weights.dtype, self.weights.numel())
+        n = self.codec.n_params
+        self.weights[:n] += d[:n]
+        self.weights[n:] = d[n:]
+        return self.weights
+
+
+class ServerReplies:
+    """The server's side: decodes pushes; two-way, keeps each worker's replica r_i (so its
+    second residual f_i = w - r_i) and compresses w - r_i for the reply."""
+
+    def __init__(self, compressor: Compressor, sizes: list[int], center: torch.Tensor,
+                 workers: list[int], two_way: bool) -> None:
+        self.codec = MessageCodec(compressor, sizes)
+        self.two_way = two_way
+        self.n_total = center.numel()
+        self.replicas = {w: center.detach().cpu().clone() for w in workers} if two_way else {}
+        self.states = {w: [{} for _ in sizes] for w in workers}
+
+    def decode_push(self, message: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.codec.decode(message, dtype, self.n_total)
+
+    def residual(self, worker: int, center: torch.Tensor) -> torch.Tensor:
+        """f_i = w - r_i (parameters): what the server still owes worker ``worker``."""
+        n = self.codec.n_params
+        return center.detach().cpu()[:n] - self.replicas[worker][:n]
+
+    def reply(self, worker: int, center: torch.Tensor) -> torch.Tensor:
+        """The message d = C(w - r_i) (then the dense buffers); r_i <- r_i + d."""
+        w = center.detach().cpu()
+        n = self.codec.n_params
+        r = self.replicas[worker]
+        q = torch.cat([w[:n] - r[:n], w[n:]])
+        message, d = self.codec.encode(q, self.states[worker])
+        r[:n] += d
+        r[n:] = w[n:]
+        return message
