@@ -215,14 +215,14 @@ class AsyncCenterStrategy(CenterStrategy):
         **kwargs: Any,
     ) -> None:
         name = self.strategy_name
-        self._compression: tuple | None = None
+        self._push_compression: tuple | None = None
         if compression is not None:
             if self.rule != "sgd" or self.lockfree:
                 raise ValueError(
                     f"compression: {name} sends uncompressed parameter-server messages; use compression=none "
                     "(compressed pushes: async_sgd, async_msgd; compressed elastic exchanges: sync_easgd)"
                 )
-            self._compression = compressed.unwrap(compression, name)
+            self._push_compression = compressed.unwrap(compression, name)
         super().__init__(**kwargs)
         self._tau = check_positive_int("strategy.tau", tau)
         for key, value in (("alpha", alpha), ("beta", beta)):
@@ -576,9 +576,9 @@ class AsyncCenterStrategy(CenterStrategy):
     def _compressed_side(self, cls, *workers):
         """This rank's half of compressed pushes (None without compression): the worker's
         :class:`~.compressed.WorkerPush` or the server's :class:`~.compressed.ServerReplies`."""
-        if self._compression is None:
+        if self._push_compression is None:
             return None
-        compressor, two_way = self._compression
+        compressor, two_way = self._push_compression
         sizes = [p.numel() for p in self.lightning_module.parameters()]
         if cls is compressed.ServerReplies:
             return cls(compressor, sizes, self._center, workers[0], two_way)
@@ -841,7 +841,7 @@ class AsyncCenterStrategy(CenterStrategy):
             extras.update(exchanges=self._exchanges, stop_reason=self._stop_reason or "own epochs/steps done")
             push = getattr(self._transport, "push", None)
             if push is not None:  # compressed pushes: what this worker's messages carried
-                extras["compressed_pushes"] = dict(push.traffic, compressor=self._compression[0].name,
+                extras["compressed_pushes"] = dict(push.traffic, compressor=self._push_compression[0].name,
                                                    two_way=push.two_way)
         return extras
 
