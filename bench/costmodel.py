@@ -57,7 +57,12 @@ T = F + C + s, s(p, shape) the median of T - F - C. Overlapped: T = F + C - h mi
 h(p, shape) in [0, 1] the share of the shorter one the overlap actually hides (least
 squares of T - F - C on min(F, C); 1 is the ideal max(F, C)), then s the median of the
 rest. s is reported per size too: a cost that grows with the message would be a slower
-collective, not a synchronisation.
+collective, not a synchronisation. Two more serial loops run 2 and 4 blocking all-reduces
+per iteration (smallest message): :func:`fit_rounds` fits ``T_r - F - r C = s_0 + r s_r``,
+s_r the cost of each further blocking round; a serial all-reduce row whose exchange sends
+k messages in turn (PowerSGD's rounds) is charged ``s + (k - 1) s_r``. The probe's
+kernel is sized (``--kernel-matmuls``) from the limit row, measured first, so that the
+loops compute per iteration what the workload computes per step.
 
 **Step time** of a (strategy, compression) row on p ranks (:func:`step_time`), with t_c the
 measured compute per step (the ``limit`` row: same hosts, no communication; CPU sharing of
@@ -71,7 +76,7 @@ on a one-rank group, e.g. PowerSGD: a P and a Q round per matrix plus the small 
 dense all-reduce), C = k x ring(p, m/k) (linear payloads) or k x all-gather(p, m/k)
 (sparse payloads), s = s(p, the row's loop shape):
 
-- ``ddp``: t_c + t_k + C + s (serial);
+- ``ddp``: t_c + t_k + C + s (serial; s + (k - 1) s_r for k blocking all-reduces);
 - ``sync_easgd``: the same, C and s per exchange / tau; with ``overlap`` the exchange runs
   behind the next step's compute: t_c + C - h min(t_c, C) + t_k + s (overlapped; h = 1:
   max(t_c, C) + t_k + s);
@@ -355,6 +360,49 @@ def fit_loops(loops: Sequence[dict], probe: Sequence[dict]) -> dict:
                 by_size.setdefault(b, []).append(c)
             out["by_size"].setdefault(shape, {})[str(p)] = {
                 str(b): statistics.median(cs) for b, cs in sorted(by_size.items())}
+    out.update(fit_rounds(loops, idle, free))
+    return out
+
+
+def _rounds_of(op: str) -> int | None:
+    """Blocking all-reduces per iteration of a serial ring loop (None: another loop)."""
+    if op == "loop_serial_ring":
+        return 1
+    if op.startswith("loop_serial_ring_x"):
+        return int(op.rsplit("_x", 1)[1])
+    return None
+
+
+def fit_rounds(loops: Sequence[dict], idle: dict, free: dict) -> dict:
+    """Whether the synchronisation cost is paid per exchange or per blocking round.
+
+    The probe's ``loop_serial_ring_x<r>`` loops run r blocking all-reduces after the
+    kernel (at the smallest message of each rate, beside ``loop_serial_ring``, r = 1).
+    Per p, least squares over rates of ``T_r - F - r C = s_0 + r s_r``: s_r the cost each
+    further blocking round adds (0: paid once per exchange, whatever its rounds), clipped
+    at 0; s_0 what is paid once.
+
+    Returns:
+        ``{"per_round_s": {p: s_r}, "fixed_s": {p: s_0}, "by_rounds": {p: {r: median}}}``.
+    """
+    keys = {(s["p"], s["bytes"], s["rate_mbit"]) for s in loops if (_rounds_of(s["op"]) or 1) > 1}
+    points: dict[int, list[tuple[int, float]]] = {}
+    for s in loops:
+        r, key = _rounds_of(s["op"]), (s["p"], s["bytes"], s["rate_mbit"])
+        if r is None or key not in keys or key not in free or ("ring", *key) not in idle:
+            continue
+        points.setdefault(s["p"], []).append((r, s["time_s"] - free[key] - r * idle[("ring", *key)]))
+    out: dict = {"per_round_s": {}, "fixed_s": {}, "by_rounds": {}}
+    for p, pts in sorted(points.items()):
+        rs = np.array([float(r) for r, _ in pts])
+        if np.ptp(rs) == 0:
+            continue
+        (s0, sr), *_ = np.linalg.lstsq(np.column_stack([np.ones_like(rs), rs]),
+                                       np.array([y for _, y in pts]), rcond=None)
+        out["per_round_s"][str(p)] = max(0.0, float(sr))
+        out["fixed_s"][str(p)] = float(s0)
+        out["by_rounds"][str(p)] = {
+            str(r): statistics.median(y for q, y in pts if q == r) for r in sorted({r for r, _ in pts})}
     return out
 
 
@@ -542,6 +590,10 @@ def predict_rows(model: dict[str, dict], inputs: dict, loops: dict | None = None
         opts = row_options(row)
         shape = loop_shape(row, x["aggregation"])
         sync = ((loops or {}).get("sync_s", {}).get(shape) or {}).get(str(row["workers"]), 0.0)
+        # each blocking round past the first adds the probe's per-round cost (fit_rounds)
+        per_round = ((loops or {}).get("per_round_s") or {}).get(str(row["workers"]), 0.0)
+        rounds_extra = max(0.0, x["calls"] - 1.0) if shape == "serial_ring" else 0.0
+        sync += rounds_extra * per_round
         hidden = ((loops or {}).get("hidden", {}).get(shape) or {}).get(str(row["workers"]), 1.0)
         pred = step_time(
             row["strategy"], row["workers"], n=x["n"], m=x["m"], t_compute=x["t_compute"],
@@ -554,6 +606,7 @@ def predict_rows(model: dict[str, dict], inputs: dict, loops: dict | None = None
             "measured_s": measured, "predicted_s": pred["step_s"], "comm_s": pred["comm_s"],
             "t_compute_s": x["t_compute"], "t_codec_s": x["t_codec"], "payload_bytes": x["m"],
             "messages": x["calls"], "sync_s": sync, "hidden": hidden, "loop_shape": shape,
+            "per_round_s": per_round if rounds_extra else 0.0,
             "rel_err": (pred["step_s"] - measured) / measured, "formula": pred["formula"],
             "in_fit": row["strategy"] == "limit", "meter": row.get("meter"),
         })
@@ -779,6 +832,11 @@ def markdown(result: dict) -> str:
                 h = (loops.get("hidden", {}).get(shape) or {}).get(str(q))
                 cells.append(f"{1e3 * by_p[str(q)]:.1f} ({per})" + ("" if h is None else f", h={h:.2f}"))
             lines.append(f"| {shape} | " + " | ".join(cells) + " |")
+        if loops.get("per_round_s"):
+            lines.append("| each further blocking all-reduce (s_r) | " + " | ".join(
+                f"{1e3 * loops['per_round_s'][str(q)]:.1f} (r: " + " / ".join(
+                    f"{r}={1e3 * v:.1f}" for r, v in loops["by_rounds"][str(q)].items()) + ")"
+                if str(q) in loops["per_round_s"] else "" for q in ps) + " |")
     lines += [
         "",
         "| row | ranks | Mbit/s | measured s/step | predicted | error | t_c | t_k | comm | msgs | s | formula | held out |",
@@ -902,7 +960,7 @@ def probe_sizes(rate_mbit: float, top_ms: float = 40.0) -> list[int]:
 
 def run_probe(cluster, out: Path, rates: Sequence[float], port: int, timeout_s: float,
               repeats: int = 3, latency_ms: float = 0.1, top_ms: float = 40.0,
-              loops: bool = False) -> list[dict]:
+              loops: bool = False, kernel_matmuls: int = 32) -> list[dict]:
     """Time every collective on ``cluster`` at each rate (one launch, links reshaped
     between phases); one sample per (op, bytes, rate): the slowest rank's median. With
     ``loops``, also the probe's training-shaped loops (ops ``loop_*``)."""
@@ -918,7 +976,8 @@ def run_probe(cluster, out: Path, rates: Sequence[float], port: int, timeout_s: 
     sizes = ",".join(":".join(str(s) for s in probe_sizes(r, top_ms)) for r in rates)
     cmd = [sys.executable, str(script), "--phases", ",".join(f"{r:g}" for r in rates),
            "--sizes", sizes, "--repeats", str(repeats), "--out", str(res),
-           "--timeout-s", str(timeout_s), *(["--loops"] if loops else [])]
+           "--timeout-s", str(timeout_s), "--kernel-matmuls", str(kernel_matmuls),
+           *(["--loops"] if loops else [])]
     cluster.shape(LinkSpec(rates[0], latency_ms))
     procs = [cluster.spawn(r, cmd, _rank_env(cluster, r, port), res / f"rank{r}.log")
              for r in range(cluster.workers)]
@@ -1088,7 +1147,6 @@ def _row_compressor(name: str, overrides: Sequence[str]):
 def measure(args: argparse.Namespace) -> dict:
     """The whole measurement: the probe at each rank count, the rows, the codecs."""
     from _netem import EmulatedCluster, LinkSpec, check_privileges, install_signal_handlers
-    from _runs import run_config
     from _scenarios import WIDE_MLP_WORKLOAD, parse_configs
 
     check_privileges()
@@ -1102,6 +1160,22 @@ def measure(args: argparse.Namespace) -> dict:
         "probe": [], "probe_loops": [], "rows": [], "codec": {}, "timings_s": {},
     }
     t0 = time.monotonic()
+    configs = parse_configs(args.rows)
+    limit_k = next((k for k, c in enumerate(configs) if c.strategy == "limit"), None)
+    if limit_k is None:
+        raise ValueError("--rows needs the limit row (limit/none): it measures the compute")
+    link = LinkSpec(args.rows_rate, args.latency_ms)
+    # the limit row first: its compute sizes the probe loops' kernel
+    with EmulatedCluster(args.rows_workers, link, subnet=args.subnet) as cluster:
+        limit_row = _run_row(cluster, configs[limit_k], limit_k, args)
+    matmuls, mm_s = 32, None
+    if limit_row["status"] == "ok" and limit_row["step_time_s"]:
+        t_c1 = limit_row["step_time_s"] / cpu_share(args.rows_workers, inputs["cpus"])
+        matmuls, mm_s = kernel_matmuls(t_c1)
+    inputs["probe_kernel"] = {"matmuls": matmuls, "matmul_s": mm_s,
+                              "what": "256x256 float32 products per loop iteration, sized "
+                              "to the limit row's compute per step (one worker per core)"}
+    print(f"[costmodel] probe kernel: {matmuls} matmuls ({mm_s} s each)", flush=True)
     rates = [float(r) for r in args.probe_rates.split(",")]
     for k, p in enumerate(int(w) for w in args.probe_workers.split(",")):
         with EmulatedCluster(p, LinkSpec(rates[0], args.latency_ms), subnet=args.subnet) as cluster:
@@ -1109,15 +1183,12 @@ def measure(args: argparse.Namespace) -> dict:
             samples = run_probe(
                 cluster, args.out, rates, args.port + 10 * k, args.timeout_s,
                 repeats=args.probe_repeats, latency_ms=args.latency_ms, top_ms=args.probe_top_ms,
-                loops=args.probe_loops,
+                loops=args.probe_loops, kernel_matmuls=matmuls,
             )
             inputs["probe"] += [s for s in samples if not s["op"].startswith("loop_")]
             inputs["probe_loops"] += [s for s in samples if s["op"].startswith("loop_")]
     inputs["timings_s"]["probe"] = time.monotonic() - t0
     partial.write_text(json.dumps(inputs, indent=2))
-    configs = parse_configs(args.rows)
-    if not any(c.strategy == "limit" for c in configs):
-        raise ValueError("--rows needs the limit row (limit/none): it measures the compute")
     t2 = time.monotonic()
     shapes = model_shapes(WIDE_MLP_WORKLOAD)
     inputs["model_shapes"] = shapes
@@ -1136,34 +1207,20 @@ def measure(args: argparse.Namespace) -> dict:
             }
     inputs["timings_s"]["codec"] = time.monotonic() - t2
     t1 = time.monotonic()
-    link = LinkSpec(args.rows_rate, args.latency_ms)
     longest = 0.0
     with EmulatedCluster(args.rows_workers, link, subnet=args.subnet) as cluster:
         for k, config in enumerate(configs):
+            if k == limit_k:
+                inputs["rows"].append(limit_row)
+                continue
             started = time.monotonic()
             if args.budget_s and started - t0 + longest > args.budget_s:
                 print(f"[costmodel] row {config.label}: skipped (--budget-s {args.budget_s:g})", flush=True)
                 inputs["rows"].append({"strategy": config.strategy, "compression": config.compression,
                                        "overrides": list(config.overrides), "status": "skipped (budget)"})
                 continue
-            print(f"[costmodel] row {config.label} {' '.join(config.overrides)}", flush=True)
-            res = run_config(
-                cluster, config, steps=args.steps, warmup_steps=args.warmup_steps,
-                workload=list(WIDE_MLP_WORKLOAD), extra=args.extra.split(), out_dir=args.out / "runs",
-                port=args.port + 100 + k, timeout_s=args.timeout_s,
-            )
+            inputs["rows"].append(_run_row(cluster, config, k, args))
             longest = max(longest, time.monotonic() - started)
-            fig = res.figures
-            print(f"[costmodel]   {res.status}: step {fig.get('step_time_s')}", flush=True)
-            inputs["rows"].append({
-                "strategy": config.strategy, "compression": config.compression,
-                "overrides": list(config.overrides), "workers": args.rows_workers,
-                "rate_mbit": args.rows_rate, "status": res.status,
-                "step_time_s": fig.get("step_time_s"), "measured": fig.get("measured"),
-                "bytes_per_step_per_worker": fig.get("bytes_per_step_per_worker"),
-                "run_dir": res.run_dir,
-                "meter": row_meter(Path(res.run_dir), args.warmup_steps) if res.status == "ok" else None,
-            })
             partial.write_text(json.dumps(inputs, indent=2))
     inputs["timings_s"]["rows"] = time.monotonic() - t1
     inputs["dense_bytes"] = dense_bytes(inputs)  # float32 parameters of the model
@@ -1171,6 +1228,47 @@ def measure(args: argparse.Namespace) -> dict:
         row["bytes_per_exchange"] = _bytes_per_exchange(row, inputs["dense_bytes"])
     inputs["loadavg_after"] = _loadavg()
     return inputs
+
+
+def _run_row(cluster, config, k: int, args: argparse.Namespace) -> dict:
+    """One training row on the rows' cluster: its measured step time and meter."""
+    from _runs import run_config
+    from _scenarios import WIDE_MLP_WORKLOAD
+
+    print(f"[costmodel] row {config.label} {' '.join(config.overrides)}", flush=True)
+    res = run_config(
+        cluster, config, steps=args.steps, warmup_steps=args.warmup_steps,
+        workload=list(WIDE_MLP_WORKLOAD), extra=args.extra.split(), out_dir=args.out / "runs",
+        port=args.port + 100 + k, timeout_s=args.timeout_s,
+    )
+    fig = res.figures
+    print(f"[costmodel]   {res.status}: step {fig.get('step_time_s')}", flush=True)
+    return {
+        "strategy": config.strategy, "compression": config.compression,
+        "overrides": list(config.overrides), "workers": args.rows_workers,
+        "rate_mbit": args.rows_rate, "status": res.status,
+        "step_time_s": fig.get("step_time_s"), "measured": fig.get("measured"),
+        "bytes_per_step_per_worker": fig.get("bytes_per_step_per_worker"),
+        "run_dir": res.run_dir,
+        "meter": row_meter(Path(res.run_dir), args.warmup_steps) if res.status == "ok" else None,
+    }
+
+
+def kernel_matmuls(t_compute_1: float, repeats: int = 50) -> tuple[int, float]:
+    """Products of two 256 x 256 float32 matrices (the probe loops' kernel, one thread)
+    that take ``t_compute_1`` seconds here, and the median seconds of one."""
+    import torch
+
+    torch.set_num_threads(1)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    out = torch.empty(256, 256)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b, out=out)
+        times.append(time.perf_counter() - start)
+    mm_s = statistics.median(times[5:])
+    return max(1, round(t_compute_1 / mm_s)), mm_s
 
 
 def _find(tree, key: str) -> float:

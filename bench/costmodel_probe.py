@@ -31,7 +31,12 @@ training-shaped loops of ``--loop-iters`` iterations around a fixed CPU kernel
 
 at the smallest and the largest message of each rate, each timed per iteration (the loop's time over its iterations, the slowest rank's). They
 measure what the idle probe cannot: how a collective behaves when the ranks that run it
-also compute on the same cores.
+also compute on the same cores. At the smallest message of each rate two more loops,
+``loop_serial_ring_x2`` and ``loop_serial_ring_x4``, run the kernel then 2 or 4 blocking
+all-reduces in a row: whether the synchronisation cost is paid once per exchange or once
+per blocking round (an exchange of several messages, e.g. PowerSGD's P and Q rounds).
+The harness sizes the kernel (``--kernel-matmuls``) so that it takes as long as the
+workload's measured compute per step.
 
 Between link rates (``--phases``) rank 0 writes ``OUT/phase<K>.ready`` and waits for the
 harness, which reshapes the links and writes ``OUT/phase<K>.go``. Each rank writes its
@@ -55,11 +60,13 @@ import torch.distributed as dist
 from easgd_lightning.comm import ops
 from easgd_lightning.utils.atomic import atomic_write_text
 
-__all__ = ["LOOPS", "OPS", "main"]
+__all__ = ["LOOPS", "OPS", "ROUNDS", "main"]
 
 OPS = ("ring", "tree", "allgather", "broadcast", "ps")
 LOOPS = ("loop_free", "loop_serial_ring", "loop_overlap_ring", "loop_serial_allgather",
          "loop_overlap_allgather")
+#: blocking rounds per iteration of the extra serial loops (smallest message only)
+ROUNDS = (2, 4)
 _KIND = "probe"
 _KERNEL_N = 256
 
@@ -75,13 +82,15 @@ def _loop(kind: str, t: torch.Tensor, iters: int, kernel: Callable[[], None], sl
     start = time.perf_counter()
     pending = None
     gather = kind.endswith("allgather")
+    rounds = int(kind.rsplit("_x", 1)[1]) if "_x" in kind else 1
     for _ in range(iters):
         kernel()
         if kind.startswith("loop_serial"):
-            if gather:
-                ops.all_gather_varlen([t], kind=_KIND, slot=slot)
-            else:
-                ops.all_reduce(t, kind=_KIND)
+            for _ in range(rounds):
+                if gather:
+                    ops.all_gather_varlen([t], kind=_KIND, slot=slot)
+                else:
+                    ops.all_reduce(t, kind=_KIND)
         elif kind.startswith("loop_overlap"):
             if pending is not None:
                 ops.wait(pending, kind=_KIND)
@@ -208,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
                         t.fill_(1.0)
                     records.append({"phase": label, "op": op, "bytes": numel * 4, "times_s": times})
                 looped = args.loops and nbytes in (phase_sizes[0], phase_sizes[-1])
-                for op in LOOPS if looped else ():
+                rounds = [f"loop_serial_ring_x{r}" for r in ROUNDS] if nbytes == phase_sizes[0] else []
+                for op in [*LOOPS, *rounds] if looped else ():
                     times = []
                     for i in range(args.loop_repeats + 1):  # the first is a warm-up
                         ops.barrier()

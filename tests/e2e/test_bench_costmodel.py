@@ -53,10 +53,12 @@ def test_costmodel_predicts_a_held_out_row(tmp_path: Path) -> None:
     assert {s["rate_mbit"] for s in inputs["probe"]} == {100.0, 1000.0}
     assert {s["op"] for s in inputs["probe"]} == {"ring", "tree", "allgather", "broadcast", "ps"}
     # the training-shaped loops, at the smallest and the largest message of each rate
+    # (+ 2 and 4 blocking all-reduces per iteration at the smallest), the kernel sized first
     assert {s["op"] for s in inputs["probe_loops"]} == {
         "loop_free", "loop_serial_ring", "loop_overlap_ring", "loop_serial_allgather",
-        "loop_overlap_allgather"}
-    assert len(inputs["probe_loops"]) == 5 * 2 * 2
+        "loop_overlap_allgather", "loop_serial_ring_x2", "loop_serial_ring_x4"}
+    assert len(inputs["probe_loops"]) == 5 * 2 * 2 + 2 * 2
+    assert inputs["probe_kernel"]["matmuls"] >= 1
     result = json.loads((tmp_path / "costmodel.json").read_text())
     held = [p for p in result["predictions"] if not p["in_fit"]]
     assert [p["row"] for p in held] == ["ddp/none"]

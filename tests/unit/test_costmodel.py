@@ -383,3 +383,68 @@ def test_row_meter_reads_the_steady_state_from_the_two_runs(tmp_path):
     assert got["codec_s"] == pytest.approx(0.3 / 30) and got["messages_per_step"] == pytest.approx(1.0)
     assert got["rest_s"] == pytest.approx(1.6 / 30)
     assert cm.row_meter(tmp_path / "missing", 10) is None
+
+
+# ---------------------------------------------------------------- per-round synchronisation
+def _rounds_loops(probe: list[dict], free: dict[int, float], s0: float, per_round: dict[int, float]) -> list[dict]:
+    """Serial ring loops of r = 1, 2, 4 blocking all-reduces per iteration at the smallest
+    message of each rate, following T_r = F + r C + s0 + r s_r exactly."""
+    idle = {(s["op"], s["p"], s["bytes"], s["rate_mbit"]): s["time_s"] for s in probe}
+    loops = []
+    for (op, p, nbytes, rate), c in idle.items():
+        if op != "ring" or nbytes != cm.probe_sizes(rate)[0]:
+            continue
+        loops.append({"op": "loop_free", "p": p, "bytes": nbytes, "rate_mbit": rate, "time_s": free[p]})
+        for r in (1, 2, 4):
+            loops.append({"op": "loop_serial_ring" + (f"_x{r}" if r > 1 else ""), "p": p,
+                          "bytes": nbytes, "rate_mbit": rate,
+                          "time_s": free[p] + r * c + s0 + r * per_round[p]})
+    return loops
+
+
+@pytest.mark.parametrize("per_round", [{2: 0.0, 4: 0.0, 8: 0.0}, {2: 0.002, 4: 0.005, 8: 0.011}])
+def test_fit_loops_recovers_the_per_round_synchronisation_cost(per_round):
+    probe = _synthetic_probe({"ring": (ALPHA, ETA)}, cpus=2)
+    free = {2: 0.006, 4: 0.011, 8: 0.022}
+    got = cm.fit_loops(_rounds_loops(probe, free, 0.003, per_round), probe)
+    for p, sr in per_round.items():
+        assert got["per_round_s"][str(p)] == pytest.approx(sr, abs=1e-12), p
+        assert got["fixed_s"][str(p)] == pytest.approx(0.003, abs=1e-12), p
+        assert got["by_rounds"][str(p)]["4"] == pytest.approx(0.003 + 4 * sr, abs=1e-12)
+        # the one-round loop's s is what one blocking round costs
+        assert got["sync_s"]["serial_ring"][str(p)] == pytest.approx(0.003 + sr, abs=1e-12)
+
+
+def test_fit_rounds_clips_a_negative_slope_and_needs_two_round_counts():
+    probe = _synthetic_probe({"ring": (ALPHA, ETA)}, cpus=2)
+    free = {2: 0.006, 4: 0.011, 8: 0.022}
+    loops = _rounds_loops(probe, free, 0.01, {2: -0.001, 4: -0.001, 8: -0.001})
+    assert cm.fit_loops(loops, probe)["per_round_s"] == {"2": 0.0, "4": 0.0, "8": 0.0}
+    only_one = [s for s in loops if not s["op"].startswith("loop_serial_ring_x")]
+    assert cm.fit_loops(only_one, probe)["per_round_s"] == {}
+
+
+def test_predictions_charge_each_further_blocking_round():
+    model = {op: {**par, "cpus": 2} for op, par in MODEL.items()}
+    inputs = _synthetic_inputs(model)
+    inputs["rows"].append({"strategy": "ddp", "compression": "powersgd", "overrides": [],
+                           "workers": 4, "rate_mbit": 100.0, "status": "ok", "step_time_s": 0.1})
+    inputs["codec"]["powersgd"] = {"seconds": 0.001, "aggregation": "allreduce", "calls": 2}
+    inputs["codec_exchange"] = {
+        "powersgd": {"seconds_by_world": {"1": 0.001, "4": 0.001}, "messages": 5.0, "bytes": 40000.0},
+        "dgc": {"seconds_by_world": {"1": 0.001, "4": 0.001}, "messages": 2.0, "bytes": 3000.0}}
+    loops = {"sync_s": {"serial_ring": {"4": 0.004}, "serial_allgather": {"4": 0.007}},
+             "per_round_s": {"4": 0.003}}
+    preds = {p["row"]: p for p in cm.predict_rows(model, inputs, loops)}
+    net = cm.fitted_net(model, 100.0)
+    psgd = preds["ddp/powersgd"]
+    assert psgd["sync_s"] == pytest.approx(0.004 + 4 * 0.003)  # s + (k - 1) s_r, k = 5
+    assert psgd["predicted_s"] == pytest.approx(0.06 + 0.002 + 5 * net("ring", 4, 8000.0) + 0.016)
+    assert preds["ddp/none"]["sync_s"] == pytest.approx(0.004)  # one round: s alone
+    # the all-gather shape was not probed in rounds: its s stays per exchange
+    assert preds["ddp/dgc;optim.momentum=0"]["sync_s"] == pytest.approx(0.007)
+
+
+def test_kernel_matmuls_is_at_least_one_product():
+    n, mm_s = cm.kernel_matmuls(0.0, repeats=8)
+    assert n == 1 and mm_s > 0
