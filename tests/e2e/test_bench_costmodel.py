@@ -36,7 +36,7 @@ def test_costmodel_predicts_a_held_out_row(tmp_path: Path) -> None:
         sys.executable, str(REPO / "bench" / "costmodel.py"), "--measure",
         "--probe-workers", "2", "--probe-rates", "100,1000", "--probe-repeats", "1",
         "--probe-top-ms", "10", "--rows", "ddp/none,limit/none", "--rows-workers", "2",
-        "--rows-rate", "50", "--steps", "16", "--warmup-steps", "0", "--out", str(tmp_path),
+        "--rows-rate", "50", "--steps", "16", "--warmup-steps", "4", "--out", str(tmp_path),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -68,7 +68,9 @@ def test_costmodel_predicts_a_held_out_row(tmp_path: Path) -> None:
           f"error {100 * row['rel_err']:+.1f}%")
     assert row["comm_s"] > 0 and math.isfinite(row["rel_err"])
     assert row["loop_shape"] == "serial_ring" and math.isfinite(row["sync_s"])
-    assert row["meter"] is None  # --warmup-steps 0: no pair of runs for the steady state
+    # steady state (16-step run minus 4-step run): the limit row, run first, sizes the
+    # probe's kernel, so its start-up must not count; the row's own meter is kept beside
+    assert row["meter"]["messages_per_step"] == pytest.approx(1.0, abs=0.05)
     # within 40%: at 50 Mbit/s the all-reduce (~0.1 s) outweighs the compute, so a model
     # that dropped the communication or counted it twice would miss
     assert abs(row["rel_err"]) < 0.4
