@@ -104,6 +104,16 @@ class ResidualMemory(Memory):
         """The stored residual for ``key`` (None before the first update)."""
         return self.residuals.get(key)
 
+    def adopt(self, key, residual: torch.Tensor) -> None:
+        """Take ``residual`` (not a copy) as what is owed for ``key``: for a caller that
+        keeps the residual in its own state between steps, or starts from zeros. The
+        memory owns the tensor from then on: once an ``update`` has replaced it, its
+        buffer may be reused for the next compensated tensor."""
+        if self.residuals.get(key) is residual:
+            return
+        self.residuals[key] = residual
+        self._spare.pop(key, None)
+
     def state_dict(self) -> dict:
         """The decay and a copy of every residual (the spare and pending buffers are
         scratch: rebuilt on demand, never checkpointed)."""

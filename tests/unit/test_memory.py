@@ -66,3 +66,16 @@ def test_no_memory_and_defaults():
     assert isinstance(make_memory(None), NoMemory)
     with pytest.raises(ValueError, match="memory_decay"):
         ResidualMemory(decay=2.0)
+
+
+def test_adopt_takes_a_residual_kept_elsewhere_without_copying():
+    mem = ResidualMemory()
+    owed = torch.tensor([0.5, -1.0, 0.0])
+    mem.adopt("w", owed)
+    assert mem.residual("w") is owed
+    p = mem.compensate("w", torch.ones(3))
+    assert p.tolist() == [1.5, 0.0, 1.0] and owed.tolist() == [0.5, -1.0, 0.0]
+    mem.update("w", p, torch.tensor([1.5, 0.0, 0.0]))
+    assert mem.residual("w").tolist() == [0.0, 0.0, 1.0]
+    mem.adopt("w", mem.residual("w"))  # the one it holds: nothing changes
+    assert mem.residual("w").tolist() == [0.0, 0.0, 1.0]

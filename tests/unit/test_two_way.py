@@ -64,3 +64,22 @@ def test_two_way_refusals_and_config_key():
     x = torch.tensor([4.0, -1.0, 3.0, 0.5])
     out, local = comp.aggregate(x, {}, SoloCollective())
     assert out.tolist() == [4.0, 0.0, 3.0, 0.0] and local.tolist() == [4.0, 0.0, 3.0, 0.0]
+
+
+def test_second_residual_resumes_from_the_checkpointed_f():
+    """The memory of f is scratch: a state restored without it (as from a checkpoint)
+    continues bit for bit."""
+    from easgd_lightning.utils.checkpoint import from_plain, to_plain
+
+    comp = build_compressor("topk", two_way=True, ratio=0.1, exact=True, min_numel=0)
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(97, dtype=torch.float64, generator=gen) for _ in range(6)]
+    st, outs = {}, []
+    for x in xs:
+        outs.append(comp.aggregate(x, st, SoloCollective())[0].clone())
+    st = {}
+    for t, x in enumerate(xs):
+        if t == 3:
+            st = from_plain(to_plain(st), "cpu")
+            assert "_scratch" not in st and "f" in st
+        assert torch.equal(comp.aggregate(x, st, SoloCollective())[0], outs[t])

@@ -7,8 +7,9 @@ Rule, p workers, any sparsifier or sign compressor C, per tensor and step:
                      as C's payloads (all-gathered) and owner j forms its shard of the mean,
                      m_j = (1/p) sum_i c_i[shard j];
   owners -> workers: q_j = m_j + f_j;  d_j = C(q_j);  f_j <- q_j - d_j   (the second
-                     residual, kept by the owner of the shard); every d_j is all-gathered
-                     and the result is the concatenation of d_0 .. d_{p-1}.
+                     residual, kept by the owner of the shard in a
+                     :class:`~easgd_lightning.hooks.memory.ResidualMemory`); every d_j
+                     is all-gathered and the result is the concatenation of d_0 .. d_{p-1}.
 Shard j is entries [j n / p, (j + 1) n / p) of the flattened tensor; each rank owns one,
 so no dedicated server is needed. Nothing is lost in either direction: sum_t c_i + e_i =
 sum_t g_i and sum_t d_j + f_j = sum_t m_j. This module is the ring form; with the async
@@ -22,13 +23,16 @@ from __future__ import annotations
 
 import torch
 
-from easgd_lightning.hooks.compressors.base import Collective, Compressor, Payload
+from easgd_lightning.hooks.compressors.base import Collective, Compressor, Payload, scratch_of
+from easgd_lightning.hooks.memory import ResidualMemory
 
 __all__ = ["TwoWayCompressor", "TWO_WAY_INNER", "shard_bounds"]
 
 #: compressors a two-way exchange can wrap: sparsifiers, sign and quantizers whose payload
 #: decodes from itself (random-k's indices come from its own seed stream: not here)
 TWO_WAY_INNER = ("gcomp", "qsgd", "redsync", "sidco", "signsgd", "topk")
+
+_DOWN = "two_way:f"  # key of the second residual's memory (in the tensor's scratch)
 
 
 def shard_bounds(numel: int, world: int, rank: int) -> tuple[int, int]:
@@ -44,6 +48,22 @@ def collective_rank(collective: Collective) -> int:
     if collective.world_size == 1:
         return 0
     raise ValueError("compression.two_way needs a collective that knows its rank")
+
+
+def _second_residual(state: dict, shard: torch.Tensor) -> ResidualMemory:
+    """The memory of the second residual f for ``state``'s tensor, holding ``state["f"]``
+    (the checkpointed copy) when it fits ``shard``, else nothing. The memory itself is
+    scratch (``state["_scratch"]``): it only reuses f's buffers from step to step."""
+    scratch = scratch_of(state)
+    memory = scratch.get(_DOWN)
+    if memory is None:
+        memory = scratch[_DOWN] = ResidualMemory()
+    f = state.get("f")
+    if f is not None and f.shape == shard.shape and f.dtype == shard.dtype:
+        memory.adopt(_DOWN, f)
+    else:
+        memory.reset()
+    return memory
 
 
 class TwoWayCompressor(Compressor):
@@ -87,15 +107,15 @@ class TwoWayCompressor(Compressor):
         mean, local = self.inner.aggregate(tensor, up, collective)
         n = tensor.numel()
         lo, hi = shard_bounds(n, world, collective_rank(collective))
-        q = mean.reshape(-1)[lo:hi].clone()
-        f = state.get("f")
-        if f is not None and f.shape == q.shape and f.dtype == q.dtype:
-            q += f
+        shard = mean.reshape(-1)[lo:hi]
+        memory = _second_residual(state, shard)
+        q = memory.compensate(_DOWN, shard)
         down = state.setdefault("down", {})
         down.setdefault("key_hash", state.get("key_hash", 0) + 1)
         payload = self.inner.compress(q, down)
         sent = self.inner.decompress(payload, q.shape)
-        state["f"] = (q - sent.to(q.dtype)).detach()
+        memory.update(_DOWN, q, sent)
+        state["f"] = memory.residual(_DOWN)
         state["last_down_bytes"] = self.inner.payload_bytes(payload)
         meta = dict(payload.meta)
         meta.pop("out", None)

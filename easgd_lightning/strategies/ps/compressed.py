@@ -38,11 +38,14 @@ import torch
 
 from easgd_lightning.hooks.compressors.base import Compressor, Payload
 from easgd_lightning.hooks.compressors.two_way import TWO_WAY_INNER, TwoWayCompressor
+from easgd_lightning.hooks.memory import ResidualMemory
 
 __all__ = ["PS_COMPRESSORS", "MessageCodec", "WorkerPush", "ServerReplies", "unwrap"]
 
 #: compressors whose payload decodes from itself (no per-step seed or shared state)
 PS_COMPRESSORS = TWO_WAY_INNER
+
+_PUSH = "push"  # the worker's one residual memory key: the flat parameter part
 
 _DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
            torch.bfloat16, torch.float32, torch.float64, torch.bool)
@@ -149,22 +152,29 @@ class WorkerPush:
         self.two_way = two_way
         self.memory = compressor.memory
         self.states = [{} for _ in sizes]
-        self.residual = torch.zeros(self.codec.n_params, dtype=start.dtype)
+        self._residuals = ResidualMemory()
+        self._residuals.adopt(_PUSH, torch.zeros(self.codec.n_params, dtype=start.dtype))
         self.weights = start.detach().cpu().clone()
         self.last_message_bytes = 0
         #: payload bytes this worker sent and got back, over its pushes (headers not counted)
         self.traffic = {"pushes": 0, "bytes_up": 0, "bytes_down": 0,
                         "dense_bytes_per_direction": start.numel() * start.element_size()}
 
+    @property
+    def residual(self) -> torch.Tensor:
+        """e: what the pushes so far left out of the parameter part (zeros without memory)."""
+        return self._residuals.residual(_PUSH)
+
     def encode(self, vec: torch.Tensor) -> torch.Tensor:
         """The message of the flat gradient (then buffers) ``vec``: p = g + e; send C(p); e = p - C(p)."""
         vec = vec.detach().cpu().clone()
         n = self.codec.n_params
         if self.memory:
-            vec[:n] += self.residual
+            p = self._residuals.compensate(_PUSH, vec[:n])
+            vec[:n] = p
         message, sent = self.codec.encode(vec, self.states)
         if self.memory:
-            self.residual = vec[:n] - sent
+            self._residuals.update(_PUSH, p, sent)
         self.last_message_bytes = int(message.numel())
         self.traffic["pushes"] += 1
         self.traffic["bytes_up"] += self.last_message_bytes
