@@ -225,6 +225,14 @@ def _takes_comm(cls: type) -> bool:
     return bool(getattr(cls, "hierarchical", False))
 
 
+def _plans_compression(cls: type) -> bool:
+    """Whether the strategy class runs the SeCoPa planner (``compression.plan``): the
+    compressed DDP hook's strategy (``ddp``) and its subclasses."""
+    from easgd_lightning.strategies.ddp import CompressedDDPStrategy
+
+    return issubclass(cls, CompressedDDPStrategy)
+
+
 def min_world_size(name: str) -> int:
     """The fewest processes a strategy needs."""
     return _spec(name).min_world_size
@@ -250,6 +258,10 @@ def build_strategy(cfg: Any, *, world_size: int | None = None):
     if layout.allreduce != "ring" and not getattr(cls, "switch_allreduce", False):
         raise ConfigError(f"comm.allreduce: {layout.allreduce} sums strategy=ddp's dense gradient buckets only, "
                           f"not strategy={cfg.strategy.get('name')}")
+    plan = cfg.compression.get("plan", "none")
+    if plan != "none" and not _plans_compression(cls):  # the planner lives in the DDP hook only
+        raise ConfigError(f"compression.plan: {plan} plans strategy=ddp's compressed gradient buckets only, "
+                          f"not strategy={cfg.strategy.get('name')}; there it must be none")
     if _takes_comm(cls):
         built["comm"] = layout
     elif layout.hierarchy != "flat":  # a recipe's comm.* in a strategy sweep: not an error

@@ -165,6 +165,23 @@ def test_config_keys_reach_the_built_compressor_and_bad_values_are_one_line():
         build_compression(compose_checked(["compression=none", "compression.plan=x"]))
 
 
+@pytest.mark.parametrize("strategy", ["sync_easgd", "local_sgd"])
+def test_a_plan_is_refused_before_launch_where_no_ddp_hook_reads_it(strategy):
+    """compression.plan=secopa is read by the compressed DDP hook only: the elastic and
+    local-SGD exchanges would ignore it silently, so easgd-train stops in one line."""
+    import easgd_lightning.cli.train  # noqa: F401  (registers the recipe resolvers)
+    from easgd_lightning.cli.build import ConfigError, validate_config
+    from easgd_lightning.cli.overrides import compose_checked
+
+    validate_config(compose_checked(["strategy=ddp", "compression=topk", "compression.plan=secopa"]), hardware=False)
+    validate_config(compose_checked([f"strategy={strategy}", "compression=topk"]), hardware=False)
+    with pytest.raises(ConfigError) as err:
+        validate_config(compose_checked([f"strategy={strategy}", "compression=topk", "compression.plan=secopa"]),
+                        hardware=False)
+    assert str(err.value) == (f"compression.plan: secopa plans strategy=ddp's compressed gradient buckets only, "
+                              f"not strategy={strategy}; there it must be none")
+
+
 def test_split_partitions_cuts_the_first_dimension_into_views():
     t = torch.arange(24.0).view(6, 4)
     parts = split_partitions(t, 4)
