@@ -38,7 +38,39 @@ from easgd_lightning.hooks.compressors.base import scratch_buffer, scratch_of
 from easgd_lightning.hooks.compressors.none import NoneCompressor
 from easgd_lightning.hooks.memory import ResidualMemory, make_memory
 
-__all__ = ["exchange_sum", "start_exchange_sum", "PendingSum"]
+__all__ = [
+    "exchange_sum",
+    "start_exchange_sum",
+    "PendingSum",
+    "check_exchange_compressor",
+    "bind_exchange_compressor",
+]
+
+
+def check_exchange_compressor(compressor, strategy: str) -> None:
+    """Refuse a compressor whose rule is for gradients only (``gradients_only``: e.g. SGC's
+    skipped aggregation, where each rank keeps its own value) for an exchange of elastic or
+    parameter differences, which must reach every rank's center alike.
+
+    Raises:
+        ValueError: one line naming the compressor, the strategy and what is allowed.
+    """
+    if compressor is not None and getattr(compressor, "gradients_only", False):
+        name = getattr(compressor, "name", type(compressor).__name__)
+        raise ValueError(
+            f"compression={name} applies to gradients only (strategy=ddp): strategy={strategy} "
+            f"exchanges differences that every rank's center must receive alike; use strategy=ddp "
+            f"with compression={name}, or another compressor with strategy={strategy}"
+        )
+
+
+def bind_exchange_compressor(compressor, steps_per_epoch: int | None, step_of=None) -> list[str]:
+    """Tell ``compressor`` it serves an elastic exchange (its ``bind_exchange``, when it has
+    one: DGC turns its gradient rules off and counts its warm-up in ``step_of()``, the
+    0-based optimizer step, with ``steps_per_epoch`` for ``warmup_ratio_epochs``). Returns
+    the warnings to log."""
+    bind = getattr(compressor, "bind_exchange", None)
+    return list(bind(steps_per_epoch, step_of)) if callable(bind) else []
 
 
 def _memory_for(compressor, memory, state: dict | None):

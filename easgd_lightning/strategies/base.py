@@ -40,6 +40,7 @@ from typing_extensions import override
 
 from easgd_lightning.comm import ops
 from easgd_lightning.comm.layout import CommLayout, build_comm_layout
+from easgd_lightning.hooks.elastic import bind_exchange_compressor, check_exchange_compressor
 from easgd_lightning.strategies import elastic
 from easgd_lightning.strategies.registry import reject_unknown_kwargs
 from easgd_lightning.utils.checkpoint import check_saved_world_size, from_plain, to_plain
@@ -153,6 +154,7 @@ class CenterStrategy(DDPStrategy):
         reject_unknown_kwargs(self, kwargs, DDPStrategy)  # no DDP wrapper would read them
         kwargs.setdefault("process_group_backend", None)
         super().__init__(**kwargs)
+        check_exchange_compressor(compression, self.strategy_name)  # e.g. sgc: gradients only
         self._compression = compression
         #: the ``comm`` group: lazy all-reduce buckets, hierarchical reduction
         self._comm = comm_layout_for(self, comm, compression)
@@ -217,6 +219,17 @@ class CenterStrategy(DDPStrategy):
             raise ValueError(
                 f"trainer.devices: {self.strategy_name} needs at least {self.min_world_size} processes, got {world_size}"
             )
+
+    @override
+    def on_train_start(self) -> None:
+        """The compressor learns it serves an elastic exchange (DGC: no gradient rules, its
+        warm-up in this rank's optimizer steps and the Trainer's epochs)."""
+        from easgd_lightning.strategies.ddp import optimizer_steps_per_epoch  # (ddp imports base)
+
+        super().on_train_start()
+        steps = optimizer_steps_per_epoch(self.lightning_module.trainer)
+        for note in bind_exchange_compressor(self._compression, steps, lambda: self._local_steps - 1):
+            rank_zero_warn(note)
 
     def _set_moving_rate_options(self, alpha: float | None, beta: float | None, rho: float | None) -> None:
         """Store and range-check the moving-rate options (exactly one may be given)."""

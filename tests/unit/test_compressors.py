@@ -401,6 +401,76 @@ def test_dgc_bind_training_owns_momentum_and_sets_epochs():
     assert notes and "warmup_ratio_steps=20" in notes[0]
 
 
+def reference_residual_topk(ds, k):
+    """An elastic exchange's sparsifier by hand: v <- v + d, send the exact top-k of v, zero
+    them in v (no momentum, no clipping)."""
+    v = np.zeros_like(ds[0])
+    sent = []
+    for d in ds:
+        v = v + d
+        mask = reference_topk_mask(v, k)
+        sent.append(np.where(mask, v, 0.0))
+        v = np.where(mask, 0.0, v)
+    return sent, v
+
+
+def test_dgc_bind_exchange_drops_the_gradient_rules_for_every_tensor():
+    """Under sync_easgd / local_sgd (bind_exchange) DGC is its sparsifier alone: large tensors
+    accumulate the difference into v without momentum or clipping, small tensors send the
+    difference itself; the optimizer's momentum is left alone."""
+    n, k = 2000, 20
+    ds = [np.random.default_rng(40 + i).standard_normal(n) for i in range(5)]
+    comp = DGCCompressor(ratio=k / n, momentum=0.9, clip_norm=0.5, warmup_ratio_steps=0, sample_ratio=1.0)
+    opt = torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1, momentum=0.9)
+    notes = comp.bind_exchange(None, None)
+    assert not comp.gradient_mode and opt.param_groups[0]["momentum"] == 0.9
+    assert notes and "momentum correction and local clipping are off" in notes[0]
+    state: dict = {"world_size": 4}
+    ys = [roundtrip(comp, torch.tensor(d), state)[1].numpy() for d in ds]
+    ref, v = reference_residual_topk(ds, k)
+    for y, r in zip(ys, ref):
+        np.testing.assert_allclose(y, r, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(state["v"].numpy(), v, atol=1e-12)
+    assert float(np.abs(state["u"].numpy()).max()) == 0.0  # no momentum kept
+    # mass is conserved: everything sent plus the residual is the sum of the differences
+    np.testing.assert_allclose(sum(ys) + state["v"].numpy(), sum(ds), atol=1e-10)
+    small: dict = {}
+    for d in ds[:3]:
+        x = torch.tensor(d[:50]).view(5, 10)
+        assert torch.equal(comp.dense_part(x, small, 4), x)
+    assert small == {}
+    # ddp's bind_training turns the gradient rules back on
+    comp.bind_training([opt], None)
+    assert comp.gradient_mode and opt.param_groups[0]["momentum"] == 0
+
+
+def test_dgc_bind_exchange_warmup_counts_optimizer_steps():
+    """The warm-up under an elastic strategy counts the strategy's optimizer steps (an
+    exchange every tau steps), and warmup_ratio_epochs uses the Trainer's epoch length."""
+    clock = {"step": 0}
+    comp = DGCCompressor(ratio=0.001, warmup_ratio_steps=999, warmup_ratio_epochs=1, sample_ratio=1.0)
+    assert comp.bind_exchange(8, lambda: clock["step"]) == [
+        "compression=dgc exchanges elastic differences here, not gradients: its momentum "
+        "correction and local clipping are off (the optimizer keeps its own momentum)"
+    ]
+    assert comp.total_warmup_steps == 8
+    x = torch.randn(4000, generator=gen(5), dtype=torch.float64)
+    state: dict = {}
+    got = []
+    for step in (0, 4, 6, 8):  # tau = 2: four exchanges over steps 0..8, not exchanges 0..3
+        clock["step"] = step
+        comp.compress(x, state)
+        got.append(state["last_density"])
+    assert got == [0.25, 0.0156, 0.004, 0.001]
+    # the epoch length unknown: the step default, said so
+    comp = DGCCompressor(momentum=0.0, warmup_ratio_steps=20, warmup_ratio_epochs=1)
+    notes = comp.bind_exchange(None, None)
+    assert comp.total_warmup_steps == 20 and notes == [
+        "compression.warmup_ratio_epochs: the epoch length is unknown, so the DGC warm-up uses "
+        "compression.warmup_ratio_steps=20"
+    ]
+
+
 def test_dgc_rejects_memory():
     with pytest.raises(ValueError, match="compression.memory"):
         build_compressor("dgc", memory=True)

@@ -71,3 +71,17 @@ def test_bad_params():
         build_compressor("sgc", threshold=1.5)
     with pytest.raises(ValueError, match=r"compression\.max_skip"):
         build_compressor("sgc", max_skip=-1)
+
+
+@pytest.mark.parametrize("strategy", ["sync_easgd", "local_sgd"])
+def test_elastic_strategies_refuse_it_in_one_line(strategy):
+    """A skip keeps each rank's own value: the elastic centers would diverge, so the elastic
+    strategies refuse sgc when they are built (before any process starts)."""
+    from easgd_lightning.strategies.registry import strategy_spec
+
+    with pytest.raises(ValueError) as err:
+        strategy_spec(strategy).cls(compression=build_compressor("sgc"))
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("compression=sgc applies to gradients only (strategy=ddp)")
+    assert f"strategy={strategy} exchanges differences" in msg
+    strategy_spec("ddp_compressed").cls(compression=build_compressor("sgc"))  # gradients: fine

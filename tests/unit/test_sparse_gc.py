@@ -97,3 +97,12 @@ def test_dense_part_and_bind_training():
 def test_bad_params(params, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         build_compressor("sparse_gc", **params)
+
+
+def test_bind_exchange_undoes_gradient_mode():
+    """The elastic strategies bind it as accumulate-and-sparsify (no M, small tensors as is)."""
+    comp = build_compressor("sparse_gc")
+    comp.bind_training([], None)
+    assert comp.bind_exchange(10, lambda: 0) == []
+    assert not comp.gradient_mode and comp.state_dict() == {"gradient_mode": False}
+    assert comp.dense_part(torch.ones(4), {}, 2).tolist() == [1.0] * 4

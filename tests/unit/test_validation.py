@@ -175,6 +175,10 @@ BAD += [
     (["strategy=hogwild_sgd", "strategy.momentum=0.5", "optim.optimizer=adamw"], "strategy.momentum",
      "needs torch.optim.SGD"),
     (["compression=topk", "compression.ratio=1.5"], "compression.ratio", "in (0, 1], got 1.5"),
+    # sgc keeps each rank's own value when it skips: right for gradients only
+    (["strategy=sync_easgd", "compression=sgc"], "compression=sgc",
+     "applies to gradients only (strategy=ddp): strategy=sync_easgd exchanges differences"),
+    (["strategy=local_sgd", "compression=sgc"], "compression=sgc", "use strategy=ddp with compression=sgc"),
     (["compression=powersgd", "compression.rank=0"], "compression.rank", "an integer >= 1, got 0"),
     (["compression=sidco", "compression.distribution=cauchy"], "compression.distribution",
      "one of ['exponential', 'gamma', 'gpareto'], got 'cauchy'"),

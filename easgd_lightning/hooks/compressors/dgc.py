@@ -14,6 +14,16 @@ clip_norm null (off), min_numel 16384 (smaller tensors go dense), memory false.
 With ``momentum > 0`` the momentum lives here: :meth:`DGCCompressor.bind_training` sets the
 optimizer's to 0 (with a warning). Tensors under ``min_numel`` travel dense but keep the
 momentum (:meth:`DGCCompressor.dense_part`: u <- m u + g, u sent; no accumulation, no masking).
+Where the rule applies: clipping and the momentum correction act on gradients (``ddp``, and
+any caller that does not bind the compressor). Under ``sync_easgd`` and ``local_sgd``
+(:meth:`DGCCompressor.bind_exchange`) the exchanged quantity is an elastic or parameter
+difference d, which the worker applies exactly while the center adds what arrives; a
+momentum on d would hand the center sum_t d / (1 - m), ten times the pull at m = 0.9, so
+there DGC is its sparsifier alone for every tensor: v <- v + d, the sampled threshold and
+the warm-up, the sent entries zeroed in v (the residual); small tensors send d itself. The
+warm-up there counts optimizer steps (the strategy's step counter), not exchanges, so
+``warmup_ratio_steps`` and ``warmup_ratio_epochs`` mean the same as under ``ddp`` for any
+``tau`` or period.
 Cost: the threshold comes from the sample of the corrected v, computed from u, v, g at the
 sampled entries alone; the momentum correction and the first round's count-and-gather are
 then one pass over (u, v, g) (native kernel on CPU); a further round (rare) is one pass
@@ -281,10 +291,24 @@ class DGCCompressor(SparseCompressor):
         self.max_rounds = check_int("max_rounds", max_rounds, 1)
         self._rule = SelectRule(self.sample_ratio, self.max_rounds)
         self._steps_per_epoch: int | None = None
+        #: clipping and momentum correction apply (gradients); False under the elastic
+        #: strategies (:meth:`bind_exchange`)
+        self.gradient_mode = True
+        #: 0-based optimizer step for the warm-up, when a strategy gives one
+        self._step_of = None
+
+    @property
+    def _momentum(self) -> float:
+        """The momentum the rule applies now: 0 outside gradient mode."""
+        return self.momentum if self.gradient_mode else 0.0
 
     def dense_part(self, tensor: torch.Tensor, state: dict, world_size: int) -> torch.Tensor:
         """What a tensor under ``min_numel`` sends in the dense all-reduce: the clipped
-        gradient through :func:`momentum_dense` (its momentum u lives in ``state``)."""
+        gradient through :func:`momentum_dense` (its momentum u lives in ``state``); outside
+        gradient mode (elastic differences) the tensor itself, as the large tensors then
+        send their accumulated difference without momentum."""
+        if not self.gradient_mode:
+            return tensor
         flat = clip_local(tensor.reshape(-1), self.clip_norm, world_size)
         if self.momentum == 0:
             return flat.clone().view_as(tensor)
@@ -298,6 +322,7 @@ class DGCCompressor(SparseCompressor):
         of ``warmup_ratio_epochs`` become ``steps_per_epoch`` optimizer steps each, and with
         ``momentum > 0`` the optimizers' own momentum is set to 0 (DGC applies its own;
         both would compound). Returns the warnings to log."""
+        self.gradient_mode = True
         notes = []
         if steps_per_epoch:
             self.set_steps_per_epoch(int(steps_per_epoch))
@@ -310,6 +335,29 @@ class DGCCompressor(SparseCompressor):
             notes.append(
                 f"compression=dgc applies its own momentum (compression.momentum={self.momentum}); "
                 "the optimizer's momentum was set to 0 so it is not applied twice"
+            )
+        return notes
+
+    def bind_exchange(self, steps_per_epoch: int | None, step_of=None) -> list[str]:
+        """Adopt an elastic exchange (``sync_easgd``, ``local_sgd``; called before the first
+        step): no clipping and no momentum correction (see the module docstring), the
+        optimizer's momentum is left alone, and the warm-up counts ``step_of()`` (the
+        0-based optimizer step) instead of exchanges. ``warmup_ratio_epochs`` becomes
+        ``steps_per_epoch`` optimizer steps per epoch. Returns the warnings to log."""
+        self.gradient_mode = False
+        self._step_of = step_of
+        notes = []
+        if steps_per_epoch:
+            self.set_steps_per_epoch(int(steps_per_epoch))
+        elif self.warmup_ratio_epochs is not None:
+            notes.append(
+                "compression.warmup_ratio_epochs: the epoch length is unknown, so the DGC "
+                f"warm-up uses compression.warmup_ratio_steps={self.warmup_ratio_steps}"
+            )
+        if self.momentum > 0 or self.clip_norm is not None:
+            notes.append(
+                "compression=dgc exchanges elastic differences here, not gradients: its momentum "
+                "correction and local clipping are off (the optimizer keeps its own momentum)"
             )
         return notes
 
@@ -335,7 +383,11 @@ class DGCCompressor(SparseCompressor):
         flat = tensor.reshape(-1)
         step = int(state.get("step", 0))
         state["step"] = step + 1
-        g = clip_local(flat, self.clip_norm, int(state.get("world_size", 1)))
+        if self._step_of is not None:  # elastic: the warm-up counts optimizer steps
+            step = max(0, int(self._step_of()))
+        g = flat
+        if self.gradient_mode:
+            g = clip_local(flat, self.clip_norm, int(state.get("world_size", 1)))
         v = state.get("v")
         if v is None or v.shape != flat.shape or v.device != flat.device:
             v = state["v"] = torch.zeros_like(flat)
@@ -343,7 +395,7 @@ class DGCCompressor(SparseCompressor):
         u = state["u"]
         density = self.density(step)
         k = num_selected(flat.numel(), density)
-        if self.momentum > 0:
+        if self._momentum > 0:
             idx, val, rounds = momentum_select_values(
                 g, u, v, self.momentum, self.nesterov, k, self._rule, scratch_of(state)
             )

@@ -17,6 +17,11 @@ Rule, per tensor and step, p workers:
 Bytes per step: (sample_size + 1) values, plus the dense tensor when aggregated.
 Defaults: threshold 0.95, max_skip 4, sample_size 256, memory false (a skipped tensor loses
 nothing locally: the worker uses its own value), min_numel 16384.
+Gradients only (``strategy=ddp``): the paper's rule relies on each worker's local gradient
+being a good stand-in for the mean. Under ``sync_easgd`` / ``local_sgd`` the exchanged
+elastic or parameter differences update a center every rank must hold alike, and a skip
+would add each rank's own difference to its copy, so those strategies refuse ``sgc`` when
+they are constructed (before any process starts, for ``easgd-train``).
 """
 
 from __future__ import annotations
@@ -62,6 +67,9 @@ class SGCCompressor(Compressor):
     name = "sgc"
     aggregation = "allreduce"
     default_memory = False
+    #: a skipped tensor keeps each rank's own value: right for a gradient (SGC's rule), not
+    #: for the elastic strategies' differences, where every rank's center would diverge
+    gradients_only = True
 
     def __init__(
         self,

@@ -17,9 +17,9 @@ true, min_numel 16384, memory false (v is the residual).
 Where the rule applies: M and the local update act on gradients, so they are switched on
 by :meth:`SparseGCCompressor.bind_training`, which the ``ddp`` strategy calls (it also sets
 the optimizer's momentum to 0, with a warning, since M replaces it). Under ``sync_easgd``
-and ``local_sgd`` the exchanged quantity is an elastic or parameter difference, every rank
-must get the same mean, so the compressor is the accumulate-and-sparsify part alone
-(s is the mean). Tensors under ``min_numel`` travel dense with a momentum whose rank mean
+and ``local_sgd`` (:meth:`SparseGCCompressor.bind_exchange`, and the default when nothing
+binds it) the exchanged quantity is an elastic or parameter difference, every rank must get
+the same mean, so the compressor is the accumulate-and-sparsify part alone (s is the mean). Tensors under ``min_numel`` travel dense with a momentum whose rank mean
 is M (u <- m u + g, u sent; DGC's dense rule).
 Cost: one pass accumulates, the sampled threshold's count-and-gather is one pass, the
 sent entries are zeroed sparsely; in gradient mode one pass forms g - sent and one M.
@@ -98,6 +98,12 @@ class SparseGCCompressor(SparseCompressor):
                 f"compression=sparse_gc applies a global momentum (compression.momentum="
                 f"{self.momentum}); the optimizer's momentum was set to 0 so it is not applied twice"
             ]
+        return []
+
+    def bind_exchange(self, steps_per_epoch: int | None, step_of=None) -> list[str]:
+        """The elastic strategies' call (``sync_easgd``, ``local_sgd``): the exchanged
+        tensors are differences, so the compressor is accumulate-and-sparsify alone."""
+        self.gradient_mode = False
         return []
 
     def state_dict(self) -> dict:
