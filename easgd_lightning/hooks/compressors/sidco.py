@@ -15,8 +15,9 @@ Adaptation every ``adapt_every`` = 5 steps, from the mean achieved/target count 
 1 +- ``tolerance`` (0.2) nothing changes; otherwise S moves by one (up when r > 1, down when
 r < 1; 1 <= S <= ceil(log delta / log 0.5)) until S hits a bound or a move makes |ln r|
 worse (undone); from then on the fitted target is corrected, delta_fit = delta * c with
-c <- c / r per off-target window (the authors' code tunes the first-stage ratio for the same
-purpose; the stage count alone is too coarse to land within the tolerance on real layers).
+ln c <- ln c - 0.3 clamp(r - 1, -1, 3) per off-target window, c kept in [1e-4, 1e4] (the
+authors' code tunes the first-stage ratio for the same purpose; the stage count alone is
+too coarse to land within the tolerance on real layers).
 Send {(i, g_i) : u_i > thr} with residuals; payloads are all-gathered.
 Defaults: ratio (delta) = 0.001, distribution = exponential, stages = 1 (initial),
 first_stage_ratio = 0.25, sample_size = 100000, memory = true.
@@ -215,7 +216,8 @@ def multistage_threshold(
     return thr
 
 
-#: the target correction's gain and its largest step per window (a factor of 4^0.5 = 2)
+#: the target correction's gain and the upper clamp of (ratio - 1): ln c moves by at most
+#: 0.3 * 3 = 0.9 per window when the density is too high (c / 2.46) and 0.3 when too low (c * 1.35)
 CORRECTION_GAIN = 0.3
 CORRECTION_CLAMP = 3.0
 
@@ -227,10 +229,11 @@ def adapt(state: dict, mean_ratio: float, tolerance: float, max_stage: int) -> N
     stage count S moves by one (first up, or down from the maximum) and keeps moving that
     way while |ln ratio| shrinks; a move that makes it worse is undone and ends the search
     (so does a bound). After the search the fitted target is corrected instead:
-    ln c <- ln c - 0.5 clamp(ln ratio, +-ln 4), the fits using delta * c (an integral
-    controller on the log density: the stage count alone is too coarse, and the response
-    of a fitted threshold to delta is steep on light tails). State keys: stages, scale (c),
-    searching, moved, prev_ratio.
+    ln c <- ln c - ``CORRECTION_GAIN`` clamp(ratio - 1, -1, ``CORRECTION_CLAMP``) =
+    ln c - 0.3 clamp(ratio - 1, -1, 3), c kept in [1e-4, 1e4], the fits using delta * c (an
+    integral controller on the log density: the stage count alone is too coarse, and the
+    response of a fitted threshold to delta is steep on light tails). State keys: stages,
+    scale (c), searching, moved, prev_ratio.
     """
     stages = int(state["stages"])
     moved, prev = int(state.get("moved", 0)), state.get("prev_ratio")
