@@ -11,12 +11,12 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from lightning_fabric.plugins import TorchCheckpointIO
-from lightning_fabric.utilities.types import _PATH
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from easgd_lightning.comm import get_meter, ops
 from easgd_lightning.compat import lightning as compat
+from easgd_lightning.compat.lightning import PATH
 from easgd_lightning.utils import stop
 from easgd_lightning.utils.atomic import atomic_torch_save
 
@@ -34,7 +34,7 @@ __all__ = [
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` that writes a temporary file and renames it into place."""
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: PATH, storage_options: Any | None = None) -> None:
         atomic_torch_save(checkpoint, path)
 
 
@@ -141,6 +141,9 @@ class LastFirstCheckpoint(ModelCheckpoint):
     Lightning writes ``epochNNN.ckpt`` and then ``last.ckpt``; a kill between the two leaves
     ``last.ckpt`` one epoch older than the newest epoch file, and resuming from it loses that
     epoch. In this order a kill in between leaves ``last.ckpt`` the newest, never older.
+    Overrides Lightning's two private write steps by name
+    (:data:`~easgd_lightning.compat.lightning.CHECKPOINT_TOPK_STEP`, ``CHECKPOINT_LAST_STEP``;
+    checked by ``tests/unit/test_compat_lightning.py``).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -556,9 +556,9 @@ def _count_optimizers(module: Any) -> int | None:
     """How many optimizers ``module.configure_optimizers()`` returns without a Trainer (None
     when it needs one, e.g. for a schedule in epochs: the strategy's setup checks then)."""
     try:
-        from pytorch_lightning.core.optimizer import _configure_optimizers
+        from easgd_lightning.compat.lightning import configured_optimizers
 
-        optimizers, _, _ = _configure_optimizers(module.configure_optimizers())
+        optimizers = configured_optimizers(module.configure_optimizers())
     except Exception:
         return None
     return len(optimizers)

@@ -1,9 +1,17 @@
 """Every private Lightning / torch.distributed name this project touches, in one place.
 
-Each function below reads or replaces one private attribute. Nothing else in the package
-uses an underscore name of Lightning or torch; ``tests/unit/test_compat_lightning.py``
-asserts that each one still exists with the signature and behaviour relied on here, so an
-upgrade that changes one fails there, by name, instead of hanging a distributed run.
+Each function or constant below reads, imports or replaces one private name. Outside this
+module (and :mod:`easgd_lightning.parallel.deepspeed_compat`, which does the same for
+DeepSpeed's pipeline engine) the package reads, imports and patches no private name of
+pytorch_lightning, lightning_fabric or torch.distributed. The one exception is a method a
+subclass must define under Lightning's private name to replace it; each such override is
+listed in :data:`PRIVATE_OVERRIDES`. ``tests/unit/test_compat_lightning.py`` asserts that
+each name still exists with the signature and behaviour relied on here, and that no class
+of the package overrides a private Lightning method not listed, so an upgrade that changes
+one fails there, by name, instead of hanging a distributed run. (Two torch autograd /
+tensor internals that PyTorch's own DDP relies on are used where they are needed:
+``Variable._execution_engine.queue_callback`` in :mod:`easgd_lightning.hooks.ddp` and
+``Tensor._version`` in :mod:`easgd_lightning.hooks.compressors.base`.)
 
 Why each is needed (the asynchronous strategies' ranks run apart after set-up, so any
 collective that Lightning runs on its own would re-synchronise them or hang on a dead rank):
@@ -20,6 +28,21 @@ collective that Lightning runs on its own would re-synchronise them or hang on a
 * ``torch.distributed.distributed_c10d._get_default_store``: the rendezvous store when no
   ``MASTER_ADDR``/``MASTER_PORT`` is set (heartbeats live there).
 * ``Work._source_rank``: the sender of a receive from any source.
+
+And, not about asynchrony:
+
+* ``pytorch_lightning.core.optimizer._configure_optimizers``: how Lightning reads what
+  ``configure_optimizers`` returned (the CLI counts optimizers before launch:
+  :func:`configured_optimizers`).
+* ``lightning_fabric.utilities.types._PATH``: the path type in the signatures of the
+  checkpoint methods we override (:data:`PATH`).
+* ``DDPStrategy._register_ddp_hooks`` (:data:`DDP_HOOKS_STEP`): the step of
+  ``DDPStrategy.configure_ddp`` that registers DDP communication hooks, on CUDA only;
+  ``ddp_compressed`` overrides it to register its hook on every device.
+* ``ModelCheckpoint._save_topk_checkpoint`` and ``_save_last_checkpoint``
+  (:data:`CHECKPOINT_TOPK_STEP`, :data:`CHECKPOINT_LAST_STEP`): the two writes of a
+  checkpoint, epoch file first; ``LastFirstCheckpoint`` overrides both to write
+  ``last.ckpt`` first.
 """
 
 from __future__ import annotations
@@ -31,12 +54,21 @@ from typing import Any
 
 import pytorch_lightning.strategies.ddp as _pl_ddp
 import torch.distributed as dist
+from lightning_fabric.utilities.types import _PATH as PATH
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.connectors.signal_connector import (
     _SignalConnector as SignalConnector,
 )
 
 __all__ = [
+    "PATH",
+    "DDP_HOOKS_STEP",
+    "CHECKPOINT_TOPK_STEP",
+    "CHECKPOINT_LAST_STEP",
+    "PRIVATE_OVERRIDES",
     "SignalConnector",
+    "configured_optimizers",
     "replace_sigterm_broadcast",
     "sigterm_broadcast_replacement",
     "set_signal_connector",
@@ -51,6 +83,41 @@ __all__ = [
 ]
 
 _SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
+
+#: ``DDPStrategy.configure_ddp`` wraps the model, then calls this (``self``) to register
+#: the DDP communication hooks (Lightning: CUDA only). ``CompressedDDPStrategy`` defines
+#: it to register its compression hook on every device.
+DDP_HOOKS_STEP = "_register_ddp_hooks"
+
+#: ``ModelCheckpoint``'s writes of the top-k (epoch) file and of ``last.ckpt``
+#: (``self, trainer, monitor_candidates``), called in that order wherever it saves.
+#: ``LastFirstCheckpoint`` defines both to write ``last.ckpt`` first.
+CHECKPOINT_TOPK_STEP = "_save_topk_checkpoint"
+CHECKPOINT_LAST_STEP = "_save_last_checkpoint"
+
+#: (Lightning class, private method name) for every private method a class of this
+#: package overrides by name; the test checks each still exists with the signature relied
+#: on, and that no other private Lightning method is overridden.
+PRIVATE_OVERRIDES: tuple[tuple[type, str], ...] = (
+    (DDPStrategy, DDP_HOOKS_STEP),
+    (ModelCheckpoint, CHECKPOINT_TOPK_STEP),
+    (ModelCheckpoint, CHECKPOINT_LAST_STEP),
+)
+
+
+# ------------------------------------------------------------------ configure_optimizers
+def configured_optimizers(configured: Any) -> list:
+    """The optimizers in what ``LightningModule.configure_optimizers()`` returned (any of
+    the forms Lightning accepts: one optimizer, a list, a dict, lists of optimizers and
+    schedulers), read the way Lightning reads it.
+
+    Raises:
+        MisconfigurationException: a value Lightning would refuse (Lightning's message).
+    """
+    from pytorch_lightning.core.optimizer import _configure_optimizers
+
+    optimizers, _, _ = _configure_optimizers(configured)
+    return list(optimizers)
 
 
 # ------------------------------------------------------------------ per-batch SIGTERM broadcast

@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning_fabric.utilities.types import _PATH
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
@@ -40,6 +39,7 @@ from typing_extensions import override
 
 from easgd_lightning.comm import ops
 from easgd_lightning.comm.layout import CommLayout, build_comm_layout
+from easgd_lightning.compat.lightning import PATH
 from easgd_lightning.hooks.elastic import bind_exchange_compressor, check_exchange_compressor
 from easgd_lightning.strategies import elastic
 from easgd_lightning.strategies.registry import reject_unknown_kwargs
@@ -175,11 +175,8 @@ class CenterStrategy(DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        """No DistributedDataParallel wrapper: workers train independent copies."""
-
-    @override
-    def _register_ddp_hooks(self) -> None:
-        """Nothing to register: there is no DDP reducer."""
+        """No DistributedDataParallel wrapper: workers train independent copies (and the
+        DDP hook registration Lightning calls from here never runs)."""
 
     @override
     def setup(self, trainer) -> None:
@@ -490,7 +487,7 @@ class CenterStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+        self, checkpoint: dict[str, Any], filepath: PATH, storage_options: Any | None = None
     ) -> None:
         """Add :meth:`_checkpoint_state` as ``checkpoint["easgd"]``, then write atomically on rank 0."""
         state = self._checkpoint_state() if self._center is not None else None

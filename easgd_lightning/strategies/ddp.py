@@ -20,14 +20,13 @@ import math
 from typing import Any
 
 import torch.distributed as dist
-from lightning_fabric.utilities.types import _PATH
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from easgd_lightning.comm import ops
-from easgd_lightning.compat.lightning import process_group_timeout
+from easgd_lightning.compat.lightning import PATH, process_group_timeout
 from easgd_lightning.hooks.ddp import check_allreduce, register_compression_hook
 from easgd_lightning.strategies.base import comm_layout_for
 from easgd_lightning.strategies.registry import register_strategy, reject_unknown_kwargs
@@ -94,6 +93,10 @@ class CompressedDDPStrategy(DDPStrategy):
 
     @override
     def _register_ddp_hooks(self) -> None:
+        """Register our compression hook on the DDP model, on every device (Lightning's own
+        step registers hooks on CUDA only). Overrides a private Lightning step by name:
+        :data:`~easgd_lightning.compat.lightning.DDP_HOOKS_STEP`, checked by
+        ``tests/unit/test_compat_lightning.py``."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         self.hook_state = register_compression_hook(
             self.model,
@@ -146,7 +149,7 @@ class CompressedDDPStrategy(DDPStrategy):
         load(hook, device=self.root_device)
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PATH, storage_options: Any | None = None) -> None:
         """Add ``checkpoint["ddp"]``: every rank's step count and hook state (a collective:
         Lightning calls this on every rank), then rank 0 writes."""
         mine = self._rank_state()

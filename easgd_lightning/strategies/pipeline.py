@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning_fabric.utilities.types import _PATH
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import TrainerFn
@@ -49,6 +48,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from easgd_lightning.comm import ops
+from easgd_lightning.compat.lightning import PATH
 from easgd_lightning.hooks.optimus_cc import OptimusCCConfig
 from easgd_lightning.parallel.layout import validate_layout
 from easgd_lightning.strategies.registry import register_strategy, reject_unknown_kwargs
@@ -344,10 +344,6 @@ class Pipeline3DStrategy(DDPStrategy):
         )
         return build_pipeline_engine(pipe, optimizer=optimizer, config=config, optimus=self._optimus)
 
-    @override
-    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model  # never wrapped in DDP: the engine reduces gradients itself
-
     # ------------------------------------------------------------------ steps
 
     @override
@@ -408,7 +404,7 @@ class Pipeline3DStrategy(DDPStrategy):
         return f"optimus_stage{c['stage']:02d}_tp{c['model']:02d}_dp{c['data']:03d}.pt"
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PATH,
                         storage_options: Any | None = None) -> None:
         """Write this (stage, tensor rank)'s shard, then (rank 0) ``meta.pt`` last; every
         file atomically, with its checksum, tensors and plain data only (utils/checkpoint.py)."""
@@ -428,7 +424,7 @@ class Pipeline3DStrategy(DDPStrategy):
             save_checkpoint_file(meta, path / _META)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict:
+    def load_checkpoint(self, checkpoint_path: PATH, weights_only: bool | None = None) -> dict:
         """This rank's part of the checkpoint directory (``meta.pt``, its stage shard, its
         Optimus-CC state), each file weights-only and checksum-verified. Every rank raises
         when any rank's part is unusable (one rank alone would leave the others waiting)."""

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 from lightning_fabric.plugins import TorchCheckpointIO
-from lightning_fabric.utilities.types import _PATH
 
+from easgd_lightning.compat.lightning import PATH
 from easgd_lightning.utils.atomic import atomic_torch_save
 
 __all__ = [
@@ -240,10 +240,10 @@ def checkpoint_identity(checkpoint: dict) -> tuple[str | None, int | None]:
 class VerifiedCheckpointIO(TorchCheckpointIO):
     """Lightning ``CheckpointIO``: atomic writes with a checksum; verified weights-only loads."""
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: PATH, storage_options: Any | None = None) -> None:
         save_checkpoint_file(checkpoint, path)
 
-    def load_checkpoint(self, path: _PATH, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, path: PATH, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         return load_checkpoint_file(path, map_location=map_location if map_location is not None else "cpu")
 
 

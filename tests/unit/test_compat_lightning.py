@@ -151,3 +151,80 @@ def test_deepspeed_pipeline_module_gives_its_grid_through_mpu() -> None:
             return _Grid()
 
     assert compat.pipeline_slice_group(_Module()) == "tp-group"
+
+
+def test_configured_optimizers_reads_every_form_lightning_accepts() -> None:
+    from pytorch_lightning.core.optimizer import _configure_optimizers
+
+    assert list(inspect.signature(_configure_optimizers).parameters) == ["optim_conf"]
+    a = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    b = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(a, 1)
+    assert compat.configured_optimizers(a) == [a]
+    assert compat.configured_optimizers([a, b]) == [a, b]
+    assert compat.configured_optimizers(([a], [sched])) == [a]
+    assert compat.configured_optimizers({"optimizer": a, "lr_scheduler": sched}) == [a]
+
+
+def test_path_is_lightnings_checkpoint_path_type() -> None:
+    from lightning_fabric.utilities.types import _PATH
+
+    assert compat.PATH is _PATH
+    assert inspect.signature(DDPStrategy.save_checkpoint).parameters["filepath"].annotation in (_PATH, "_PATH")
+
+
+def test_ddp_hooks_step_is_called_by_configure_ddp_after_wrapping() -> None:
+    method = getattr(DDPStrategy, compat.DDP_HOOKS_STEP)
+    assert list(inspect.signature(method).parameters) == ["self"]
+    source = inspect.getsource(DDPStrategy.configure_ddp)
+    assert f"self.{compat.DDP_HOOKS_STEP}()" in source
+    assert source.index("self._setup_model(") < source.index(f"self.{compat.DDP_HOOKS_STEP}()")
+
+
+def _package_classes():
+    import importlib
+    import pkgutil
+
+    import easgd_lightning
+
+    for info in pkgutil.walk_packages(easgd_lightning.__path__, "easgd_lightning."):
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError:  # optional dependencies (DeepSpeed, ...) missing
+            continue
+        for obj in vars(module).values():
+            if inspect.isclass(obj) and obj.__module__ == module.__name__:
+                yield obj
+
+
+def test_every_override_of_a_private_lightning_method_is_listed() -> None:
+    for base, name in compat.PRIVATE_OVERRIDES:
+        assert callable(getattr(base, name, None)), f"{base.__name__}.{name} is gone"
+    listed = {name for _, name in compat.PRIVATE_OVERRIDES}
+    found = set()
+    for cls in _package_classes():
+        for base in cls.__mro__[1:]:
+            if not base.__module__.startswith(("pytorch_lightning", "lightning_fabric")):
+                continue
+            for name, value in vars(cls).items():
+                private = name.startswith("_") and not name.startswith("__")
+                method = inspect.isfunction(value) or isinstance(value, (property, staticmethod, classmethod))
+                if private and method and name in vars(base):
+                    found.add(f"{cls.__module__}.{cls.__qualname__}.{name}")
+                    assert name in listed, f"{cls.__qualname__}.{name} overrides a private Lightning method"
+    assert "easgd_lightning.strategies.ddp.CompressedDDPStrategy._register_ddp_hooks" in found
+    assert "easgd_lightning.callbacks.LastFirstCheckpoint._save_last_checkpoint" in found
+
+
+def test_checkpoint_write_steps_run_topk_then_last() -> None:
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    for name in (compat.CHECKPOINT_TOPK_STEP, compat.CHECKPOINT_LAST_STEP):
+        params = list(inspect.signature(getattr(ModelCheckpoint, name)).parameters)
+        assert params == ["self", "trainer", "monitor_candidates"], (name, params)
+    # wherever Lightning saves both, the epoch file comes first (what LastFirstCheckpoint reverses)
+    for hook in ("on_train_batch_end", "on_train_epoch_end", "on_validation_end"):
+        source = inspect.getsource(getattr(ModelCheckpoint, hook))
+        topk = source.find(f"self.{compat.CHECKPOINT_TOPK_STEP}(")
+        last = source.find(f"self.{compat.CHECKPOINT_LAST_STEP}(")
+        assert topk != -1 and last != -1 and topk < last, hook
