@@ -173,15 +173,18 @@ def _keywords(fn: Callable) -> frozenset[str]:
     return frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self")
 
 
-def reject_unknown_kwargs(strategy: Any, kwargs: dict, *readers: Callable) -> None:
+def reject_unknown_kwargs(
+    strategy: Any, kwargs: dict, *readers: Callable, known: Iterable[str] = ()
+) -> None:
     """Refuse keyword arguments that no one in ``readers`` names (the Lightning base class
     the rest goes to, e.g. ``DDPStrategy``; plus ``DistributedDataParallel`` where the model
-    is wrapped), which would otherwise be passed on and never read.
+    is wrapped) and that are not in ``known``, which would otherwise be passed on and never
+    read.
 
     Raises:
         ValueError: ``strategy.KEY is not an option of NAME; its options are: ...``.
     """
-    known = frozenset().union(*(_keywords(r) for r in readers))
+    known = frozenset(known).union(*(_keywords(r) for r in readers))
     unknown = sorted(set(kwargs) - known)
     if not unknown:
         return

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from easgd_lightning.strategies.ps.strategy import AsyncCenterStrategy, reject_unknown
+from easgd_lightning.strategies.ps.strategy import AsyncCenterStrategy
 from easgd_lightning.strategies.registry import register_strategy
 
 __all__ = ["AsyncEASGDStrategy", "AsyncMEASGDStrategy", "AsyncSGDStrategy", "AsyncMSGDStrategy"]
@@ -63,7 +63,7 @@ class AsyncEASGDStrategy(AsyncCenterStrategy):
 
     def __init__(self, tau: int = 1, alpha: float | None = None, beta: float | None = None,
                  rho: float | None = None, **kwargs: Any) -> None:
-        reject_unknown(self.strategy_name, kwargs, self._OPTIONS)
+        self._reject_unknown(kwargs)
         super().__init__(tau=tau, alpha=alpha, beta=beta, rho=rho, **kwargs)
 
 
@@ -82,7 +82,7 @@ class AsyncMEASGDStrategy(AsyncCenterStrategy):
 
     def __init__(self, tau: int = 1, momentum: float = 0.9, alpha: float | None = None,
                  beta: float | None = None, rho: float | None = None, **kwargs: Any) -> None:
-        reject_unknown(self.strategy_name, kwargs, self._OPTIONS)
+        self._reject_unknown(kwargs)
         super().__init__(tau=tau, momentum=momentum, alpha=alpha, beta=beta, rho=rho, **kwargs)
 
 
@@ -100,7 +100,7 @@ class AsyncSGDStrategy(AsyncCenterStrategy):
     _OPTIONS = ("lr", *_COMMON)
 
     def __init__(self, lr: float | None = None, **kwargs: Any) -> None:
-        reject_unknown(self.strategy_name, kwargs, self._OPTIONS)
+        self._reject_unknown(kwargs)
         super().__init__(lr=lr, **kwargs)
 
 
@@ -119,6 +119,6 @@ class AsyncMSGDStrategy(AsyncCenterStrategy):
     _OPTIONS = ("lr", "momentum", *_COMMON)
 
     def __init__(self, momentum: float = 0.9, lr: float | None = None, **kwargs: Any) -> None:
-        reject_unknown(self.strategy_name, kwargs, self._OPTIONS)
+        self._reject_unknown(kwargs)
         super().__init__(momentum=momentum, lr=lr, **kwargs)
 

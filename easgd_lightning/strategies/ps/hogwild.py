@@ -50,7 +50,7 @@ from easgd_lightning.strategies.ps.shared import (
     SharedMemoryTransport,
     default_shm_dir,
 )
-from easgd_lightning.strategies.ps.strategy import AsyncCenterStrategy, reject_unknown
+from easgd_lightning.strategies.ps.strategy import AsyncCenterStrategy
 from easgd_lightning.strategies.registry import register_strategy
 
 __all__ = ["HogwildEASGDStrategy", "HogwildSGDStrategy"]
@@ -159,7 +159,7 @@ class HogwildEASGDStrategy(_HogwildMixin, AsyncCenterStrategy):
     def __init__(self, tau: int = 1, alpha: float | None = None, beta: float | None = None,
                  rho: float | None = None, server: str | None = None, shm_dir: str | None = None,
                  **kwargs: Any) -> None:
-        reject_unknown(self.strategy_name, kwargs, self._OPTIONS)
+        self._reject_unknown(kwargs)
         self._server_mode = server  # _check_nodes (called by the base) needs it
         super().__init__(tau=tau, alpha=alpha, beta=beta, rho=rho, server=server, **kwargs)
         self._init_hogwild(shm_dir)
@@ -183,7 +183,7 @@ class HogwildSGDStrategy(_HogwildMixin, AsyncCenterStrategy):
 
     def __init__(self, lr: float | None = None, momentum: float = 0.0, server: str | None = None,
                  shm_dir: str | None = None, **kwargs: Any) -> None:
-        reject_unknown(self.strategy_name, kwargs, self._OPTIONS)
+        self._reject_unknown(kwargs)
         self._server_mode = server
         super().__init__(lr=lr, momentum=momentum, server=server, **kwargs)
         self._init_hogwild(shm_dir)

@@ -95,25 +95,22 @@ from easgd_lightning.strategies.ps.client import ServerClient, ServerTransport
 from easgd_lightning.strategies.ps.protocol import request_extras, request_header_size
 from easgd_lightning.strategies.ps.server import ParameterServer
 from easgd_lightning.strategies.ps.transport import CenterTransport
+from easgd_lightning.strategies.registry import reject_unknown_kwargs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncCenterStrategy", "local_metrics", "reject_unknown", "STOP_POLICIES"]
+__all__ = ["AsyncCenterStrategy", "local_metrics", "STOP_POLICIES"]
 
-_DDP_KEYS = {
+#: what a parameter-server strategy takes besides its ``strategy.*`` options: Lightning's
+#: ``DDPStrategy`` keywords it passes on (not the DDP wrapper's comm-hook and
+#: model-averaging ones: there is no wrapper), and what the CLI adds (``cli_kwargs``, the
+#: ``compression`` group)
+_PASSED_ON = (
     "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io",
-    "precision_plugin", "precision", "process_group_backend", "timeout", "start_method",
-}
+    "precision_plugin", "process_group_backend", "timeout", "start_method",
+    "num_nodes_hint", "optim_hint", "compression",
+)
 STOP_POLICIES = ("first", "all")
-
-
-def reject_unknown(name: str, kwargs: dict, options: tuple[str, ...]) -> None:
-    """ValueError naming the first keyword that is neither an option of ``name`` nor Lightning's."""
-    unknown = sorted(set(kwargs) - _DDP_KEYS - set(options) - {"num_nodes_hint", "optim_hint", "compression"})
-    if unknown:
-        raise ValueError(
-            f"strategy.{unknown[0]} is not an option of {name}; its options are: {', '.join(options)}"
-        )
 
 
 def _never_distributed() -> bool:
@@ -283,6 +280,11 @@ class AsyncCenterStrategy(CenterStrategy):
         self._interrupted: int | None = None
         self._passed_on = threading.Event()
         self._fit_ending = False  # on_train_end: fetching the center waits for the final one
+
+    def _reject_unknown(self, kwargs: dict) -> None:
+        """The registry's one-line refusal of a keyword that is neither an option of this
+        strategy (``_OPTIONS``) nor one it passes on; subclasses call it first."""
+        reject_unknown_kwargs(self, kwargs, known=(*self._OPTIONS, *_PASSED_ON))
 
     @classmethod
     def cli_kwargs(cls, cfg: Any) -> dict:
