@@ -366,10 +366,11 @@ class CenterStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         self._local_steps += 1
+        step = super().optimizer_step
 
         def take_step(after_closure: Callable[[], None] | None = None) -> Any:
             step_closure = closure if after_closure is None else _then(closure, after_closure)
-            return DDPStrategy.optimizer_step(self, optimizer, step_closure, model, **kwargs)
+            return step(optimizer, step_closure, model, **kwargs)
 
         return self._exchange_step(take_step, optimizer)
 
