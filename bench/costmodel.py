@@ -17,18 +17,52 @@ all-gather         p - 1                  (p - 1) m                   sparse pay
                                                                       bytes grow with p
 broadcast (gloo)   p - 1                  (p - 1) n                   set-up, center to workers:
                                                                       the root sends to each rank
-PS fan-in          2                      2 (p - 1) n                 async EASGD / SGD: p - 1
-                                                                      workers send n at once to
-                                                                      one server, which replies n
-                                                                      to each in turn
-round robin        2 (p - 1)              2 (p - 1) n                 original EASGD: the master
-                                                                      serves workers one by one,
-                                                                      each waiting for the last
-                                                                      (PS's alpha and beta)
+PS fan-in (probe)  2 p                    (2(p-1) - (p-2) phi) n      the probe's fan-in: p - 1
+                                                                      workers push at once, the
+                                                                      slowest (last served) one
+PS server round    2 (p - 1)              (p - 1)(2 - phi) n          async EASGD / SGD: the
+                                                                      server's throughput bound
+PS worker          4                      2 n                         one worker's own exchange
+round robin        p - 1 (p >= 3);        (p - 1)(2 - phi) n;         original EASGD: the master
+                   2 (p = 2)              2 n (p = 2)                 serves workers one by one
+                                                                      (PS's alpha, beta, phi)
 =================  =====================  ==========================  ===========================
 
 so e.g. ring all-reduce = 2(p-1)(alpha + n/(p beta)), tree = 2 log2(p) (alpha + n/beta),
-all-gather = (p-1)(alpha + m/beta). **Hierarchical reduction** (SC17's KNL layout: q
+all-gather = (p-1)(alpha + m/beta).
+
+**The server's replies and full duplex** (``strategies/ps/server.py``,
+``strategies/round_robin.py``, ``bench/_netem.py``). Every host has its own egress token
+bucket and the bridge port to it shapes the other direction, so a host can send and
+receive at the full rate at once. gloo's send / receive (torch's ``dist.send`` / ``recv``)
+is a rendezvous: a payload moves only once its receiver has posted the receive. The
+server serves one request at a time: the header from any source, then that worker's
+payload (two rendezvous: 2 alpha; n bytes on the server's bridge port), the update, then
+the reply (header and payload: the worker posted both receives with its request, so they
+go at once) by a blocking send, which returns when the last byte is in the socket; the
+socket's send buffer is the kernel's autotuned one (gloo sizes SO_SNDBUF for its bound
+buffers only, not for these unbound sends), so a share phi of the reply (what the buffer
+holds) is still draining on the server's egress and the worker's port while the server
+receives the next request on its own port, and 1 - phi of it is serial. phi = 1 is the
+ideal full duplex (the fan-in costs p n, only the last reply exposed), phi = 0 the old
+serial 2 (p-1) n; phi is fitted on the probe's fan-in (:func:`fit_overlap`: 2 ranks have no
+next request and pin the serial cost, 4 and 8 ranks the hidden share). In training the
+p - 1 workers keep the server busy: a worker's period of tau steps is its own exchange W
+= PS worker (behind its compute with overlap) or the server's round S = PS server round
+of the p - 1 requests, whichever is longer (for p >= 3, S >= W: the last reply's tail
+drains behind the next round's requests). The round-robin master does the same with one
+message per request (alpha), its replies overlapping the next worker's push; with p >= 3
+the last reply's tail drains while the master computes and the next round starts.
+
+**The emulated token bucket** (``bench/_netem.py``'s ``tbf_params``: burst B = 2 ms of the
+link, at least two 1600-byte packets). After an idle gap the bucket is full and a transfer's
+first B bytes pass at line rate, through both shapers (the host's then the bridge port's):
+on the emulated cluster each transfer that starts on an idle link is charged
+max(0, b - B) / beta. The collectives that keep their links busy from step to step
+(ring, all-gather, broadcast) count B once per call; the tree once per phase (the root's
+port receives every reduce level, its egress sends every broadcast level); the server and
+round robin once per request and per reply (each starts on a link idle since its last
+one). k_bytes above is at B = 0; the projection's links have no bucket (B = 0). **Hierarchical reduction** (SC17's KNL layout: q
 workers per node reduce through shared memory, nodes through the network) on P = N q
 workers: ``2 ceil(log2 q) (alpha_i + n/beta_i)`` (tree reduce and broadcast inside the
 node) ``+ ring(N, n)`` over the N nodes' links.
@@ -38,7 +72,8 @@ emulated cluster at 2, 4 and 8 ranks, at three link rates and four message sizes
 slowest rank, median of 3). Each sample gives one linear equation
 ``t = alpha * k_alpha + (k_bytes / R) * (1 / eta)``; :func:`fit_alpha_beta` solves them by
 least squares in float64, each row weighted by 1/t (relative errors, so the small
-messages that fix alpha count as much as the large ones). With more ranks than cores
+messages that fix alpha count as much as the large ones), k_bytes with the probe rate's
+token-bucket burst B; the fan-in's also gives phi (:func:`fit_overlap`). With more ranks than cores
 (8 ranks on this 2-core machine) every hop also waits for the next rank to be scheduled,
 so k_alpha is scaled by max(1, p / cores): alpha is the latency of ranks that have a core
 each (what the projection uses), and the predictions on the emulated cluster scale it
@@ -82,8 +117,9 @@ dense all-reduce), C = k x ring(p, m/k) (linear payloads) or k x all-gather(p, m
   max(t_c, C) + t_k + s);
 - ``local_sgd``: t_c + (ring(p, n) + s) / tau;
 - ``easgd_round_robin``: t_c + round robin(p, n) / tau;
-- ``async_easgd`` (server = one rank, p - 1 workers): max(t_c, PS(p, n)) / tau with overlap,
-  t_c + PS(p, n) / tau without (no loop shape probed: s = 0);
+- ``async_easgd`` (server = one rank, p - 1 workers; W = PS worker(n), S = PS server
+  round(p, n)): max((tau - 1) t_c + max(t_c, W), S) / tau with overlap (tau = 1:
+  max(t_c, W, S)), max(tau t_c + W, S) / tau without (no loop shape probed: s = 0);
 - ``limit``: t_c.
 
 **Held out.** The fit uses only the probe (collectives and loops), the limit row
@@ -94,7 +130,8 @@ training row's step time is a prediction, reported against its measured step tim
 prediction for diagnosis; none of it enters a prediction.
 
 **Projection.** Weak scaling (fixed work per worker) to 4096 workers on two layouts,
-efficiency E(P) = t_c / T(P): the fitted formulas, alphas and etas, the measured compute,
+efficiency E(P) = t_c / T(P): the fitted formulas, alphas, etas and phi (no token bucket:
+B = 0), the measured compute,
 codec (growing with p where it decodes every rank's payload), messages and payloads
 (s = 0 and h = 1: both are measured for ranks that share this machine's two cores), and
 per layout (assumptions, stated in the output): workers per node,
@@ -163,39 +200,77 @@ def _log2(p: int) -> int:
     return math.ceil(math.log2(p)) if p > 1 else 0
 
 
-def ring_terms(p: int, n: float) -> tuple[float, float]:
-    """Ring all-reduce (reduce-scatter + all-gather): 2(p-1) steps of n/p bytes."""
-    return 2.0 * (p - 1), 2.0 * (p - 1) * n / p
+def _after_burst(nbytes: float, burst: float) -> float:
+    """Bytes a token bucket of ``burst`` bytes, full after an idle link, makes wait for
+    its rate: the first ``burst`` bytes of a transfer pass at line rate."""
+    return max(0.0, nbytes - burst)
 
 
-def tree_terms(p: int, n: float) -> tuple[float, float]:
-    """Binomial-tree reduce then broadcast: 2 ceil(log2 p) steps of n bytes."""
-    return 2.0 * _log2(p), 2.0 * _log2(p) * n
+def ring_terms(p: int, n: float, burst: float = 0.0) -> tuple[float, float]:
+    """Ring all-reduce (reduce-scatter + all-gather): 2(p-1) steps of n/p bytes; each link
+    carries the steps back to back, so its bucket's burst counts once."""
+    return 2.0 * (p - 1), _after_burst(2.0 * (p - 1) * n / p, burst)
 
 
-def allgather_terms(p: int, m: float) -> tuple[float, float]:
-    """Ring all-gather of m bytes per rank: p-1 steps of m (the received bytes grow with p)."""
-    return float(p - 1), float(p - 1) * m
+def tree_terms(p: int, n: float, burst: float = 0.0) -> tuple[float, float]:
+    """Binomial-tree reduce then broadcast: 2 ceil(log2 p) steps of n bytes. The root's
+    port receives every reduce level and its egress sends every broadcast level back to
+    back: one burst per phase."""
+    return 2.0 * _log2(p), 2.0 * _after_burst(_log2(p) * n, burst)
 
 
-def broadcast_terms(p: int, n: float) -> tuple[float, float]:
-    """gloo's broadcast: the root sends n to each of the p-1 others over its own link."""
-    return float(p - 1), float(p - 1) * n
+def allgather_terms(p: int, m: float, burst: float = 0.0) -> tuple[float, float]:
+    """Ring all-gather of m bytes per rank: p-1 steps of m (the received bytes grow with p),
+    back to back on each link: one burst."""
+    return float(p - 1), _after_burst(float(p - 1) * m, burst)
 
 
-def ps_terms(p: int, n: float) -> tuple[float, float]:
-    """Parameter-server fan-in: p-1 workers send n at once to one server, which serves
-    them first come first served, replying n to each: the server's link carries (p-1) n
-    in and (p-1) n out, one exchange after the other: 2 alpha + 2 (p-1) n / beta."""
-    return 2.0, 2.0 * (p - 1) * n
+def broadcast_terms(p: int, n: float, burst: float = 0.0) -> tuple[float, float]:
+    """gloo's broadcast: the root sends n to each of the p-1 others over its own link, back
+    to back: one burst."""
+    return float(p - 1), _after_burst(float(p - 1) * n, burst)
 
 
-def round_robin_terms(p: int, n: float) -> tuple[float, float]:
-    """Original EASGD: the master exchanges n both ways with p-1 workers in turn."""
-    return 2.0 * (p - 1), 2.0 * (p - 1) * n
+def ps_terms(p: int, n: float, burst: float = 0.0, overlap: float = 0.0) -> tuple[float, float]:
+    """Parameter-server fan-in as the probe times it (every worker pushes at once; the
+    slowest, last served, worker's time). The server serves one request at a time (header
+    from any source, then that worker's payload: two rendezvous, 2 alpha, n bytes on its
+    bridge port); its blocking reply returns once the reply's tail (a share ``overlap`` = phi
+    of it, what fits in the socket's send buffer) is queued, and that tail drains on the
+    server's egress and the worker's port while the next request comes in on the server's
+    port (full duplex). The last worker waits for p-1 requests, p-2 blocking replies and its
+    own whole reply: 2p alpha + (2(p-1) - (p-2) phi) max(0, n - B) / beta, each message
+    after an idle link passing its first B bytes at line rate."""
+    return 2.0 * p, (2.0 * (p - 1) - (p - 2) * overlap) * _after_burst(n, burst)
 
 
-COLLECTIVES: dict[str, Callable[[int, float], tuple[float, float]]] = {
+def ps_server_terms(p: int, n: float, burst: float = 0.0, overlap: float = 0.0) -> tuple[float, float]:
+    """The server's time per round of p-1 requests in training (its throughput bound on a
+    worker's step): p-1 services of 2 alpha + (2 - phi) max(0, n - B) / beta, each reply's
+    tail hidden behind the next request."""
+    return 2.0 * (p - 1), (p - 1) * (2.0 - overlap) * _after_burst(n, burst)
+
+
+def ps_worker_terms(p: int, n: float, burst: float = 0.0) -> tuple[float, float]:
+    """One worker's own exchange (its latency bound): its request (2 alpha + n) then the
+    whole reply (2 alpha + n), in turn: 4 alpha + 2 max(0, n - B) / beta."""
+    del p
+    return 4.0, 2.0 * _after_burst(n, burst)
+
+
+def round_robin_terms(p: int, n: float, burst: float = 0.0, overlap: float = 0.0) -> tuple[float, float]:
+    """Original EASGD's round: the master receives x from worker i (one rendezvous, alpha + n)
+    and sends d_i back (blocking while (1 - phi) of it is unsent), then worker i + 1; d_i's
+    tail drains on the master's egress while x_{i+1} comes in on its port. With p >= 3 the
+    last reply's tail drains behind the master's compute and the next round's first
+    requests: (p-1)(alpha + (2 - phi) max(0, n - B) / beta); with one worker its push and
+    reply are in turn: 2 (alpha + max(0, n - B) / beta)."""
+    if p <= 2:
+        return 2.0, 2.0 * _after_burst(n, burst)
+    return float(p - 1), (p - 1) * (2.0 - overlap) * _after_burst(n, burst)
+
+
+COLLECTIVES: dict[str, Callable[..., tuple[float, float]]] = {
     "ring": ring_terms,
     "tree": tree_terms,
     "allgather": allgather_terms,
@@ -203,24 +278,54 @@ COLLECTIVES: dict[str, Callable[[int, float], tuple[float, float]]] = {
     "ps": ps_terms,
 }
 #: formulas with no probe of their own and the probe whose alpha and beta they use
-DERIVED = {"round_robin": ("ps", round_robin_terms)}
+DERIVED = {"round_robin": ("ps", round_robin_terms), "ps_server": ("ps", ps_server_terms),
+           "ps_worker": ("ps", ps_worker_terms)}
+#: formulas with the server's reply overlap phi (fitted on the ``ps`` probe)
+OVERLAPPED = ("ps", "ps_server", "round_robin")
 
 
-def collective_time(name: str, p: int, n: float, alpha: float, beta: float) -> float:
+def probe_of(name: str) -> str:
+    """The probed collective whose alpha, beta (and phi) formula ``name`` uses."""
+    return DERIVED[name][0] if name in DERIVED else name
+
+
+def collective_terms(name: str, p: int, n: float, burst: float = 0.0,
+                     overlap: float = 0.0) -> tuple[float, float]:
+    """(k_alpha, k_bytes) of collective ``name`` (a key of :data:`COLLECTIVES` or
+    :data:`DERIVED`); ``burst``: the link's token-bucket burst B (0: no bucket, the
+    projection); ``overlap``: phi of the server's replies (PS family and round robin)."""
+    terms = DERIVED[name][1] if name in DERIVED else COLLECTIVES[name]
+    if name in OVERLAPPED:
+        return terms(p, n, burst, overlap)
+    return terms(p, n, burst)
+
+
+def collective_time(name: str, p: int, n: float, alpha: float, beta: float,
+                    burst: float = 0.0, overlap: float = 0.0) -> float:
     """Seconds of collective ``name`` on p ranks for n bytes: k_alpha alpha + k_bytes / beta.
 
     Args:
-        name: a key of :data:`COLLECTIVES` or ``round_robin``.
+        name: a key of :data:`COLLECTIVES` or :data:`DERIVED`.
         p: ranks taking part (>= 1; one rank costs nothing).
         n: message bytes (per rank for ``allgather``).
         alpha: latency per message, seconds.
         beta: bandwidth, bytes per second.
+        burst: the links' token-bucket burst B, bytes (0 outside the emulated cluster).
+        overlap: phi, the share of each server reply that drains behind the next request.
     """
-    terms = DERIVED[name][1] if name in DERIVED else COLLECTIVES[name]
     if p <= 1:
         return 0.0
-    k_alpha, k_bytes = terms(p, n)
+    k_alpha, k_bytes = collective_terms(name, p, n, burst, overlap)
     return k_alpha * alpha + k_bytes / beta
+
+
+def emulated_burst_bytes(rate_mbit: float) -> float:
+    """The token-bucket burst B of the emulated cluster's links at ``rate_mbit``
+    (``bench/_netem.py``'s ``tbf_params``, on both the host egress and the bridge port: a
+    transfer after an idle gap passes B bytes through both at line rate)."""
+    from _netem import tbf_params
+
+    return float(tbf_params(rate_mbit)["burst_bytes"])
 
 
 def hierarchical_allreduce_time(
@@ -270,7 +375,28 @@ def cpu_share(k: int, cpus: int) -> float:
     return max(1.0, k / max(1, cpus))
 
 
-def fit(samples: Sequence[dict], cpus: int | None = None) -> dict[str, dict]:
+def fit_overlap(k_alpha: Sequence[float], serial: Sequence[float], overlapped: Sequence[float],
+                times: Sequence[float]) -> float:
+    """The share phi of each server reply that drains behind the next request, from the
+    fan-in probe: least squares (rows weighted by 1/t) of
+    ``t = alpha k_alpha + serial / eta - phi overlapped / eta`` for (alpha, 1/eta, phi/eta),
+    with ``serial`` = 2(p-1) max(0, n - B) / R and ``overlapped`` = (p-2) max(0, n - B) / R:
+    p = 2 (no next request) pins the serial cost, 4 and 8 ranks the hidden share.
+    Clipped to [0, 1]; 0 (all serial) where the samples do not determine it."""
+    a = np.column_stack([np.asarray(k_alpha, np.float64), np.asarray(serial, np.float64),
+                         -np.asarray(overlapped, np.float64)])
+    t = np.asarray(times, np.float64)
+    if a.shape[0] < 3 or np.linalg.matrix_rank(a) < 3:
+        return 0.0
+    w = 1.0 / np.where(t > 0, t, 1.0)
+    (_, inv_eta, phi_inv_eta), *_ = np.linalg.lstsq(a * w[:, None], t * w, rcond=None)
+    if inv_eta <= 0:
+        return 0.0
+    return float(min(1.0, max(0.0, phi_inv_eta / inv_eta)))
+
+
+def fit(samples: Sequence[dict], cpus: int | None = None,
+        burst: Callable[[float], float] | None = None) -> dict[str, dict]:
     """Fit every probed collective.
 
     Args:
@@ -279,26 +405,41 @@ def fit(samples: Sequence[dict], cpus: int | None = None) -> dict[str, dict]:
             scaled by :func:`cpu_share` (p, cpus): with more ranks than cores every hop
             also waits for the next rank to be scheduled, so the fitted ``alpha_s`` is the
             latency of ranks that have a core each (what the projection uses).
+        burst: ``burst(rate_mbit) -> bytes``, the links' token-bucket burst B at each
+            probe rate (:func:`emulated_burst_bytes`); None: no bucket (B = 0).
 
     Returns:
-        ``{op: {"alpha_s", "eta", "samples", "max_rel_err", "median_rel_err", "cpus"}}``.
+        ``{op: {"alpha_s", "eta", "samples", "max_rel_err", "median_rel_err", "cpus",
+        "burst"}}`` (``burst``: whether B was charged, as :func:`fitted_net` must); ``ps``
+        also ``overlap`` (phi, :func:`fit_overlap`).
     """
     out: dict[str, dict] = {}
-    for op, terms in COLLECTIVES.items():
+    for op in COLLECTIVES:
         rows = [s for s in samples if s["op"] == op and s["p"] > 1]
         if len(rows) < 2:
             continue
         share = [cpu_share(s["p"], cpus) if cpus else 1.0 for s in rows]
-        ka, kb = zip(*(terms(s["p"], s["bytes"]) for s in rows))
+        bursts = [burst(s["rate_mbit"]) if burst else 0.0 for s in rows]
+        rates = [_rate_bps(s["rate_mbit"]) for s in rows]
+        times = [s["time_s"] for s in rows]
+        extra: dict = {}
+        overlap = 0.0
+        if op in OVERLAPPED:
+            x = [_after_burst(s["bytes"], b) / r for s, b, r in zip(rows, bursts, rates)]
+            overlap = fit_overlap(
+                [collective_terms(op, s["p"], s["bytes"])[0] * f for s, f in zip(rows, share)],
+                [2.0 * (s["p"] - 1) * v for s, v in zip(rows, x)],
+                [(s["p"] - 2) * v for s, v in zip(rows, x)], times)
+            extra["overlap"] = overlap
+        ka, kb = zip(*(collective_terms(op, s["p"], s["bytes"], b, overlap) for s, b in zip(rows, bursts)))
         ka = [a * f for a, f in zip(ka, share)]
-        kbr = [b / _rate_bps(s["rate_mbit"]) for b, s in zip(kb, rows)]
-        alpha, eta = fit_alpha_beta(ka, kbr, [s["time_s"] for s in rows])
-        errs = [
-            abs(alpha * a + b / eta - s["time_s"]) / s["time_s"] for a, b, s in zip(ka, kbr, rows)
-        ]
+        kbr = [k / r for k, r in zip(kb, rates)]
+        alpha, eta = fit_alpha_beta(ka, kbr, times)
+        errs = [abs(alpha * a + b / eta - t) / t for a, b, t in zip(ka, kbr, times)]
         out[op] = {
             "alpha_s": alpha, "eta": eta, "samples": len(rows),
             "max_rel_err": max(errs), "median_rel_err": statistics.median(errs), "cpus": cpus,
+            "burst": burst is not None, **extra,
         }
     return out
 
@@ -482,22 +623,30 @@ def step_time(
         comm = net("round_robin", p, n) / tau
         return {"step_s": t_compute + comm, "comm_s": comm, "formula": "t_c + rr(p, n)/tau"}
     if strategy.startswith("async_"):
-        comm = net("ps", p, n) / tau
+        # a worker's period of tau steps: its own exchange W (behind its compute with
+        # overlap), or the server's round S of the p-1 workers' requests, whichever is longer
+        server, worker = net("ps_server", p, n), net("ps_worker", p, n)
         if overlap:
-            return {"step_s": max(t_compute, comm), "comm_s": comm,
-                    "formula": "max(t_c, ps(p, n)/tau)"}
-        return {"step_s": t_compute + comm, "comm_s": comm, "formula": "t_c + ps(p, n)/tau"}
+            own = (tau - 1) * t_compute + max(t_compute, worker)
+            form = "max((tau-1) t_c + max(t_c, W), S)/tau" if tau > 1 else "max(t_c, W, S)"
+        else:
+            own = tau * t_compute + worker
+            form = "max(tau t_c + W, S)/tau"
+        step = max(own, server) / tau
+        return {"step_s": step, "comm_s": max(worker, server) / tau, "formula": form}
     raise ValueError(f"no cost formula for strategy {strategy!r}")
 
 
 def fitted_net(model: dict[str, dict], rate_mbit: float) -> Callable[[str, int, float], float]:
     """``net(collective, p, bytes)`` of the emulated cluster at one link rate (alpha
-    scaled by the CPU share of p ranks where the fit was made with ``cpus``)."""
+    scaled by the CPU share of p ranks where the fit was made with ``cpus``; the links'
+    token-bucket burst B charged where the fit charged it; phi of the fitted ``ps``)."""
     def net(name: str, p: int, nbytes: float) -> float:
-        probe = DERIVED[name][0] if name in DERIVED else name
-        par = model[probe]
+        par = model[probe_of(name)]
         alpha = par["alpha_s"] * (cpu_share(p, par["cpus"]) if par.get("cpus") else 1.0)
-        return collective_time(name, p, nbytes, alpha, par["eta"] * _rate_bps(rate_mbit))
+        burst = emulated_burst_bytes(rate_mbit) if par.get("burst") else 0.0
+        return collective_time(name, p, nbytes, alpha, par["eta"] * _rate_bps(rate_mbit),
+                               burst, par.get("overlap", 0.0))
     return net
 
 
@@ -668,10 +817,12 @@ def layout_net(model: dict[str, dict], layout: dict) -> Callable[[str, int, floa
     intra_beta = _rate_bps(layout["intra_mbit"])
 
     def params(name: str) -> tuple[float, float]:
-        probe = DERIVED[name][0] if name in DERIVED else name
-        par = model.get(probe) or model["ring"]
+        par = model.get(probe_of(name)) or model["ring"]
         alpha = layout.get("inter_alpha_s")
         return par["alpha_s"] if alpha is None else alpha, par["eta"] * _rate_bps(layout["inter_mbit"])
+
+    def overlap(name: str) -> float:
+        return (model.get(probe_of(name)) or {}).get("overlap", 0.0)
 
     def net(name: str, p: int, nbytes: float) -> float:
         if name == "hierarchical":
@@ -679,14 +830,15 @@ def layout_net(model: dict[str, dict], layout: dict) -> Callable[[str, int, floa
                 p, q, nbytes, (layout["intra_alpha_s"], intra_beta), params("ring")
             )
         if p <= q:
-            eta = (model.get(name) or model["ring"])["eta"]
-            return collective_time(name, p, nbytes, layout["intra_alpha_s"], eta * intra_beta)
+            eta = (model.get(probe_of(name)) or model["ring"])["eta"]
+            return collective_time(name, p, nbytes, layout["intra_alpha_s"], eta * intra_beta,
+                                   overlap=overlap(name))
         if name == "tree":
             nodes = math.ceil(p / q)
             return collective_time("tree", q, nbytes, layout["intra_alpha_s"], intra_beta) + (
                 collective_time("tree", nodes, nbytes, *params("tree"))
             )
-        return collective_time(name, p, nbytes, *params(name))
+        return collective_time(name, p, nbytes, *params(name), overlap=overlap(name))
     return net
 
 
@@ -805,6 +957,13 @@ def markdown(result: dict) -> str:
             f"| {op} | {par['alpha_s'] * 1e6:.0f} | {par['eta']:.3f} | {par['samples']} | "
             f"{100 * par['median_rel_err']:.1f}% | {100 * par['max_rel_err']:.1f}% |"
         )
+    fitted = result["fit"]
+    if "overlap" in fitted.get("ps", {}):
+        lines += ["", f"- the server's replies: phi = {fitted['ps']['overlap']:.2f} of each drains "
+                  "behind the next request (0: serial, 1: full duplex)"]
+    if any(par.get("burst") for par in fitted.values()):
+        lines.append("- token bucket: the first B bytes of each transfer after an idle link pass at "
+                     "line rate (B = 2 ms of the link, `bench/_netem.py`); B = 0 in the projection")
     loops = result.get("loops") or {}
     if loops.get("sync_s"):
         ps = sorted({int(q) for v in loops["sync_s"].values() for q in v})
@@ -914,7 +1073,7 @@ def analyse(inputs: dict, out: Path, layouts: dict[str, dict] | None = None,
     from easgd_lightning.cli.report import plot_projection
     from easgd_lightning.utils.atomic import atomic_write_text
 
-    model = fit(inputs["probe"], cpus=inputs.get("cpus"))
+    model = fit(inputs["probe"], cpus=inputs.get("cpus"), burst=emulated_burst_bytes)
     loops = fit_loops(inputs.get("probe_loops") or [], inputs["probe"])
     result = {
         "fit": model,

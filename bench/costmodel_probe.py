@@ -12,9 +12,12 @@ sizes:
 - ``allgather``: ``ops.all_gather_varlen`` of one message per rank (the sparse
   compressors' all-gather, with its header);
 - ``broadcast``: ``ops.broadcast`` from rank 0;
-- ``ps``: every rank but the last sends its message to the last rank (the parameter
-  server), which serves them first come first served (``recv`` from any source) and
-  sends each one a reply of the same size (the asynchronous strategies' exchange).
+- ``ps``: every rank but the last sends a request to the last rank (the parameter
+  server) in the strategies' protocol (``strategies/ps/client.py`` / ``server.py``): a
+  header and the message, non-blocking, with the reply's header and payload receives
+  posted at once; the server serves them first come first served (the header from any
+  source, then that worker's payload) and replies with a header and a message of the
+  same size by blocking sends (the asynchronous strategies' exchange).
 
 With ``--loops`` each rank also runs, per link rate and message size, three short
 training-shaped loops of ``--loop-iters`` iterations around a fixed CPU kernel
@@ -126,15 +129,29 @@ def _tree_allreduce(t: torch.Tensor, rank: int, world: int, scratch: torch.Tenso
         mask >>= 1
 
 
+#: the request's and the reply's header and payload tags (as the strategies' protocol)
+_TAG_REQ, _TAG_REQ_DATA, _TAG_REP, _TAG_REP_DATA = 11, 12, 13, 14
+_HEADER = 4
+
+
 def _ps(t: torch.Tensor, rank: int, world: int, reply: torch.Tensor) -> None:
+    """One fan-in in the parameter server's protocol (the module docstring)."""
     server = world - 1
+    hdr = torch.zeros(_HEADER, dtype=torch.float64)
     if rank != server:
-        ops.send(t, server, kind=_KIND)
-        ops.recv(reply, server, kind=_KIND)
+        reply_hdr = torch.zeros(_HEADER, dtype=torch.float64)
+        works = [ops.isend(hdr, server, kind=_KIND, tag=_TAG_REQ),
+                 ops.isend(t, server, kind=_KIND, tag=_TAG_REQ_DATA),
+                 ops.irecv(reply_hdr, server, kind=_KIND, tag=_TAG_REP),
+                 ops.irecv(reply, server, kind=_KIND, tag=_TAG_REP_DATA)]
+        for work in works:
+            work.wait()
         return
     for _ in range(world - 1):
-        src = ops.recv(reply, None, kind=_KIND)
-        ops.send(t, src, kind=_KIND)
+        src = ops.recv(hdr, None, kind=_KIND, tag=_TAG_REQ)
+        ops.recv(reply, src, kind=_KIND, tag=_TAG_REQ_DATA)
+        ops.send(hdr, src, kind=_KIND, tag=_TAG_REP)
+        ops.send(t, src, kind=_KIND, tag=_TAG_REP_DATA)
 
 
 def _run(op: str, t: torch.Tensor, rank: int, world: int, scratch: torch.Tensor, slot: dict) -> None:

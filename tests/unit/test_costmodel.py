@@ -37,16 +37,24 @@ def _bps(rate_mbit: float) -> float:
     return rate_mbit * 1e6 / 8
 
 
-def _synthetic_probe(model: dict[str, tuple[float, float]], cpus: int | None = None) -> list[dict]:
+def _burst(rate_mbit: float) -> float:
+    """bench/_netem.py's tbf burst, by hand: 2 ms of the link, at least 2 x (1500 + 100) B."""
+    return float(max(3200, int(_bps(rate_mbit) * 0.002)))
+
+
+def _synthetic_probe(model: dict[str, tuple[float, float]], cpus: int | None = None,
+                     burst=None, overlap: float = 0.0) -> list[dict]:
     """Measurements that follow the formulas exactly, for each collective's (alpha, eta);
-    with ``cpus``, each latency is slowed by the ranks' share of the cores, as fit(cpus=) assumes."""
+    with ``cpus``, each latency is slowed by the ranks' share of the cores, as fit(cpus=) assumes;
+    with ``burst``, each probe rate's token-bucket burst; ``overlap``: the fan-in's phi."""
     samples = []
     for op, (alpha, eta) in model.items():
         for p in (2, 4, 8):
             for rate in RATES:
                 for nbytes in cm.probe_sizes(rate):
                     a = alpha * (cm.cpu_share(p, cpus) if cpus else 1.0)
-                    t = cm.collective_time(op, p, nbytes, a, eta * _bps(rate))
+                    t = cm.collective_time(op, p, nbytes, a, eta * _bps(rate),
+                                           burst(rate) if burst else 0.0, overlap)
                     samples.append({"op": op, "p": p, "bytes": nbytes, "rate_mbit": rate, "time_s": t})
     return samples
 
@@ -60,6 +68,43 @@ def test_fit_recovers_known_alpha_and_eta_exactly():
         assert fitted[op]["eta"] == pytest.approx(eta, rel=1e-12, abs=0)
         assert fitted[op]["max_rel_err"] < 1e-12
         assert fitted[op]["samples"] == 3 * 3 * 3
+
+
+def test_emulated_burst_is_the_shapers_tbf_burst():
+    for rate in (10.0, 50.0, 100.0, 1000.0):
+        assert cm.emulated_burst_bytes(rate) == _burst(rate)
+    assert cm.emulated_burst_bytes(100.0) == 25_000.0  # 2 ms of 12.5 MB/s
+
+
+@pytest.mark.parametrize("phi", [0.0, 0.35, 1.0])
+def test_fit_recovers_alpha_eta_and_the_reply_overlap_with_the_token_bucket(phi):
+    # every probe sample shaped by the rate's token bucket, the fan-in's replies overlapping by phi
+    truth = {op: (ALPHA * (k + 1), ETA - 0.1 * k) for k, op in enumerate(cm.COLLECTIVES)}
+    fitted = cm.fit(_synthetic_probe(truth, burst=_burst, overlap=phi), burst=_burst)
+    for op, (alpha, eta) in truth.items():
+        assert fitted[op]["alpha_s"] == pytest.approx(alpha, rel=1e-9, abs=0)
+        assert fitted[op]["eta"] == pytest.approx(eta, rel=1e-9, abs=0)
+        assert fitted[op]["max_rel_err"] < 1e-9
+        assert fitted[op]["burst"] is True
+    assert fitted["ps"]["overlap"] == pytest.approx(phi, abs=1e-9)
+    # the prediction on the emulated link charges the same bucket and phi: the fan-in at
+    # 4 ranks, 100 Mbit/s, n = 614440 B by hand: 8 alpha + (6 - 2 phi)(n - 25000) / beta
+    alpha, eta = truth["ps"]
+    net = cm.fitted_net(fitted, 100.0)
+    want = 8 * alpha + (6 - 2 * phi) * (614_440 - 25_000) / (eta * 12.5e6)
+    assert net("ps", 4, 614_440) == pytest.approx(want, rel=1e-9)
+
+
+def test_fit_overlap_is_clipped_and_zero_where_undetermined():
+    # a fan-in faster than full duplex (phi = 1.5 in the data) is clipped to 1
+    truth = {"ps": (ALPHA, ETA)}
+    assert cm.fit(_synthetic_probe(truth, overlap=1.5))["ps"]["overlap"] == 1.0
+    # only 2 ranks: no next request, phi undetermined -> 0 (serial)
+    only2 = [s for s in _synthetic_probe(truth, overlap=0.5) if s["p"] == 2]
+    got = cm.fit(only2)["ps"]
+    assert got["overlap"] == 0.0
+    assert got["alpha_s"] == pytest.approx(ALPHA, rel=1e-9)
+    assert got["eta"] == pytest.approx(ETA, rel=1e-9)
 
 
 def test_fit_with_oversubscribed_cores_recovers_the_own_core_alpha():
@@ -112,15 +157,63 @@ def test_fit_rejects_samples_that_do_not_determine_both():
         ("allgather", 16, 1e4, 15 * (1e-4 + 1e-4)),
         # gloo broadcast: the root sends to each: (p-1)(alpha + n / beta)
         ("broadcast", 4, 1e6, 3 * (1e-4 + 1e-2)),
-        # PS fan-in: 2 alpha + 2 (p-1) n / beta
-        ("ps", 4, 1e6, 2e-4 + 6e-2),
-        # round robin: 2 (p-1)(alpha + n / beta)
-        ("round_robin", 4, 1e6, 6 * (1e-4 + 1e-2)),
+        # PS fan-in, phi = 0 (replies serial): 2p alpha + 2 (p-1) n / beta
+        ("ps", 4, 1e6, 8e-4 + 6e-2),
+        ("ps", 2, 1e6, 4e-4 + 2e-2),
+        # the server's round: 2 (p-1) alpha + 2 (p-1) n / beta; one worker: 4 alpha + 2 n / beta
+        ("ps_server", 4, 1e6, 6e-4 + 6e-2),
+        ("ps_worker", 4, 1e6, 4e-4 + 2e-2),
+        # round robin: (p-1)(alpha + 2 n / beta); one worker: 2 (alpha + n / beta)
+        ("round_robin", 4, 1e6, 3e-4 + 6e-2),
+        ("round_robin", 2, 1e6, 2e-4 + 2e-2),
         ("ring", 1, 1e6, 0.0),
     ],
 )
 def test_collective_formulas_by_hand(name, p, n, want):
     assert cm.collective_time(name, p, n, 1e-4, 1e8) == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("name", "p", "n", "want"),
+    [
+        # alpha = 1e-4 s, beta = 1e8 B/s, burst B = 2e5 B, phi = 0.25
+        # ring: one burst per call: 6 alpha + (1.5 n - B) / beta
+        ("ring", 4, 1e6, 6e-4 + (1.5e6 - 2e5) / 1e8),
+        # a message inside the burst costs only its latency
+        ("ring", 4, 1e5, 6e-4),
+        # tree: one burst per phase: 6 alpha + 2 (3 n - B) / beta
+        ("tree", 8, 1e6, 6e-4 + 2 * (3e6 - 2e5) / 1e8),
+        # all-gather, broadcast: (p-1) alpha + ((p-1) m - B) / beta
+        ("allgather", 4, 1e5, 3e-4 + (3e5 - 2e5) / 1e8),
+        ("broadcast", 4, 1e6, 3e-4 + (3e6 - 2e5) / 1e8),
+        # PS fan-in: 2p alpha + (2 (p-1) - (p-2) phi)(n - B) / beta = 8 alpha + 5.5 x 8e5 / beta
+        ("ps", 4, 1e6, 8e-4 + 5.5 * 8e5 / 1e8),
+        # server round: 2 (p-1) alpha + (p-1)(2 - phi)(n - B) / beta = 6 alpha + 5.25 x 8e5 / beta
+        ("ps_server", 4, 1e6, 6e-4 + 5.25 * 8e5 / 1e8),
+        # one worker's exchange: 4 alpha + 2 (n - B) / beta (phi plays no part)
+        ("ps_worker", 4, 1e6, 4e-4 + 1.6e6 / 1e8),
+        # round robin: (p-1)(alpha + (2 - phi)(n - B) / beta); p = 2: 2 (alpha + (n - B) / beta)
+        ("round_robin", 4, 1e6, 3e-4 + 5.25 * 8e5 / 1e8),
+        ("round_robin", 2, 1e6, 2e-4 + 1.6e6 / 1e8),
+        # full duplex (phi = 1) is the ideal p n of the fan-in: checked below
+    ],
+)
+def test_collective_formulas_with_burst_and_overlap_by_hand(name, p, n, want):
+    got = cm.collective_time(name, p, n, 1e-4, 1e8, burst=2e5, overlap=0.25)
+    assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_full_duplex_fan_in_exposes_only_the_last_reply():
+    # phi = 1: the p - 1 requests then one reply: p n bytes; the server's round (p - 1) n
+    for p in (2, 4, 8):
+        assert cm.collective_terms("ps", p, 1e6, overlap=1.0) == (2 * p, p * 1e6)
+        assert cm.collective_terms("ps_server", p, 1e6, overlap=1.0) == (2 * (p - 1), (p - 1) * 1e6)
+    # with p >= 3 the server's round bounds a step before the worker's own exchange does
+    for p in (3, 4, 8):
+        for phi in (0.0, 0.5, 1.0):
+            s_a, s_b = cm.collective_terms("ps_server", p, 1e6, overlap=phi)
+            w_a, w_b = cm.collective_terms("ps_worker", p, 1e6)
+            assert s_a >= w_a and s_b >= w_b
 
 
 def test_hierarchical_allreduce_by_hand():
@@ -153,9 +246,18 @@ def test_step_time_per_strategy():
     assert cm.step_time("local_sgd", 4, tau=8, **kw)["step_s"] == pytest.approx(0.05 + ring_n / 8)
     rr = cm.step_time("easgd_round_robin", 4, **kw)
     assert rr["step_s"] == pytest.approx(0.05 + _net("round_robin", 4, 1e6))
-    ps = _net("ps", 4, 1e6)
-    assert cm.step_time("async_easgd", 4, overlap=True, **kw)["step_s"] == pytest.approx(max(0.05, ps))
-    assert cm.step_time("async_easgd", 4, **kw)["step_s"] == pytest.approx(0.05 + ps)
+    # async: the server's round S = 6 alpha + 6 n / beta = 0.0606 s, the worker's own
+    # exchange W = 4 alpha + 2 n / beta = 0.0204 s
+    s_round, w_own = 6e-4 + 6e-2, 4e-4 + 2e-2
+    assert cm.step_time("async_easgd", 4, overlap=True, **kw)["step_s"] == pytest.approx(
+        max(0.05, w_own, s_round))
+    assert cm.step_time("async_easgd", 4, **kw)["step_s"] == pytest.approx(max(0.05 + w_own, s_round))
+    # a fast server (2 workers' round) leaves the worker's own period: t_c + W without overlap
+    assert cm.step_time("async_easgd", 2, **kw)["step_s"] == pytest.approx(0.05 + w_own)
+    assert cm.step_time("async_easgd", 2, overlap=True, **kw)["step_s"] == pytest.approx(0.05)
+    # tau = 4 with overlap: max(3 t_c + max(t_c, W), S) / 4
+    assert cm.step_time("async_easgd", 4, overlap=True, tau=4, **kw)["step_s"] == pytest.approx(
+        max(3 * 0.05 + max(0.05, w_own), s_round) / 4)
     with pytest.raises(ValueError, match="hogwild"):
         cm.step_time("hogwild_easgd", 4, **kw)
 
@@ -239,11 +341,15 @@ def test_layout_overrides_and_errors():
 
 
 def test_report_adds_the_projection_from_costmodel_json(tmp_path):
-    # the probe shared 2 cores (inputs["cpus"]): rows and probe follow the same scaled model
-    inputs = _synthetic_inputs({op: {**par, "cpus": 2} for op, par in MODEL.items()})
-    inputs["probe"] = _synthetic_probe({op: (3e-4, 0.9) for op in cm.COLLECTIVES}, cpus=inputs["cpus"])
+    # the probe shared 2 cores (inputs["cpus"]) and ran on the token-bucket links: rows and
+    # probe follow the same scaled model, with the bucket's burst and phi = 0.4
+    truth = {op: {**par, "cpus": 2, "burst": True, "overlap": 0.4} for op, par in MODEL.items()}
+    inputs = _synthetic_inputs(truth)
+    inputs["probe"] = _synthetic_probe({op: (3e-4, 0.9) for op in cm.COLLECTIVES}, cpus=inputs["cpus"],
+                                       burst=_burst, overlap=0.4)
     result = cm.analyse(inputs, tmp_path / "costmodel")
     assert result["fit"]["ring"]["eta"] == pytest.approx(0.9, rel=1e-12)
+    assert result["fit"]["ps"]["overlap"] == pytest.approx(0.4, rel=1e-9)
     md = (tmp_path / "costmodel" / "costmodel.md").read_text()
     assert "Held-out rows within 15%: 5 of 5." in md
     assert_valid_png(tmp_path / "costmodel" / "costmodel_projection.png")
