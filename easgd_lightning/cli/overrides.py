@@ -167,11 +167,12 @@ def compose_checked(overrides: list[str], *, config_name: str = "train", conf_di
         with open_dict(reference):
             del reference["hydra"]
         strategy = OmegaConf.select(reference, "strategy.name", default=None)
+        compression = OmegaConf.select(reference, "compression.name", default=None)
         lines = []
         for o in parsed:
             line = o.input_line
             if o not in groups:
-                line = rename_override_line(line, o.key_or_group, strategy)
+                line = rename_override_line(line, o.key_or_group, strategy, compression)
                 if line != o.input_line:
                     if renamed is not None:
                         renamed[o.input_line] = line

@@ -68,7 +68,7 @@ def test_learned_phase_and_the_sum_of_codes_decodes_to_the_sum(style):
     (held-out) error bound of the true mean."""
     steps, warm = 30, 10
     grads = subspace_grads(steps)
-    comp = build_compressor("lgc", ratio=0.01, code_ratio=0.25, warmup_steps=warm, max_error=0.2,
+    comp = build_compressor("lgc", ratio=0.01, code_ratio=0.25, coder_warmup_steps=warm, max_error=0.2,
                             style=style, hidden=16, train_iters=400)
     (res, _) = run(comp, grads, steps)
     (out0, st0), (out1, st1) = res
@@ -101,7 +101,7 @@ def test_learned_phase_and_the_sum_of_codes_decodes_to_the_sum(style):
 
 
 def test_falls_back_to_topk_with_a_logged_reason(caplog):
-    comp = build_compressor("lgc", ratio=0.05, code_ratio=0.1, warmup_steps=3, max_error=0.05, train_iters=20)
+    comp = build_compressor("lgc", ratio=0.05, code_ratio=0.1, coder_warmup_steps=3, max_error=0.05, train_iters=20)
     gens = [torch.Generator().manual_seed(r) for r in range(2)]
     noise = {(r, t): torch.randn(200, dtype=torch.float64, generator=gens[r]) for r in range(2) for t in range(7)}
     with caplog.at_level(logging.WARNING):
@@ -125,7 +125,7 @@ def test_learned_phase_falls_back_when_the_running_error_grows(caplog):
     sub = subspace_grads(steps)
     gens = [torch.Generator().manual_seed(r) for r in range(2)]
     noise = {(r, t): torch.randn(800, dtype=torch.float64, generator=gens[r]) * 30 for r in range(2) for t in range(steps)}
-    comp = build_compressor("lgc", ratio=0.01, code_ratio=0.25, warmup_steps=warm, max_error=0.2,
+    comp = build_compressor("lgc", ratio=0.01, code_ratio=0.25, coder_warmup_steps=warm, max_error=0.2,
                             hidden=16, train_iters=400)
     with caplog.at_level(logging.WARNING):
         (res, _) = run(comp, lambda r, t: sub(r, t) if t < 15 else noise[(r, t)], steps)

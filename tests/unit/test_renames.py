@@ -75,7 +75,39 @@ def test_old_strategy_keywords_still_work_and_both_spellings_are_refused() -> No
 def test_every_new_key_exists_in_the_shipped_config() -> None:
     for rename in RENAMES:
         strategy = [f"strategy={rename.strategy}"] if rename.strategy else []
+        compression = [f"compression={rename.compression}"] if rename.compression else []
         data = ["data=imagenet"] if rename.new.startswith("data.") else []
-        cfg = compose_checked(strategy + data)
+        cfg = compose_checked(strategy + compression + data)
         assert OmegaConf.select(cfg, rename.new, default="missing") != "missing", rename.new
         assert OmegaConf.select(cfg, rename.old, default="missing") == "missing", rename.old
+
+
+def test_lgc_warmup_steps_is_coder_warmup_steps_everywhere() -> None:
+    import warnings
+
+    from easgd_lightning.hooks import build_compressor
+    from easgd_lightning.hooks.compressors.lgc import LGCCompressor
+
+    match = r"compression\.warmup_steps is deprecated, use compression\.coder_warmup_steps"
+    with pytest.warns(FutureWarning, match=match):
+        argv = check_command_line(["compression=lgc", "compression.warmup_steps=7"])
+    assert argv == ["compression=lgc", "compression.coder_warmup_steps=7"]
+    with pytest.warns(FutureWarning, match=match):
+        cfg = compose_checked(["compression=lgc", "compression.warmup_steps=7"])
+    assert cfg.compression.coder_warmup_steps == 7 and "warmup_steps" not in cfg.compression
+    own = OmegaConf.create({"compression": {"name": "lgc", "coder_warmup_steps": 50, "warmup_steps": 9}})
+    with pytest.warns(FutureWarning, match=match):
+        apply_renames(own)
+    assert OmegaConf.to_container(own) == {"compression": {"name": "lgc", "coder_warmup_steps": 9}}
+    with pytest.warns(FutureWarning, match=match):
+        assert build_compressor("lgc", warmup_steps=6).coder_warmup_steps == 6
+    with pytest.warns(FutureWarning, match=match):
+        assert LGCCompressor(warmup_steps=5).coder_warmup_steps == 5
+    with pytest.raises(TypeError, match="give only coder_warmup_steps"):
+        build_compressor("lgc", warmup_steps=6, coder_warmup_steps=6)
+    # only LGC's: another compressor's (or the hook's) warmup_steps is not renamed
+    other = OmegaConf.create({"compression": {"name": "topk", "warmup_steps": 3}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        apply_renames(other)
+    assert other.compression.warmup_steps == 3

@@ -36,6 +36,7 @@ from easgd_lightning.hooks.compressors.signsgd import SignSGDCompressor
 from easgd_lightning.hooks.compressors.sketch import SketchCompressor
 from easgd_lightning.hooks.compressors.sparse_gc import SparseGCCompressor
 from easgd_lightning.hooks.compressors.topk import TopKCompressor
+from easgd_lightning.utils.renames import renamed_kwargs
 
 __all__ = [
     "ACPSGDCompressor",
@@ -206,6 +207,7 @@ def _build(name: str | None, **params) -> Compressor:
 
         return TwoWayCompressor(_build(name, **params))
     cls = compressor_class(name, params.pop("_target_", None))
+    params = renamed_kwargs(params, name, "compression")  # old spellings, warned
     sig = inspect.signature(cls.__init__)
     valid = [p for p in sig.parameters if p != "self"]
     for key in params:

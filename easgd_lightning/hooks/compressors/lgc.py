@@ -10,7 +10,7 @@ Rule, per tensor and step t, p workers, k = ceil(ratio n):
           network on every block (a 1-D convolution with kernel = stride = b, LeakyReLU, a
           1x1 convolution down to c_b = ceil(code_ratio b) channels), the decoder mirrors it
           (c_b -> hidden -> b). Code size c = blocks * c_b;
-  phase 1 (the first ``warmup_steps`` steps, and whenever the code is not good enough):
+  phase 1 (the first ``coder_warmup_steps`` steps, and whenever the code is not good enough):
           top-k with the shared mask; the x_i / s are all-gathered (every rank sees every
           worker's vector) and kept as training data (the most recent ``MAX_GROUPS`` steps);
   train:  at the end of phase 1, Adam on  mean_t ||D(sum_i E(x_i)) - sum_i x_i||^2 / ||sum_i x_i||^2
@@ -20,7 +20,7 @@ Rule, per tensor and step t, p workers, k = ceil(ratio n):
           (one all-reduce), so every rank holds the same coder. The held-out error, the first
           term's relative error on the last fifth of the steps (never trained on), must be
           <= ``max_error``, else phase 1 goes on (the reason is logged) and training resumes
-          ``warmup_steps`` later with the new vectors;
+          ``coder_warmup_steps`` later with the new vectors;
   phase 2: worker i sends z_i = E(x_i / s) (c values). ``style: ring``: the codes are
           all-reduced and every rank decodes the sum, s D(sum_i z_i); ``style: ps``: the
           codes are all-gathered and the sum is decoded once, as the server would. Error
@@ -28,7 +28,7 @@ Rule, per tensor and step t, p workers, k = ceil(ratio n):
           relative error ||x_i - s D(z_i)|| / ||x_i|| rides with the codes (one value);
           when its running mean over ranks (EMA, 0.9) exceeds ``max_error`` the compressor
           falls back to phase 1 (logged) and retrains.
-Defaults: ratio 0.01, code_ratio 0.25, warmup_steps 50, max_error 0.8 (bench/
+Defaults: ratio 0.01, code_ratio 0.25, coder_warmup_steps 50, max_error 0.8 (bench/
 compression_digits.py, 20 epochs: codes in 48% of the exchanges, the rest shared-mask top-k;
 error feedback carries what the code loses), hidden 64, block 256, train_iters 300, style
 ring, memory true, min_numel 16384.
@@ -53,6 +53,7 @@ from easgd_lightning.hooks.compressors.base import (
     num_selected,
     scratch_of,
 )
+from easgd_lightning.utils.renames import accepts_renamed
 
 __all__ = ["LGCCompressor", "BlockAutoencoder", "train_autoencoder", "sum_decode_error"]
 
@@ -134,7 +135,8 @@ class LGCCompressor(Compressor):
     Args:
         ratio: density k / n of the shared mask, in (0, 1].
         code_ratio: code size c / k, in (0, 1].
-        warmup_steps: phase-1 steps before (re)training (>= 2).
+        coder_warmup_steps: phase-1 steps before (re)training the coder (>= 2; before 0.2:
+            ``warmup_steps``, still accepted with a ``FutureWarning``).
         max_error: relative reconstruction error above which the code is not used (> 0).
         style: ``ring`` (codes all-reduced) or ``ps`` (codes all-gathered, summed, decoded).
         hidden: hidden width of the encoder and decoder networks (>= 1).
@@ -147,12 +149,13 @@ class LGCCompressor(Compressor):
     aggregation = "allreduce"
     default_memory = True
 
+    @accepts_renamed("lgc", "compression")
     def __init__(
         self,
         ratio: float = 0.01,
         *,
         code_ratio: float = 0.25,
-        warmup_steps: int = 50,
+        coder_warmup_steps: int = 50,
         max_error: float = 0.8,
         style: str = "ring",
         hidden: int = 64,
@@ -164,7 +167,7 @@ class LGCCompressor(Compressor):
         super().__init__(min_numel=min_numel, memory=memory)
         self.ratio = check_ratio("ratio", ratio)
         self.code_ratio = check_ratio("code_ratio", code_ratio)
-        self.warmup_steps = check_int("warmup_steps", warmup_steps, 2)
+        self.coder_warmup_steps = check_int("coder_warmup_steps", coder_warmup_steps, 2)
         self.max_error = check_positive("max_error", max_error)
         self.style = check_choice("style", style, STYLES)
         self.hidden = check_int("hidden", hidden, 1)
@@ -258,7 +261,7 @@ class LGCCompressor(Compressor):
             log.warning(
                 "compression=lgc: held-out reconstruction error %.3f > compression.max_error %.3f "
                 "on %d steps of vectors; top-k with the shared mask for %d more steps",
-                err, self.max_error, groups.shape[0], self.warmup_steps,
+                err, self.max_error, groups.shape[0], self.coder_warmup_steps,
             )
 
     def aggregate(self, tensor: torch.Tensor, state: dict, collective: Collective):
@@ -283,7 +286,7 @@ class LGCCompressor(Compressor):
             mean[idx] = xs.sum(0) / world
             state["last_phase"] = 1
             state["phase1_steps"] = int(state.get("phase1_steps", 0)) + 1
-            if state["phase1_steps"] % self.warmup_steps == 0:
+            if state["phase1_steps"] % self.coder_warmup_steps == 0:
                 self._train(state, k, collective)
         else:
             with torch.no_grad():
