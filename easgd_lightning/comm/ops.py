@@ -33,6 +33,7 @@ __all__ = [
     "irecv",
     "barrier",
     "all_gather_object",
+    "new_group",
 ]
 
 
@@ -314,6 +315,12 @@ def all_gather_object(obj, group: dist.ProcessGroup | None = None) -> list:
     out: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def new_group(ranks: list[int]) -> dist.ProcessGroup:
+    """A process group of ``ranks``. Collective over the default group: every rank creates
+    every group, in the same order (a rank outside ``ranks`` gets a handle it never uses)."""
+    return dist.new_group(ranks=ranks)
 
 
 def close_process_group() -> None:

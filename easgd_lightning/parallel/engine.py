@@ -177,7 +177,7 @@ class OptimusPipelineEngine(PipelineEngineHooks):
                         coords["model"] = m
                     ranks.append(topo.get_rank(**coords))
             ranks = sorted(set(ranks))
-            group = dist.new_group(ranks=ranks)
+            group = ops.new_group(ranks)
             if self.global_rank in ranks:
                 mine = group
         return mine
