@@ -132,8 +132,9 @@ class _HogwildMixin:
     def summary_extras(self) -> dict:
         extras = super().summary_extras()
         extras["shared_memory"] = not self.uses_server
-        if isinstance(self._transport, SharedMemoryTransport):
-            extras["dead_workers"] = self._transport.dead
+        dead = self._transport.dead if self._transport is not None else None
+        if dead is not None:
+            extras["dead_workers"] = dead
         return extras
 
 

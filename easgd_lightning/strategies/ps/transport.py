@@ -35,6 +35,10 @@ class CenterTransport(ABC):
     #: True: the worker's optimizer steps and pushes its displacement; False: the center
     #: steps the user's optimizer for a pushed gradient
     steps_locally: bool = False
+    #: the ranks this worker found dead while it waited for the others in :meth:`finish`
+    #: (``summary.json``: ``dead_workers``); None when the transport does not watch them
+    #: (the parameter server does)
+    dead: list[int] | None = None
 
     @property
     @abstractmethod
