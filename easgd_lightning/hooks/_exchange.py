@@ -18,12 +18,14 @@ computation: the launch compensates, compresses, updates the residual and starts
 collectives without blocking; :meth:`PendingExchange.finish` waits, decompresses and sums.
 It splits the compressors whose exchange is one collective between ``compress`` and
 ``decompress`` (the base class's or the sparse base's ``aggregate``). Those with
-``aggregate_rounds`` (PowerSGD's two all-reduces, fp16/bf16) are driven round by round
+``aggregate_rounds`` (PowerSGD's two all-reduces, fp16/bf16, csc's chunk scores then its
+chosen chunks, sketch's bitmap OR then its sketch sum) are driven round by round
 over all the exchange's tensors (:func:`_start_rounds`): each round of every tensor is
 launched before any is waited for, so with ``fused`` the exchange sends one lazy
 all-reduce buffer per round (and dtype), not one message per tensor and round; their
-``locals`` are known at finish. Other multi-round or stateful ones (sketch, csc, DGC,
-adaptive) run their whole ``aggregate`` at launch (one message per tensor and round). Both halves run every rank's arithmetic in the same order
+``locals`` are known at finish. Other multi-round or stateful ones (DGC, adaptive) run
+their whole ``aggregate`` at launch (one message per tensor and round). Both halves run
+every rank's arithmetic in the same order
 whether they are called back to back or far apart, so an overlapped exchange gives
 bitwise the result of one finished at once.
 
@@ -300,7 +302,8 @@ def _start_partitioned(pending, i, tensor, key, parts, compressor, memory, state
 
 def _start_rounds(pending, idx, tensors, keys, compressor, memory, states, collective) -> None:
     """Launch the compressed tensors ``idx`` of a codec with ``aggregate_rounds`` (several
-    collective rounds: PowerSGD's P and Q, fp16's one all-reduce) round by round over all
+    collective rounds: PowerSGD's P and Q, csc's scores and chunks, sketch's OR and sum,
+    fp16's one all-reduce) round by round over all
     of them: every tensor's first round now (inside the exchange's ``fused`` context: one
     lazy all-reduce buffer with the dense small tensors), each later round of every tensor
     in one pass of ``finish`` (GradientFlow's lazy all-reduce for multi-round codecs: the

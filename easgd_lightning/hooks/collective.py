@@ -82,10 +82,11 @@ class _BatchPart:
 
 
 class _ReduceBucket:
-    """One lazy all-reduce buffer: tensors of one dtype, summed as one message."""
+    """One lazy all-reduce buffer: tensors of one dtype, reduced by one ``op`` (a sum, or
+    the bitwise OR of packed bitmaps) as one message."""
 
-    def __init__(self, collective: ProcessGroupCollective, dtype) -> None:
-        self._collective, self.dtype = collective, dtype
+    def __init__(self, collective: ProcessGroupCollective, dtype, op=dist.ReduceOp.SUM) -> None:
+        self._collective, self.dtype, self.op = collective, dtype, op
         self._tensors: list[torch.Tensor] = []
         self.nbytes = 0
         self._dense = 0
@@ -105,7 +106,7 @@ class _ReduceBucket:
             coll = self._collective
             buf = torch.cat(self._tensors) if len(self._tensors) > 1 else self._tensors[0]
             self._tensors = []
-            self._fut = ops.all_reduce_async(buf, kind=coll.kind, group=coll.group, dense_bytes=self._dense)
+            self._fut = ops.all_reduce_async(buf, kind=coll.kind, op=self.op, group=coll.group, dense_bytes=self._dense)
 
     def wait(self) -> torch.Tensor:
         if self._result is None:
@@ -139,7 +140,7 @@ class ProcessGroupCollective:
         self.group = group
         self.kind = kind
         self.fusion_bytes = fusion_bytes
-        self._open: dict | None = None  # dtype -> the open lazy all-reduce buffer
+        self._open: dict | None = None  # (op, dtype) -> the open lazy all-reduce buffer
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self._pending_dense: int | None = None
@@ -186,18 +187,19 @@ class ProcessGroupCollective:
             for bucket in open_buckets.values():
                 bucket.launch()
 
-    def _fused_sum(self, tensors: list[torch.Tensor]) -> PendingCollective:
+    def _fused_sum(self, tensors: list[torch.Tensor], op=dist.ReduceOp.SUM) -> PendingCollective:
         dense = self._take_dense()
         slices = []
         for t in tensors:
-            bucket = self._open.get(t.dtype)
+            slot = (str(op), t.dtype)
+            bucket = self._open.get(slot)
             if bucket is None or bucket._fut is not None:  # none open, or waited for already
-                bucket = self._open[t.dtype] = _ReduceBucket(self, t.dtype)
+                bucket = self._open[slot] = _ReduceBucket(self, t.dtype, op)
             slices.append(bucket.add(t, dense))
             dense = 0
             if bucket.nbytes >= self.fusion_bytes:
                 bucket.launch()
-                del self._open[t.dtype]
+                del self._open[slot]
         return PendingCollective([_FusedPart(slices, [t.shape for t in tensors])], self.kind, lambda v: v[0])
 
     def _take_dense(self) -> int:
@@ -253,6 +255,17 @@ class ProcessGroupCollective:
         """Every rank's tensors, [rank][i] (1-D, lengths may differ per rank); they may be
         views of buffers reused by this tensor's next exchange."""
         return self.all_gather_async(tensors).wait()
+
+    def all_reduce_bor_async(self, tensors: list[torch.Tensor]):
+        """Non-blocking :meth:`all_reduce_bor`; ``.wait()`` returns the OR-ed tensors.
+        Inside :meth:`fused`, the tensors join a lazy all-reduce buffer of ORs (one per
+        dtype, apart from the sums'). NCCL's unpack-and-max fallback runs at once."""
+        if dist.get_backend(self.group) == "nccl":
+            done = self.all_reduce_bor(tensors)
+            return PendingCollective([], self.kind, lambda _: done)
+        if self._open is not None and tensors:
+            return self._fused_sum(tensors, dist.ReduceOp.BOR)
+        return self._all_reduce_async(tensors, dist.ReduceOp.BOR)
 
     def all_reduce_bor(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Bitwise OR over ranks of integer tensors (bit-packed bitmaps, S2 Reducer).

@@ -51,6 +51,25 @@ def test_measured_plan_is_the_same_on_every_rank_and_followed(tmp_path):
     assert a["stats"]["plan"]["tensors"] == 6
 
 
+def test_replan_steps_measures_and_plans_again(tmp_path):
+    """compression.replan_steps=2 (hook warm-up 1, 6 iterations): the first plan at
+    iteration 1, replans at 3 and 5 (2 replans), plan.json rewritten each time (its
+    iteration and replans fields), every plan the same on both ranks and followed."""
+    ranks = _run(tmp_path, 2, "plan_replan")
+    a, b = (r["plan_replan"] for r in ranks)
+    for res in (a, b):
+        assert res["worst"] == {"dense": 0.0, "compressed": 0.0}
+        assert [h["planned_at"] for h in res["history"]] == [-1, 1, 1, 3, 3, 5]
+        assert [h["replans"] for h in res["history"]] == [0, 0, 0, 1, 1, 2]
+        assert [p[0] for p in res["plans"]] == [1, 3, 5]
+        assert res["stats"]["plan"]["replans"] == 2 and res["stats"]["plan"]["iteration"] == 5
+    assert a["plans"] == b["plans"]
+    assert [h["written"] for h in a["history"]] == [None, [1, 0], [1, 0], [3, 1], [3, 1], [5, 2]]
+    logged = json.loads((tmp_path / "plan.json").read_text())
+    assert (logged["iteration"], logged["replans"]) == (5, 2)
+    assert {d["key"]: [d["compress"], d["partitions"]] for d in logged["decisions"]} == a["decisions"]
+
+
 def test_casync_pipeline_equals_partitions_exchanged_alone(two_ranks):
     _, ranks = two_ranks
     for r in ranks:
@@ -64,13 +83,14 @@ def test_casync_pipeline_equals_partitions_exchanged_alone(two_ranks):
 
 
 def test_multi_round_codecs_fuse_their_rounds_across_tensors(two_ranks):
-    """GradientFlow's lazy all-reduce (issue 13 s1) for PowerSGD and fp16: each tensor's
-    result is its own aggregate's (bits); one fusion buffer per round and dtype instead of
-    a message per tensor and round."""
+    """GradientFlow's lazy all-reduce (issue 13 s1) for PowerSGD, fp16, csc and sketch: each
+    tensor's result is its own aggregate's (bits; csc's also a plain-torch model of the
+    rule's, float64); one fusion buffer per round and dtype instead of a message per
+    tensor and round."""
     _, ranks = two_ranks
     for r in ranks:
         res = r["fused_rounds"]
-        for codec in ("powersgd", "fp16"):
+        for codec in ("powersgd", "fp16", "csc", "sketch"):
             for mode in ("unfused", "fused"):
                 assert res[codec][mode]["worst"] == 0.0, (codec, mode, res[codec])
         # 3 compressed tensors, the 3 small ones dense in one message
@@ -79,6 +99,13 @@ def test_multi_round_codecs_fuse_their_rounds_across_tensors(two_ranks):
         assert res["fp16"]["unfused"]["messages"] == [1 + 3] * 2
         assert res["fp16"]["fused"]["messages"] == [2] * 2  # one float16 buffer, one float32
         assert res["elastic"]["messages"] == 2 and res["elastic"]["local_shape"] == [48 * 16 + 7 + 32 * 24 + 15 + 800 + 9]
+        for mode in ("unfused", "fused"):
+            assert res["csc"][mode]["independent"] == 0.0, (mode, res["csc"])
+        assert res["csc"]["unfused"]["messages"] == [1 + 3 * 2] * 2  # scores and chunks per tensor
+        assert res["csc"]["fused"]["messages"] == [2] * 2  # the scores (with the small ones), the chunks
+        assert res["elastic_csc"]["messages"] == 2
+        assert res["sketch"]["unfused"]["messages"] == [1 + 3 * 2] * 2  # bitmap OR and sketch sum per tensor
+        assert res["sketch"]["fused"]["messages"] == [3] * 2  # the small ones' sum, one OR buffer, one sketch sum
 
 
 def test_switch_sum_equals_all_reduce_float64(tmp_path):

@@ -30,8 +30,10 @@ from easgd_lightning.hooks.compressors.base import (
     Payload,
     check_int,
     check_ratio,
+    run_rounds,
     scratch_buffer,
     scratch_of,
+    start_collective,
 )
 
 __all__ = ["CSCCompressor", "chunk_scores", "select_chunks"]
@@ -92,14 +94,27 @@ class CSCCompressor(Compressor):
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores all-reduce, the same chunks chosen everywhere, one dense all-reduce of them;
         returns (mean over ranks, this rank's sent part)."""
+        return run_rounds(self.aggregate_rounds(tensor, state, collective))
+
+    def aggregate_rounds(self, tensor: torch.Tensor, state: dict, collective: Collective):
+        """:meth:`aggregate` as a generator that yields after launching each of its two
+        all-reduces (non-blocking where the collective can) and returns (mean, local):
+        round 1 the chunk scores, round 2 the selected chunks. The exchange drives every
+        tensor's round 1, then every tensor's round 2 (GradientFlow's lazy all-reduce: one
+        fused buffer per round, not two messages per tensor); CaSync pipelines partitions.
+        ``tensor`` must not change until the generator returns."""
         flat = tensor.reshape(-1)
         n, world = flat.numel(), collective.world_size
-        (scores,) = collective.all_reduce_sum([chunk_scores(flat, self.chunk_size)])
+        pending = start_collective(collective, "all_reduce_sum", [chunk_scores(flat, self.chunk_size)])
+        yield
+        (scores,) = pending.wait()
         chosen = select_chunks(scores, self._k(n))
         values = self._gather(flat, chosen, state)
         local = self._dense(values, chosen, state, "local", n)
-        (summed,) = collective.all_reduce_sum([values])
-        mean = self._dense(summed.div_(world), chosen, state, "mean", n)
+        pending = start_collective(collective, "all_reduce_sum", [values])
+        yield
+        (summed,) = pending.wait()
+        mean = self._dense(summed / world, chosen, state, "mean", n)
         state["chosen"] = chosen  # the last agreed selection, for inspection
         state["last_payload_bytes"] = (scores.numel() + values.numel()) * values.element_size()
         return mean.view(tensor.shape), local.view(tensor.shape)

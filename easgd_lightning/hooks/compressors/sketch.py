@@ -27,11 +27,20 @@ from easgd_lightning.hooks.compressors.base import (
     check_positive,
     check_ratio,
     pack_bits,
+    run_rounds,
+    start_collective,
     unpack_bits,
 )
 from easgd_lightning.hooks.compressors.topk import topk_indices
 
-__all__ = ["SketchCompressor", "sketch_hashes", "build_sketch", "peel_decode", "or_reduce_bits"]
+__all__ = [
+    "SketchCompressor",
+    "sketch_hashes",
+    "build_sketch",
+    "peel_decode",
+    "or_reduce_bits",
+    "start_or_reduce_bits",
+]
 
 _PRIME = 2**31 - 1
 
@@ -113,13 +122,18 @@ def peel_decode(
 
 def or_reduce_bits(collective: Collective, bits: torch.Tensor) -> torch.Tensor:
     """Bitwise OR over ranks of a bool vector (bit-packed when the collective can OR)."""
+    return start_or_reduce_bits(collective, bits)()
+
+
+def start_or_reduce_bits(collective: Collective, bits: torch.Tensor):
+    """:func:`or_reduce_bits` launched (non-blocking where the collective has
+    ``all_reduce_bor_async``); returns ``finish``, which waits and gives the OR."""
     n = bits.numel()
-    bor = getattr(collective, "all_reduce_bor", None)
-    if callable(bor):
-        (packed,) = bor([pack_bits(bits)])
-        return unpack_bits(packed, n)
+    if callable(getattr(collective, "all_reduce_bor", None)):
+        pending = start_collective(collective, "all_reduce_bor", [pack_bits(bits)])
+        return lambda: unpack_bits(pending.wait()[0], n)
     (out,) = collective.all_reduce_max([bits.to(torch.uint8)])
-    return out.bool()
+    return out.bool
 
 
 class SketchCompressor(Compressor):
@@ -198,13 +212,23 @@ class SketchCompressor(Compressor):
         self, tensor: torch.Tensor, state: dict, collective: Collective
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """OR the bitmaps, then sum the sketches of the union; decode at the union."""
+        return run_rounds(self.aggregate_rounds(tensor, state, collective))
+
+    def aggregate_rounds(self, tensor: torch.Tensor, state: dict, collective: Collective):
+        """:meth:`aggregate` as a generator that yields after launching each round
+        (non-blocking where the collective can) and returns (mean, local): round 1 the
+        bitmap OR, round 2 (when the union is not empty, on every rank alike) the sketch
+        sum. The exchange drives every tensor's round 1, then every tensor's round 2: with
+        lazy all-reduce one OR buffer and one sum buffer per exchange, not two messages per
+        tensor. ``tensor`` must not change until the generator returns."""
         flat = tensor.reshape(-1)
         world = collective.world_size
         idx, bits = self._sparsify(flat)
         local = torch.zeros_like(flat)
         local[idx] = flat[idx]
-        union = or_reduce_bits(collective, bits)
-        positions = torch.nonzero(union).squeeze(1)
+        finish_or = start_or_reduce_bits(collective, bits)
+        yield
+        positions = torch.nonzero(finish_or()).squeeze(1)
         seed = self._seed(state)
         state["step"] = int(state.get("step", 0)) + 1
         state["last_nnz"] = int(idx.numel())
@@ -214,6 +238,8 @@ class SketchCompressor(Compressor):
             width = self._width(positions.numel())
             cols, signs = sketch_hashes(positions, self.rows, width, seed)
             sk = build_sketch(local[positions], cols, signs, width)
-            (summed,) = collective.all_reduce_sum([sk])
+            pending = start_collective(collective, "all_reduce_sum", [sk])
+            yield
+            (summed,) = pending.wait()
             mean[positions] = peel_decode(summed, cols, signs, self.max_core) / world
         return mean.reshape(tensor.shape), local.reshape(tensor.shape)

@@ -1,7 +1,7 @@
 """One rank of the planner / CaSync / switch checks (launched torchrun-style by the tests).
 
 Usage: plan_run.py OUT SCENARIO[,SCENARIO...]
-    (plan_fixed | plan_measured | casync | switch | switch_external)
+    (plan_fixed | plan_measured | plan_replan | casync | fused_rounds | switch | switch_external)
 
 Each scenario computes its reference independently from the dense inputs gathered here
 with plain ``torch.distributed`` and writes the comparison to OUT/rank{r}.json.
@@ -53,12 +53,16 @@ def _gather(t: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def _ddp_against_plan(rank: int, world: int, out_dir: str, *, fixed: bool) -> dict:
+def _ddp_against_plan(rank: int, world: int, out_dir: str, *, fixed: bool, replan_steps: int = 0,
+                      steps: int = 4) -> dict:
     """DDP with topk (exact) under a plan; every step's averaged gradients against the
     decision-by-decision reference: dense ones = dense all-reduce mean (bits), compressed
     ones = the codec's result per partition (top-k of the compensated partition, residual
-    kept), gathered and averaged in rank order (bits)."""
-    comp = build_compressor("topk", ratio=RATIO, exact=True, min_numel=1000, plan="secopa")
+    kept), gathered and averaged in rank order (bits). Per step: the iteration the active
+    plan was made at, the replans so far and (rank 0) plan.json's ``iteration`` and
+    ``replans`` as written."""
+    comp = build_compressor("topk", ratio=RATIO, exact=True, min_numel=1000, plan="secopa",
+                            replan_steps=replan_steps)
     model = Net()
     ddp = DistributedDataParallel(model)
     state = register_compression_hook(ddp, comp, warmup_steps=1, plan_dir=out_dir)
@@ -73,7 +77,8 @@ def _ddp_against_plan(rank: int, world: int, out_dir: str, *, fixed: bool) -> di
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     residual = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
     worst = {"dense": 0.0, "compressed": 0.0}
-    for it in range(4):
+    history, plans = [], []
+    for it in range(steps):
         g = torch.Generator().manual_seed(10 * rank + it)
         x, y = torch.randn(16, 20, generator=g), torch.randint(0, 10, (16,), generator=g)
         ref_model.load_state_dict(model.state_dict())
@@ -100,11 +105,22 @@ def _ddp_against_plan(rank: int, world: int, out_dir: str, *, fixed: bool) -> di
                 expected, kind = total / world, "compressed"
             worst[kind] = max(worst[kind], (q.grad - expected).abs().max().item())
         opt.step()
+        logged = os.path.join(out_dir, "plan.json")
+        written = None
+        if rank == 0 and os.path.exists(logged):  # rank 0 writes it, synchronously
+            with open(logged) as fh:
+                doc = json.load(fh)
+            written = [doc["iteration"], doc["replans"]]
+        history.append({"planned_at": state.planned_at, "replans": state.replans, "written": written})
+        if plan is not None and (not plans or plans[-1][0] != plan.iteration):
+            plans.append([plan.iteration, {k: [d.compress, d.partitions] for k, d in plan.decisions.items()}])
     plan = state.active_plan
     return {
         "worst": worst,
         "decisions": {k: [d.compress, d.partitions] for k, d in plan.decisions.items()},
         "stats": state.compression_stats(),
+        "history": history,
+        "plans": plans,
     }
 
 
@@ -114,6 +130,12 @@ def scenario_plan_fixed(rank, world, out_dir):
 
 def scenario_plan_measured(rank, world, out_dir):
     return _ddp_against_plan(rank, world, out_dir, fixed=False)
+
+
+def scenario_plan_replan(rank, world, out_dir):
+    """``replan_steps=2`` over 6 iterations (the first dense, hook warm-up): plans at
+    iterations 1, 3 and 5, each followed decision by decision and logged to plan.json."""
+    return _ddp_against_plan(rank, world, out_dir, fixed=False, replan_steps=2, steps=6)
 
 
 def scenario_casync(rank: int, world: int, out_dir: str) -> dict:
@@ -162,11 +184,13 @@ def scenario_casync(rank: int, world: int, out_dir: str) -> dict:
 
 
 def scenario_fused_rounds(rank: int, world: int, out_dir: str) -> dict:
-    """The lazy all-reduce for multi-round codecs (PowerSGD: P then Q; fp16): two
-    exchanges of several tensors (small ones dense) with one fusion buffer and without,
-    against each tensor exchanged alone by the codec's own ``aggregate`` (residual kept
-    here; the small ones one dense all-reduce). Bits, and the messages of each exchange
-    (the meter's calls). With 2 ranks every sum is a + b in any grouping (bits)."""
+    """The lazy all-reduce for multi-round codecs (PowerSGD: P then Q; fp16; csc: chunk
+    scores then the chosen chunks, float64; sketch: bitmap OR then sketch sum): two exchanges of several tensors (small ones
+    dense) with one fusion buffer and without, against each tensor exchanged alone by the
+    codec's own ``aggregate`` (residual kept here; the small ones one dense all-reduce);
+    csc also against a plain-torch model of GradientFlow's rule (:func:`_csc_reference`).
+    Bits, and the messages of each exchange (the meter's calls). With 2 ranks every sum
+    is a + b in any grouping (bits)."""
     from easgd_lightning.comm.layout import CommLayout
     from easgd_lightning.comm.meter import reset_meter
     from easgd_lightning.hooks._exchange import key_hash
@@ -175,8 +199,15 @@ def scenario_fused_rounds(rank: int, world: int, out_dir: str) -> dict:
     shapes = [(48, 16), (7,), (32, 24), (5, 3), (40, 20), (9,)]  # 3 compressed, 3 dense (< 64)
     keys = [f"t{j}" for j in range(len(shapes))]
     out = {}
-    for name, params in (("powersgd", {"rank": 2}), ("fp16", {"memory": True})):
+    codecs = (
+        ("powersgd", {"rank": 2}, torch.float32),
+        ("fp16", {"memory": True}, torch.float32),
+        ("csc", {"ratio": 0.25, "chunk_size": 20}, torch.float64),  # 768 = 38 x 20 + 8: a short last chunk
+        ("sketch", {"ratio": 0.05}, torch.float32),  # bitmap OR, then the sketch sum
+    )
+    for name, params, dtype in codecs:
         res: dict = {}
+        independent = 0.0
         for mode, fusion in (("unfused", None), ("fused", 1 << 30)):
             comp = build_compressor(name, min_numel=64, **params)
             ref_comp = build_compressor(name, min_numel=64, **params)
@@ -188,7 +219,7 @@ def scenario_fused_rounds(rank: int, world: int, out_dir: str) -> dict:
             worst, messages = 0.0, []
             for step in range(2):
                 g = torch.Generator().manual_seed(1000 * rank + step)
-                xs = [torch.randn(s, generator=g) for s in shapes]
+                xs = [torch.randn(s, generator=g, dtype=dtype) for s in shapes]
                 reset_meter()
                 means, _ = exchange_tensors([x.clone() for x in xs], keys, comp, mem, states, coll)
                 messages.append(get_meter().by_kind[f"{name}_{mode}"].calls)
@@ -201,8 +232,12 @@ def scenario_fused_rounds(rank: int, world: int, out_dir: str) -> dict:
                         comp_in = x + residual[k]
                         expected, local = ref_comp.aggregate(comp_in, ref_states[k], ref_coll)
                         residual[k] = comp_in - local
+                        if name == "csc":
+                            ref = _csc_reference(comp_in, params["ratio"], params["chunk_size"], world)
+                            independent = max(independent, (m - ref).abs().max().item())
+                    assert m.dtype == dtype
                     worst = max(worst, (m - expected).abs().max().item())
-            res[mode] = {"worst": worst, "messages": messages}
+            res[mode] = {"worst": worst, "messages": messages, "independent": independent}
         out[name] = res
     # the elastic exchange (sync_easgd / local_sgd) with return_local: the multi-round
     # codec's local part arrives at wait(); sum = world x the exchange's means
@@ -214,7 +249,34 @@ def scenario_fused_rounds(rank: int, world: int, out_dir: str) -> dict:
         diff.clone(), compressor=comp, state={}, kind="e", shapes=shapes, layout=CommLayout(fusion_mb=25), return_local=True
     )
     out["elastic"] = {"messages": get_meter().by_kind["e"].calls, "local_shape": list(local.shape)}
+    comp = build_compressor("csc", ratio=0.25, chunk_size=20, min_numel=64)
+    reset_meter()
+    exchange_sum(diff.clone(), compressor=comp, state={}, kind="e_csc", shapes=shapes, layout=CommLayout(fusion_mb=25))
+    out["elastic_csc"] = {"messages": get_meter().by_kind["e_csc"].calls}
     return out
+
+
+def _csc_reference(x: torch.Tensor, ratio: float, chunk: int, world: int) -> torch.Tensor:
+    """GradientFlow's coarse-grained sparse all-reduce of ``x`` in plain torch: chunk L1
+    norms summed over ranks, the top ceil(ratio * chunks) (ties to the lower index) kept
+    by a 0/1 mask, the masked tensor all-reduced densely and divided by the world."""
+    flat = x.reshape(-1)
+    n = flat.numel()
+    chunks = -(-n // chunk)
+    full = n // chunk
+    scores = torch.empty(chunks, dtype=flat.dtype)
+    scores[:full] = flat[: full * chunk].view(full, chunk).abs().sum(dim=1)
+    if full < chunks:
+        scores[full] = flat[full * chunk :].abs().sum()
+    dist.all_reduce(scores)
+    k = max(1, math.ceil(ratio * chunks))
+    top = torch.argsort(-scores, stable=True)[:k]
+    keep = torch.zeros(chunks, dtype=torch.bool)
+    keep[top] = True
+    mask = keep.repeat_interleave(chunk)[:n]
+    summed = torch.where(mask, flat, torch.zeros_like(flat))
+    dist.all_reduce(summed)
+    return (summed / world).view(x.shape)
 
 
 def _switch_checks(rank: int, world: int, aggregator: str) -> dict:
