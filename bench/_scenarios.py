@@ -227,6 +227,28 @@ FUSION_ROWS = (
 )
 
 
+# HiPress's SeCoPa planner (issue 13 section 2) against compressing every tensor and
+# against compressing none, on an MLP of mixed widths (64 -> 2048 -> 256 -> 32 -> 10:
+# weights of 131k, 524k, 8k and 320 entries, biases of 2048 and fewer), where the planner
+# has both kinds to tell apart. min_numel=0 in both compressed rows, so the only
+# difference between them is the plan. Two codecs: topk (an all-gathered sparse payload)
+# and csc (GradientFlow's chunks, all-reduced densely; 1024-entry chunks so that each
+# weight has several).
+MIXED_WIDTH_WORKLOAD = ("model.hidden=[2048,256,32]",)
+
+
+def plan_rows(compression: str, *overrides: str) -> tuple[str, str]:
+    """(compress everything, the planner's row) of ``ddp/<compression>``, for ``plan``."""
+    every = ";".join((f"ddp/{compression}", *overrides, "compression.min_numel=0"))
+    return every, f"{every};compression.plan=secopa"
+
+
+PLAN_CODECS = (("topk",), ("csc", "compression.chunk_size=1024"))
+
+
+PLAN_ROWS = tuple(plan_rows(*codec) for codec in PLAN_CODECS)
+
+
 def _comm_pairs(
     name: str, description: str, rate_mbit: float, workload: tuple[str, ...], pairs: tuple[tuple[str, str], ...]
 ) -> Scenario:
@@ -317,6 +339,28 @@ SCENARIOS: dict[str, Scenario] = {
         1000.0,
         MANY_SMALL_WORKLOAD,
         FUSION_ROWS,
+    ),
+    "plan": Scenario(
+        name="plan",
+        description=(
+            "2 hosts, 100 Mbit/s, an MLP of mixed widths (model.hidden=[2048,256,32]): the "
+            "SeCoPa planner against compressing every tensor and none, for topk and csc"
+        ),
+        workers=2,
+        rate_mbit=100.0,
+        workload=MIXED_WIDTH_WORKLOAD,
+        configs=",".join(("ddp/none", *(row for pair in PLAN_ROWS for row in pair))),
+        targets=tuple(
+            target
+            for every, planned in PLAN_ROWS
+            for target in (
+                Target(planned, "speedup", ">=", 1.0, ref=every, note="HiPress: the plan is never slower"),
+                Target(planned, "speedup", ">=", 1.0, ref="ddp/none"),
+            )
+        ),
+        steps=60,
+        warmup_steps=10,
+        timeout_s=300.0,
     ),
     "tta": Scenario(
         name="tta",

@@ -504,6 +504,27 @@ def test_scenarios_always_add_limit_and_baseline() -> None:
     assert "trainer.max_epochs=12" in epochs and "trainer.max_steps=-1" in epochs
 
 
+def test_plan_preset_compares_the_planner_with_everything_and_nothing() -> None:
+    """``--scenario plan``: dense, then per codec (topk, csc) compress-everything and the
+    SeCoPa planner (the same row plus compression.plan=secopa), on mixed layer widths;
+    each planned row judged against its compress-everything twin and ddp/none."""
+    args = cluster._parser().parse_args(["--scenario", "plan"])
+    plan = cluster.resolve_settings(args, cluster.SCENARIOS["plan"])
+    rows = [(c.strategy, c.compression, c.overrides) for c in plan.configs]
+    every = ("compression.min_numel=0",)
+    csc = ("compression.chunk_size=1024", *every)
+    assert rows == [
+        ("ddp", "none", ()), ("limit", "none", ()),
+        ("ddp", "topk", every), ("ddp", "topk", (*every, "compression.plan=secopa")),
+        ("ddp", "csc", csc), ("ddp", "csc", (*csc, "compression.plan=secopa")),
+    ]
+    assert plan.workload == ["model.hidden=[2048,256,32]"] and plan.workers == 2 and plan.rate_mbit == 100.0
+    targets = cluster.SCENARIOS["plan"].targets
+    assert len(targets) == 4 and all("compression.plan=secopa" in t.row for t in targets)
+    labels = {cluster.BenchConfig(*r).label for r in rows}
+    assert {cluster.parse_configs(t.ref)[0].label for t in targets} <= labels
+
+
 @pytest.mark.slow
 @pytest.mark.netns
 def test_shaped_10mbit_four_rank_compressed_sync_easgd_repeated(netns_ok: None, tmp_path: Path) -> None:
