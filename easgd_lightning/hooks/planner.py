@@ -355,7 +355,7 @@ def measure_costs(
         payload=fit_line(ns, pbytes),
         world=world,
         aggregation=compressor.aggregation,
-        rounds=2 if hasattr(compressor, "factor_shapes") else 1,
+        rounds=compressor.exchange_rounds,
         factor_rank=getattr(compressor, "rank", None) if hasattr(compressor, "factor_shapes") else None,
     )
     probes = {

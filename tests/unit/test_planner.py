@@ -197,3 +197,37 @@ def test_only_codecs_whose_own_aggregate_is_multi_round_are_driven_by_rounds():
     # driving it by PowerSGD's inherited P-then-Q rounds would run the wrong algorithm
     driven = {name: rounds_of(build_compressor(name)) is not None for name in ("powersgd", "fp16", "bf16", "acpsgd", "topk")}
     assert driven == {"powersgd": True, "fp16": True, "bf16": True, "acpsgd": False, "topk": False}
+
+
+@pytest.mark.parametrize("name,kwargs", [
+    ("topk", {}), ("signsgd", {}), ("qsgd", {}), ("fp16", {}), ("powersgd", {}),
+    ("acpsgd", {}), ("csc", {"chunk_size": 16}), ("sketch", {}),
+])
+def test_exchange_rounds_is_the_number_of_collectives_one_aggregate_makes(name, kwargs):
+    """The planner charges ``exchange_rounds`` start-up latencies per tensor (T_snd); it must
+    be what the codec's aggregate really does in sequence: counted here on a 1-rank
+    collective that records every call (csc: scores then chunks, PowerSGD: P then Q)."""
+    from tests.helpers import SoloCollective
+
+    calls = []
+
+    class Counting(SoloCollective):
+        def all_reduce_sum(self, tensors):
+            calls.append("sum")
+            return super().all_reduce_sum(tensors)
+
+        def all_reduce_max(self, tensors):
+            calls.append("max")
+            return super().all_reduce_max(tensors)
+
+        def all_gather(self, tensors):
+            calls.append("gather")
+            return super().all_gather(tensors)
+
+    comp = build_compressor(name, min_numel=0, **kwargs)
+    state = {"key_hash": 0}
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(7))
+    comp.aggregate(x, state, Counting())  # first call may warm a factor up
+    calls.clear()
+    comp.aggregate(x, state, Counting())
+    assert len(calls) == comp.exchange_rounds, calls

@@ -53,6 +53,7 @@ class ACPSGDCompressor(PowerSGDCompressor):
 
     name = "acpsgd"
     aggregation = "allreduce"
+    exchange_rounds = 1  # P or Q, alternating by step
     default_memory = True
     aggregate = Compressor.aggregate  # one collective per step: split by start_aggregate
 

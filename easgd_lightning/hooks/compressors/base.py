@@ -192,6 +192,9 @@ class Compressor(ABC):
     #: False when the compressor keeps its own residual (DGC), so error feedback on top
     #: of it would count the dropped mass twice.
     allows_memory: ClassVar[bool] = True
+    #: collectives one exchange of a tensor makes in sequence (PowerSGD: P then Q; csc:
+    #: scores then chunks); the SeCoPa planner charges each its start-up latency.
+    exchange_rounds: ClassVar[int] = 1
 
     def __init__(self, *, min_numel: int | None = None, memory: bool | None = None) -> None:
         self.min_numel = DEFAULT_MIN_NUMEL if min_numel is None else check_int("min_numel", min_numel, 0)

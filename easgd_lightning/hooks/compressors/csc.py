@@ -69,6 +69,7 @@ class CSCCompressor(Compressor):
 
     name = "csc"
     aggregation = "allreduce"
+    exchange_rounds = 2  # the chunk scores, then the chosen chunks
     default_memory = True
 
     def __init__(self, ratio: float = 0.1, *, chunk_size: int = 32768,

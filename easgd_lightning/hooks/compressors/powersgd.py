@@ -108,6 +108,7 @@ class PowerSGDCompressor(Compressor):
 
     name = "powersgd"
     aggregation = "allreduce"
+    exchange_rounds = 2  # P, then Q
     default_memory = True
 
     def __init__(

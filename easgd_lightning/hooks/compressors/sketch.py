@@ -150,6 +150,7 @@ class SketchCompressor(Compressor):
 
     name = "sketch"
     aggregation = "allreduce"
+    exchange_rounds = 2  # the bitmap OR, then the sketch sum
     default_memory = True
 
     def __init__(
