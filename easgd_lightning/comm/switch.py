@@ -9,6 +9,12 @@ engine as everything else (gloo point-to-point):
     worker r:   send(x_r) to the aggregator;  recv(sum) from it          (one pass each way)
     aggregator: recv x_0 .. x_{N-1};  s = x_0 + x_1 + ... (rank order);  send s to each
 
+Like the switch, the aggregator streams: a tensor travels as up to :data:`STREAM_BLOCKS`
+blocks (of at least :data:`STREAM_NUMEL` elements), and the aggregator sends block j's sum back as soon as
+every worker's block j is in, while the workers' later blocks are still arriving. So the
+upload and the download overlap (full duplex) and an exchange takes about one pass of the
+tensor over the link plus one block, not an upload followed by a download.
+
 A worker's link carries its tensor once up and the sum once down (a ring all-reduce sends
 and receives 2 (N - 1) / N of it, in 2 (N - 1) latency-bound steps), and no worker host
 reduces anything. The sum is in rank order, the same bits on every worker.
@@ -24,7 +30,8 @@ else does (``bench/cluster.py --aggregator switch`` starts it at the emulated sw
 port unshaped as a switch backplane is).
 
 Messages per exchange and worker: a header (3 int64: sequence number, numel, dtype code;
-numel -1 closes), the tensor, and the sum back. Every call is metered here (bytes sent =
+numel -1 closes), the tensor's blocks, and the sum's blocks back (messages of one tag
+between two ranks are matched in the order they were posted). Every call is metered here (bytes sent =
 tensor + header, received = the sum) under the caller's kind.
 """
 
@@ -48,11 +55,14 @@ from easgd_lightning.comm.meter import get_meter
 
 __all__ = [
     "AGGREGATORS",
+    "STREAM_BLOCKS",
+    "STREAM_NUMEL",
     "SWITCH_PREFIX",
     "SwitchClient",
     "aggregator_loop",
     "connect_group",
     "main",
+    "stream_blocks",
 ]
 
 SWITCH_PREFIX = "easgd_switch"
@@ -60,6 +70,20 @@ SWITCH_PREFIX = "easgd_switch"
 _TAG_HEADER, _TAG_DATA, _TAG_SUM = 11, 12, 13
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
+
+#: most blocks a tensor streams in: the download lags the upload by one block (1/8 of the
+#: tensor), while every block costs each worker two messages and the aggregator 2N
+STREAM_BLOCKS = 8
+#: fewest elements per block (64 KiB of float32): smaller tensors travel in one block
+STREAM_NUMEL = 16384
+
+
+def stream_blocks(numel: int) -> list[tuple[int, int]]:
+    """The ``(start, stop)`` ranges a tensor of ``numel`` elements streams in: blocks of
+    max(STREAM_NUMEL, ceil(numel / STREAM_BLOCKS)) elements, the last may be shorter; none
+    for an empty tensor."""
+    block = max(STREAM_NUMEL, -(-numel // STREAM_BLOCKS))
+    return [(a, min(a + block, numel)) for a in range(0, numel, block)]
 
 
 def connect_group(store, rank: int, workers: int, timeout_s: float, session: int = 0) -> dist.ProcessGroup:
@@ -90,12 +114,17 @@ def aggregator_loop(pg: dist.ProcessGroup, workers: int) -> int:
             raise RuntimeError(f"switch aggregator: workers disagree on exchange (seq, numel, dtype): {rows}")
         _, numel, code = rows[0]
         bufs = [torch.empty(numel, dtype=_DTYPES[code]) for _ in range(workers)]
-        for w in [pg.recv([b], r, _TAG_DATA) for r, b in enumerate(bufs)]:
-            w.wait()
-        total = bufs[0]
-        for b in bufs[1:]:
-            total.add_(b)
-        for w in [pg.send([total], r, _TAG_SUM) for r in range(workers)]:
+        blocks = stream_blocks(numel)
+        recvs = [[pg.recv([b[i:j]], r, _TAG_DATA) for i, j in blocks] for r, b in enumerate(bufs)]
+        sends = []
+        for k, (i, j) in enumerate(blocks):  # block k's sum leaves while block k + 1 arrives
+            for r in range(workers):
+                recvs[r][k].wait()
+            total = bufs[0][i:j]
+            for b in bufs[1:]:
+                total.add_(b[i:j])
+            sends.extend(pg.send([total], r, _TAG_SUM) for r in range(workers))
+        for w in sends:
             w.wait()
         done += 1
 
@@ -145,7 +174,7 @@ class SwitchClient:
         header = torch.tensor([self._seq, numel, code], dtype=torch.int64)
         works = [self.pg.send([header], self.workers, _TAG_HEADER)]
         if numel >= 0:
-            works.append(self.pg.send([tensor], self.workers, _TAG_DATA))
+            works.extend(self.pg.send([tensor[i:j]], self.workers, _TAG_DATA) for i, j in stream_blocks(numel))
         return works
 
     def all_reduce_async(self, tensor: torch.Tensor, *, kind: str, dense_bytes: int | None = None) -> torch.futures.Future:
@@ -157,7 +186,7 @@ class SwitchClient:
         flat = tensor.reshape(-1)
         sends = self._launch(flat, flat.numel(), _DTYPES.index(tensor.dtype))
         out = torch.empty_like(flat)
-        recv = self.pg.recv([out], self.workers, _TAG_SUM)
+        recv = [self.pg.recv([out[i:j]], self.workers, _TAG_SUM) for i, j in stream_blocks(flat.numel())]
         fut: torch.futures.Future = torch.futures.Future()
         self._queue.put((sends, recv, out, flat, tensor, fut, start, kind, dense_bytes))
         return fut
@@ -176,8 +205,7 @@ class SwitchClient:
                 return
             sends, recv, out, flat, tensor, fut, start, kind, dense = item
             try:
-                recv.wait()
-                for w in sends:
+                for w in (*recv, *sends):
                     w.wait()
                 flat.copy_(out)
                 size = flat.numel() * flat.element_size()

@@ -89,3 +89,18 @@ def test_the_switch_is_refused_where_it_cannot_sum(overrides, message) -> None:
     with pytest.raises(ConfigError) as err:
         validate_config(compose_checked(overrides), hardware=False)
     assert str(err.value) == message
+
+
+@pytest.mark.parametrize("numel", [0, 1, 16384, 16385, 131072, 250_003, 10_000_000])
+def test_switch_stream_blocks_tile_the_tensor(numel):
+    """The switch streams a tensor as contiguous blocks covering it exactly once: at most
+    STREAM_BLOCKS of them, each of at least STREAM_NUMEL elements but the last."""
+    from easgd_lightning.comm.switch import STREAM_BLOCKS, STREAM_NUMEL, stream_blocks
+
+    blocks = stream_blocks(numel)
+    starts, stops = [a for a, _ in blocks], [b for _, b in blocks]
+    assert starts == [0, *stops[:-1]][: len(blocks)]
+    assert (stops[-1] if blocks else 0) == numel
+    assert len(blocks) <= STREAM_BLOCKS
+    assert all(b - a >= STREAM_NUMEL for a, b in blocks[:-1])
+    assert len(blocks) == (0 if numel == 0 else min(STREAM_BLOCKS, -(-numel // STREAM_NUMEL)))

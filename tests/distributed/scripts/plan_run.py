@@ -298,7 +298,7 @@ def _switch_checks(rank: int, world: int, aggregator: str) -> dict:
     ddp_equal = all(torch.equal(a, b) for a, b in zip(grads["ring"], grads["switch"]))
     client = clients[1]
     g = torch.Generator().manual_seed(rank)
-    tensors = [torch.randint(-1000, 1000, (n,), generator=g).double() / 8 for n in (1, 1000, 250_000)]
+    tensors = [torch.randint(-1000, 1000, (n,), generator=g).double() / 8 for n in (1, 1000, 250_003)]  # the last: 8 streamed blocks, a short last one
     futs = [client.all_reduce_async(t.clone(), kind="switch_test") for t in tensors]
     got = [f.wait()[0] for f in futs]
     ref = []
