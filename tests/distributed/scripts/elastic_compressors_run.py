@@ -34,7 +34,7 @@ TAU = {"sync_easgd": 1, "local_sgd": 2}
 COMPRESSORS = {
     "none": lambda: None,
     "gcomp": lambda: build_compressor("gcomp", mantissa_bits=23, min_numel=MIN_NUMEL),
-    "lgc": lambda: build_compressor("lgc", ratio=0.1, warmup_steps=2, train_iters=5, hidden=8,
+    "lgc": lambda: build_compressor("lgc", ratio=0.1, coder_warmup_steps=2, train_iters=5, hidden=8,
                                     block=64, min_numel=MIN_NUMEL),
     "sparse_gc": lambda: build_compressor("sparse_gc", ratio=0.05, min_numel=MIN_NUMEL),
     "acpsgd": lambda: build_compressor("acpsgd", rank=2, min_numel=MIN_NUMEL),
