@@ -88,17 +88,21 @@ def add_efficiency(rows: list[dict]) -> None:
     """``efficiency`` = limit ``step_time_s`` / the row's ``step_time_s`` (1.0: comm is free).
 
     Only rows that completed get a value; without a completed limit row every value is
-    None.
+    None. A row measured over another window than the limit row (``measured``: one fell
+    back to whole-run figures, start-up included, while the other is steady state) gets
+    None too: the ratio of the two would mix start-up into one side only.
     """
     limit = next(
         (r for r in rows if (r["strategy"], r["compression"]) == LIMIT and r.get("status") == "ok"),
         None,
     )
     ref = limit.get("step_time_s") if limit else None
+    window = limit.get("measured") if limit else None
     for row in rows:
         mine = row.get("step_time_s")
+        same_window = row.get("measured") == window
         row["efficiency"] = (
-            float(ref) / float(mine) if ref and mine and row.get("status") == "ok" else None
+            float(ref) / float(mine) if ref and mine and same_window and row.get("status") == "ok" else None
         )
 
 
