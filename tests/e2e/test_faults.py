@@ -140,6 +140,12 @@ def assert_loadable_last_checkpoint(run_dir: Path) -> dict:
 
 # ---------------------------------------------------------------------------- the cases
 TIMEOUT_S = 20  # timeout_s of the runs: collectives and stragglers
+#: timeout_s of the cases that wait out one whole timeout_s after the fault (a frozen rank is
+#: killed after it; a torchrun-style survivor waits that long for the dead rank's report): short,
+#: so these tests do not sit idle, and still far above what one collective of these small runs
+#: takes or how far apart two ranks forked at the same moment start (every collective would
+#: fail at it otherwise, before the fault)
+SHORT_TIMEOUT_S = 6
 MARGIN_S = 60  # what a bounded exit may add on a loaded 2-core machine (process exits, teardown)
 
 
@@ -157,10 +163,10 @@ def _end_every_run():
             run.kill_all()
 
 
-def _start(tmp_path: Path, name: str, overrides: list[str]) -> Run:
+def _start(tmp_path: Path, name: str, overrides: list[str], timeout_s: float = TIMEOUT_S) -> Run:
     run_dir = tmp_path / name
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    run = Run(run_dir, [f"timeout_s={TIMEOUT_S}", *overrides])
+    run = Run(run_dir, [f"timeout_s={timeout_s}", *overrides])
     _RUNS.append(run)
     return run
 
@@ -187,23 +193,26 @@ def case_worker_crash(tmp_path: Path, strategy: str, devices: int) -> dict:
 def case_worker_signal(tmp_path: Path, strategy: str, devices: int, sig: signal.Signals,
                        start_method: str = "fork") -> dict:
     """SIGKILL / SIGSTOP / SIGTERM to rank 1 once the first epoch checkpoint exists (the ranks
-    forked by the launcher's fork server, or spawned)."""
+    forked by the launcher's fork server, or spawned). SIGSTOP: the run's timeout_s is
+    SHORT_TIMEOUT_S (the launcher kills the frozen rank after it)."""
+    timeout_s = SHORT_TIMEOUT_S if sig == signal.SIGSTOP else TIMEOUT_S
     run = _start(tmp_path, f"{sig.name.lower()}-{strategy}", [f"strategy={strategy}", f"trainer.devices={devices}",
                                                               "trainer.max_epochs=400",
-                                                              f"launcher.start_method={start_method}"])
+                                                              f"launcher.start_method={start_method}"], timeout_s)
     pids = run.worker_pids
     run.wait_for("checkpoints/epoch000.ckpt")
     run.assert_ranks_started_as_promised(start_method)
     os.kill(pids[1], sig)
     run.mark_fault()
-    code, took = run.wait(TIMEOUT_S + MARGIN_S + (TIMEOUT_S if sig == signal.SIGSTOP else 0))
+    code, took = run.wait(timeout_s + MARGIN_S + (timeout_s if sig == signal.SIGSTOP else 0))
     s = run.summary()
     assert code == 1, run.output()
     first = s["first_failure"]
     assert s["status"] == "failed" and first["rank"] == 1, s["error"]
     if sig == signal.SIGSTOP:
         assert first["state"] == "stopped" and "rank 1 stopped answering" in s["error"], s["error"]
-        assert took < TIMEOUT_S + MARGIN_S  # bounded: timeout_s plus the time processes take to end
+        assert f"process stopped for {timeout_s:g}s" in first["error"], first  # the launcher's verdict
+        assert timeout_s <= took < timeout_s + MARGIN_S  # bounded: timeout_s plus the time processes take to end
     elif sig == signal.SIGKILL:
         assert first["signal"] == "SIGKILL", first
     else:  # SIGTERM: the rank stops gracefully and says so, exit 128 + 15
@@ -314,12 +323,13 @@ def _start_external_ranks(run_dir: Path, world: int, overrides: list[str]) -> li
 
 
 def case_external_crash(tmp_path: Path, crash_rank: int) -> dict:
-    """Two ranks started torchrun-style; ``crash_rank`` calls os._exit(17) at its 3rd step."""
+    """Two ranks started torchrun-style; ``crash_rank`` calls os._exit(17) at its 3rd step (the
+    survivor waits timeout_s, SHORT_TIMEOUT_S here, for the dead rank's report)."""
     run_dir = tmp_path / f"external-rank{crash_rank}-dies"
     procs = _start_external_ranks(run_dir, 2, [
-        "strategy=ddp", "trainer.devices=2", "trainer.max_epochs=3", f"timeout_s={TIMEOUT_S}",
+        "strategy=ddp", "trainer.devices=2", "trainer.max_epochs=3", f"timeout_s={SHORT_TIMEOUT_S}",
         "checkpoint.enabled=false", f"faults.crash_rank={crash_rank}", "faults.crash_at_step=3"])
-    deadline = time.monotonic() + TIMEOUT_S + MARGIN_S + 60
+    deadline = time.monotonic() + SHORT_TIMEOUT_S + MARGIN_S + 60
     crashed_at = None
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         if crashed_at is None and procs[crash_rank].poll() is not None:
