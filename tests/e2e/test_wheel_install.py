@@ -18,6 +18,7 @@ import subprocess
 import sys
 import sysconfig
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,12 @@ def _run(cmd: list, cwd: Path, timeout: float = 300) -> subprocess.CompletedProc
     env.pop("PYTHONPATH")  # nothing from the source tree
     return subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def _run_all(cmds: list[list], cwd: Path, timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """:func:`_run` of each command, all at once (in ``cwd``); their results in order."""
+    with ThreadPoolExecutor(len(cmds)) as pool:
+        return list(pool.map(lambda cmd: _run(cmd, cwd, timeout), cmds))
 
 
 def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -97,18 +104,21 @@ def test_installed_easgd_train_runs_from_an_empty_directory(installed, tmp_path)
     work.mkdir()
     exe = installed["easgd_train"]
 
-    helped = _ok(_run([exe, "--help"], cwd=work)).stdout
+    # Independent commands run side by side (each a fresh interpreter, one core busy importing),
+    # every one checked as when they ran one after the other.
+    helped, printed, bad = _run_all([[exe, "--help"], [exe, "recipe=nlp3d/gpt_tiny_pp2", "--cfg", "job"],
+                                     [exe, "strategy=sync_easgd", "strategy.tauu=3"]], cwd=work)
+    helped = _ok(helped).stdout
     assert "strategy: async_easgd, async_measgd" in helped
     assert "recipe/imagenet: alexnet_gpu, alexnet_knl" in helped
     assert "recipe/nlp3d: gpt2_medium_3d" in helped
 
-    printed = yaml.safe_load(_ok(_run([exe, "recipe=nlp3d/gpt_tiny_pp2", "--cfg", "job"], cwd=work)).stdout)
+    printed = yaml.safe_load(_ok(printed).stdout)
     assert printed["strategy"]["name"] == "pipeline_3d" and printed["model"]["name"] == "gpt"
 
-    bad = _run([exe, "strategy=sync_easgd", "strategy.tauu=3"], cwd=work)
     assert bad.returncode == 2
     assert one_error_line(bad.stderr).startswith("easgd-train: error: strategy.tauu: unknown key; did you mean strategy.tau?")
-    assert list(work.iterdir()) == []  # refused before any run directory existed
+    assert list(work.iterdir()) == []  # refused before any run directory existed (nor did --help, --cfg make one)
 
     # A user's config directory extends the shipped tree (README, "Your own configs").
     user = tmp_path / "my_conf"
@@ -117,14 +127,15 @@ def test_installed_easgd_train_runs_from_an_empty_directory(installed, tmp_path)
     (user / "strategy" / "my_sync.yaml").write_text(USER_STRATEGY)
     (user / "recipe" / "mine" / "short.yaml").write_text(USER_RECIPE)
     (user / "recipe" / "mine" / "typo.yaml").write_text("# @package _global_\ntrainer:\n  max_epocs: 1\n")
-    typo = _run([exe, f"hydra.searchpath=[file://{user}]", "recipe=mine/typo", "hydra.run.dir=typo"], cwd=work)
+    typo, run = _run_all([
+        [exe, f"hydra.searchpath=[file://{user}]", "recipe=mine/typo", "hydra.run.dir=typo"],
+        [exe, f"hydra.searchpath=[file://{user}]", "strategy=my_sync", "recipe=mine/short", "trainer.devices=2",
+         "logger=none", "trainer.enable_progress_bar=false", "hydra.run.dir=run"]], cwd=work)
     assert typo.returncode == 2, typo.stderr[-3000:]
     assert one_error_line(typo.stderr).startswith(
         "easgd-train: error: trainer.max_epocs: unknown key; did you mean trainer.max_epochs?")
     assert not (work / "typo" / "ranks").exists()  # refused before any rank started
-    _ok(_run([exe, f"hydra.searchpath=[file://{user}]", "strategy=my_sync", "recipe=mine/short",
-              "trainer.devices=2", "logger=none", "trainer.enable_progress_bar=false",
-              "hydra.run.dir=run"], cwd=work, timeout=300))
+    _ok(run)
 
     summary = json.loads((work / "run" / "summary.json").read_text())
     assert summary["status"] == "ok", summary.get("error")
