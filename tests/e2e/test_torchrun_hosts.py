@@ -6,8 +6,9 @@ host with its own run directory (no shared file system).
 Every strategy family on 2 hosts x 2 ranks: ``ddp`` + top-k, ``sync_easgd``, ``local_sgd``
 (float64) and ``pipeline_3d`` (pp=2 x dp=2, stage 0 on host 0 and stage 1 on host 1) must
 end with exactly one ``summary.json``, on host 0, whose train loss equals (``==``) the same
-run launched by ``easgd-train`` with 4 ranks on one host -- the reference is the launch path
-every other test checks; a rank that trained on another layout, missed a step, lost a
+run launched by ``easgd-train`` with 4 ranks on one host (forked from the session's CLI
+server, as ``tests.helpers.run_cli``'s runs) -- the reference is the launch path every other
+test checks; a rank that trained on another layout, missed a step, lost a
 report or averaged with the wrong group gives another loss. ``async_easgd`` (not
 deterministic: first-come-first-served server) must finish with its server on the last rank
 of the last host. Four hosts x 1 rank run ``ddp`` + top-k against the same single-host
@@ -20,11 +21,12 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, run_cli
 
 sys.path.insert(0, str(REPO / "scripts"))
 import torchrun_hosts as th  # noqa: E402  (scripts/ is not a package: the user's entry point)
@@ -84,10 +86,28 @@ class Runs:
     def one_host(self, family: str, world: int = 4) -> th.HostRun:
         overrides = th.FAMILIES[family][0]
         run = self._once(("one", family, world),
-                         lambda _port: th.run_on_one_host(family, overrides, self.root / f"{family}_1x{world}", world,
-                                                          TIMEOUT_S))
+                         lambda _port: _one_host(family, overrides, self.root / f"{family}_1x{world}", world))
         print(f"{family}: easgd-train 1x{world} {run.wall_s:.1f}s codes={run.codes}")
         return run
+
+
+def _one_host(name: str, overrides: list[str], out: Path, world: int) -> th.HostRun:
+    """``th.run_on_one_host``'s run (the same command line: ``easgd-train`` with ``world``
+    local ranks), forked from the session's CLI server (tests/helpers.py ``run_cli``: the
+    same ``main()``, argv, environment and working directory, without a fresh interpreter's
+    imports). The reference only; every multi-host run is a real ``torchrun`` / ``deepspeed``."""
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "one_host.log"
+    started = time.monotonic()
+    proc = run_cli([*th.COMMON, *overrides, f"trainer.devices={world}", f"hydra.run.dir={out / 'one'}"],
+                   timeout=TIMEOUT_S, check=False)
+    wall = time.monotonic() - started
+    log.write_text(f"{proc.stdout}\n--- stderr ---\n{proc.stderr}")
+    try:
+        summary = json.loads((out / "one" / "summary.json").read_text())
+    except (OSError, ValueError):
+        summary = None
+    return th.HostRun(name, "easgd-train", [proc.returncode], wall, [summary], [log])
 
 
 @pytest.fixture(scope="module")
