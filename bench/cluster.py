@@ -191,6 +191,13 @@ def _parser() -> argparse.ArgumentParser:
         help="strategy/compression list (default: the preset's). ddp/none is always run "
         "first and, except in tta, the limit row (no communication) second",
     )
+    p.add_argument(
+        "--only-configs",
+        action="store_true",
+        help="run exactly the --configs rows, in order: no ddp/none baseline and no limit row "
+        "added (ratios and efficiency then blank, targets that need those rows n/a); for "
+        "checks that read only the rows they name",
+    )
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
     p.add_argument(
         "--warmup-steps",
@@ -298,13 +305,16 @@ def scenario_names(text: str | None, quick: bool) -> list[str]:
 def resolve_settings(args: argparse.Namespace, preset: Scenario) -> Settings:
     """The preset, each value replaced by the command line's where one was given."""
     configs = parse_configs(args.configs or preset.configs)
-    base = next((c for c in configs if c.key == BASELINE and not c.overrides), BenchConfig(*BASELINE))
-    rows = [base] + [c for c in configs if c != base and c.key != LIMIT]
-    if getattr(args, "aggregator", "none") == "switch" and SWITCH_ROW not in rows:
-        rows.insert(1, SWITCH_ROW)
-    if preset.kind == "throughput":
-        limit = next((c for c in configs if c.key == LIMIT), BenchConfig(*LIMIT))
-        rows.insert(1, limit)
+    if getattr(args, "only_configs", False):
+        rows = list(configs)  # parse_configs dropped exact duplicates
+    else:
+        base = next((c for c in configs if c.key == BASELINE and not c.overrides), BenchConfig(*BASELINE))
+        rows = [base] + [c for c in configs if c != base and c.key != LIMIT]
+        if getattr(args, "aggregator", "none") == "switch" and SWITCH_ROW not in rows:
+            rows.insert(1, SWITCH_ROW)
+        if preset.kind == "throughput":
+            limit = next((c for c in configs if c.key == LIMIT), BenchConfig(*LIMIT))
+            rows.insert(1, limit)
     settings = Settings(
         preset=preset,
         workers=args.workers or preset.workers,
