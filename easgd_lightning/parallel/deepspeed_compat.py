@@ -21,6 +21,7 @@ version passes if the checks pass, with a warning in the log.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import logging
 from collections.abc import Iterator
@@ -50,6 +51,7 @@ __all__ = [
     "check_engine_state",
     "construct_engine",
     "installed_version",
+    "skip_shm_op_build",
 ]
 
 log = logging.getLogger(__name__)
@@ -200,11 +202,35 @@ def check_deepspeed() -> None:
             raise _fail(f"deepspeed.zero.partition_parameters.{func} is missing")
     if not callable(getattr(deepspeed, "set_optimizer_flags", None)):
         raise _fail("deepspeed.set_optimizer_flags is missing")
+    _shm_module()  # raises if the shared-memory op's builder moved
     if not in_checked_range(installed_version()):
         log.warning(
             "DeepSpeed %s is outside the range the pipeline adapter was checked against "
             "(>=%s,<%s); its private-API checks passed", installed_version(), *CHECKED_RANGE,
         )
+
+
+def _shm_module() -> Any:
+    """``deepspeed.comm.torch`` (imported by name: as an attribute of ``deepspeed.comm`` it
+    is the torch package), after checking that its ``TorchBackend`` builds the
+    shared-memory op through the module-level ``build_shm_op()``."""
+    module = importlib.import_module("deepspeed.comm.torch")
+    build = getattr(module, "build_shm_op", None)
+    if not callable(build) or _parameters(build):
+        raise _fail("deepspeed.comm.torch.build_shm_op() is missing or takes arguments")
+    backend = getattr(module, "TorchBackend", None)
+    if backend is None or "build_shm_op" not in backend.__init__.__code__.co_names:
+        raise _fail("deepspeed.comm.torch.TorchBackend.__init__ no longer calls build_shm_op")
+    return module
+
+
+def skip_shm_op_build() -> None:
+    """On CPU, DeepSpeed's communication backend JIT-compiles a shared-memory all-reduce op
+    (``deepspeed_shm_comm``, C++, ~20 s once per machine) used only by its
+    ``inference_all_reduce``; nothing here calls that (every collective of the pipeline is
+    torch.distributed's on gloo groups). Make ``build_shm_op`` return None, DeepSpeed's own
+    answer when the op cannot be built, so the backend falls back to torch.distributed."""
+    _shm_module().build_shm_op = lambda: None
 
 
 def check_engine_state(engine: Any) -> None:

@@ -43,7 +43,11 @@ from easgd_lightning.hooks.optimus_cc import (
     is_epilogue_send,
     resolve_selective_stages,
 )
-from easgd_lightning.parallel.deepspeed_compat import PipelineEngineHooks, construct_engine
+from easgd_lightning.parallel.deepspeed_compat import (
+    PipelineEngineHooks,
+    construct_engine,
+    skip_shm_op_build,
+)
 
 __all__ = [
     "OptimusPipelineEngine",
@@ -68,6 +72,8 @@ def init_deepspeed_comm() -> None:
 
     if not dist.is_initialized():
         raise RuntimeError("initialise torch.distributed before building the pipeline")
+    if dist.get_backend() == "gloo":
+        skip_shm_op_build()  # the CPU backend's op for inference all-reduce: unused here
     ds_dist.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
 
 

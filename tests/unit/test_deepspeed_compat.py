@@ -190,3 +190,19 @@ def test_engine_state_check_names_what_is_missing() -> None:
     del state["grad_layer"]
     with pytest.raises(compat.DeepSpeedCompatError, match="PipelineEngine instances have no grad_layer"):
         compat.check_engine_state(SimpleNamespace(**state))
+
+
+def test_skipping_the_shm_op_build_makes_deepspeed_fall_back(monkeypatch) -> None:
+    """On gloo the engine asks DeepSpeed not to JIT-build its shared-memory op: the
+    backend's builder must exist where the adapter patches it, be what TorchBackend calls,
+    and answer None afterwards (DeepSpeed's own result when the op cannot be built)."""
+    import importlib
+
+    module = importlib.import_module("deepspeed.comm.torch")
+    assert "build_shm_op" in module.TorchBackend.__init__.__code__.co_names
+    monkeypatch.setattr(module, "build_shm_op", module.build_shm_op)  # restored after
+    compat.skip_shm_op_build()
+    assert module.build_shm_op() is None
+    monkeypatch.delattr(module, "build_shm_op")
+    with pytest.raises(compat.DeepSpeedCompatError, match="build_shm_op"):
+        compat.check_deepspeed()
