@@ -153,6 +153,13 @@ def test_quick_cluster_limit_efficiency_targets_and_cleanup(netns_ok: None, tmp_
     assert _root_veths() <= before_veth, "veth links appeared in the host namespace"
 
 
+def _run_processes(run_root: Path) -> list[str]:
+    """Command lines of the live processes that name ``run_root`` (the ranks' easgd-train)."""
+    # -ww: whole command lines (the run directory is ~200 characters in)
+    ps = subprocess.run(["ps", "-ww", "-eo", "args"], check=False, capture_output=True, text=True)
+    return [line for line in ps.stdout.splitlines() if str(run_root) in line and "easgd-train" in line]
+
+
 @pytest.mark.slow
 @pytest.mark.netns
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
@@ -179,17 +186,30 @@ def test_interrupt_mid_run_removes_everything(
             time.sleep(0.1)
         else:
             pytest.fail("the emulated cluster did not come up within 60 s")
-        time.sleep(3.0)  # let the ranks get going
+        # Both ranks' easgd-train processes alive (their command lines name the run
+        # directory), so the signal lands while they run and the clean-up has them to kill.
+        for _ in range(300):
+            if len(_run_processes(tmp_path)) >= 2:
+                break
+            assert proc.poll() is None, proc.communicate()[1][-4000:]
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"the two ranks did not start within 30 s: {_run_processes(tmp_path)}")
+        time.sleep(1.0)  # let the ranks get going
         proc.send_signal(sig)
         _, stderr = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if proc.poll() is None:  # a failed wait above: let the harness clean up, then kill it
+            proc.terminate()
+            try:
+                proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     assert proc.returncode == 128 + sig, stderr[-4000:]
     assert "cleaned up" in stderr
     assert not {n for n in _netns_names() if n.startswith(prefix)}
     assert _root_veths() <= before_veth
-    ps = subprocess.run(["ps", "-eo", "args"], check=False, capture_output=True, text=True)
+    ps = subprocess.run(["ps", "-ww", "-eo", "args"], check=False, capture_output=True, text=True)
     assert str(tmp_path) not in ps.stdout, "a training process of the run is still alive"
 
 
@@ -502,6 +522,19 @@ def test_scenarios_always_add_limit_and_baseline() -> None:
     assert "optim.momentum=0" in cmd and "optim.momentum=0.9" not in cmd
     epochs = cluster.train_command("ddp", "none", 2, -1, Path("/x"), [], [], epochs=12)
     assert "trainer.max_epochs=12" in epochs and "trainer.max_steps=-1" in epochs
+
+
+def test_only_configs_runs_exactly_the_rows_given() -> None:
+    """``--only-configs``: the --configs rows in order, no ddp/none or limit row added
+    (the hierarchy and fusion e2e tests read only their two rows)."""
+    specs = "sync_easgd/none,sync_easgd/none;comm.hierarchy=node"
+    args = cluster._parser().parse_args(["--scenario", "hierarchy", "--configs", specs, "--only-configs"])
+    got = cluster.resolve_settings(args, cluster.SCENARIOS["hierarchy"])
+    assert got.configs == cluster.parse_configs(specs)
+    assert got.procs_per_host == 2 and got.workers == 2
+    args = cluster._parser().parse_args(["--scenario", "hierarchy", "--configs", specs])
+    rows = cluster.resolve_settings(args, cluster.SCENARIOS["hierarchy"]).configs
+    assert [c.key for c in rows][:2] == [("ddp", "none"), ("limit", "none")]  # without it
 
 
 def test_plan_preset_compares_the_planner_with_everything_and_nothing() -> None:
