@@ -3,7 +3,8 @@
 
 Runs the real harness (network namespaces, ``tc``-shaped links, one ``easgd-train`` per
 host over gloo; the switch's aggregator in the bridge namespace) for a few steps and
-checks that every row ran, the planner logged its plan, the switch row sent each bucket
+checks that every row ran, the planner logged its plan, GradientFlow's chunk-sparse rows
+(csc) travel as two fused messages per step, the switch row sent each bucket
 once, and the ratios and the no-communication floor (the limit row) are printed. One run
 (the planner's rows with ``--aggregator switch``) serves both tests. Needs
 root (or CAP_NET_ADMIN + CAP_SYS_ADMIN); skipped with the reason elsewhere.
@@ -18,7 +19,9 @@ import pytest
 
 from tests.e2e.test_bench_cluster import netns_ok, run_cluster_bench  # noqa: F401 (fixture)
 
-PLAN_CONFIGS = "ddp/none,ddp/topk;compression.min_numel=0,ddp/topk;compression.plan=secopa;compression.min_numel=0"
+CSC_ROW = "ddp/csc;compression.chunk_size=1024;compression.min_numel=0"
+PLAN_CONFIGS = ("ddp/none,ddp/topk;compression.min_numel=0,ddp/topk;compression.plan=secopa;compression.min_numel=0,"
+                + CSC_ROW)
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +42,7 @@ def plan_switch_table(netns_ok: None, tmp_path_factory: pytest.TempPathFactory) 
         ("ddp", "none", ()), ("limit", "none", ()), ("ddp", "none", ("comm.allreduce=switch",)),
         ("ddp", "topk", ("compression.min_numel=0",)),
         ("ddp", "topk", ("compression.plan=secopa", "compression.min_numel=0")),
+        ("ddp", "csc", ("compression.chunk_size=1024", "compression.min_numel=0")),
     ]
     return table
 
@@ -82,3 +86,18 @@ def test_switch_aggregator_against_ring(plan_switch_table: dict) -> None:
     # one pass each way: the switch row sends each bucket once (+ a header); the ring
     # all-reduce of 2 ranks sends it once too, so the bytes agree within the headers
     assert switch["bytes_per_step_per_worker"] == pytest.approx(ring["bytes_per_step_per_worker"], rel=0.01)
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+def test_csc_chunks_travel_in_two_fused_messages(plan_switch_table: dict) -> None:
+    """GradientFlow's coarse-grained sparse communication under DDP: after the hook's one
+    dense iteration (one bucket: 1 message), each step sends the bucket's chunk scores and
+    then its chosen chunks, each round fused over the bucket's tensors: 2 messages, so
+    (1 + 2 * 11) / 12 over the 12 steps; fewer bytes than the dense row."""
+    csc = _row(plan_switch_table, "ddp", "csc", "compression.chunk_size=1024")
+    dense = _row(plan_switch_table, "ddp", "none")
+    assert csc["status"] == "ok"
+    assert csc["messages_per_step"] == pytest.approx((1 + 2 * 11) / 12)
+    assert dense["messages_per_step"] == pytest.approx(1.0)
+    assert 0 < csc["bytes_per_step_per_worker"] < 0.5 * dense["bytes_per_step_per_worker"]
