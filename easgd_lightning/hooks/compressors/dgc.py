@@ -317,20 +317,25 @@ class DGCCompressor(SparseCompressor):
             u = state["u"] = torch.zeros_like(flat)
         return momentum_dense(flat, u, self.momentum, self.nesterov).view_as(tensor)
 
+    def _adopt_epoch_length(self, steps_per_epoch: int | None) -> list[str]:
+        """``warmup_ratio_epochs`` in optimizer steps; the warning to log when the epoch
+        length is unknown."""
+        if steps_per_epoch:
+            self.set_steps_per_epoch(int(steps_per_epoch))
+        elif self.warmup_ratio_epochs is not None:
+            return [
+                "compression.warmup_ratio_epochs: the epoch length is unknown, so the DGC "
+                f"warm-up uses compression.warmup_ratio_steps={self.warmup_ratio_steps}"
+            ]
+        return []
+
     def bind_training(self, optimizers, steps_per_epoch: int | None) -> list[str]:
         """Adopt a training run (called by the strategy before the first step): the epochs
         of ``warmup_ratio_epochs`` become ``steps_per_epoch`` optimizer steps each, and with
         ``momentum > 0`` the optimizers' own momentum is set to 0 (DGC applies its own;
         both would compound). Returns the warnings to log."""
         self.gradient_mode = True
-        notes = []
-        if steps_per_epoch:
-            self.set_steps_per_epoch(int(steps_per_epoch))
-        elif self.warmup_ratio_epochs is not None:
-            notes.append(
-                "compression.warmup_ratio_epochs: the epoch length is unknown, so the DGC "
-                f"warm-up uses compression.warmup_ratio_steps={self.warmup_ratio_steps}"
-            )
+        notes = self._adopt_epoch_length(steps_per_epoch)
         if self.momentum > 0 and release_optimizer_momentum(optimizers):
             notes.append(
                 f"compression=dgc applies its own momentum (compression.momentum={self.momentum}); "
@@ -346,14 +351,7 @@ class DGCCompressor(SparseCompressor):
         ``steps_per_epoch`` optimizer steps per epoch. Returns the warnings to log."""
         self.gradient_mode = False
         self._step_of = step_of
-        notes = []
-        if steps_per_epoch:
-            self.set_steps_per_epoch(int(steps_per_epoch))
-        elif self.warmup_ratio_epochs is not None:
-            notes.append(
-                "compression.warmup_ratio_epochs: the epoch length is unknown, so the DGC "
-                f"warm-up uses compression.warmup_ratio_steps={self.warmup_ratio_steps}"
-            )
+        notes = self._adopt_epoch_length(steps_per_epoch)
         if self.momentum > 0 or self.clip_norm is not None:
             notes.append(
                 "compression=dgc exchanges elastic differences here, not gradients: its momentum "
