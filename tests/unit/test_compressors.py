@@ -1051,3 +1051,13 @@ def test_native_kth_largest_abs_is_topk_minimum(dtype):
             got = _native.kth_largest_abs(x, k)
             assert got.dtype == dtype
             assert torch.equal(want, got) or (want.isnan() and got.isnan()), (k, want, got)
+
+
+@pytest.mark.parametrize("name,key", [
+    ("topk", "exact"), ("adaptive", "exact"), ("dgc", "nesterov"), ("sparse_gc", "local_update"),
+    ("randomk", "unbiased"), ("powersgd", "warm_start"), ("topk", "memory"),
+])
+def test_a_switch_that_is_not_a_bool_is_refused_naming_its_key(name, key):
+    with pytest.raises(ValueError, match=rf"^compression\.{key} must be true or false, got 1$"):
+        build_compressor(name, **{key: 1})
+    build_compressor(name, **{key: False})  # a real bool is accepted

@@ -30,6 +30,7 @@ from easgd_lightning.hooks.compressors.base import (
     Collective,
     MeasuredCollective,
     Payload,
+    check_bool,
     check_int,
     check_positive,
     check_ratio,
@@ -116,9 +117,7 @@ class AdaptiveCompressor(SparseCompressor):
             None if compute_time is None else check_positive("compute_time", compute_time)
         )
         self.sample_size = check_int("sample_size", sample_size, 1)
-        if not isinstance(exact, bool):
-            raise ValueError(f"compression.exact must be true or false, got {exact!r}")
-        self.exact = exact
+        self.exact = check_bool("exact", exact)
         self._bw: float | None = None
         self._ct: float | None = None
         self._numels: dict[int, int] = {}

@@ -70,6 +70,7 @@ __all__ = [
     "check_momentum",
     "check_int",
     "check_positive",
+    "check_bool",
     "check_choice",
     "pack_sparse",
     "unpack_sparse",
@@ -200,8 +201,7 @@ class Compressor(ABC):
         self.min_numel = DEFAULT_MIN_NUMEL if min_numel is None else check_int("min_numel", min_numel, 0)
         if memory is None:
             memory = self.default_memory
-        if not isinstance(memory, bool):
-            raise ValueError(f"compression.memory must be true or false, got {memory!r}")
+        check_bool("memory", memory)
         if memory and not self.allows_memory:
             raise ValueError(self.memory_error())
         self.memory = memory
@@ -478,6 +478,13 @@ def check_positive(key: str, value, *, allow_zero: bool = False) -> float:
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"compression.{key} must be a number {bound}, got {value!r}")
     return v
+
+
+def check_bool(key: str, value) -> bool:
+    """``compression.<key>`` must be true or false (a bool, not 0 / 1 or a string)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"compression.{key} must be true or false, got {value!r}")
+    return value
 
 
 def check_choice(key: str, value, choices) -> str:

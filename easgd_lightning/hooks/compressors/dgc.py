@@ -40,6 +40,7 @@ import torch
 from easgd_lightning.hooks.compressors import _native
 from easgd_lightning.hooks.compressors.base import (
     Collective,
+    check_bool,
     check_int,
     check_momentum,
     check_positive,
@@ -275,9 +276,7 @@ class DGCCompressor(SparseCompressor):
         super().__init__(min_numel=min_numel, memory=memory)
         self.ratio = check_ratio("ratio", ratio)
         self.momentum = check_momentum("momentum", momentum)
-        if not isinstance(nesterov, bool):
-            raise ValueError(f"compression.nesterov must be true or false, got {nesterov!r}")
-        self.nesterov = nesterov
+        self.nesterov = check_bool("nesterov", nesterov)
         self.clip_norm = None if clip_norm is None else check_positive("clip_norm", clip_norm)
         self.warmup_ratios = tuple(
             check_ratio("warmup_ratios[]", r) for r in (warmup_ratios or ())

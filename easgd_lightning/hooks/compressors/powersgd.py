@@ -30,6 +30,7 @@ from easgd_lightning.hooks.compressors.base import (
     Collective,
     Compressor,
     Payload,
+    check_bool,
     check_choice,
     check_int,
     run_rounds,
@@ -123,9 +124,7 @@ class PowerSGDCompressor(Compressor):
     ) -> None:
         super().__init__(min_numel=min_numel, memory=memory)
         self.rank = check_int("rank", rank, 1)
-        if not isinstance(warm_start, bool):
-            raise ValueError(f"compression.warm_start must be true or false, got {warm_start!r}")
-        self.warm_start = warm_start
+        self.warm_start = check_bool("warm_start", warm_start)
         self.seed = check_int("seed", seed, 0)
         self.matrix_view = check_choice("matrix_view", matrix_view, MATRIX_VIEWS)
 

@@ -25,6 +25,7 @@ from easgd_lightning.hooks.compressors import _native
 from easgd_lightning.hooks.compressors.base import (
     Compressor,
     Payload,
+    check_bool,
     check_int,
     check_ratio,
     may_write_residual,
@@ -115,9 +116,7 @@ class RandomKCompressor(Compressor):
     ) -> None:
         super().__init__(min_numel=min_numel, memory=memory)
         self.ratio = check_ratio("ratio", ratio)
-        if not isinstance(unbiased, bool):
-            raise ValueError(f"compression.unbiased must be true or false, got {unbiased!r}")
-        self.unbiased = unbiased
+        self.unbiased = check_bool("unbiased", unbiased)
         self.seed = check_int("seed", seed, 0)
 
     def compress(self, tensor: torch.Tensor, state: dict) -> Payload:

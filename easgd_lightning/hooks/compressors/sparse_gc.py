@@ -32,6 +32,7 @@ import torch
 from easgd_lightning.hooks.compressors import _native
 from easgd_lightning.hooks.compressors.base import (
     Collective,
+    check_bool,
     check_momentum,
     check_ratio,
     num_selected,
@@ -81,9 +82,7 @@ class SparseGCCompressor(SparseCompressor):
         super().__init__(min_numel=min_numel, memory=memory)
         self.ratio = check_ratio("ratio", ratio)
         self.momentum = check_momentum("momentum", momentum)
-        if not isinstance(local_update, bool):
-            raise ValueError(f"compression.local_update must be true or false, got {local_update!r}")
-        self.local_update = local_update
+        self.local_update = check_bool("local_update", local_update)
         self.sample_ratio = check_ratio("sample_ratio", sample_ratio)
         self._rule = SelectRule(self.sample_ratio)
         self.gradient_mode = False

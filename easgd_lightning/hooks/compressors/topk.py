@@ -15,7 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from easgd_lightning.hooks.compressors.base import check_int, check_ratio, num_selected, scratch_of
+from easgd_lightning.hooks.compressors.base import (
+    check_bool,
+    check_int,
+    check_ratio,
+    num_selected,
+    scratch_of,
+)
 from easgd_lightning.hooks.compressors.sparse import (
     SparseCompressor,
     sample_threshold,
@@ -79,9 +85,7 @@ class TopKCompressor(SparseCompressor):
         super().__init__(min_numel=min_numel, memory=memory)
         self.ratio = check_ratio("ratio", ratio)
         self.sample_size = check_int("sample_size", sample_size, 1)
-        if not isinstance(exact, bool):
-            raise ValueError(f"compression.exact must be true or false, got {exact!r}")
-        self.exact = exact
+        self.exact = check_bool("exact", exact)
 
     def select(self, flat: torch.Tensor, state: dict) -> torch.Tensor:
         return topk_indices(flat, self.ratio, exact=self.exact, sample_size=self.sample_size)
