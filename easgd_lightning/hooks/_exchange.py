@@ -23,8 +23,8 @@ chosen chunks, sketch's bitmap OR then its sketch sum) are driven round by round
 over all the exchange's tensors (:func:`_start_rounds`): each round of every tensor is
 launched before any is waited for, so with ``fused`` the exchange sends one lazy
 all-reduce buffer per round (and dtype), not one message per tensor and round; their
-``locals`` are known at finish. Other multi-round or stateful ones (DGC, adaptive) run
-their whole ``aggregate`` at launch (one message per tensor and round). Both halves run
+``locals`` are known at finish. The others that override ``aggregate`` (adaptive, lgc,
+sgc, two-way) run it whole at launch (one message per tensor and round). Both halves run
 every rank's arithmetic in the same order
 whether they are called back to back or far apart, so an overlapped exchange gives
 bitwise the result of one finished at once.
