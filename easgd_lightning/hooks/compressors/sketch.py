@@ -132,8 +132,8 @@ def start_or_reduce_bits(collective: Collective, bits: torch.Tensor):
     if callable(getattr(collective, "all_reduce_bor", None)):
         pending = start_collective(collective, "all_reduce_bor", [pack_bits(bits)])
         return lambda: unpack_bits(pending.wait()[0], n)
-    (out,) = collective.all_reduce_max([bits.to(torch.uint8)])
-    return out.bool
+    (out,) = collective.all_reduce_max([bits.to(torch.uint8)])  # blocking: done already
+    return lambda: out.bool()
 
 
 class SketchCompressor(Compressor):

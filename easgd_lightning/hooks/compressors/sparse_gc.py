@@ -19,8 +19,9 @@ by :meth:`SparseGCCompressor.bind_training`, which the ``ddp`` strategy calls (i
 the optimizer's momentum to 0, with a warning, since M replaces it). Under ``sync_easgd``
 and ``local_sgd`` (:meth:`SparseGCCompressor.bind_exchange`, and the default when nothing
 binds it) the exchanged quantity is an elastic or parameter difference, every rank must get
-the same mean, so the compressor is the accumulate-and-sparsify part alone (s is the mean). Tensors under ``min_numel`` travel dense with a momentum whose rank mean
-is M (u <- m u + g, u sent; DGC's dense rule).
+the same mean, so the compressor is the accumulate-and-sparsify part alone (s is the
+mean). Tensors under ``min_numel`` travel dense with a momentum whose rank mean is M
+(u <- m u + g, u sent; DGC's dense rule).
 Cost: one pass accumulates, the sampled threshold's count-and-gather is one pass, the
 sent entries are zeroed sparsely; in gradient mode one pass forms g - sent and one M.
 """
