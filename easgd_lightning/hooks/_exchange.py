@@ -58,6 +58,7 @@ from easgd_lightning.hooks.compressors.base import (
     scratch_buffer,
     scratch_of,
     start_collective,
+    want_local,
 )
 from easgd_lightning.hooks.memory import Memory
 
@@ -300,7 +301,7 @@ def _start_partitioned(pending, i, tensor, key, parts, compressor, memory, state
     pending._finishers.append(finish_partitioned)
 
 
-def _start_rounds(pending, idx, tensors, keys, compressor, memory, states, collective) -> None:
+def _start_rounds(pending, idx, tensors, keys, compressor, memory, states, collective, want_locals: bool) -> None:
     """Launch the compressed tensors ``idx`` of a codec with ``aggregate_rounds`` (several
     collective rounds: PowerSGD's P and Q, csc's scores and chunks, sketch's OR and sum,
     fp16's one all-reduce) round by round over all
@@ -314,6 +315,7 @@ def _start_rounds(pending, idx, tensors, keys, compressor, memory, states, colle
         key, t = keys[i], tensors[i]
         st = states.setdefault(key, {})
         st.setdefault("key_hash", key_hash(key))
+        want_local(st, want_locals)
         comp = memory.compensate(key, t)
         if comp is t:  # no memory: later rounds must not read the caller's tensor
             comp = t.detach().clone()
@@ -357,13 +359,17 @@ def start_exchange_tensors(
     collective,
     min_numel: int | None = None,
     plan=None,
+    want_locals: bool = False,
 ) -> PendingExchange:
     """Launch the exchange of the module docstring; :meth:`PendingExchange.finish` ends it.
 
     Every rank must call this with tensors of the same shapes in the same order; ``min_numel``
     overrides ``compressor.min_numel``; ``plan`` (a :class:`~easgd_lightning.hooks.planner.
     Plan`, the same on every rank) decides per key instead. The input tensors are read
-    during the launch only (they may change afterwards).
+    during the launch only (they may change afterwards). Unless ``want_locals``, a
+    compressed tensor's part in ``PendingExchange.locals`` may be None (a codec that
+    writes its residual in place skips forming it: :func:`~easgd_lightning.hooks.
+    compressors.base.wants_local`).
     """
     kind = collective.kind
     start = time.perf_counter()
@@ -382,6 +388,7 @@ def start_exchange_tensors(
             t, key = tensors[i], keys[i]
             st = states.setdefault(key, {})
             st.setdefault("key_hash", key_hash(key))
+            want_local(st, want_locals)
             comp = memory.compensate(key, t)
             collective.charge_dense(t.numel() * t.element_size(), key=key)
             local, finish = compressor.start_aggregate(comp, st, collective)
@@ -394,7 +401,7 @@ def start_exchange_tensors(
 
             pending._finishers.append(finish_big)
         if staged:
-            _start_rounds(pending, staged, tensors, keys, compressor, memory, states, collective)
+            _start_rounds(pending, staged, tensors, keys, compressor, memory, states, collective, want_locals)
     for i, parts in piped.items():
         _start_partitioned(pending, i, tensors[i], keys[i], parts, compressor, memory, states, collective)
     pending._busy_s = time.perf_counter() - start
@@ -408,7 +415,7 @@ def exchange_tensors(*args, locals_out: list | None = None, **options) -> tuple[
     When ``locals_out`` is a list, it receives this rank's transmitted (decompressed)
     contribution per tensor.
     """
-    means, mine, stats = start_exchange_tensors(*args, **options).finish()
+    means, mine, stats = start_exchange_tensors(*args, want_locals=locals_out is not None, **options).finish()
     if locals_out is not None:
         locals_out.extend(mine)
     return means, stats

@@ -165,7 +165,7 @@ def start_exchange_sum(
     memory = _memory_for(compressor, memory, state)
     pieces, keys = _pieces(diff, shapes, key, scratch_of(state))
     collective = _collective_for(state, group, kind, None if layout is None else layout.fusion_bytes)
-    pending = start_exchange_tensors(pieces, keys, compressor, memory, state, collective)
+    pending = start_exchange_tensors(pieces, keys, compressor, memory, state, collective, want_locals=keep_local)
     ready = keep_local and all(m is not None for m in pending.locals)  # multi-round codecs: at finish
     local = torch.cat([m.reshape(-1) for m in pending.locals]).view_as(diff) if ready else None
 

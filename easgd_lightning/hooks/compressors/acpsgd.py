@@ -24,13 +24,20 @@ from easgd_lightning.hooks.compressors.base import (
     Collective,
     Compressor,
     Payload,
+    may_write_residual,
+    residual_written,
     start_collective,
+    wants_local,
+    with_out,
 )
 from easgd_lightning.hooks.compressors.powersgd import (
     PowerSGDCompressor,
     as_matrix,
     low_rank_product,
     orthonormalize,
+    subtract_low_rank,
+    times_factor,
+    transpose_times_factor,
 )
 
 __all__ = ["ACPSGDCompressor", "acp_phase"]
@@ -77,7 +84,7 @@ class ACPSGDCompressor(PowerSGDCompressor):
             return orthonormalize(self._initial_q(m, r, state, mat))
         p = state.get("p")
         if p is None or p.shape != (n, r):  # no P yet: start over from a P step's
-            p = mat @ orthonormalize(self._initial_q(m, r, state, mat))
+            p = times_factor(mat, orthonormalize(self._initial_q(m, r, state, mat)))
         return orthonormalize(p.to(device=mat.device, dtype=mat.dtype))
 
     def compress(self, tensor: torch.Tensor, state: dict) -> Payload:
@@ -88,7 +95,7 @@ class ACPSGDCompressor(PowerSGDCompressor):
         phase = acp_phase(step)
         mat = as_matrix(tensor, self.matrix_view)
         shared = self._shared_factor(mat, state, phase)
-        mine = mat @ shared if phase == "p" else mat.t() @ shared
+        mine = times_factor(mat, shared) if phase == "p" else transpose_times_factor(mat, shared)
         state["step"] = step + 1
         return Payload((mine,), {"dense": False, "phase": phase, "shared": shared})
 
@@ -97,20 +104,30 @@ class ACPSGDCompressor(PowerSGDCompressor):
         if meta.get("dense"):
             return payload.tensors[0].reshape(shape)
         (mine,) = payload.tensors
-        if meta["phase"] == "p":
-            return low_rank_product(mine, meta["shared"], shape)
-        return low_rank_product(meta["shared"], mine, shape)
+        p, q = (mine, meta["shared"]) if meta["phase"] == "p" else (meta["shared"], mine)
+        return low_rank_product(p, q, shape, out=meta.get("out"))
 
     def _launch(self, tensor: torch.Tensor, state: dict, collective: Collective):
         """Compress, launch the one all-reduce; ``finish`` keeps the mean factor for the
-        next step (as P or Q) and returns the mean."""
+        next step (as P or Q) and returns the mean (in a scratch buffer of ``state``).
+
+        The local part P_i Q^T (or P Q_i^T) is formed only when the caller reads it or the
+        memory cannot take the residual in place (see :func:`wants_local`)."""
         world = collective.world_size
+        n, dt, dev = tensor.numel(), tensor.dtype, tensor.device
         payload = self.compress(tensor, state)
-        local = self.decompress(payload, tensor.shape)
-        if payload.meta.get("dense"):
-            local = local.clone()
-        pending = start_collective(collective, "all_reduce_sum", list(payload.tensors))
         meta = payload.meta
+        if meta.get("dense"):
+            local = tensor.reshape(-1).clone().view(tensor.shape)
+        elif may_write_residual(tensor) and not wants_local(state) and tensor.is_contiguous():
+            (mine,) = payload.tensors
+            p, q = (mine, meta["shared"]) if meta["phase"] == "p" else (meta["shared"], mine)
+            subtract_low_rank(as_matrix(tensor, self.matrix_view), p, q)
+            residual_written(tensor)
+            local = None
+        else:
+            local = self.decompress(Payload(payload.tensors, with_out(meta, state, "local", n, dt, dev)), tensor.shape)
+        pending = start_collective(collective, "all_reduce_sum", list(payload.tensors))
 
         def finish() -> torch.Tensor:
             (total,) = pending.wait()
@@ -119,6 +136,7 @@ class ACPSGDCompressor(PowerSGDCompressor):
                 return mean_factor.reshape(tensor.shape)
             state[meta["phase"]] = mean_factor
             state["last_payload_bytes"] = mean_factor.numel() * mean_factor.element_size()
-            return self.decompress(Payload((mean_factor,), meta), tensor.shape)
+            out_meta = with_out(meta, state, "total", n, dt, dev)
+            return self.decompress(Payload((mean_factor,), out_meta), tensor.shape)
 
-        return local.to(tensor.dtype), finish
+        return (None if local is None else local.to(tensor.dtype)), finish

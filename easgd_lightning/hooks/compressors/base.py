@@ -81,6 +81,8 @@ __all__ = [
     "may_write_residual",
     "residual_written",
     "take_residual_written",
+    "want_local",
+    "wants_local",
     "scratch_of",
     "dense_out",
     "scratch_buffer",
@@ -353,6 +355,24 @@ def take_residual_written(t: torch.Tensor) -> bool:
     if flag:
         setattr(t, _OFFER, 0)
     return flag == 2
+
+
+_WANT_LOCAL = "want_local"  # scratch flag: the caller reads this rank's part of the tensor
+
+
+def want_local(state: dict, wanted: bool) -> None:
+    """Say whether the caller of the next exchange of ``state``'s tensor reads this rank's
+    decompressed part (the exchange's ``locals``); kept in the scratch (not checkpointed)."""
+    scratch_of(state)[_WANT_LOCAL] = bool(wanted)
+
+
+def wants_local(state: dict) -> bool:
+    """Whether this rank's decompressed part must be returned (yes unless the exchange said
+    otherwise: a direct ``aggregate`` caller always gets it). When it need not be and the
+    residual memory offered the compensated buffer, a codec whose local part is a full-size
+    product (PowerSGD, ACP-SGD) writes the residual in place and returns None for it."""
+    scratch = state.get("_scratch")
+    return bool(scratch is None or scratch.get(_WANT_LOCAL, True))
 
 
 def scratch_of(state: dict) -> dict:

@@ -33,8 +33,13 @@ from easgd_lightning.hooks.compressors.base import (
     check_bool,
     check_choice,
     check_int,
+    may_write_residual,
+    residual_written,
     run_rounds,
+    scratch_buffer,
+    scratch_of,
     start_collective,
+    wants_local,
 )
 
 __all__ = [
@@ -45,6 +50,8 @@ __all__ = [
     "matrix_shape",
     "power_iteration",
     "low_rank_product",
+    "times_factor",
+    "transpose_times_factor",
 ]
 
 MATRIX_VIEWS = ("leading", "trailing")
@@ -72,18 +79,41 @@ def orthonormalize(p: torch.Tensor) -> torch.Tensor:
     return q.to(p.dtype)
 
 
+def times_factor(mat: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """M Q (n x r, contiguous) for a factor Q of r << m columns, formed as (Q^T M^T)^T: the
+    product then reads M once in its own row-major order. (``mat @ q`` with a few columns
+    was 3.5x slower on one CPU thread at 4096 x 9216, r = 2.)"""
+    return torch.mm(q.t().contiguous(), mat.t()).t().contiguous()
+
+
+def transpose_times_factor(mat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """M^T P (m x r, contiguous), formed as (P^T M)^T: one pass over M in row-major order (``mat.t() @
+    p`` walks M by columns: 27x slower on one CPU thread at 4096 x 9216, r = 2)."""
+    return torch.mm(p.t().contiguous(), mat).t().contiguous()
+
+
 def power_iteration(mat: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One single-rank PowerSGD step: P = orth(M Q), Q' = M^T P; M_hat = P Q'^T.
 
     With r >= rank(M) and a generic Q, P spans M's column space, so M_hat = P P^T M = M.
     """
-    p = orthonormalize(mat @ q)
-    return p, mat.t() @ p
+    p = orthonormalize(times_factor(mat, q))
+    return p, transpose_times_factor(mat, p)
 
 
-def low_rank_product(p: torch.Tensor, q: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-    """The rebuilt tensor P Q^T in ``shape``."""
-    return (p @ q.t()).reshape(tuple(shape))
+def low_rank_product(
+    p: torch.Tensor, q: torch.Tensor, shape: Sequence[int], out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The rebuilt tensor P Q^T in ``shape``; written into ``out`` (a contiguous buffer of
+    as many elements) when given, so a step allocates no full-size tensor."""
+    if out is None:
+        return (p @ q.t()).reshape(tuple(shape))
+    return torch.mm(p, q.t(), out=out.view(p.shape[0], q.shape[0])).view(tuple(shape))
+
+
+def subtract_low_rank(mat: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
+    """M <- M - P Q^T in place (one pass): the error-feedback residual of a rank-r send."""
+    mat.addmm_(p, q.t(), alpha=-1)
 
 
 def _all_reduce_flat(collective: Collective, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -190,26 +220,42 @@ class PowerSGDCompressor(Compressor):
         world = collective.world_size
         mat = as_matrix(tensor, self.matrix_view)
         n, m = mat.shape
-        pending = start_collective(
-            collective, "all_reduce_sum", [(mat @ self._initial_q(m, min(self.rank, n, m), state, mat)).reshape(-1)]
-        )
+        q0 = self._initial_q(m, min(self.rank, n, m), state, mat)
+        pending = start_collective(collective, "all_reduce_sum", [times_factor(mat, q0).reshape(-1)])
         yield
         (p_sum,) = pending.wait()
         p = orthonormalize(p_sum.view(n, -1) / world)
-        q_local = mat.t() @ p
+        q_local = transpose_times_factor(mat, p)
         pending = start_collective(collective, "all_reduce_sum", [q_local.reshape(-1)])
         yield
         (q_sum,) = pending.wait()
         return self._finish_one(tensor, state, p, q_local, q_sum.view(q_local.shape), world)
 
-    def _finish_one(self, tensor, state: dict, p, q_local, q_sum, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _finish_one(self, tensor, state: dict, p, q_local, q_sum, world: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(mean, local) of one tensor from its P and its local and summed Q; the state's
-        warm start, step and payload bytes."""
+        warm start, step and payload bytes.
+
+        The mean is written into a scratch buffer of ``state`` (valid until the tensor's
+        next exchange). When ``tensor`` is a compensated buffer offered by the residual
+        memory and nobody asked for this rank's part, the residual M - P Q_local^T is
+        written into it in place and ``local`` is None (no full-size product is formed)."""
         q_mean = q_sum / world
         state["q"] = q_mean
         state["step"] = int(state.get("step", 0)) + 1
         state["last_payload_bytes"] = (p.numel() + q_local.numel()) * p.element_size()
-        return low_rank_product(p, q_mean, tensor.shape), low_rank_product(p, q_local, tensor.shape)
+        scratch = scratch_of(state)
+        n = tensor.numel()
+        mean = low_rank_product(
+            p, q_mean, tensor.shape, out=scratch_buffer(scratch, "mean", n, tensor.dtype, tensor.device)
+        )
+        if may_write_residual(tensor) and not wants_local(state) and tensor.is_contiguous():
+            subtract_low_rank(as_matrix(tensor, self.matrix_view), p, q_local)
+            residual_written(tensor)
+            return mean, None
+        local = low_rank_product(
+            p, q_local, tensor.shape, out=scratch_buffer(scratch, "local", n, tensor.dtype, tensor.device)
+        )
+        return mean, local
 
     def aggregate_many(
         self, tensors: Sequence[torch.Tensor], states: Sequence[dict], collective: Collective
@@ -227,9 +273,9 @@ class PowerSGDCompressor(Compressor):
             mat = as_matrix(tensor, self.matrix_view)
             n, m = mat.shape
             mats.append(mat)
-            ps.append(mat @ self._initial_q(m, min(self.rank, n, m), state, mat))
+            ps.append(times_factor(mat, self._initial_q(m, min(self.rank, n, m), state, mat)))
         ps = [orthonormalize(p / world) for p in _all_reduce_flat(collective, ps)]
-        q_locals = [mat.t() @ p for mat, p in zip(mats, ps)]
+        q_locals = [transpose_times_factor(mat, p) for mat, p in zip(mats, ps)]
         q_sums = _all_reduce_flat(collective, q_locals)
         return [
             self._finish_one(tensor, state, p, q_local, q_sum, world)
