@@ -1061,3 +1061,22 @@ def test_a_switch_that_is_not_a_bool_is_refused_naming_its_key(name, key):
     with pytest.raises(ValueError, match=rf"^compression\.{key} must be true or false, got 1$"):
         build_compressor(name, **{key: 1})
     build_compressor(name, **{key: False})  # a real bool is accepted
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("world", [2, 3, 7])
+@pytest.mark.parametrize("native", [True, False])
+def test_divide_at_is_bitwise_a_dense_division(dtype, world, native):
+    """The sparse mean divides only the entries the ranks touched (repeated indices
+    included): bitwise what dividing the whole dense sum gives."""
+    from easgd_lightning.hooks.compressors import _native
+    from easgd_lightning.hooks.compressors.sparse import divide_at
+
+    g = torch.Generator().manual_seed(world)
+    total = torch.zeros(10_000, dtype=dtype)
+    idx = torch.cat([torch.randperm(10_000, generator=g)[:300] for _ in range(world)])  # repeats across ranks
+    total.index_add_(0, idx, torch.randn(idx.numel(), generator=g, dtype=dtype))
+    expected = total / world
+    with _native.disabled() if not native else __import__("contextlib").nullcontext():
+        out = divide_at(total, idx, world)
+    assert out.data_ptr() == total.data_ptr() and torch.equal(out, expected)

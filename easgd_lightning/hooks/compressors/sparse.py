@@ -39,6 +39,7 @@ from easgd_lightning.hooks.compressors.base import (
 
 __all__ = [
     "SparseCompressor",
+    "divide_at",
     "sparse_payload",
     "sample_threshold",
     "strided_sample",
@@ -145,6 +146,18 @@ def sample_threshold(magnitudes: torch.Tensor, ratio: float, sample_size: int) -
     return torch.kthvalue(sample, m - ks).values.to(magnitudes.dtype)
 
 
+def divide_at(total: torch.Tensor, idx: torch.Tensor, world: int) -> torch.Tensor:
+    """total <- total / world where ``total`` is zero outside ``idx`` (repeats allowed):
+    only the touched entries are divided, so the mean of a sparse sum costs k reads and
+    writes, not a pass over the dense tensor; bitwise ``total.div_(world)`` (0 / w = 0)."""
+    if world == 1:
+        return total
+    if idx.numel() * 4 >= total.numel() or not total.is_contiguous():  # one pass is cheaper
+        return total.div_(world)
+    flat = total.view(-1)
+    return _native.scatter_into(flat, idx, flat.index_select(0, idx).div_(world)).view_as(total)
+
+
 class SparseCompressor(Compressor):
     """Base of the (index, value) sparsifiers; subclasses implement :meth:`select`."""
 
@@ -195,7 +208,7 @@ class SparseCompressor(Compressor):
             total_meta = with_out(meta, state, "total", n, meta["dtype"], dev)
             total = sparse_out(total_meta, meta["numel"], meta["dtype"], dev)
             _native.scatter_add_into(total, idx, val)
-            total.div_(collective.world_size)  # zero stays zero: still sparse at idx
+            divide_at(total, idx, collective.world_size)
             record_sparse(total_meta, total, idx)
             return total.view(shape).to(dt)
 
