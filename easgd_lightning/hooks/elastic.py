@@ -174,8 +174,12 @@ def start_exchange_sum(
         if keep_local and result.local is None:
             result.local = torch.cat([m.reshape(-1) for m in mine]).view_as(diff)
         out = scratch_buffer(scratch_of(state), f"{key}.sum", diff.numel(), diff.dtype, diff.device)
-        total = torch.cat([m.reshape(-1) for m in means], out=out)
-        return total.mul_(collective.world_size).view_as(diff)
+        world, offset = collective.world_size, 0
+        for m in means:  # sum = mean * world, written piece by piece (one pass, no concatenation)
+            k = m.numel()
+            torch.mul(m.reshape(-1), world, out=out[offset : offset + k])
+            offset += k
+        return out.view_as(diff)
 
     result = PendingSum(finish, local)
     return result
