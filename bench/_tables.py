@@ -106,6 +106,41 @@ def add_efficiency(rows: list[dict]) -> None:
         )
 
 
+def ring_bound(workers: int, nbytes: float, rate_mbit: float, limit_step_s: float, baseline_step_s: float) -> dict:
+    """The bandwidth bound of an overlapped all-reduce step against a baseline step.
+
+    A ring all-reduce of ``nbytes`` over p workers moves 2 (p - 1) / p of it over every
+    link, ``wire_s`` = that * 8 / rate (nominal rate, headers ignored: a lower bound). With
+    the limit step K (compute alone) hidden perfectly behind it, a step cannot be shorter
+    than max(K, wire_s): the speedup over the baseline is at most baseline / that, and the
+    exposed share at least (wire_s - K) / that. (SC17, p = 4: round-robin pays about 4
+    transfers of the model per step on the master's link against the ring's 1.5, so the
+    bound cannot pass ~3x once round-robin spends >= 87% of its step communicating.)
+    """
+    wire_s = 2.0 * (workers - 1) / workers * nbytes * 8.0 / (rate_mbit * 1e6)
+    best = max(limit_step_s, wire_s)
+    return {
+        "wire_s": wire_s,
+        "limit_step_s": limit_step_s,
+        "best_step_s": best,
+        "max_speedup": baseline_step_s / best,
+        "min_exposed_share": max(0.0, wire_s - limit_step_s) / best,
+    }
+
+
+def sc17_bound(rows: list[dict], scenario: dict) -> dict | None:
+    """:func:`ring_bound` for the sc17 rows (round-robin as the baseline, the dense
+    ``sync_easgd`` bytes per step); None when a row it needs did not complete."""
+    ok = {(r["strategy"], r["compression"]): r for r in rows if r.get("status") == "ok"}
+    limit, rr, sync = ok.get(LIMIT), ok.get(("easgd_round_robin", "none")), ok.get(("sync_easgd", "none"))
+    if not (limit and rr and sync):
+        return None
+    steps, nbytes = (limit.get("step_time_s"), rr.get("step_time_s")), sync.get("bytes_per_step_per_worker")
+    if not all(steps) or not nbytes:
+        return None
+    return ring_bound(scenario["workers"], nbytes, scenario["link"]["rate_mbit"], *steps)
+
+
 def time_to_target(history: list[dict], target: float) -> dict | None:
     """The first validation in ``val_history`` at or above ``target`` accuracy.
 
@@ -505,6 +540,17 @@ def render_markdown(rows: list[dict], scenario: dict) -> str:
             )
             + " |"
         )
+    bound = sc17_bound(rows, scenario) if scenario.get("name") == "sc17" else None
+    if bound:
+        lines += [
+            "",
+            f"Bandwidth bound: the ring all-reduce of sync_easgd's difference moves 2(p-1)/p of "
+            f"it over each link, {1e3 * bound['wire_s']:.1f} ms at {scenario['link']['rate_mbit']:g} "
+            f"Mbit/s; with the limit step ({_fmt(bound['limit_step_s'], 's')} s) "
+            f"hidden perfectly, no sync_easgd step is shorter than {_fmt(bound['best_step_s'], 's')} s: "
+            f"speedup over this round-robin <= {bound['max_speedup']:.2f}x, exposed share >= "
+            f"{100 * bound['min_exposed_share']:.0f}%.",
+        ]
     return "\n".join(lines + _targets_md(targets)) + "\n"
 
 

@@ -32,3 +32,26 @@ def test_a_row_measured_over_another_window_than_the_limit_gets_no_efficiency():
     rows = [_row("ddp", 0.09, measured="whole run"), _row("limit", 0.01), _row("sync_easgd", 0.02)]
     add_efficiency(rows)
     assert [r["efficiency"] for r in rows] == [None, pytest.approx(1.0), pytest.approx(0.5)]
+
+
+def test_ring_bound_of_the_sc17_comparison():
+    from _tables import ring_bound, sc17_bound
+
+    # 4 workers, 614400 bytes, 270 Mbit/s: 1.5 x 614400 x 8 / 270e6 = 27.3 ms on the wire
+    b = ring_bound(4, 614_400, 270.0, 0.007, 0.090)
+    assert b["wire_s"] == pytest.approx(0.0273067, rel=1e-5)
+    assert b["best_step_s"] == pytest.approx(b["wire_s"])
+    assert b["max_speedup"] == pytest.approx(0.090 / 0.0273067, rel=1e-5)
+    assert b["min_exposed_share"] == pytest.approx((0.0273067 - 0.007) / 0.0273067, rel=1e-5)
+    # compute longer than the wire: the limit step bounds it and nothing need stay exposed
+    fast = ring_bound(4, 614_400, 2700.0, 0.007, 0.090)
+    assert fast["best_step_s"] == 0.007 and fast["min_exposed_share"] == 0.0
+    rows = [
+        _row("limit", 0.007),
+        _row("easgd_round_robin", 0.090),
+        dict(_row("sync_easgd", 0.041), bytes_per_step_per_worker=614_400),
+    ]
+    scenario = {"workers": 4, "link": {"rate_mbit": 270.0}}
+    assert sc17_bound(rows, scenario) == b
+    rows[1]["status"] = "failed"
+    assert sc17_bound(rows, scenario) is None
