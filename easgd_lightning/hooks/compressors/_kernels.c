@@ -16,6 +16,55 @@
 
 #define BLOCK 16 /* entries tested together before the (rare) scalar gather */
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* AVX2 helpers for the paths below that mirror the AVX-512 ones lane for lane. */
+static inline __m256 abs8(__m256 v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
+static inline __m256d abs4(__m256d v) { return _mm256_andnot_pd(_mm256_set1_pd(-0.0), v); }
+
+/* bit j set when |x_j| >= t (ge) or > t, for 8 floats / 4 doubles (NaN: unset) */
+static inline uint32_t hits8_ps(__m256 a, __m256 t, int ge) {
+    return (uint32_t)_mm256_movemask_ps(ge ? _mm256_cmp_ps(a, t, _CMP_GE_OQ) : _mm256_cmp_ps(a, t, _CMP_GT_OQ));
+}
+static inline uint32_t hits4_pd(__m256d a, __m256d t, int ge) {
+    return (uint32_t)_mm256_movemask_pd(ge ? _mm256_cmp_pd(a, t, _CMP_GE_OQ) : _mm256_cmp_pd(a, t, _CMP_GT_OQ));
+}
+
+/* s[0..3] += 16 floats widened to double: s[0], s[1] are the AVX-512 code's first __m512d
+ * sum (entries 0-7 of each 16), s[2], s[3] its second (entries 8-15) */
+static inline void add16_pd(__m256d s[4], __m256 a0, __m256 a1) {
+    s[0] = _mm256_add_pd(s[0], _mm256_cvtps_pd(_mm256_castps256_ps128(a0)));
+    s[1] = _mm256_add_pd(s[1], _mm256_cvtps_pd(_mm256_extractf128_ps(a0, 1)));
+    s[2] = _mm256_add_pd(s[2], _mm256_cvtps_pd(_mm256_castps256_ps128(a1)));
+    s[3] = _mm256_add_pd(s[3], _mm256_cvtps_pd(_mm256_extractf128_ps(a1, 1)));
+}
+
+/* their total in the order of _mm512_reduce_add_pd(_mm512_add_pd(s0, s1)) (GCC's: the
+ * high half plus the low half, again on the 128-bit halves, then the two doubles) */
+static inline double reduce16_pd(const __m256d s[4]) {
+    __m256d t = _mm256_add_pd(_mm256_add_pd(s[1], s[3]), _mm256_add_pd(s[0], s[2]));
+    __m128d u = _mm_add_pd(_mm256_extractf128_pd(t, 1), _mm256_castpd256_pd128(t));
+    return _mm_cvtsd_f64(u) + _mm_cvtsd_f64(_mm_unpackhi_pd(u, u));
+}
+
+/* the max of 16 float lanes (lo: 0-7, hi: 8-15) in the order of GCC's _mm512_reduce_max_ps */
+static inline float reduce16_max_ps(__m256 lo, __m256 hi) {
+    __m256 t = _mm256_max_ps(hi, lo);
+    __m128 u = _mm_max_ps(_mm256_extractf128_ps(t, 1), _mm256_castps256_ps128(t));
+    u = _mm_max_ps(u, _mm_shuffle_ps(u, u, _MM_SHUFFLE(1, 0, 3, 2)));
+    u = _mm_max_ps(u, _mm_shuffle_ps(u, u, _MM_SHUFFLE(0, 1, 0, 1)));
+    return _mm_cvtss_f32(u);
+}
+
+/* appends (i + j, x[i + j]) for the set bits j of k, lowest first, while c < cap, and counts
+ * them all in c (the order and the cap rule of the scalar loop) */
+#define APPEND_HITS(x, i, k, c, cap, idx, val)                                              \
+    for (; k; k &= k - 1) {                                                                 \
+        int64_t j_ = (i) + __builtin_ctz(k);                                                \
+        if (c < cap) { idx[c] = j_; val[c] = x[j_]; }                                       \
+        c++;                                                                                \
+    }
+#endif
+
 /* ------------------------------------------------------------------ selection by |x| */
 
 /* count |x_i| > thr (or >= thr when ge) */
@@ -47,7 +96,8 @@ DEF_SELECT_TAIL(float, f32)
 DEF_SELECT_TAIL(double, f64)
 
 /* AVX-512: the survivors of whole vectors (16 floats, 8 doubles) compressed in registers
- * and stored at once; returns where the portable loop goes on (0 without AVX-512). */
+ * and stored at once (AVX2: appended one by one from the compare mask); returns where the
+ * portable loop goes on (0 without either). */
 static int64_t select_vec_f32(const float *x, int64_t n, float thr, int ge, int64_t cap,
                               int64_t *idx, float *val, int64_t *count) {
     int64_t i = 0;
@@ -71,6 +121,16 @@ static int64_t select_vec_f32(const float *x, int64_t n, float thr, int ge, int6
         } else {
             c = select_tail_f32(x, i, i + 16, thr, ge, c, cap, idx, val);
         }
+    }
+    *count = c;
+#elif defined(__AVX2__)
+    /* AVX2 has no compress: the compare mask of 16 floats, blocks without a hit skipped */
+    int64_t c = *count;
+    const __m256 t = _mm256_set1_ps(thr);
+    for (; i + 16 <= n; i += 16) {
+        uint32_t k = hits8_ps(abs8(_mm256_loadu_ps(x + i)), t, ge) |
+                     hits8_ps(abs8(_mm256_loadu_ps(x + i + 8)), t, ge) << 8;
+        APPEND_HITS(x, i, k, c, cap, idx, val)
     }
     *count = c;
 #else
@@ -98,6 +158,16 @@ static int64_t select_vec_f64(const double *x, int64_t n, double thr, int ge, in
         } else {
             c = select_tail_f64(x, i, i + 8, thr, ge, c, cap, idx, val);
         }
+    }
+    *count = c;
+#elif defined(__AVX2__)
+    /* as for float32: 16 doubles per mask */
+    int64_t c = *count;
+    const __m256d t = _mm256_set1_pd(thr);
+    for (; i + 16 <= n; i += 16) {
+        uint32_t k = 0;
+        for (int q = 0; q < 4; q++) k |= hits4_pd(abs4(_mm256_loadu_pd(x + i + 4 * q)), t, ge) << (4 * q);
+        APPEND_HITS(x, i, k, c, cap, idx, val)
     }
     *count = c;
 #else
@@ -213,27 +283,40 @@ DEF_COUNT(float, f32)
 DEF_COUNT(double, f64)
 DEF_ABS_SUM_MAX(float, f32_scalar)
 
-/* 16 floats at a time: |x| widened to double for the sum, max in float */
+/* 16 floats at a time: |x| widened to double for the sum (16 lanes), max in float; the AVX2
+ * path keeps the AVX-512 lanes and reduction order, so both give the same bits */
 void abs_sum_max_f32(const float *x, int64_t n, double *sum, float *max) {
+    int64_t i = 0;
+    double s = 0.0;
+    float m = 0.0f;
 #ifdef __AVX512F__
     __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
-    __m512 m = _mm512_setzero_ps();
-    int64_t i = 0;
+    __m512 mv = _mm512_setzero_ps();
     for (; i + 16 <= n; i += 16) {
         __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x + i));
         s0 = _mm512_add_pd(s0, _mm512_cvtps_pd(_mm512_castps512_ps256(a)));
         s1 = _mm512_add_pd(s1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1))));
-        m = _mm512_max_ps(m, a);
+        mv = _mm512_max_ps(mv, a);
     }
+    m = _mm512_reduce_max_ps(mv);
+    s = _mm512_reduce_add_pd(_mm512_add_pd(s0, s1));
+#elif defined(__AVX2__)
+    __m256d sv[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
+    __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        __m256 a0 = abs8(_mm256_loadu_ps(x + i)), a1 = abs8(_mm256_loadu_ps(x + i + 8));
+        add16_pd(sv, a0, a1);
+        m0 = _mm256_max_ps(m0, a0);
+        m1 = _mm256_max_ps(m1, a1);
+    }
+    m = reduce16_max_ps(m0, m1);
+    s = reduce16_pd(sv);
+#endif
     double tail_sum;
     float tail_max;
     abs_sum_max_f32_scalar(x + i, n - i, &tail_sum, &tail_max);
-    float mm = _mm512_reduce_max_ps(m);
-    *sum = _mm512_reduce_add_pd(_mm512_add_pd(s0, s1)) + tail_sum;
-    *max = tail_max > mm ? tail_max : mm;
-#else
-    abs_sum_max_f32_scalar(x, n, sum, max);
-#endif
+    *sum = s + tail_sum;
+    *max = tail_max > m ? tail_max : m;
 }
 DEF_ABS_SUM_MAX(double, f64)
 DEF_MOMENTUM(float, f32)
@@ -385,7 +468,10 @@ DEF_QSGD(float, int8_t, f32_i8_scalar, f32)
 DEF_QSGD(double, int8_t, f64_i8, f64)
 DEF_QSGD(float, int16_t, f32_i16, f32)
 
-#ifdef __AVX512F__
+/* The default QSGD case (float32, s <= 127) and its decode, QVEC entries at a time with the
+ * arithmetic of the scalar loops above (the same bits). */
+#if defined(__AVX512F__)
+#define QVEC 16
 static inline __m512i mix32v(__m512i x) {
     x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
     x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
@@ -393,18 +479,76 @@ static inline __m512i mix32v(__m512i x) {
     x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x846ca68bU));
     return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
+
+/* o[j] = the rounded level of v[j], j < 16, whose noise counter is ctr + j */
+static inline void qsgd_round_vec(const float *v, float scale, float levels, uint32_t ctr,
+                                  uint32_t s1, int8_t *o) {
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 lv = _mm512_set1_ps(levels), zero = _mm512_setzero_ps();
+    __m512i h = mix32v(_mm512_xor_si512(_mm512_add_epi32(_mm512_set1_epi32((int)ctr), iota),
+                                        _mm512_set1_epi32((int)s1)));
+    __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)), _mm512_set1_ps(1.0f / 16777216.0f));
+    __m512 vv = _mm512_loadu_ps(v);
+    __m512 xi = _mm512_add_ps(_mm512_mul_ps(_mm512_abs_ps(vv), _mm512_set1_ps(scale)), u);
+    xi = _mm512_roundscale_ps(xi, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    xi = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(xi, lv, _CMP_GT_OQ), xi, lv);
+    __m512i qi = _mm512_cvttps_epi32(xi);
+    __mmask16 pos = _mm512_cmp_ps_mask(vv, zero, _CMP_GT_OQ);
+    __mmask16 neg = _mm512_cmp_ps_mask(vv, zero, _CMP_LT_OQ);
+    qi = _mm512_maskz_mov_epi32(pos | neg, qi);
+    qi = _mm512_mask_sub_epi32(qi, neg, _mm512_setzero_si512(), qi);
+    _mm_storeu_si128((__m128i *)o, _mm512_cvtepi32_epi8(qi));
+}
+
+/* dst[j] = q[j] * f, j < 16, one streaming store (dst 64-byte aligned) */
+static inline void qsgd_scale_vec(const int8_t *q, float f, float *dst) {
+    __m512i qi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q));
+    _mm512_stream_ps(dst, _mm512_mul_ps(_mm512_cvtepi32_ps(qi), _mm512_set1_ps(f)));
+}
+#elif defined(__AVX2__)
+#define QVEC 8
+static inline __m256i mix32v(__m256i x) {
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x846ca68bU));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+/* o[j] = the rounded level of v[j], j < 8, whose noise counter is ctr + j (the sign by
+ * masks: 0 where v is 0 or NaN, negated where v < 0) */
+static inline void qsgd_round_vec(const float *v, float scale, float levels, uint32_t ctr,
+                                  uint32_t s1, int8_t *o) {
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 lv = _mm256_set1_ps(levels), zero = _mm256_setzero_ps();
+    __m256i h = mix32v(_mm256_xor_si256(_mm256_add_epi32(_mm256_set1_epi32((int)ctr), iota),
+                                        _mm256_set1_epi32((int)s1)));
+    __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), _mm256_set1_ps(1.0f / 16777216.0f));
+    __m256 vv = _mm256_loadu_ps(v);
+    __m256 xi = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(abs8(vv), _mm256_set1_ps(scale)), u));
+    xi = _mm256_blendv_ps(xi, lv, _mm256_cmp_ps(xi, lv, _CMP_GT_OQ));
+    __m256i qi = _mm256_cvttps_epi32(xi);
+    __m256i pos = _mm256_castps_si256(_mm256_cmp_ps(vv, zero, _CMP_GT_OQ));
+    __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(vv, zero, _CMP_LT_OQ));
+    qi = _mm256_and_si256(qi, _mm256_or_si256(pos, neg));
+    qi = _mm256_sub_epi32(_mm256_xor_si256(qi, neg), neg);
+    /* the low byte of each lane (a truncation, as _mm512_cvtepi32_epi8 and the scalar cast) */
+    qi = _mm256_shuffle_epi8(qi, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                  0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+    _mm_storel_epi64((__m128i *)o, _mm_unpacklo_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1)));
+}
+
+/* dst[j] = q[j] * f, j < 8, one streaming store (dst 32-byte aligned) */
+static inline void qsgd_scale_vec(const int8_t *q, float f, float *dst) {
+    __m256i qi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q));
+    _mm256_stream_ps(dst, _mm256_mul_ps(_mm256_cvtepi32_ps(qi), _mm256_set1_ps(f)));
+}
 #endif
 
-/* The default QSGD case (float32, s <= 127) with the rounding of 16 entries at a time;
- * the same arithmetic as the scalar loop above. */
 void qsgd_quantize_f32_i8(const float *x, int64_t n, int64_t b, float levels, uint32_t s0,
                           uint32_t s1, float *norms, int8_t *q) {
-#ifdef __AVX512F__
+#ifdef QVEC
     int64_t nb = (n + b - 1) / b;
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 lv = _mm512_set1_ps(levels), inv24 = _mm512_set1_ps(1.0f / 16777216.0f);
-    const __m512 zero = _mm512_setzero_ps();
-    const __m512i key = _mm512_set1_epi32((int)s1);
     for (int64_t k = 0; k < nb; k++) {
         const float *v = x + k * b;
         int8_t *o = q + k * b;
@@ -412,24 +556,9 @@ void qsgd_quantize_f32_i8(const float *x, int64_t n, int64_t b, float levels, ui
         float norm = (float)sqrt(sum_squares_f32(v, len));
         norms[k] = norm;
         float scale = levels / (norm > 0 ? norm : 1.0f);
-        const __m512 sc = _mm512_set1_ps(scale);
         uint32_t base = (uint32_t)(k * b) + s0;
         int64_t j = 0;
-        for (; j + 16 <= len; j += 16) {
-            __m512i ctr = _mm512_add_epi32(_mm512_set1_epi32((int)(base + (uint32_t)j)), iota);
-            __m512i h = mix32v(_mm512_xor_si512(ctr, key));
-            __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)), inv24);
-            __m512 vv = _mm512_loadu_ps(v + j);
-            __m512 xi = _mm512_add_ps(_mm512_mul_ps(_mm512_abs_ps(vv), sc), u);
-            xi = _mm512_roundscale_ps(xi, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-            xi = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(xi, lv, _CMP_GT_OQ), xi, lv);
-            __m512i qi = _mm512_cvttps_epi32(xi);
-            __mmask16 pos = _mm512_cmp_ps_mask(vv, zero, _CMP_GT_OQ);
-            __mmask16 neg = _mm512_cmp_ps_mask(vv, zero, _CMP_LT_OQ);
-            qi = _mm512_maskz_mov_epi32(pos | neg, qi);
-            qi = _mm512_mask_sub_epi32(qi, neg, _mm512_setzero_si512(), qi);
-            _mm_storeu_si128((__m128i *)(o + j), _mm512_cvtepi32_epi8(qi));
-        }
+        for (; j + QVEC <= len; j += QVEC) qsgd_round_vec(v + j, scale, levels, base + (uint32_t)j, s1, o + j);
         for (; j < len; j++) {
             uint32_t hh = mix32((base + (uint32_t)j) ^ s1);
             float u = (float)(int32_t)(hh >> 8) * (float)(1.0 / 16777216.0);
@@ -448,20 +577,16 @@ void qsgd_quantize_f32_i8(const float *x, int64_t n, int64_t b, float levels, ui
  * read back here, so its old contents need not be fetched) */
 void qsgd_dequantize_f32_i8(const int8_t *q, int64_t n, int64_t b, const float *norms,
                             float levels, float *out) {
-#ifdef __AVX512F__
-    if (((uintptr_t)out & 63) == 0 && b % 16 == 0) {
+#ifdef QVEC
+    if (((uintptr_t)out & (4 * QVEC - 1)) == 0 && b % QVEC == 0) {
         int64_t nb = (n + b - 1) / b;
         for (int64_t k = 0; k < nb; k++) {
             int64_t len = (k + 1) * b <= n ? b : n - k * b;
             float f = norms[k] / levels;
-            const __m512 fv = _mm512_set1_ps(f);
             const int8_t *src = q + k * b;
             float *dst = out + k * b;
             int64_t j = 0;
-            for (; j + 16 <= len; j += 16) {
-                __m512i qi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + j)));
-                _mm512_stream_ps(dst + j, _mm512_mul_ps(_mm512_cvtepi32_ps(qi), fv));
-            }
+            for (; j + QVEC <= len; j += QVEC) qsgd_scale_vec(src + j, f, dst + j);
             for (; j < len; j++) dst[j] = (float)src[j] * f;
         }
         _mm_sfence();
@@ -671,8 +796,8 @@ DEF_ELIAS_DECODE(double, f64)
 
 /* ------------------------------------------------------------------ sign */
 
-/* float32 rows of the table, two bytes (16 entries, one cache line) per streaming store;
- * returns how many bytes it decoded */
+/* float32 rows of the table, two bytes (16 entries, one cache line) per streaming store
+ * (AVX2: one byte per store); returns how many bytes it decoded */
 static int64_t sign_unpack_stream(const uint8_t *packed, int64_t full, const void *table,
                                   void *out) {
     int64_t i = 0;
@@ -683,6 +808,12 @@ static int64_t sign_unpack_stream(const uint8_t *packed, int64_t full, const voi
         __m256 lo = _mm256_loadu_ps(t[packed[i]]), hi = _mm256_loadu_ps(t[packed[i + 1]]);
         _mm512_stream_ps(o + 8 * i, _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1));
     }
+    _mm_sfence();
+#elif defined(__AVX2__)
+    /* AVX2: one row (32 bytes) per streaming store */
+    const float(*t)[8] = (const float(*)[8])table;
+    float *o = (float *)out;
+    for (; i < full; i++) _mm256_stream_ps(o + 8 * i, _mm256_loadu_ps(t[packed[i]]));
     _mm_sfence();
 #else
     (void)packed; (void)full; (void)table; (void)out;
@@ -739,6 +870,17 @@ double sign_pack_f32(const float *x, int64_t n, uint8_t *packed) {
         s1 = _mm512_add_pd(s1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1))));
     }
     s = _mm512_reduce_add_pd(_mm512_add_pd(s0, s1));
+#elif defined(__AVX2__)
+    /* the bits from movemask; the sum in the AVX-512 lanes and order (the same bits) */
+    const __m256 zero = _mm256_setzero_ps();
+    __m256d sv[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
+    for (; i + 16 <= n; i += 16) {
+        __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+        packed[i / 8] = (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(v0, zero, _CMP_GE_OQ));
+        packed[i / 8 + 1] = (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(v1, zero, _CMP_GE_OQ));
+        add16_pd(sv, abs8(v0), abs8(v1));
+    }
+    s = reduce16_pd(sv);
 #endif
     return s + sign_pack_tail_f32(x, i, n, packed);
 }
@@ -755,6 +897,21 @@ double sign_pack_f64(const double *x, int64_t n, uint8_t *packed) {
         packed[i / 8 + 1] = (uint8_t)k1;
         for (int l = 0; l < 16; l++) acc[l] += fabs(x[i + l]);
     }
+#elif defined(__AVX2__)
+    /* the bits from movemask; acc[4 q + l] in lane l of a[q] */
+    const __m256d zero = _mm256_setzero_pd();
+    __m256d a[4] = {zero, zero, zero, zero};
+    for (; i + 16 <= n; i += 16) {
+        uint32_t k = 0;
+        for (int q = 0; q < 4; q++) {
+            __m256d v = _mm256_loadu_pd(x + i + 4 * q);
+            k |= (uint32_t)_mm256_movemask_pd(_mm256_cmp_pd(v, zero, _CMP_GE_OQ)) << (4 * q);
+            a[q] = _mm256_add_pd(a[q], abs4(v));
+        }
+        packed[i / 8] = (uint8_t)k;
+        packed[i / 8 + 1] = (uint8_t)(k >> 8);
+    }
+    for (int q = 0; q < 4; q++) _mm256_storeu_pd(acc + 4 * q, a[q]);
 #endif
     double s = 0.0;
     for (int l = 0; l < LANES; l++) s += acc[l];
