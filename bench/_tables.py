@@ -112,19 +112,24 @@ def ring_bound(workers: int, nbytes: float, rate_mbit: float, limit_step_s: floa
     A ring all-reduce of ``nbytes`` over p workers moves 2 (p - 1) / p of it over every
     link, ``wire_s`` = that * 8 / rate (nominal rate, headers ignored: a lower bound). With
     the limit step K (compute alone) hidden perfectly behind it, a step cannot be shorter
-    than max(K, wire_s): the speedup over the baseline is at most baseline / that, and the
-    exposed share at least (wire_s - K) / that. (SC17, p = 4: round-robin pays about 4
-    transfers of the model per step on the master's link against the ring's 1.5, so the
-    bound cannot pass ~3x once round-robin spends >= 87% of its step communicating.)
+    than max(K, wire_s): the speedup over the baseline is at most baseline / that. At least
+    ``min_exposed_s`` = max(0, wire_s - K) of every step waits on the wire, so an exposed
+    share s needs steps of at least min_exposed_s / s (``max_speedup_at_share``). (SC17,
+    p = 4: round-robin pays about 4 transfers of the model per step on the master's link
+    against the ring's 1.5, so the bound cannot pass ~3x once round-robin spends >= 87% of
+    its step communicating, and there 14% exposed is out of reach.)
     """
     wire_s = 2.0 * (workers - 1) / workers * nbytes * 8.0 / (rate_mbit * 1e6)
     best = max(limit_step_s, wire_s)
+    exposed = max(0.0, wire_s - limit_step_s)
     return {
         "wire_s": wire_s,
         "limit_step_s": limit_step_s,
         "best_step_s": best,
         "max_speedup": baseline_step_s / best,
-        "min_exposed_share": max(0.0, wire_s - limit_step_s) / best,
+        "min_exposed_s": exposed,
+        "min_exposed_share": exposed / best,
+        "max_speedup_at_share": lambda share: baseline_step_s / max(best, exposed / share),
     }
 
 
@@ -548,8 +553,10 @@ def render_markdown(rows: list[dict], scenario: dict) -> str:
             f"it over each link, {1e3 * bound['wire_s']:.1f} ms at {scenario['link']['rate_mbit']:g} "
             f"Mbit/s; with the limit step ({_fmt(bound['limit_step_s'], 's')} s) "
             f"hidden perfectly, no sync_easgd step is shorter than {_fmt(bound['best_step_s'], 's')} s: "
-            f"speedup over this round-robin <= {bound['max_speedup']:.2f}x, exposed share >= "
-            f"{100 * bound['min_exposed_share']:.0f}%.",
+            f"speedup over this round-robin <= {bound['max_speedup']:.2f}x (exposed share "
+            f"{100 * bound['min_exposed_share']:.0f}% at that step). At least "
+            f"{1e3 * bound['min_exposed_s']:.1f} ms of every step waits on the wire, so an exposed "
+            f"share <= 14% needs a speedup <= {bound['max_speedup_at_share'](0.14):.2f}x.",
         ]
     return "\n".join(lines + _targets_md(targets)) + "\n"
 
