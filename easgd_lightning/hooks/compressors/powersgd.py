@@ -200,7 +200,9 @@ class PowerSGDCompressor(Compressor):
         if payload.meta.get("dense"):
             return payload.tensors[0].reshape(shape)
         p, q = payload.tensors
-        return low_rank_product(p, q, shape)
+        out = payload.meta.get("out")  # a reused buffer of the caller's (with_out), if any
+        usable = out is not None and out.numel() == math.prod(shape) and out.dtype == p.dtype
+        return low_rank_product(p, q, shape, out=out if usable else None)
 
     def aggregate(
         self, tensor: torch.Tensor, state: dict, collective: Collective
