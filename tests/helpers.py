@@ -298,3 +298,14 @@ class SoloCollective:
 
     def all_gather(self, tensors):
         return [[t.clone() for t in tensors]]
+
+
+class MeteredSoloCollective(SoloCollective):
+    """World of one metered under ``kind``, as the attach points' collectives are (what
+    ``exchange_tensors`` needs beside the collectives: a meter kind and ``charge_dense``)."""
+
+    def __init__(self, kind: str = "elastic") -> None:
+        self.kind = kind
+
+    def charge_dense(self, nbytes: int, key=None) -> None:
+        pass

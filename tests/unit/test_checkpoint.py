@@ -20,7 +20,7 @@ from easgd_lightning.utils.checkpoint import (
     save_checkpoint_file,
     to_plain,
 )
-from tests.helpers import SoloCollective
+from tests.helpers import MeteredSoloCollective
 from tests.helpers import compose as _compose
 
 
@@ -60,19 +60,10 @@ def test_unknown_object_is_refused_naming_where_it_is() -> None:
         to_plain({"flat.0": {"thing": Opaque()}})
 
 
-class _Solo(SoloCollective):
-    """World of one, metered under a kind like the attach points' collectives."""
-
-    kind = "elastic"
-
-    def charge_dense(self, nbytes: int, key=None) -> None:
-        pass
-
-
 def _exchange(state: dict, diff: torch.Tensor, comp) -> torch.Tensor:
     """One compressed exchange as exchange_sum runs it (its memory kept inside ``state``)."""
     memory = state.setdefault("_memory", ResidualMemory())
-    (mean,), _ = exchange_tensors([diff.clone()], ["flat"], comp, memory, state, _Solo())
+    (mean,), _ = exchange_tensors([diff.clone()], ["flat"], comp, memory, state, MeteredSoloCollective())
     return mean
 
 
@@ -97,7 +88,7 @@ def test_exchange_state_resumes_exactly_after_a_weights_only_round_trip(tmp_path
 
 def _exchange_two(state: dict, diffs: tuple[torch.Tensor, torch.Tensor], comp) -> list[torch.Tensor]:
     memory = state.setdefault("_memory", ResidualMemory())
-    means, _ = exchange_tensors([d.clone() for d in diffs], ["w", "b"], comp, memory, state, _Solo())
+    means, _ = exchange_tensors([d.clone() for d in diffs], ["w", "b"], comp, memory, state, MeteredSoloCollective())
     return means
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -1077,6 +1078,6 @@ def test_divide_at_is_bitwise_a_dense_division(dtype, world, native):
     idx = torch.cat([torch.randperm(10_000, generator=g)[:300] for _ in range(world)])  # repeats across ranks
     total.index_add_(0, idx, torch.randn(idx.numel(), generator=g, dtype=dtype))
     expected = total / world
-    with _native.disabled() if not native else __import__("contextlib").nullcontext():
+    with _native.disabled() if not native else contextlib.nullcontext():
         out = divide_at(total, idx, world)
     assert out.data_ptr() == total.data_ptr() and torch.equal(out, expected)

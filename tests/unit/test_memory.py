@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from easgd_lightning.hooks import NoMemory, ResidualMemory, build_compressor, make_memory
-from tests.helpers import SoloCollective
+from easgd_lightning.hooks._exchange import exchange_tensors, key_hash, start_exchange_tensors
+from tests.helpers import MeteredSoloCollective, SoloCollective
 
 
 @pytest.mark.parametrize(
@@ -81,21 +82,12 @@ def test_adopt_takes_a_residual_kept_elsewhere_without_copying():
     assert mem.residual("w").tolist() == [0.0, 0.0, 1.0]
 
 
-class _MeteredSolo(SoloCollective):
-    """World of one under a meter kind, as the attach points' collectives are."""
-
-    kind = "data_parallel"
-
-    def charge_dense(self, nbytes: int, key=None) -> None:
-        pass
-
-
 def _powersgd_reference(grads: list[torch.Tensor], rank: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     """PowerSGD on one rank, written from the rule (float64): M = g + e; P = orth(M Q);
     Q <- M^T P; sent = P Q^T; e <- M - sent. Q starts as the codec's seeded draw."""
     codec = build_compressor("powersgd", rank=rank)
     n, m = grads[0].shape
-    q = codec._initial_q(m, rank, {"key_hash": _key_hash("w")}, grads[0])
+    q = codec._initial_q(m, rank, {"key_hash": key_hash("w")}, grads[0])
     e = torch.zeros_like(grads[0])
     sent = []
     for g in grads:
@@ -107,19 +99,11 @@ def _powersgd_reference(grads: list[torch.Tensor], rank: int) -> tuple[list[torc
     return sent, e
 
 
-def _key_hash(key) -> int:
-    from easgd_lightning.hooks._exchange import key_hash
-
-    return key_hash(key)
-
-
 @pytest.mark.parametrize("want_locals", [False, True])
 def test_powersgd_in_place_residual_matches_the_rule(want_locals):
     """Through the exchange (as the DDP hook and the elastic exchange run it): without a
     request for this rank's part, the residual M - P Q^T is written into the compensated
     buffer in place; means and residuals equal the rule's (float64), both ways."""
-    from easgd_lightning.hooks._exchange import exchange_tensors
-
     gen = torch.Generator().manual_seed(3)
     grads = [torch.randn(48, 40, generator=gen, dtype=torch.float64) for _ in range(5)]
     ref_sent, ref_e = _powersgd_reference(grads, rank=2)
@@ -127,7 +111,7 @@ def test_powersgd_in_place_residual_matches_the_rule(want_locals):
     mem, states = ResidualMemory(), {}
     for g, expected in zip(grads, ref_sent):
         locals_out: list | None = [] if want_locals else None
-        (mean,), _ = exchange_tensors([g.clone()], ["w"], comp, mem, states, _MeteredSolo(), locals_out=locals_out)
+        (mean,), _ = exchange_tensors([g.clone()], ["w"], comp, mem, states, MeteredSoloCollective("data_parallel"), locals_out=locals_out)
         torch.testing.assert_close(mean, expected, atol=1e-12, rtol=1e-10)
         if want_locals:
             torch.testing.assert_close(locals_out[0], expected, atol=1e-12, rtol=1e-10)
@@ -138,9 +122,8 @@ def test_powersgd_in_place_residual_matches_the_rule(want_locals):
 @pytest.mark.parametrize("name", ["powersgd", "acpsgd"])
 def test_low_rank_in_place_residual_conserves_mass(name):
     """sum of means + final residual == sum of inputs when the codec writes the residual
-    in place (world of one: the mean is what was sent)."""
-    from easgd_lightning.hooks._exchange import exchange_tensors
-
+    in place (world of one: the mean is what was sent); the in-place path is the one taken
+    (no local part is formed)."""
     gen = torch.Generator().manual_seed(4)
     comp = build_compressor(name, rank=1, min_numel=0)
     mem, states = ResidualMemory(), {}
@@ -149,6 +132,8 @@ def test_low_rank_in_place_residual_conserves_mass(name):
     for _ in range(8):
         g = torch.randn(30, 20, generator=gen, dtype=torch.float64)
         sum_in += g
-        (mean,), _ = exchange_tensors([g], ["w"], comp, mem, states, _MeteredSolo())
+        pending = start_exchange_tensors([g], ["w"], comp, mem, states, MeteredSoloCollective("data_parallel"))
+        (mean,), (local,), _ = pending.finish()
+        assert local is None
         sum_sent += mean
     torch.testing.assert_close(sum_sent + mem.residual("w"), sum_in, atol=1e-10, rtol=0)

@@ -118,7 +118,7 @@ class ACPSGDCompressor(PowerSGDCompressor):
         payload = self.compress(tensor, state)
         meta = payload.meta
         if meta.get("dense"):
-            local = tensor.reshape(-1).clone().view(tensor.shape)
+            local = tensor.clone()
         elif may_write_residual(tensor) and not wants_local(state) and tensor.is_contiguous():
             (mine,) = payload.tensors
             p, q = (mine, meta["shared"]) if meta["phase"] == "p" else (meta["shared"], mine)
