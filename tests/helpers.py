@@ -299,6 +299,9 @@ class SoloCollective:
     def all_gather(self, tensors):
         return [[t.clone() for t in tensors]]
 
+    def all_to_all(self, sends):
+        return [t.clone() for t in sends]
+
 
 class MeteredSoloCollective(SoloCollective):
     """World of one metered under ``kind``, as the attach points' collectives are (what

@@ -23,6 +23,7 @@ __all__ = [
     "all_gather",
     "all_gather_varlen",
     "all_gather_varlen_async",
+    "all_to_all",
     "broadcast",
     "broadcast_control",
     "close_process_group",
@@ -249,6 +250,49 @@ def all_gather_varlen_async(
 def all_gather_varlen(tensors: list[torch.Tensor], *, kind: str, **options) -> list[list[torch.Tensor]]:
     """Blocking :func:`all_gather_varlen_async` (same options): per rank, its parts."""
     return wait(all_gather_varlen_async(tensors, kind=kind, **options), kind=kind)
+
+
+def all_to_all(
+    sends: list[torch.Tensor],
+    *,
+    kind: str,
+    group: dist.ProcessGroup | None = None,
+    dense_bytes: int | None = None,
+) -> list[torch.Tensor]:
+    """Personalized exchange: ``sends[j]`` (1-D, one dtype for all, lengths free) goes to
+    rank j; returns, per source rank i, what i sent here (this rank's own piece is its
+    input, which never leaves the rank).
+
+    Two rounds: the lengths (one int64 per pair, a small ``all_to_all_single``), then the
+    data (``all_to_all_single`` with uneven splits). Metered as one message per round:
+    bytes sent = the pieces for the other ranks, received = the pieces from them,
+    ``dense_bytes`` on the data round; the lengths round counts no bytes (as the second
+    round of :func:`all_gather_varlen_async`). A world of one moves nothing.
+    """
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    flats = [t.reshape(-1).contiguous() for t in sends]
+    if len(flats) != world:
+        raise ValueError(f"all_to_all needs one tensor per rank ({world}), got {len(flats)}")
+    if world == 1:
+        _finish(kind, time.perf_counter(), 0, 0, dense_bytes)
+        return flats
+    start = time.perf_counter()
+    device = flats[0].device
+    lengths = torch.tensor([f.numel() for f in flats], dtype=torch.int64, device=device)
+    incoming = torch.empty(world, dtype=torch.int64, device=device)
+    dist.all_to_all_single(incoming, lengths, group=group)
+    _finish(kind, start, 0, 0, 0)
+    counts_in, counts_out = incoming.tolist(), lengths.tolist()
+    out = torch.empty(sum(counts_in), dtype=flats[0].dtype, device=device)
+    start = time.perf_counter()
+    dist.all_to_all_single(out, torch.cat(flats), output_split_sizes=counts_in,
+                           input_split_sizes=counts_out, group=group)
+    size = flats[0].element_size()
+    sent = size * (sum(counts_out) - counts_out[rank])
+    recv = size * (sum(counts_in) - counts_in[rank])
+    _finish(kind, start, sent, recv, dense_bytes)
+    return list(torch.split(out, counts_in))
 
 
 def broadcast(

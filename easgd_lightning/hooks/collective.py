@@ -256,6 +256,13 @@ class ProcessGroupCollective:
         views of buffers reused by this tensor's next exchange."""
         return self.all_gather_async(tensors).wait()
 
+    def all_to_all(self, sends: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``sends[j]`` to rank j; returns per source rank what it sent here (1-D, one dtype,
+        lengths free; :func:`easgd_lightning.comm.ops.all_to_all`). Blocking, outside any
+        batch: it is the first collective of an exchange (two-way's reduce-scatter), so it
+        takes the exchange's dense charge."""
+        return ops.all_to_all(sends, kind=self.kind, group=self.group, dense_bytes=self._take_dense())
+
     def all_reduce_bor_async(self, tensors: list[torch.Tensor]):
         """Non-blocking :meth:`all_reduce_bor`; ``.wait()`` returns the OR-ed tensors.
         Inside :meth:`fused`, the tensors join a lazy all-reduce buffer of ORs (one per

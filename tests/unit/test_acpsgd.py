@@ -12,7 +12,8 @@ from easgd_lightning.hooks import build_compressor
 
 
 class ThreadRanks:
-    """``world`` ranks in threads of one process; all_reduce_sum and all_gather meet at a barrier."""
+    """``world`` ranks in threads of one process; all_reduce_sum, all_gather and all_to_all
+    meet at a barrier."""
 
     def __init__(self, world: int) -> None:
         self.world = world
@@ -34,6 +35,15 @@ class ThreadRanks:
                 outer._slots[rank] = [t.clone() for t in tensors]
                 outer._barrier.wait()
                 out = [[t.clone() for t in outer._slots[r]] for r in range(outer.world)]
+                outer._barrier.wait()
+                return out
+
+            def all_to_all(self, sends):
+                """sends[j] to rank j; counted: the pieces for the other ranks."""
+                outer.sent_bytes[rank] += sum(t.numel() * t.element_size() for j, t in enumerate(sends) if j != rank)
+                outer._slots[rank] = [t.clone() for t in sends]
+                outer._barrier.wait()
+                out = [outer._slots[r][rank].clone() for r in range(outer.world)]
                 outer._barrier.wait()
                 return out
 

@@ -127,6 +127,11 @@ class Collective(Protocol):
     def all_gather(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         """Every rank's list of tensors (shapes may differ per rank); index [rank][i]."""
 
+    def all_to_all(self, sends: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``sends[j]`` (1-D, one dtype for all, lengths free) to rank j; returns, per source
+        rank i, the tensor i sent to this rank (its own piece is its input). A world of one
+        returns its input."""
+
     # Optional: ``all_reduce_bor(tensors)`` -- bitwise OR over ranks of integer tensors
     # (the sketch compressor's bit-packed bitmaps); without it they are max-reduced unpacked.
 
@@ -145,7 +150,9 @@ class MeasuredCollective:
     from its own exchanges and never from the global meter (which only observes).
 
     An all-reduce moves its tensor out and the sum back (2x its bytes); an all-gather
-    moves this rank's tensor out and the others' in (the sum of every rank's part).
+    moves this rank's tensor out and the others' in (the sum of every rank's part); an
+    all-to-all moves the pieces for the other ranks out and theirs in (this rank's own
+    piece stays: it is left out when the collective knows its ``rank`` or is one rank).
     Non-blocking twins (``*_async``) are not offered, so every call here is counted.
     """
 
@@ -153,6 +160,8 @@ class MeasuredCollective:
         self._inner = collective
         self.world_size = collective.world_size
         self.traffic = LinkTraffic()
+        if getattr(collective, "rank", None) is not None:
+            self.rank = collective.rank
         if getattr(collective, "all_reduce_bor", None) is not None:
             self.all_reduce_bor = lambda tensors: self._reduce("all_reduce_bor", tensors)
 
@@ -176,6 +185,14 @@ class MeasuredCollective:
         start = time.perf_counter()
         out = self._inner.all_gather(tensors)
         self._count(sum(tensor_bytes(*parts) for parts in out), start)
+        return out
+
+    def all_to_all(self, sends: list[torch.Tensor]) -> list[torch.Tensor]:
+        start = time.perf_counter()
+        out = self._inner.all_to_all(sends)
+        own = getattr(self, "rank", 0 if self.world_size == 1 else None)
+        moved = [tensor_bytes(s, r) for j, (s, r) in enumerate(zip(sends, out)) if j != own]
+        self._count(sum(moved), start)
         return out
 
 

@@ -1,38 +1,61 @@
 """``compression.two_way: true``: compressed, error-compensated communication in both
 directions (Zhong et al., 2021, for Adam-type optimizers), on a ring without a server.
 
-Rule, p workers, any sparsifier or sign compressor C, per tensor and step:
-  worker -> owners:  p_i = g_i + e_i;  c_i = C(p_i);  e_i <- p_i - c_i  (the attach point's
-                     residual memory, as for one-way compression); the c_i are exchanged
-                     as C's payloads (all-gathered) and owner j forms its shard of the mean,
-                     m_j = (1/p) sum_i c_i[shard j];
+Rule, p workers, any sparsifier or sign compressor C, per tensor and step. Shard j is
+entries [j n / p, (j + 1) n / p) of the flattened tensor; rank j owns it.
+  worker -> owners (a reduce-scatter of compressed shards):
+                     p_i = g_i + e_i;  c_i^j = C(p_i[shard j]) for every j (the inner
+                     compressor's own state per shard, ``state["up"][j]``);
+                     e_i <- p_i - concat_j c_i^j  (over the whole tensor: the attach
+                     point's residual memory, as for one-way compression); c_i^j goes to
+                     owner j only (one all-to-all), and owner j forms its shard of the mean,
+                     m_j = (1/p) sum_i c_i^j  (summed in rank order);
   owners -> workers: q_j = m_j + f_j;  d_j = C(q_j);  f_j <- q_j - d_j   (the second
                      residual, kept by the owner of the shard in a
                      :class:`~easgd_lightning.hooks.memory.ResidualMemory`); every d_j
                      is all-gathered and the result is the concatenation of d_0 .. d_{p-1}.
-Shard j is entries [j n / p, (j + 1) n / p) of the flattened tensor; each rank owns one,
-so no dedicated server is needed. Nothing is lost in either direction: sum_t c_i + e_i =
-sum_t g_i and sum_t d_j + f_j = sum_t m_j. This module is the ring form; with the async
-parameter server (``async_sgd``, ``async_msgd``) the server keeps f, one per worker:
-:mod:`easgd_lightning.strategies.ps.compressed`. The optimizer (Adam, AdamW) then gets
-the doubly compressed mean. The first direction uses C's own exchange, so its bytes are
-those of one-way compression; the second adds one all-gather of C's payload of each shard.
+No dedicated server is needed. Nothing is lost in either direction: sum_t concat_j c_i^j +
+e_i = sum_t g_i and sum_t d_j + f_j = sum_t m_j. The optimizer (Adam, AdamW) then gets the
+doubly compressed mean. With the async parameter server (``async_sgd``, ``async_msgd``)
+the server keeps f, one per worker: :mod:`easgd_lightning.strategies.ps.compressed`.
+
+Bytes, per rank and step, C(n) the payload of the whole tensor: up, the pieces for the
+other owners, about C(n) (p - 1) / p, and as many in (this rank's own piece never leaves
+it); down, its shard's payload d_j, about C(n) / p, all-gathered. On a ring that is about
+2 C(n) (p - 1) / p sent whatever p, where one-way compression's all-gather of whole
+payloads receives (p - 1) C(n) (and forwards as much). The meter counts the logical
+messages, as for every collective (:mod:`easgd_lightning.comm.meter`): sent = the pieces
+for the other owners (each with an 8-byte length per payload tensor, :func:`pack_parts`)
+plus d_j (with the all-gather's header); ``state["last_up_bytes"]`` and
+``state["last_down_bytes"]`` are the same without the headers (C's ``payload_bytes``).
 """
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 
-from easgd_lightning.hooks.compressors.base import Collective, Compressor, Payload, scratch_of
+from easgd_lightning.hooks.compressors.base import (
+    Collective,
+    Compressor,
+    Payload,
+    scratch_buffer,
+    scratch_of,
+)
 from easgd_lightning.hooks.memory import ResidualMemory
 
-__all__ = ["TwoWayCompressor", "TWO_WAY_INNER", "shard_bounds"]
+__all__ = ["TwoWayCompressor", "TWO_WAY_INNER", "shard_bounds", "pack_parts", "unpack_parts"]
 
 #: compressors a two-way exchange can wrap: sparsifiers, sign and quantizers whose payload
-#: decodes from itself (random-k's indices come from its own seed stream: not here)
+#: decodes from itself (random-k's indices come from its own seed stream: not here). Their
+#: payload meta is the same on every rank for a tensor of a given size (numel, dtype, index
+#: dtype; the sparsifiers' nnz is not read by their decode), so an owner decodes every
+#: rank's piece of its shard with the meta of its own piece.
 TWO_WAY_INNER = ("gcomp", "qsgd", "redsync", "sidco", "signsgd", "topk")
 
 _DOWN = "two_way:f"  # key of the second residual's memory (in the tensor's scratch)
+_LENGTH = 8  # bytes of each payload tensor's length in a packed piece
 
 
 def shard_bounds(numel: int, world: int, rank: int) -> tuple[int, int]:
@@ -48,6 +71,45 @@ def collective_rank(collective: Collective) -> int:
     if collective.world_size == 1:
         return 0
     raise ValueError("compression.two_way needs a collective that knows its rank")
+
+
+def pack_parts(tensors) -> torch.Tensor:
+    """One uint8 message of a payload's tensors: their byte lengths (int64 each), then
+    their bytes in order."""
+    datas = [t.reshape(-1).contiguous().view(torch.uint8) for t in tensors]
+    head = torch.tensor([d.numel() for d in datas], dtype=torch.int64, device=datas[0].device)
+    return torch.cat([head.view(torch.uint8), *datas])
+
+
+def _view_as(chunk: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The uint8 ``chunk`` read as ``dtype`` (copied first when it is not aligned for it)."""
+    if chunk.storage_offset() % torch.empty((), dtype=dtype).element_size():
+        chunk = chunk.clone()
+    return chunk.view(dtype)
+
+
+def unpack_parts(message: torch.Tensor, dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+    """Inverse of :func:`pack_parts`: the 1-D tensors, given their dtypes."""
+    head = _LENGTH * len(dtypes)
+    lengths = _view_as(message[:head], torch.int64).tolist()
+    parts, offset = [], head
+    for nbytes, dtype in zip(lengths, dtypes):
+        parts.append(_view_as(message[offset : offset + nbytes], dtype))
+        offset += nbytes
+    return parts
+
+
+def _shard_states(state: dict, world: int) -> list[dict]:
+    """The inner compressor's state for each shard compressed on the way up,
+    ``state["up"][j]`` (fresh ones when there are none for this world size), each with a
+    ``key_hash`` of its own for seeded compressors."""
+    ups = state.get("up")
+    if not isinstance(ups, list) or len(ups) != world:
+        base = int(state.get("key_hash", 0))
+        ups = state["up"] = [
+            {"key_hash": zlib.crc32(f"{base}:up{j}".encode()) & 0x7FFFFFFF} for j in range(world)
+        ]
+    return ups
 
 
 def _second_residual(state: dict, shard: torch.Tensor) -> ResidualMemory:
@@ -66,9 +128,17 @@ def _second_residual(state: dict, shard: torch.Tensor) -> ResidualMemory:
     return memory
 
 
+def _local_meta(meta: dict) -> dict:
+    """``meta`` without the caller's output buffer."""
+    return {k: v for k, v in meta.items() if k not in ("out", "out_record")}
+
+
 class TwoWayCompressor(Compressor):
-    """Wraps ``inner`` so the aggregate is compressed back to the workers, shard by shard,
-    with a second residual kept by each shard's owner (see the module docstring)."""
+    """Wraps ``inner`` so that each shard of the tensor travels compressed to its owner and
+    the owner's mean comes back compressed again, with a second residual kept by the owner
+    (see the module docstring)."""
+
+    exchange_rounds = 3  # the pieces' lengths, the pieces (all-to-all), the owners' shards
 
     def __init__(self, inner: Compressor) -> None:
         if inner.name not in TWO_WAY_INNER:
@@ -85,7 +155,7 @@ class TwoWayCompressor(Compressor):
         self.two_way = True
 
     def compress(self, tensor: torch.Tensor, state: dict) -> Payload:
-        return self.inner.compress(tensor, state.setdefault("up", {}))
+        return self.inner.compress(tensor, state.setdefault("whole", {}))
 
     def decompress(self, payload: Payload, shape: torch.Size) -> torch.Tensor:
         return self.inner.decompress(payload, shape)
@@ -100,16 +170,49 @@ class TwoWayCompressor(Compressor):
         self.inner.load_state_dict(state)
 
     def aggregate(self, tensor: torch.Tensor, state: dict, collective: Collective):
-        """Both directions; returns (the doubly compressed mean, this rank's c_i)."""
-        world = collective.world_size
-        up = state.setdefault("up", {})
-        up.setdefault("key_hash", state.get("key_hash", 0))
-        mean, local = self.inner.aggregate(tensor, up, collective)
-        n = tensor.numel()
-        lo, hi = shard_bounds(n, world, collective_rank(collective))
-        shard = mean.reshape(-1)[lo:hi]
-        memory = _second_residual(state, shard)
-        q = memory.compensate(_DOWN, shard)
+        """Both directions; returns (the doubly compressed mean, concat_j c_i^j)."""
+        world, rank = collective.world_size, collective_rank(collective)
+        flat = tensor.reshape(-1)
+        bounds = [shard_bounds(flat.numel(), world, j) for j in range(world)]
+        pieces, local = self._compress_shards(flat, state, bounds)
+        received = collective.all_to_all([pack_parts(p.tensors) for p in pieces])
+        state["last_up_bytes"] = sum(self.inner.payload_bytes(p) for j, p in enumerate(pieces) if j != rank)
+        mean = self._owner_mean(received, pieces[rank], world)
+        out = self._send_back(mean, state, collective, bounds)
+        return out.view(tensor.shape), local.view(tensor.shape)
+
+    def _compress_shards(self, flat: torch.Tensor, state: dict, bounds) -> tuple[list[Payload], torch.Tensor]:
+        """c^j = C(flat[shard j]) for every shard, and their decoded concatenation (this
+        rank's transmitted part, for its residual), in a scratch buffer."""
+        ups = _shard_states(state, len(bounds))
+        local = scratch_buffer(scratch_of(state), "two_way:local", flat.numel(), flat.dtype, flat.device)
+        pieces = []
+        for (a, b), up in zip(bounds, ups):
+            piece = self.inner.compress(flat[a:b], up)
+            dst = local[a:b]
+            part = self.inner.decompress(Payload(piece.tensors, dict(piece.meta, out=dst)), dst.shape)
+            if part.data_ptr() != dst.data_ptr():
+                dst.copy_(part.reshape(-1))
+            pieces.append(piece)
+        return pieces, local
+
+    def _owner_mean(self, received: list[torch.Tensor], mine: Payload, world: int) -> torch.Tensor:
+        """m_j = (1/p) sum_i decode(c_i^j), summed in rank order; every piece decodes with
+        the meta of this rank's own piece of the shard."""
+        numel, dtype = mine.meta["numel"], mine.meta["dtype"]
+        dtypes = [t.dtype for t in mine.tensors]
+        meta = _local_meta(mine.meta)
+        total = torch.zeros(numel, dtype=dtype, device=mine.tensors[0].device)
+        for message in received:
+            parts = tuple(unpack_parts(message.to(total.device), dtypes))
+            total += self.inner.decompress(Payload(parts, meta), torch.Size([numel])).reshape(-1).to(dtype)
+        return total.div_(world)
+
+    def _send_back(self, mean: torch.Tensor, state: dict, collective: Collective, bounds) -> torch.Tensor:
+        """q = m + f, d = C(q), f <- q - d on this rank's shard; the d of every owner,
+        all-gathered and decoded into one tensor."""
+        memory = _second_residual(state, mean)
+        q = memory.compensate(_DOWN, mean)
         down = state.setdefault("down", {})
         down.setdefault("key_hash", state.get("key_hash", 0) + 1)
         payload = self.inner.compress(q, down)
@@ -117,11 +220,10 @@ class TwoWayCompressor(Compressor):
         memory.update(_DOWN, q, sent)
         state["f"] = memory.residual(_DOWN)
         state["last_down_bytes"] = self.inner.payload_bytes(payload)
-        meta = dict(payload.meta)
-        meta.pop("out", None)
-        out = torch.empty(n, dtype=tensor.dtype, device=tensor.device)
-        for rank, parts in enumerate(collective.all_gather(list(payload.tensors))):
-            a, b = shard_bounds(n, world, rank)
+        meta = _local_meta(payload.meta)
+        n = bounds[-1][1]
+        out = torch.empty(n, dtype=mean.dtype, device=mean.device)
+        for (a, b), parts in zip(bounds, collective.all_gather(list(payload.tensors))):
             part_meta = dict(meta, numel=b - a) if "numel" in meta else meta
-            out[a:b] = self.inner.decompress(Payload(tuple(parts), part_meta), torch.Size([b - a])).to(tensor.dtype)
-        return out.view(tensor.shape), local
+            out[a:b] = self.inner.decompress(Payload(tuple(parts), part_meta), torch.Size([b - a])).to(mean.dtype)
+        return out
