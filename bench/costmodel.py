@@ -95,7 +95,14 @@ rest. s is reported per size too: a cost that grows with the message would be a 
 collective, not a synchronisation. Two more serial loops run 2 and 4 blocking all-reduces
 per iteration (smallest message): :func:`fit_rounds` fits ``T_r - F - r C = s_0 + r s_r``,
 s_r the cost of each further blocking round; a serial all-reduce row whose exchange sends
-k messages in turn (PowerSGD's rounds) is charged ``s + (k - 1) s_r``. The probe's
+k messages in turn (PowerSGD's rounds) is charged ``s + (k - 1) s_r``. One more loop,
+``loop_ps`` (largest message), has the asynchronous strategies' shape: workers compute,
+then exchange with the server in turn, the server kept busy. The fan-in probe fits phi on
+one burst of simultaneous requests, three times; training keeps the server busy with
+requests that arrive in turn, step after step, so :func:`fit_ps_loop` solves each server-bound loop sample,
+T = PS server round(p, n), for phi at its p (the median per p), and the server-round and
+round-robin formulas of the rows use that phi where it was measured at their p (the
+fan-in's phi elsewhere, and in the projection). The probe's
 kernel is sized (``--kernel-matmuls``) from the limit row, measured first, so that the
 loops compute per iteration what the workload computes per step.
 
@@ -176,6 +183,7 @@ __all__ = [
     "collective_time",
     "fit",
     "fit_alpha_beta",
+    "fit_ps_loop",
     "hierarchical_allreduce_time",
     "layouts_with",
     "predict_rows",
@@ -547,6 +555,40 @@ def fit_rounds(loops: Sequence[dict], idle: dict, free: dict) -> dict:
     return out
 
 
+def fit_ps_loop(loops: Sequence[dict], model: dict[str, dict]) -> dict[str, float]:
+    """phi of a server kept busy, per p, from the probe's ``loop_ps`` samples (workers
+    computing then exchanging with the server in turn, the asynchronous strategies'
+    shape). Once the server bounds the period, an iteration is its round,
+    T = 2(p-1) alpha + (p-1)(2 - phi) x with x = max(0, n - B) / beta (alpha, beta and B of
+    the fitted ``ps`` probe, alpha scaled by the CPU share), so each sample gives
+    phi = 2 - (T - 2(p-1) alpha) / ((p-1) x); the median per p, clipped to [0, 1]. Samples
+    with one worker (no next request), no bytes past the burst, or where the worker's own
+    chain (the kernel alone F + its exchange W) is as long as T (not server-bound) say
+    nothing about phi and are skipped.
+
+    Returns:
+        ``{p: phi}`` (p as strings); empty without samples or a ``ps`` fit.
+    """
+    par = model.get("ps")
+    if not par:
+        return {}
+    free = {(s["p"], s["bytes"], s["rate_mbit"]): s["time_s"] for s in loops if s["op"] == "loop_free"}
+    per_p: dict[int, list[float]] = {}
+    for s in loops:
+        p = s["p"]
+        if s["op"] != "loop_ps" or p < 3:
+            continue
+        alpha = par["alpha_s"] * (cpu_share(p, par["cpus"]) if par.get("cpus") else 1.0)
+        burst = emulated_burst_bytes(s["rate_mbit"]) if par.get("burst") else 0.0
+        x = _after_burst(s["bytes"], burst) / (par["eta"] * _rate_bps(s["rate_mbit"]))
+        worker = free.get((p, s["bytes"], s["rate_mbit"]), 0.0) + 4.0 * alpha + 2.0 * x
+        if x <= 0 or worker >= s["time_s"]:
+            continue
+        phi = 2.0 - (s["time_s"] - 2.0 * (p - 1) * alpha) / ((p - 1) * x)
+        per_p.setdefault(p, []).append(min(1.0, max(0.0, phi)))
+    return {str(p): statistics.median(v) for p, v in sorted(per_p.items())}
+
+
 def loop_shape(row: dict, aggregation: str) -> str | None:
     """The probe loop a row's exchange has the shape of (None: not probed: the parameter
     server and round robin)."""
@@ -637,16 +679,25 @@ def step_time(
     raise ValueError(f"no cost formula for strategy {strategy!r}")
 
 
-def fitted_net(model: dict[str, dict], rate_mbit: float) -> Callable[[str, int, float], float]:
+#: the training-shaped formulas of a server kept busy (phi from ``loop_ps`` where probed)
+BUSY_SERVER = ("ps_server", "round_robin")
+
+
+def fitted_net(model: dict[str, dict], rate_mbit: float,
+               busy_overlap: dict[str, float] | None = None) -> Callable[[str, int, float], float]:
     """``net(collective, p, bytes)`` of the emulated cluster at one link rate (alpha
     scaled by the CPU share of p ranks where the fit was made with ``cpus``; the links'
-    token-bucket burst B charged where the fit charged it; phi of the fitted ``ps``)."""
+    token-bucket burst B charged where the fit charged it; phi of the fitted ``ps``, or
+    for a busy server's round (:data:`BUSY_SERVER`) ``busy_overlap[p]``
+    (:func:`fit_ps_loop`) where it was measured at p)."""
     def net(name: str, p: int, nbytes: float) -> float:
         par = model[probe_of(name)]
         alpha = par["alpha_s"] * (cpu_share(p, par["cpus"]) if par.get("cpus") else 1.0)
         burst = emulated_burst_bytes(rate_mbit) if par.get("burst") else 0.0
-        return collective_time(name, p, nbytes, alpha, par["eta"] * _rate_bps(rate_mbit),
-                               burst, par.get("overlap", 0.0))
+        phi = par.get("overlap", 0.0)
+        if name in BUSY_SERVER and busy_overlap and str(p) in busy_overlap:
+            phi = busy_overlap[str(p)]
+        return collective_time(name, p, nbytes, alpha, par["eta"] * _rate_bps(rate_mbit), burst, phi)
     return net
 
 
@@ -730,7 +781,8 @@ def _row_inputs(row: dict, inputs: dict) -> dict:
 
 def predict_rows(model: dict[str, dict], inputs: dict, loops: dict | None = None) -> list[dict]:
     """Predicted against measured step time of every measured training row (with
-    ``loops``, :func:`fit_loops`, the synchronisation cost of the row's loop shape)."""
+    ``loops``, :func:`fit_loops`, the synchronisation cost of the row's loop shape and,
+    under ``busy_overlap``, :func:`fit_ps_loop`'s phi of a busy server)."""
     out = []
     for row in inputs["rows"]:
         if row.get("status") != "ok" or row.get("step_time_s") is None:
@@ -746,7 +798,7 @@ def predict_rows(model: dict[str, dict], inputs: dict, loops: dict | None = None
         hidden = ((loops or {}).get("hidden", {}).get(shape) or {}).get(str(row["workers"]), 1.0)
         pred = step_time(
             row["strategy"], row["workers"], n=x["n"], m=x["m"], t_compute=x["t_compute"],
-            t_codec=x["t_codec"], net=fitted_net(model, row["rate_mbit"]),
+            t_codec=x["t_codec"], net=fitted_net(model, row["rate_mbit"], (loops or {}).get("busy_overlap")),
             aggregation=x["aggregation"], calls=x["calls"], sync_cost=sync, hidden=hidden, **opts,
         )
         measured = row["step_time_s"]
@@ -960,7 +1012,12 @@ def markdown(result: dict) -> str:
     fitted = result["fit"]
     if "overlap" in fitted.get("ps", {}):
         lines += ["", f"- the server's replies: phi = {fitted['ps']['overlap']:.2f} of each drains "
-                  "behind the next request (0: serial, 1: full duplex)"]
+                  "behind the next request (0: serial, 1: full duplex), from the fan-in"]
+    busy = (result.get("loops") or {}).get("busy_overlap") or {}
+    if busy:
+        per_p = ", ".join(f"p={p}: {v:.2f}" for p, v in busy.items())
+        lines.append(f"- a busy server (the probe's `loop_ps`: workers computing then exchanging in turn): "
+                     f"phi {per_p}; the async and round-robin rows use it at their p")
     if any(par.get("burst") for par in fitted.values()):
         lines.append("- token bucket: the first B bytes of each transfer after an idle link pass at "
                      "line rate (B = 2 ms of the link, `bench/_netem.py`); B = 0 in the projection")
@@ -1075,6 +1132,7 @@ def analyse(inputs: dict, out: Path, layouts: dict[str, dict] | None = None,
 
     model = fit(inputs["probe"], cpus=inputs.get("cpus"), burst=emulated_burst_bytes)
     loops = fit_loops(inputs.get("probe_loops") or [], inputs["probe"])
+    loops["busy_overlap"] = fit_ps_loop(inputs.get("probe_loops") or [], model)
     result = {
         "fit": model,
         "loops": loops,

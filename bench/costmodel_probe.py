@@ -38,6 +38,11 @@ also compute on the same cores. At the smallest message of each rate two more lo
 ``loop_serial_ring_x2`` and ``loop_serial_ring_x4``, run the kernel then 2 or 4 blocking
 all-reduces in a row: whether the synchronisation cost is paid once per exchange or once
 per blocking round (an exchange of several messages, e.g. PowerSGD's P and Q rounds).
+At the largest message of each rate one more, ``loop_ps``, has the asynchronous
+strategies' shape: every worker runs the kernel then its exchange with the parameter
+server (the ``ps`` protocol above), the server serves the requests as they come: how much
+of each reply drains behind the next request once the server is kept busy, which the
+fan-in (every worker pushing once, at the same time) measures on fresh connections.
 The harness sizes the kernel (``--kernel-matmuls``) so that it takes as long as the
 workload's measured compute per step.
 
@@ -134,24 +139,51 @@ _TAG_REQ, _TAG_REQ_DATA, _TAG_REP, _TAG_REP_DATA = 11, 12, 13, 14
 _HEADER = 4
 
 
-def _ps(t: torch.Tensor, rank: int, world: int, reply: torch.Tensor) -> None:
-    """One fan-in in the parameter server's protocol (the module docstring)."""
-    server = world - 1
+def _ps_request(t: torch.Tensor, server: int, reply: torch.Tensor) -> None:
+    """A worker's exchange in the parameter server's protocol: header and message sent
+    non-blocking, the reply's header and payload receives posted at once; waits for all."""
+    hdr, reply_hdr = torch.zeros(_HEADER, dtype=torch.float64), torch.zeros(_HEADER, dtype=torch.float64)
+    works = [ops.isend(hdr, server, kind=_KIND, tag=_TAG_REQ),
+             ops.isend(t, server, kind=_KIND, tag=_TAG_REQ_DATA),
+             ops.irecv(reply_hdr, server, kind=_KIND, tag=_TAG_REP),
+             ops.irecv(reply, server, kind=_KIND, tag=_TAG_REP_DATA)]
+    for work in works:
+        work.wait()
+
+
+def _ps_serve(t: torch.Tensor, scratch: torch.Tensor, requests: int) -> None:
+    """The server's side: ``requests`` requests first come first served (the header from
+    any source, then that worker's payload), each answered by blocking sends of a header
+    and a message of the same size."""
     hdr = torch.zeros(_HEADER, dtype=torch.float64)
-    if rank != server:
-        reply_hdr = torch.zeros(_HEADER, dtype=torch.float64)
-        works = [ops.isend(hdr, server, kind=_KIND, tag=_TAG_REQ),
-                 ops.isend(t, server, kind=_KIND, tag=_TAG_REQ_DATA),
-                 ops.irecv(reply_hdr, server, kind=_KIND, tag=_TAG_REP),
-                 ops.irecv(reply, server, kind=_KIND, tag=_TAG_REP_DATA)]
-        for work in works:
-            work.wait()
-        return
-    for _ in range(world - 1):
+    for _ in range(requests):
         src = ops.recv(hdr, None, kind=_KIND, tag=_TAG_REQ)
-        ops.recv(reply, src, kind=_KIND, tag=_TAG_REQ_DATA)
+        ops.recv(scratch, src, kind=_KIND, tag=_TAG_REQ_DATA)
         ops.send(hdr, src, kind=_KIND, tag=_TAG_REP)
         ops.send(t, src, kind=_KIND, tag=_TAG_REP_DATA)
+
+
+def _ps(t: torch.Tensor, rank: int, world: int, reply: torch.Tensor) -> None:
+    """One fan-in in the parameter server's protocol (the module docstring)."""
+    if rank != world - 1:
+        _ps_request(t, world - 1, reply)
+    else:
+        _ps_serve(t, reply, world - 1)
+
+
+def _ps_loop(t: torch.Tensor, rank: int, world: int, iters: int, kernel: Callable[[], None],
+             reply: torch.Tensor) -> float:
+    """``loop_ps``, the asynchronous strategies' shape: each worker runs the kernel then
+    its exchange with the server, ``iters`` times; the server (the last rank, no kernel)
+    serves world - 1 requests per iteration as they come. Seconds per iteration."""
+    start = time.perf_counter()
+    for _ in range(iters):
+        if rank != world - 1:
+            kernel()
+            _ps_request(t, world - 1, reply)
+        else:
+            _ps_serve(t, reply, world - 1)
+    return (time.perf_counter() - start) / iters
 
 
 def _run(op: str, t: torch.Tensor, rank: int, world: int, scratch: torch.Tensor, slot: dict) -> None:
@@ -192,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loops", action="store_true",
                         help="also time the training-shaped loops (module docstring)")
     parser.add_argument("--loop-iters", type=int, default=4)
-    parser.add_argument("--loop-repeats", type=int, default=2)
+    parser.add_argument("--loop-repeats", type=int, default=3)
     parser.add_argument("--kernel-matmuls", type=int, default=32)
     args = parser.parse_args(argv)
 
@@ -235,11 +267,13 @@ def main(argv: list[str] | None = None) -> int:
                     records.append({"phase": label, "op": op, "bytes": numel * 4, "times_s": times})
                 looped = args.loops and nbytes in (phase_sizes[0], phase_sizes[-1])
                 rounds = [f"loop_serial_ring_x{r}" for r in ROUNDS] if nbytes == phase_sizes[0] else []
-                for op in [*LOOPS, *rounds] if looped else ():
+                served = ["loop_ps"] if "ps" in wanted and world > 1 and nbytes == phase_sizes[-1] else []
+                for op in [*LOOPS, *rounds, *served] if looped else ():
                     times = []
                     for i in range(args.loop_repeats + 1):  # the first is a warm-up
                         ops.barrier()
-                        per_iter = _loop(op, t, args.loop_iters, kernel, slot)
+                        per_iter = (_ps_loop(t, rank, world, args.loop_iters, kernel, scratch) if op == "loop_ps"
+                                    else _loop(op, t, args.loop_iters, kernel, slot))
                         if i:
                             times.append(per_iter)
                         t.fill_(1.0)
