@@ -53,11 +53,12 @@ def test_costmodel_predicts_a_held_out_row(tmp_path: Path) -> None:
     assert {s["rate_mbit"] for s in inputs["probe"]} == {100.0, 1000.0}
     assert {s["op"] for s in inputs["probe"]} == {"ring", "tree", "allgather", "broadcast", "ps"}
     # the training-shaped loops, at the smallest and the largest message of each rate
-    # (+ 2 and 4 blocking all-reduces per iteration at the smallest), the kernel sized first
+    # (+ 2 and 4 blocking all-reduces per iteration at the smallest, the busy server at the
+    # largest), the kernel sized first
     assert {s["op"] for s in inputs["probe_loops"]} == {
         "loop_free", "loop_serial_ring", "loop_overlap_ring", "loop_serial_allgather",
-        "loop_overlap_allgather", "loop_serial_ring_x2", "loop_serial_ring_x4"}
-    assert len(inputs["probe_loops"]) == 5 * 2 * 2 + 2 * 2
+        "loop_overlap_allgather", "loop_serial_ring_x2", "loop_serial_ring_x4", "loop_ps"}
+    assert len(inputs["probe_loops"]) == 5 * 2 * 2 + 2 * 2 + 2
     assert inputs["probe_kernel"]["matmuls"] >= 1
     result = json.loads((tmp_path / "costmodel.json").read_text())
     held = [p for p in result["predictions"] if not p["in_fit"]]
@@ -74,5 +75,7 @@ def test_costmodel_predicts_a_held_out_row(tmp_path: Path) -> None:
     # within 40%: at 50 Mbit/s the all-reduce (~0.1 s) outweighs the compute, so a model
     # that dropped the communication or counted it twice would miss
     assert abs(row["rel_err"]) < 0.4
+    # one worker (2 ranks) never has a next request: no busy-server phi to fit
+    assert result["loops"]["busy_overlap"] == {}
     assert_valid_png(tmp_path / "costmodel_projection.png")
     assert "not a measurement" in (tmp_path / "costmodel.md").read_text()
