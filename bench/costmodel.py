@@ -100,9 +100,10 @@ k messages in turn (PowerSGD's rounds) is charged ``s + (k - 1) s_r``. One more 
 then exchange with the server in turn, the server kept busy. The fan-in probe fits phi on
 one burst of simultaneous requests, three times; training keeps the server busy with
 requests that arrive in turn, step after step, so :func:`fit_ps_loop` solves each server-bound loop sample,
-T = PS server round(p, n), for phi at its p (the median per p), and the server-round and
-round-robin formulas of the rows use that phi where it was measured at their p (the
-fan-in's phi elsewhere, and in the projection). The probe's
+T = PS server round(p, n), for phi at its p and rate (the share varies with the rate at a
+fixed p: 0.4 / 0.7 / 0.4 at 50 / 200 / 1000 Mbit/s in one batch), and the server-round and
+round-robin formulas of the rows use that phi where it was measured at their p, linear in
+log(rate) between the probed rates (the fan-in's phi elsewhere, and in the projection). The probe's
 kernel is sized (``--kernel-matmuls``) from the limit row, measured first, so that the
 loops compute per iteration what the workload computes per step.
 
@@ -180,6 +181,7 @@ __all__ = [
     "LAYOUTS",
     "allgather_terms",
     "broadcast_terms",
+    "busy_phi",
     "collective_time",
     "fit",
     "fit_alpha_beta",
@@ -555,25 +557,27 @@ def fit_rounds(loops: Sequence[dict], idle: dict, free: dict) -> dict:
     return out
 
 
-def fit_ps_loop(loops: Sequence[dict], model: dict[str, dict]) -> dict[str, float]:
-    """phi of a server kept busy, per p, from the probe's ``loop_ps`` samples (workers
-    computing then exchanging with the server in turn, the asynchronous strategies'
-    shape). Once the server bounds the period, an iteration is its round,
+def fit_ps_loop(loops: Sequence[dict], model: dict[str, dict]) -> dict[str, dict[str, float]]:
+    """phi of a server kept busy, per p and link rate, from the probe's ``loop_ps``
+    samples (workers computing then exchanging with the server in turn, the asynchronous
+    strategies' shape). Once the server bounds the period, an iteration is its round,
     T = 2(p-1) alpha + (p-1)(2 - phi) x with x = max(0, n - B) / beta (alpha, beta and B of
     the fitted ``ps`` probe, alpha scaled by the CPU share), so each sample gives
-    phi = 2 - (T - 2(p-1) alpha) / ((p-1) x); the median per p, clipped to [0, 1]. Samples
-    with one worker (no next request), no bytes past the burst, or where the worker's own
-    chain (the kernel alone F + its exchange W) is as long as T (not server-bound) say
-    nothing about phi and are skipped.
+    phi = 2 - (T - 2(p-1) alpha) / ((p-1) x), clipped to [0, 1] (the median where a (p,
+    rate) has several). Samples with one worker (no next request), no bytes past the
+    burst, or where the worker's own chain (the kernel alone F + its exchange W) is as long
+    as T (not server-bound) say nothing about phi and are skipped. Per rate because the
+    probe shows the share varying with the rate at a fixed p (how much of a reply the
+    sender's TCP stack lets drain ahead against the shaper); :func:`busy_phi` interpolates.
 
     Returns:
-        ``{p: phi}`` (p as strings); empty without samples or a ``ps`` fit.
+        ``{p: {rate_mbit: phi}}`` (both as strings); empty without samples or a ``ps`` fit.
     """
     par = model.get("ps")
     if not par:
         return {}
     free = {(s["p"], s["bytes"], s["rate_mbit"]): s["time_s"] for s in loops if s["op"] == "loop_free"}
-    per_p: dict[int, list[float]] = {}
+    found: dict[int, dict[float, list[float]]] = {}
     for s in loops:
         p = s["p"]
         if s["op"] != "loop_ps" or p < 3:
@@ -585,8 +589,22 @@ def fit_ps_loop(loops: Sequence[dict], model: dict[str, dict]) -> dict[str, floa
         if x <= 0 or worker >= s["time_s"]:
             continue
         phi = 2.0 - (s["time_s"] - 2.0 * (p - 1) * alpha) / ((p - 1) * x)
-        per_p.setdefault(p, []).append(min(1.0, max(0.0, phi)))
-    return {str(p): statistics.median(v) for p, v in sorted(per_p.items())}
+        found.setdefault(p, {}).setdefault(float(s["rate_mbit"]), []).append(min(1.0, max(0.0, phi)))
+    return {str(p): {f"{r:g}": statistics.median(v) for r, v in sorted(by_rate.items())}
+            for p, by_rate in sorted(found.items())}
+
+
+def busy_phi(by_rate: dict[str, float], rate_mbit: float) -> float:
+    """phi at ``rate_mbit`` from :func:`fit_ps_loop`'s values at one p: linear in
+    log(rate) between the two probed rates around it, the nearest one's outside them."""
+    pts = sorted((float(r), v) for r, v in by_rate.items())
+    if rate_mbit <= pts[0][0]:
+        return pts[0][1]
+    for (r0, v0), (r1, v1) in zip(pts, pts[1:]):
+        if rate_mbit <= r1:
+            w = math.log(rate_mbit / r0) / math.log(r1 / r0)
+            return v0 + w * (v1 - v0)
+    return pts[-1][1]
 
 
 def loop_shape(row: dict, aggregation: str) -> str | None:
@@ -684,19 +702,19 @@ BUSY_SERVER = ("ps_server", "round_robin")
 
 
 def fitted_net(model: dict[str, dict], rate_mbit: float,
-               busy_overlap: dict[str, float] | None = None) -> Callable[[str, int, float], float]:
+               busy_overlap: dict[str, dict[str, float]] | None = None) -> Callable[[str, int, float], float]:
     """``net(collective, p, bytes)`` of the emulated cluster at one link rate (alpha
     scaled by the CPU share of p ranks where the fit was made with ``cpus``; the links'
     token-bucket burst B charged where the fit charged it; phi of the fitted ``ps``, or
-    for a busy server's round (:data:`BUSY_SERVER`) ``busy_overlap[p]``
-    (:func:`fit_ps_loop`) where it was measured at p)."""
+    for a busy server's round (:data:`BUSY_SERVER`) the one measured at p
+    (:func:`fit_ps_loop`), at this rate (:func:`busy_phi`))."""
     def net(name: str, p: int, nbytes: float) -> float:
         par = model[probe_of(name)]
         alpha = par["alpha_s"] * (cpu_share(p, par["cpus"]) if par.get("cpus") else 1.0)
         burst = emulated_burst_bytes(rate_mbit) if par.get("burst") else 0.0
         phi = par.get("overlap", 0.0)
         if name in BUSY_SERVER and busy_overlap and str(p) in busy_overlap:
-            phi = busy_overlap[str(p)]
+            phi = busy_phi(busy_overlap[str(p)], rate_mbit)
         return collective_time(name, p, nbytes, alpha, par["eta"] * _rate_bps(rate_mbit), burst, phi)
     return net
 
@@ -1015,9 +1033,11 @@ def markdown(result: dict) -> str:
                   "behind the next request (0: serial, 1: full duplex), from the fan-in"]
     busy = (result.get("loops") or {}).get("busy_overlap") or {}
     if busy:
-        per_p = ", ".join(f"p={p}: {v:.2f}" for p, v in busy.items())
+        per_p = "; ".join(f"p={p}: " + ", ".join(f"{v:.2f} at {r} Mbit/s" for r, v in by_rate.items())
+                          for p, by_rate in busy.items())
         lines.append(f"- a busy server (the probe's `loop_ps`: workers computing then exchanging in turn): "
-                     f"phi {per_p}; the async and round-robin rows use it at their p")
+                     f"phi {per_p}; the async and round-robin rows use it at their p, linear in "
+                     "log(rate) between the probed rates")
     if any(par.get("burst") for par in fitted.values()):
         lines.append("- token bucket: the first B bytes of each transfer after an idle link pass at "
                      "line rate (B = 2 ms of the link, `bench/_netem.py`); B = 0 in the projection")

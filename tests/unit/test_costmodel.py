@@ -557,9 +557,11 @@ def test_kernel_matmuls_is_at_least_one_product():
     assert n == 1 and mm_s > 0
 
 
-def test_fit_ps_loop_recovers_the_busy_servers_overlap_per_p_and_predictions_use_it():
-    # the ps probe fitted with the fan-in's phi 0.3; a busy server drains more of each reply
-    alpha, eta, fan_in, busy = 4e-4, 0.9, 0.3, {4: 0.7, 8: 0.55}
+def test_fit_ps_loop_recovers_the_busy_servers_overlap_per_p_and_rate_and_predictions_use_it():
+    # the ps probe fitted with the fan-in's phi 0.3; a busy server drains a share that
+    # depends on p and on the link rate
+    alpha, eta, fan_in = 4e-4, 0.9, 0.3
+    busy = {4: {50.0: 0.4, 200.0: 0.7, 1000.0: 0.5}, 8: {50.0: 0.35, 200.0: 0.55, 1000.0: 0.3}}
     model = {"ps": {"alpha_s": alpha, "eta": eta, "cpus": 2, "burst": True, "overlap": fan_in}}
     loops = []
     for rate in RATES:
@@ -567,17 +569,24 @@ def test_fit_ps_loop_recovers_the_busy_servers_overlap_per_p_and_predictions_use
         x = (n - _burst(rate)) / (eta * _bps(rate))  # seconds of one message past the burst
         for p in (2, 4, 8):
             a = alpha * cm.cpu_share(p, 2)
-            phi = busy.get(p, 0.0)
+            phi = busy.get(p, {}).get(rate, 0.0)
             loops.append({"op": "loop_free", "p": p, "bytes": n, "rate_mbit": rate, "time_s": 0.01})
             # the server's round, by hand: 2(p-1) alpha + (p-1)(2 - phi) x
             loops.append({"op": "loop_ps", "p": p, "bytes": n, "rate_mbit": rate,
                           "time_s": 2 * (p - 1) * a + (p - 1) * (2 - phi) * x})
     # a worker-bound sample (its own kernel longer than the server's round) says nothing
-    loops.append({"op": "loop_free", "p": 4, "bytes": 1024, "rate_mbit": 50.0, "time_s": 5.0})
-    loops.append({"op": "loop_ps", "p": 4, "bytes": 1024, "rate_mbit": 50.0, "time_s": 5.1})
+    loops.append({"op": "loop_free", "p": 4, "bytes": 1024, "rate_mbit": 10.0, "time_s": 5.0})
+    loops.append({"op": "loop_ps", "p": 4, "bytes": 1024, "rate_mbit": 10.0, "time_s": 5.1})
     fitted = cm.fit_ps_loop(loops, model)
     assert set(fitted) == {"4", "8"}  # one worker (p = 2) has no next request
-    assert fitted["4"] == pytest.approx(0.7, abs=1e-9) and fitted["8"] == pytest.approx(0.55, abs=1e-9)
+    for p, by_rate in busy.items():
+        assert set(fitted[str(p)]) == {"50", "200", "1000"}
+        for rate, phi in by_rate.items():
+            assert fitted[str(p)][f"{rate:g}"] == pytest.approx(phi, abs=1e-9)
+    # linear in log(rate) between probed rates: 100 Mbit/s is halfway from 50 to 200
+    assert cm.busy_phi(fitted["4"], 100.0) == pytest.approx(0.55, abs=1e-9)
+    assert cm.busy_phi(fitted["4"], 20.0) == pytest.approx(0.4) and cm.busy_phi(fitted["4"], 5000.0) == pytest.approx(0.5)
+    assert cm.busy_phi(fitted["8"], 200.0) == pytest.approx(0.55)
     # the busy server's phi replaces the fan-in's for the server round and round robin at
     # its p; the fan-in formula itself keeps the fan-in's phi
     full = {op: {**MODEL[op], "cpus": 2} for op in cm.COLLECTIVES}
@@ -585,10 +594,11 @@ def test_fit_ps_loop_recovers_the_busy_servers_overlap_per_p_and_predictions_use
     net, busy_net = cm.fitted_net(full, 100.0), cm.fitted_net(full, 100.0, fitted)
     y = (614_440 - 25_000) / (eta * 12.5e6)
     a4 = alpha * cm.cpu_share(4, 2)
-    assert busy_net("ps_server", 4, 614_440) == pytest.approx(6 * a4 + 3 * (2 - 0.7) * y, rel=1e-12)
+    assert busy_net("ps_server", 4, 614_440) == pytest.approx(6 * a4 + 3 * (2 - 0.55) * y, rel=1e-12)
     assert net("ps_server", 4, 614_440) == pytest.approx(6 * a4 + 3 * (2 - 0.3) * y, rel=1e-12)
-    assert busy_net("round_robin", 4, 614_440) == pytest.approx(3 * a4 + 3 * (2 - 0.7) * y, rel=1e-12)
+    assert busy_net("round_robin", 4, 614_440) == pytest.approx(3 * a4 + 3 * (2 - 0.55) * y, rel=1e-12)
     assert busy_net("ps", 4, 614_440) == net("ps", 4, 614_440)
+    assert busy_net("ps_server", 2, 614_440) == net("ps_server", 2, 614_440)  # not measured at p = 2
     inputs = _synthetic_inputs(full)
     preds = {p["row"]: p for p in cm.predict_rows(full, inputs, {"busy_overlap": fitted})}
     # async_easgd (tau 1, overlap): max(t_c, W, S), S the busy round
