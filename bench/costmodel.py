@@ -1474,7 +1474,8 @@ def _run_row(cluster, config, k: int, args: argparse.Namespace) -> dict:
 
     print(f"[costmodel] row {config.label} {' '.join(config.overrides)}", flush=True)
     res = run_config(
-        cluster, config, steps=args.steps, warmup_steps=args.warmup_steps,
+        cluster, config, steps=args.limit_steps if config.strategy == "limit" else args.steps,
+        warmup_steps=args.warmup_steps,
         workload=list(WIDE_MLP_WORKLOAD), extra=args.extra.split(), out_dir=args.out / "runs",
         port=args.port + 100 + k, timeout_s=args.timeout_s,
     )
@@ -1596,7 +1597,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", default=DEFAULT_ROWS, help="bench/cluster.py --configs syntax")
     p.add_argument("--rows-workers", type=int, default=ROWS_WORKERS)
     p.add_argument("--rows-rate", type=float, default=ROWS_RATE_MBIT)
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--limit-steps", type=int, default=200,
+                   help="steps of the limit row, whose compute every prediction uses: a steady "
+                        "window long against the two runs' start-up jitter")
     p.add_argument("--warmup-steps", type=int, default=10)
     p.add_argument("--extra", default="", help="Hydra overrides for every row")
     p.add_argument("--latency-ms", type=float, default=0.1)

@@ -36,7 +36,7 @@ def test_costmodel_predicts_a_held_out_row(tmp_path: Path) -> None:
         sys.executable, str(REPO / "bench" / "costmodel.py"), "--measure",
         "--probe-workers", "2", "--probe-rates", "100,1000", "--probe-repeats", "1",
         "--rows", "ddp/none,limit/none", "--rows-workers", "2",
-        "--rows-rate", "50", "--steps", "16", "--warmup-steps", "4", "--out", str(tmp_path),
+        "--rows-rate", "50", "--steps", "16", "--limit-steps", "16", "--warmup-steps", "4", "--out", str(tmp_path),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
