@@ -37,7 +37,7 @@ def inner_reference(grads, name: str, **params) -> dict:
 def ranks(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp(f"two_way_{world}")
-    launch_ranks(SCRIPT, world, [str(out), str(N), str(STEPS), "topk,redsync,signsgd"], timeout=300)
+    launch_ranks(SCRIPT, world, [str(out), str(N), str(STEPS), "topk,redsync,signsgd,exchange"], timeout=300)
     return world, [torch.load(out / f"rank{r}.pt") for r in range(world)]
 
 
@@ -71,3 +71,13 @@ def test_the_meter_counts_the_bytes_the_all_to_all_moved(ranks, case):
             others = sum(8 * parts + rows[i]["down"] for i in range(world) if i != r)
             assert row["recv"] == row["a2a_recv"] + others, (r, row)
             assert row["dense"] == N * 8
+
+
+def test_the_attach_points_exchange_gives_the_reference_result(ranks):
+    """Through exchange_tensors (residual memory, batched all-gathers), two tensors."""
+    world, res = ranks
+    for size, i in ((N, 0), (37, 1)):
+        ref = topk_reference(grads_for(world, size, STEPS), 0.05)
+        for r in range(world):
+            for t, outs in enumerate(res[r]["exchange"]["outs"]):
+                torch.testing.assert_close(outs[i], ref["outs"][t], rtol=1e-12, atol=1e-12)

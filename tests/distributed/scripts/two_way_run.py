@@ -1,13 +1,16 @@
 """One rank of the two-way exchange on gloo (launched torchrun-style by the test).
 
-Usage: two_way_run.py OUT N STEPS CASE[,CASE...]   (CASE = topk | redsync | signsgd)
+Usage: two_way_run.py OUT N STEPS CASE[,CASE...]   (CASE = topk | redsync | signsgd | exchange)
 
 Each case runs STEPS exchanges of one float64 tensor of N entries through
 ``TwoWayCompressor.aggregate`` on a :class:`ProcessGroupCollective` (residual memory as the
 attach points keep it); rank r's gradients are those of
 :func:`tests.unit.test_two_way.grads_for`. The rank saves, per case and step, its result,
 its state's byte figures, what the meter counted for the case's kind, and the bytes its
-all-to-all really moved (measured on the tensors it sent and got back).
+all-to-all really moved (measured on the tensors it sent and got back). The case
+``exchange`` runs top-k two-way through the attach points' exchange
+(:func:`~easgd_lightning.hooks._exchange.exchange_tensors`: residual memory, batched
+all-gathers, dense charges) on two tensors, N and SMALL entries.
 """
 
 import os
@@ -18,10 +21,12 @@ import torch.distributed as dist
 
 from easgd_lightning.comm.meter import get_meter
 from easgd_lightning.hooks import build_compressor
+from easgd_lightning.hooks._exchange import exchange_tensors
 from easgd_lightning.hooks.collective import ProcessGroupCollective
 from easgd_lightning.hooks.memory import ResidualMemory
 from tests.unit.test_two_way import grads_for
 
+SMALL = 37
 CASES = {
     "topk": {"ratio": 0.05, "exact": True},
     "redsync": {"ratio": 0.05},
@@ -64,12 +69,25 @@ def run_case(case: str, rank: int, world: int, n: int, steps: int) -> dict:
     return {"rows": rows, "e": memory.residual("w").clone(), "f": state["f"].clone()}
 
 
+def run_exchange(rank: int, world: int, n: int, steps: int) -> dict:
+    comp = build_compressor("topk", two_way=True, min_numel=0, **CASES["topk"])
+    coll = ProcessGroupCollective(kind="two_way_exchange")
+    memory, states = ResidualMemory(), {}
+    grads = [grads_for(world, size, steps)[rank] for size in (n, SMALL)]
+    outs = []
+    for t in range(steps):
+        means, _ = exchange_tensors([grads[0][t], grads[1][t]], ["a", "b"], comp, memory, states, coll)
+        outs.append([m.clone() for m in means])
+    return {"outs": outs}
+
+
 def main() -> None:
     out, n, steps, cases = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(",")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    result = {case: run_case(case, rank, world, n, steps) for case in cases}
+    result = {case: run_exchange(rank, world, n, steps) if case == "exchange" else run_case(case, rank, world, n, steps)
+              for case in cases}
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
