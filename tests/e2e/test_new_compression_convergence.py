@@ -62,5 +62,8 @@ def test_two_way_topk_trains_with_adam(tmp_path: Path) -> None:
     assert s["status"] == "ok", s.get("error")
     assert s["val_acc"] >= dense["val_acc"] - 0.08, (s["val_acc"], dense["val_acc"])
     dp = s["comm"]["by_kind"]["data_parallel"]
-    # up: 1% of entries as (index, value); down: 1% of each shard again: ratio ~25
-    assert 15 <= dp["dense_bytes"] / dp["bytes_sent"] <= 34
+    # up: 1% of the other owner's shard as (index, value) with a length; down: 1% of the
+    # own shard with the all-gather's header: 864 bytes per rank and step against 38440
+    # dense, and one dense warm-up step of 115: ratio 32.3 (the former form, one-way's
+    # all-gather plus the shards, 1248 bytes: 24.5)
+    assert 28 <= dp["dense_bytes"] / dp["bytes_sent"] <= 37
