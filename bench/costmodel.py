@@ -98,13 +98,13 @@ s_r the cost of each further blocking round; a serial all-reduce row whose excha
 k messages in turn (PowerSGD's rounds) is charged ``s + (k - 1) s_r``. One more loop,
 ``loop_ps`` (largest message), has the asynchronous strategies' shape: workers compute,
 then exchange with the server in turn, the server kept busy. The fan-in probe fits phi on
-one burst of simultaneous requests, three times; training keeps the server busy with
-requests that arrive in turn, step after step, so :func:`fit_ps_loop` solves each server-bound loop sample,
-T = PS server round(p, n), for phi at its p and rate (the share varies with the rate at a
-fixed p: 0.4 / 0.7 / 0.4 at 50 / 200 / 1000 Mbit/s in one batch), and the server-round and
-round-robin formulas of the rows use that phi where it was measured at their p, linear in
-log(rate) between the probed rates (the fan-in's phi elsewhere, and in the projection). The probe's
-kernel is sized (``--kernel-matmuls``) from the limit row, measured first, so that the
+one burst of simultaneous requests; training keeps the server busy with requests that
+arrive in turn, step after step, so :func:`fit_ps_loop` solves each server-bound loop
+sample, T = PS server round(p, n), for phi at its p and rate (the share varies with the
+rate at a fixed p: 0.4 / 0.7 / 0.4 at 50 / 200 / 1000 Mbit/s in one batch), and the
+server-round and round-robin formulas of the rows use that phi where it was measured at
+their p, linear in log(rate) between the probed rates (the fan-in's phi elsewhere, and in
+the projection). The probe's kernel is sized (``--kernel-matmuls``) from the limit row, measured first, so that the
 loops compute per iteration what the workload computes per step.
 
 **Step time** of a (strategy, compression) row on p ranks (:func:`step_time`), with t_c the
@@ -567,8 +567,8 @@ def fit_ps_loop(loops: Sequence[dict], model: dict[str, dict]) -> dict[str, dict
     rate) has several). Samples with one worker (no next request), no bytes past the
     burst, or where the worker's own chain (the kernel alone F + its exchange W) is as long
     as T (not server-bound) say nothing about phi and are skipped. Per rate because the
-    probe shows the share varying with the rate at a fixed p (how much of a reply the
-    sender's TCP stack lets drain ahead against the shaper); :func:`busy_phi` interpolates.
+    probe shows the share varying with the rate at a fixed p (why was not measured);
+    :func:`busy_phi` interpolates.
 
     Returns:
         ``{p: {rate_mbit: phi}}`` (both as strings); empty without samples or a ``ps`` fit.

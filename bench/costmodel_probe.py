@@ -41,8 +41,8 @@ per blocking round (an exchange of several messages, e.g. PowerSGD's P and Q rou
 At the largest message of each rate one more, ``loop_ps``, has the asynchronous
 strategies' shape: every worker runs the kernel then its exchange with the parameter
 server (the ``ps`` protocol above), the server serves the requests as they come: how much
-of each reply drains behind the next request once the server is kept busy, which the
-fan-in (every worker pushing once, at the same time) measures on fresh connections.
+of each reply drains behind the next request once the server is kept busy by requests
+arriving in turn, where the fan-in has every worker push once, at the same time.
 The harness sizes the kernel (``--kernel-matmuls``) so that it takes as long as the
 workload's measured compute per step.
 
