@@ -104,8 +104,9 @@ sample, T = PS server round(p, n), for phi at its p and rate (the share varies w
 rate at a fixed p: 0.4 / 0.7 / 0.4 at 50 / 200 / 1000 Mbit/s in one batch), and the
 server-round and round-robin formulas of the rows use that phi where it was measured at
 their p, linear in log(rate) between the probed rates (the fan-in's phi elsewhere, and in
-the projection). The probe's kernel is sized (``--kernel-matmuls``) from the limit row, measured first, so that the
-loops compute per iteration what the workload computes per step.
+the projection). The probe's kernel is sized (``--kernel-matmuls``) from the limit row,
+measured first, so that the loops compute per iteration what the workload computes per
+step.
 
 **Step time** of a (strategy, compression) row on p ranks (:func:`step_time`), with t_c the
 measured compute per step (the ``limit`` row: same hosts, no communication; CPU sharing of
