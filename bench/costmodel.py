@@ -1603,7 +1603,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="steps of the limit row, whose compute every prediction uses: a steady "
                         "window long against the two runs' start-up jitter")
     p.add_argument("--warmup-steps", type=int, default=10)
-    p.add_argument("--extra", default="", help="Hydra overrides for every row")
+    p.add_argument("--extra", default="trainer.limit_val_batches=0",
+                   help="Hydra overrides for every row (default: no validation passes, which the "
+                        "model has no term for: a training step is what it predicts)")
     p.add_argument("--latency-ms", type=float, default=0.1)
     p.add_argument("--timeout-s", type=float, default=300.0)
     p.add_argument("--budget-s", type=float, default=0.0,
