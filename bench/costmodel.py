@@ -95,7 +95,10 @@ rest. s is reported per size too: a cost that grows with the message would be a 
 collective, not a synchronisation. Two more serial loops run 2 and 4 blocking all-reduces
 per iteration (smallest message): :func:`fit_rounds` fits ``T_r - F - r C = s_0 + r s_r``,
 s_r the cost of each further blocking round; a serial all-reduce row whose exchange sends
-k messages in turn (PowerSGD's rounds) is charged ``s + (k - 1) s_r``. One more loop,
+k messages in turn (PowerSGD's rounds) is charged ``s + (k - 1) s_r``, or, where the
+probe ran ``loop_serial_ring_codec`` (the codec's compute between two blocking rounds,
+sized from the exchange's measured codec: (k - 1)/k of it), ``s + (k - 1) s_c`` with
+s_c from :func:`fit_codec_rounds`. One more loop,
 ``loop_ps`` (largest message), has the asynchronous strategies' shape: workers compute,
 then exchange with the server in turn, the server kept busy. The fan-in probe fits phi on
 one burst of simultaneous requests; training keeps the server busy with requests that
@@ -186,6 +189,7 @@ __all__ = [
     "collective_time",
     "fit",
     "fit_alpha_beta",
+    "fit_codec_rounds",
     "fit_ps_loop",
     "hierarchical_allreduce_time",
     "layouts_with",
@@ -558,6 +562,33 @@ def fit_rounds(loops: Sequence[dict], idle: dict, free: dict) -> dict:
     return out
 
 
+def fit_codec_rounds(loops: Sequence[dict], probe: Sequence[dict], sync_serial: dict[str, float],
+                     kernel: dict | None) -> dict[str, float]:
+    """The cost of each further blocking round when the codec computes between the rounds,
+    per p, from the probe's ``loop_serial_ring_codec`` (kernel F, all-reduce, a shorter
+    kernel f, all-reduce; f = F x between / matmuls, the same products): T - F - f - 2C
+    = s + s_c, s the serial loop's once-per-exchange cost at p (``sync_s["serial_ring"]``),
+    so s_c = the median over rates of T - F - f - 2C, minus s, clipped at 0.
+
+    Returns:
+        ``{p: s_c}`` (p as strings); empty without such samples or kernel sizes.
+    """
+    if not kernel or not kernel.get("between_matmuls") or not kernel.get("matmuls"):
+        return {}
+    share = kernel["between_matmuls"] / kernel["matmuls"]
+    idle = {(s["op"], s["p"], s["bytes"], s["rate_mbit"]): s["time_s"] for s in probe}
+    free = {(s["p"], s["bytes"], s["rate_mbit"]): s["time_s"] for s in loops if s["op"] == "loop_free"}
+    excess: dict[int, list[float]] = {}
+    for s in loops:
+        key = (s["p"], s["bytes"], s["rate_mbit"])
+        if s["op"] != "loop_serial_ring_codec" or key not in free or ("ring", *key) not in idle:
+            continue
+        f_total = free[key] * (1.0 + share)
+        excess.setdefault(s["p"], []).append(s["time_s"] - f_total - 2.0 * idle[("ring", *key)])
+    return {str(p): max(0.0, statistics.median(v) - sync_serial.get(str(p), 0.0))
+            for p, v in sorted(excess.items())}
+
+
 def fit_ps_loop(loops: Sequence[dict], model: dict[str, dict]) -> dict[str, dict[str, float]]:
     """phi of a server kept busy, per p and link rate, from the probe's ``loop_ps``
     samples (workers computing then exchanging with the server in turn, the asynchronous
@@ -810,8 +841,11 @@ def predict_rows(model: dict[str, dict], inputs: dict, loops: dict | None = None
         opts = row_options(row)
         shape = loop_shape(row, x["aggregation"])
         sync = ((loops or {}).get("sync_s", {}).get(shape) or {}).get(str(row["workers"]), 0.0)
-        # each blocking round past the first adds the probe's per-round cost (fit_rounds)
-        per_round = ((loops or {}).get("per_round_s") or {}).get(str(row["workers"]), 0.0)
+        # each blocking round past the first adds the probe's per-round cost: with the
+        # codec between the rounds where probed (fit_codec_rounds), else back to back (fit_rounds)
+        codec_round = ((loops or {}).get("codec_round_s") or {}).get(str(row["workers"]))
+        per_round = codec_round if codec_round is not None else (
+            ((loops or {}).get("per_round_s") or {}).get(str(row["workers"]), 0.0))
         rounds_extra = max(0.0, x["calls"] - 1.0) if shape == "serial_ring" else 0.0
         sync += rounds_extra * per_round
         hidden = ((loops or {}).get("hidden", {}).get(shape) or {}).get(str(row["workers"]), 1.0)
@@ -1074,6 +1108,10 @@ def markdown(result: dict) -> str:
                 f"{1e3 * loops['per_round_s'][str(q)]:.1f} (r: " + " / ".join(
                     f"{r}={1e3 * v:.1f}" for r, v in loops["by_rounds"][str(q)].items()) + ")"
                 if str(q) in loops["per_round_s"] else "" for q in ps) + " |")
+        if loops.get("codec_round_s"):
+            lines.append("| each further blocking all-reduce with the codec between (s_c; used) | " + " | ".join(
+                f"{1e3 * loops['codec_round_s'][str(q)]:.1f}" if str(q) in loops["codec_round_s"] else ""
+                for q in ps) + " |")
     lines += [
         "",
         "| row | ranks | Mbit/s | measured s/step | predicted | error | t_c | t_k | comm | msgs | s | formula | held out |",
@@ -1154,6 +1192,8 @@ def analyse(inputs: dict, out: Path, layouts: dict[str, dict] | None = None,
     model = fit(inputs["probe"], cpus=inputs.get("cpus"), burst=emulated_burst_bytes)
     loops = fit_loops(inputs.get("probe_loops") or [], inputs["probe"])
     loops["busy_overlap"] = fit_ps_loop(inputs.get("probe_loops") or [], model)
+    loops["codec_round_s"] = fit_codec_rounds(inputs.get("probe_loops") or [], inputs["probe"],
+                                              loops["sync_s"].get("serial_ring") or {}, inputs.get("probe_kernel"))
     result = {
         "fit": model,
         "loops": loops,
@@ -1198,7 +1238,7 @@ def probe_sizes(rate_mbit: float, top_ms: float = 40.0) -> list[int]:
 
 def run_probe(cluster, out: Path, rates: Sequence[float], port: int, timeout_s: float,
               repeats: int = 3, latency_ms: float = 0.1, top_ms: float = 40.0,
-              loops: bool = False, kernel_matmuls: int = 32) -> list[dict]:
+              loops: bool = False, kernel_matmuls: int = 32, between_matmuls: int = 0) -> list[dict]:
     """Time every collective on ``cluster`` at each rate (one launch, links reshaped
     between phases); one sample per (op, bytes, rate): the slowest rank's median. With
     ``loops``, also the probe's training-shaped loops (ops ``loop_*``)."""
@@ -1215,6 +1255,7 @@ def run_probe(cluster, out: Path, rates: Sequence[float], port: int, timeout_s: 
     cmd = [sys.executable, str(script), "--phases", ",".join(f"{r:g}" for r in rates),
            "--sizes", sizes, "--repeats", str(repeats), "--out", str(res),
            "--timeout-s", str(timeout_s), "--kernel-matmuls", str(kernel_matmuls),
+           "--between-matmuls", str(between_matmuls),
            *(["--loops"] if loops else [])]
     cluster.shape(LinkSpec(rates[0], latency_ms))
     procs = [cluster.spawn(r, cmd, _rank_env(cluster, r, port), res / f"rank{r}.log")
@@ -1414,19 +1455,6 @@ def measure(args: argparse.Namespace) -> dict:
                               "what": "256x256 float32 products per loop iteration, sized "
                               "to the limit row's compute per step (one worker per core)"}
     print(f"[costmodel] probe kernel: {matmuls} matmuls ({mm_s} s each)", flush=True)
-    rates = [float(r) for r in args.probe_rates.split(",")]
-    for k, p in enumerate(int(w) for w in args.probe_workers.split(",")):
-        with EmulatedCluster(p, LinkSpec(rates[0], args.latency_ms), subnet=args.subnet) as cluster:
-            print(f"[costmodel] probe: {p} ranks at {rates} Mbit/s", flush=True)
-            samples = run_probe(
-                cluster, args.out, rates, args.port + 10 * k, args.timeout_s,
-                repeats=args.probe_repeats, latency_ms=args.latency_ms, top_ms=args.probe_top_ms,
-                loops=args.probe_loops, kernel_matmuls=matmuls,
-            )
-            inputs["probe"] += [s for s in samples if not s["op"].startswith("loop_")]
-            inputs["probe_loops"] += [s for s in samples if s["op"].startswith("loop_")]
-    inputs["timings_s"]["probe"] = time.monotonic() - t0
-    partial.write_text(json.dumps(inputs, indent=2))
     t2 = time.monotonic()
     shapes = model_shapes(WIDE_MLP_WORKLOAD)
     inputs["model_shapes"] = shapes
@@ -1444,6 +1472,29 @@ def measure(args: argparse.Namespace) -> dict:
                 **count_exchange_messages(config.compression, config.overrides, shapes),
             }
     inputs["timings_s"]["codec"] = time.monotonic() - t2
+    # the codec between a multi-round exchange's blocking rounds sizes the probe's
+    # loop_serial_ring_codec: (k - 1)/k of the exchange's codec at one rank, k its messages
+    between = 0
+    if mm_s:
+        for exchange in inputs["codec_exchange"].values():
+            k_msgs = exchange.get("messages", 1)
+            if k_msgs > 1:
+                t_between = exchange["seconds_by_world"]["1"] * (k_msgs - 1) / k_msgs
+                between = max(between, max(1, round(t_between / mm_s)))
+    inputs["probe_kernel"]["between_matmuls"] = between
+    rates = [float(r) for r in args.probe_rates.split(",")]
+    for k, p in enumerate(int(w) for w in args.probe_workers.split(",")):
+        with EmulatedCluster(p, LinkSpec(rates[0], args.latency_ms), subnet=args.subnet) as cluster:
+            print(f"[costmodel] probe: {p} ranks at {rates} Mbit/s", flush=True)
+            samples = run_probe(
+                cluster, args.out, rates, args.port + 10 * k, args.timeout_s,
+                repeats=args.probe_repeats, latency_ms=args.latency_ms, top_ms=args.probe_top_ms,
+                loops=args.probe_loops, kernel_matmuls=matmuls, between_matmuls=between,
+            )
+            inputs["probe"] += [s for s in samples if not s["op"].startswith("loop_")]
+            inputs["probe_loops"] += [s for s in samples if s["op"].startswith("loop_")]
+    inputs["timings_s"]["probe"] = time.monotonic() - t0
+    partial.write_text(json.dumps(inputs, indent=2))
     t1 = time.monotonic()
     longest = 0.0
     with EmulatedCluster(args.rows_workers, link, subnet=args.subnet) as cluster:

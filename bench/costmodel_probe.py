@@ -38,6 +38,10 @@ also compute on the same cores. At the smallest message of each rate two more lo
 ``loop_serial_ring_x2`` and ``loop_serial_ring_x4``, run the kernel then 2 or 4 blocking
 all-reduces in a row: whether the synchronisation cost is paid once per exchange or once
 per blocking round (an exchange of several messages, e.g. PowerSGD's P and Q rounds).
+With ``--between-matmuls`` one more, ``loop_serial_ring_codec``, runs the kernel, a
+blocking all-reduce, a shorter kernel of that many products (sized from the codec's
+measured time between its rounds) and a second all-reduce: PowerSGD's shape, whose second
+round waits for ranks that compute their codec on shared cores.
 At the largest message of each rate one more, ``loop_ps``, has the asynchronous
 strategies' shape: every worker runs the kernel then its exchange with the parameter
 server (the ``ps`` protocol above), the server serves the requests as they come: how much
@@ -75,6 +79,8 @@ LOOPS = ("loop_free", "loop_serial_ring", "loop_overlap_ring", "loop_serial_allg
          "loop_overlap_allgather")
 #: blocking rounds per iteration of the extra serial loops (smallest message only)
 ROUNDS = (2, 4)
+#: two blocking all-reduces with the codec's compute between them (PowerSGD's shape)
+_CODEC_ROUNDS = "loop_serial_ring_codec"
 _KIND = "probe"
 _KERNEL_N = 256
 
@@ -85,16 +91,19 @@ def _kernel(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, matmuls: int) -
         torch.mm(a, b, out=out)
 
 
-def _loop(kind: str, t: torch.Tensor, iters: int, kernel: Callable[[], None], slot: dict) -> float:
+def _loop(kind: str, t: torch.Tensor, iters: int, kernel: Callable[[], None], slot: dict,
+          between: Callable[[], None] | None = None) -> float:
     """One training-shaped loop (the module docstring); seconds per iteration."""
     start = time.perf_counter()
     pending = None
     gather = kind.endswith("allgather")
-    rounds = int(kind.rsplit("_x", 1)[1]) if "_x" in kind else 1
+    rounds = int(kind.rsplit("_x", 1)[1]) if "_x" in kind else 2 if kind == _CODEC_ROUNDS else 1
     for _ in range(iters):
         kernel()
         if kind.startswith("loop_serial"):
-            for _ in range(rounds):
+            for r in range(rounds):
+                if r and kind == _CODEC_ROUNDS:
+                    between()
                 if gather:
                     ops.all_gather_varlen([t], kind=_KIND, slot=slot)
                 else:
@@ -226,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loop-iters", type=int, default=4)
     parser.add_argument("--loop-repeats", type=int, default=3)
     parser.add_argument("--kernel-matmuls", type=int, default=32)
+    parser.add_argument("--between-matmuls", type=int, default=0,
+                        help="products between the two rounds of loop_serial_ring_codec (0: no such loop)")
     args = parser.parse_args(argv)
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -240,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def kernel() -> None:
         _kernel(ka, kb, kout, args.kernel_matmuls)
+
+    def between() -> None:
+        _kernel(ka, kb, kout, args.between_matmuls)
 
     records = []
     try:
@@ -267,18 +281,21 @@ def main(argv: list[str] | None = None) -> int:
                     records.append({"phase": label, "op": op, "bytes": numel * 4, "times_s": times})
                 looped = args.loops and nbytes in (phase_sizes[0], phase_sizes[-1])
                 rounds = [f"loop_serial_ring_x{r}" for r in ROUNDS] if nbytes == phase_sizes[0] else []
+                if rounds and args.between_matmuls > 0:
+                    rounds.append(_CODEC_ROUNDS)
                 served = ["loop_ps"] if "ps" in wanted and world > 1 and nbytes == phase_sizes[-1] else []
                 for op in [*LOOPS, *rounds, *served] if looped else ():
                     times = []
                     for i in range(args.loop_repeats + 1):  # the first is a warm-up
                         ops.barrier()
                         per_iter = (_ps_loop(t, rank, world, args.loop_iters, kernel, scratch) if op == "loop_ps"
-                                    else _loop(op, t, args.loop_iters, kernel, slot))
+                                    else _loop(op, t, args.loop_iters, kernel, slot, between))
                         if i:
                             times.append(per_iter)
                         t.fill_(1.0)
                     records.append({"phase": label, "op": op, "bytes": numel * 4, "times_s": times,
-                                    "kernel_matmuls": args.kernel_matmuls})
+                                    "kernel_matmuls": args.kernel_matmuls,
+                                    "between_matmuls": args.between_matmuls})
         atomic_write_text(
             args.out / f"rank{rank}.json",
             json.dumps({"rank": rank, "world_size": world, "records": records}),

@@ -604,3 +604,33 @@ def test_fit_ps_loop_recovers_the_busy_servers_overlap_per_p_and_rate_and_predic
     # async_easgd (tau 1, overlap): max(t_c, W, S), S the busy round
     assert preds["async_easgd/none"]["predicted_s"] == pytest.approx(busy_net("ps_server", 4, 614_440))
     assert cm.fit_ps_loop(loops, {}) == {}
+
+
+def test_fit_codec_rounds_recovers_the_cost_of_a_round_after_the_codec_and_predictions_use_it():
+    # kernel F = 20 ms at p = 4; the codec between the rounds is 5 of its 20 products (f = 5 ms);
+    # the loop pays s = 3 ms once (serial_ring) and s_c = 9 ms for the second round
+    kernel = {"matmuls": 20, "between_matmuls": 5}
+    probe, loops = [], []
+    for rate in RATES:
+        c = 0.002 * 100.0 / rate  # the idle all-reduce of 1 kB at this rate
+        probe.append({"op": "ring", "p": 4, "bytes": 1024, "rate_mbit": rate, "time_s": c})
+        loops.append({"op": "loop_free", "p": 4, "bytes": 1024, "rate_mbit": rate, "time_s": 0.020})
+        loops.append({"op": "loop_serial_ring_codec", "p": 4, "bytes": 1024, "rate_mbit": rate,
+                      "time_s": 0.020 + 0.005 + 2 * c + 0.003 + 0.009})
+    fitted = cm.fit_codec_rounds(loops, probe, {"4": 0.003}, kernel)
+    assert set(fitted) == {"4"} and fitted["4"] == pytest.approx(0.009, abs=1e-12)
+    assert cm.fit_codec_rounds(loops, probe, {"4": 0.003}, {"matmuls": 20, "between_matmuls": 0}) == {}
+    assert cm.fit_codec_rounds(loops, probe, {"4": 0.05}, kernel) == {"4": 0.0}  # clipped at 0
+    # a two-message exchange is charged s + (k - 1) s_c instead of the back-to-back s_r
+    model = {op: {**par, "cpus": 2} for op, par in MODEL.items()}
+    inputs = _synthetic_inputs(model)
+    inputs["rows"].append({"strategy": "ddp", "compression": "powersgd", "overrides": [],
+                           "workers": 4, "rate_mbit": 100.0, "status": "ok", "step_time_s": 0.1})
+    inputs["codec"]["powersgd"] = {"seconds": 0.001, "aggregation": "allreduce", "calls": 2}
+    inputs["codec_exchange"] = {
+        "powersgd": {"seconds_by_world": {"1": 0.001, "4": 0.001}, "messages": 2.0, "bytes": 40000.0},
+        "dgc": {"seconds_by_world": {"1": 0.001, "4": 0.001}, "messages": 2.0, "bytes": 3000.0}}
+    loops_fit = {"sync_s": {"serial_ring": {"4": 0.003}}, "per_round_s": {"4": 0.001}, "codec_round_s": fitted}
+    preds = {p["row"]: p for p in cm.predict_rows(model, inputs, loops_fit)}
+    assert preds["ddp/powersgd"]["sync_s"] == pytest.approx(0.003 + 0.009)
+    assert preds["ddp/none"]["sync_s"] == pytest.approx(0.003)  # one round: s alone
