@@ -531,15 +531,21 @@ def test_fit_rounds_clips_a_negative_slope_and_needs_two_round_counts():
     assert cm.fit_loops(only_one, probe)["per_round_s"] == {}
 
 
-def test_predictions_charge_each_further_blocking_round():
-    model = {op: {**par, "cpus": 2} for op, par in MODEL.items()}
+def _inputs_with_powersgd(model: dict, messages: float) -> dict:
+    """The synthetic rows plus a ddp/powersgd row whose exchange sends ``messages``."""
     inputs = _synthetic_inputs(model)
     inputs["rows"].append({"strategy": "ddp", "compression": "powersgd", "overrides": [],
                            "workers": 4, "rate_mbit": 100.0, "status": "ok", "step_time_s": 0.1})
     inputs["codec"]["powersgd"] = {"seconds": 0.001, "aggregation": "allreduce", "calls": 2}
     inputs["codec_exchange"] = {
-        "powersgd": {"seconds_by_world": {"1": 0.001, "4": 0.001}, "messages": 5.0, "bytes": 40000.0},
+        "powersgd": {"seconds_by_world": {"1": 0.001, "4": 0.001}, "messages": messages, "bytes": 40000.0},
         "dgc": {"seconds_by_world": {"1": 0.001, "4": 0.001}, "messages": 2.0, "bytes": 3000.0}}
+    return inputs
+
+
+def test_predictions_charge_each_further_blocking_round():
+    model = {op: {**par, "cpus": 2} for op, par in MODEL.items()}
+    inputs = _inputs_with_powersgd(model, 5.0)
     loops = {"sync_s": {"serial_ring": {"4": 0.004}, "serial_allgather": {"4": 0.007}},
              "per_round_s": {"4": 0.003}}
     preds = {p["row"]: p for p in cm.predict_rows(model, inputs, loops)}
@@ -623,13 +629,7 @@ def test_fit_codec_rounds_recovers_the_cost_of_a_round_after_the_codec_and_predi
     assert cm.fit_codec_rounds(loops, probe, {"4": 0.05}, kernel) == {"4": 0.0}  # clipped at 0
     # a two-message exchange is charged s + (k - 1) s_c instead of the back-to-back s_r
     model = {op: {**par, "cpus": 2} for op, par in MODEL.items()}
-    inputs = _synthetic_inputs(model)
-    inputs["rows"].append({"strategy": "ddp", "compression": "powersgd", "overrides": [],
-                           "workers": 4, "rate_mbit": 100.0, "status": "ok", "step_time_s": 0.1})
-    inputs["codec"]["powersgd"] = {"seconds": 0.001, "aggregation": "allreduce", "calls": 2}
-    inputs["codec_exchange"] = {
-        "powersgd": {"seconds_by_world": {"1": 0.001, "4": 0.001}, "messages": 2.0, "bytes": 40000.0},
-        "dgc": {"seconds_by_world": {"1": 0.001, "4": 0.001}, "messages": 2.0, "bytes": 3000.0}}
+    inputs = _inputs_with_powersgd(model, 2.0)
     loops_fit = {"sync_s": {"serial_ring": {"4": 0.003}}, "per_round_s": {"4": 0.001}, "codec_round_s": fitted}
     preds = {p["row"]: p for p in cm.predict_rows(model, inputs, loops_fit)}
     assert preds["ddp/powersgd"]["sync_s"] == pytest.approx(0.003 + 0.009)
