@@ -83,7 +83,7 @@ def pack_parts(tensors) -> torch.Tensor:
 
 def _view_as(chunk: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The uint8 ``chunk`` read as ``dtype`` (copied first when it is not aligned for it)."""
-    if chunk.storage_offset() % torch.empty((), dtype=dtype).element_size():
+    if chunk.storage_offset() % dtype.itemsize:
         chunk = chunk.clone()
     return chunk.view(dtype)
 
@@ -177,8 +177,9 @@ class TwoWayCompressor(Compressor):
         pieces, local = self._compress_shards(flat, state, bounds)
         received = collective.all_to_all([pack_parts(p.tensors) for p in pieces])
         state["last_up_bytes"] = sum(self.inner.payload_bytes(p) for j, p in enumerate(pieces) if j != rank)
-        mean = self._owner_mean(received, pieces[rank], world)
-        out = self._send_back(mean, state, collective, bounds)
+        a, b = bounds[rank]
+        mean = self._owner_mean(received, pieces[rank], local[a:b], rank)
+        out = self._send_back(mean, state, collective, bounds, rank)
         return out.view(tensor.shape), local.view(tensor.shape)
 
     def _compress_shards(self, flat: torch.Tensor, state: dict, bounds) -> tuple[list[Payload], torch.Tensor]:
@@ -196,21 +197,27 @@ class TwoWayCompressor(Compressor):
             pieces.append(piece)
         return pieces, local
 
-    def _owner_mean(self, received: list[torch.Tensor], mine: Payload, world: int) -> torch.Tensor:
+    def _owner_mean(self, received: list[torch.Tensor], mine: Payload, mine_decoded: torch.Tensor,
+                    rank: int) -> torch.Tensor:
         """m_j = (1/p) sum_i decode(c_i^j), summed in rank order; every piece decodes with
-        the meta of this rank's own piece of the shard."""
+        the meta of this rank's own piece of the shard, which was decoded already (for the
+        residual: ``mine_decoded``)."""
         numel, dtype = mine.meta["numel"], mine.meta["dtype"]
         dtypes = [t.dtype for t in mine.tensors]
         meta = _local_meta(mine.meta)
         total = torch.zeros(numel, dtype=dtype, device=mine.tensors[0].device)
-        for message in received:
+        for i, message in enumerate(received):
+            if i == rank:
+                total += mine_decoded
+                continue
             parts = tuple(unpack_parts(message.to(total.device), dtypes))
             total += self.inner.decompress(Payload(parts, meta), torch.Size([numel])).reshape(-1).to(dtype)
-        return total.div_(world)
+        return total.div_(len(received))
 
-    def _send_back(self, mean: torch.Tensor, state: dict, collective: Collective, bounds) -> torch.Tensor:
+    def _send_back(self, mean: torch.Tensor, state: dict, collective: Collective, bounds,
+                   rank: int) -> torch.Tensor:
         """q = m + f, d = C(q), f <- q - d on this rank's shard; the d of every owner,
-        all-gathered and decoded into one tensor."""
+        all-gathered and decoded into one tensor (this rank's own d as decoded for f)."""
         memory = _second_residual(state, mean)
         q = memory.compensate(_DOWN, mean)
         down = state.setdefault("down", {})
@@ -223,7 +230,10 @@ class TwoWayCompressor(Compressor):
         meta = _local_meta(payload.meta)
         n = bounds[-1][1]
         out = torch.empty(n, dtype=mean.dtype, device=mean.device)
-        for (a, b), parts in zip(bounds, collective.all_gather(list(payload.tensors))):
+        for j, ((a, b), parts) in enumerate(zip(bounds, collective.all_gather(list(payload.tensors)))):
+            if j == rank:
+                out[a:b] = sent.reshape(-1).to(mean.dtype)
+                continue
             part_meta = dict(meta, numel=b - a) if "numel" in meta else meta
             out[a:b] = self.inner.decompress(Payload(tuple(parts), part_meta), torch.Size([b - a])).to(mean.dtype)
         return out
