@@ -459,6 +459,16 @@ def fit(samples: Sequence[dict], cpus: int | None = None,
     return out
 
 
+def idle_times(probe: Sequence[dict]) -> dict[tuple, float]:
+    """The idle probe's times by (op, p, bytes, rate)."""
+    return {(s["op"], s["p"], s["bytes"], s["rate_mbit"]): s["time_s"] for s in probe}
+
+
+def free_times(loops: Sequence[dict]) -> dict[tuple, float]:
+    """The kernel-alone loops' (``loop_free``, F) times by (p, bytes, rate)."""
+    return {(s["p"], s["bytes"], s["rate_mbit"]): s["time_s"] for s in loops if s["op"] == "loop_free"}
+
+
 LOOP_SHAPES = ("serial_ring", "overlap_ring", "serial_allgather", "overlap_allgather")
 
 
@@ -480,8 +490,8 @@ def fit_loops(loops: Sequence[dict], probe: Sequence[dict]) -> dict:
         ``{"free_s": {p: F}, "sync_s": {shape: {p: s}}, "hidden": {shape: {p: h}},
         "by_size": {shape: {p: {bytes: s}}}, "samples": n}`` (p as strings, JSON keys).
     """
-    idle = {(s["op"], s["p"], s["bytes"], s["rate_mbit"]): s["time_s"] for s in probe}
-    free = {(s["p"], s["bytes"], s["rate_mbit"]): s["time_s"] for s in loops if s["op"] == "loop_free"}
+    idle = idle_times(probe)
+    free = free_times(loops)
     out: dict = {"free_s": {}, "sync_s": {}, "hidden": {}, "by_size": {}, "samples": 0}
     for p in sorted({s["p"] for s in loops}):
         fs = [t for (q, _, _), t in free.items() if q == p]
@@ -576,8 +586,8 @@ def fit_codec_rounds(loops: Sequence[dict], probe: Sequence[dict], sync_serial: 
     if not kernel or not kernel.get("between_matmuls") or not kernel.get("matmuls"):
         return {}
     share = kernel["between_matmuls"] / kernel["matmuls"]
-    idle = {(s["op"], s["p"], s["bytes"], s["rate_mbit"]): s["time_s"] for s in probe}
-    free = {(s["p"], s["bytes"], s["rate_mbit"]): s["time_s"] for s in loops if s["op"] == "loop_free"}
+    idle = idle_times(probe)
+    free = free_times(loops)
     excess: dict[int, list[float]] = {}
     for s in loops:
         key = (s["p"], s["bytes"], s["rate_mbit"])
@@ -608,7 +618,7 @@ def fit_ps_loop(loops: Sequence[dict], model: dict[str, dict]) -> dict[str, dict
     par = model.get("ps")
     if not par:
         return {}
-    free = {(s["p"], s["bytes"], s["rate_mbit"]): s["time_s"] for s in loops if s["op"] == "loop_free"}
+    free = free_times(loops)
     found: dict[int, dict[float, list[float]]] = {}
     for s in loops:
         p = s["p"]
