@@ -231,14 +231,18 @@ def row_from_summary(summary: dict) -> dict:
 
 
 def train_clock(summary: dict) -> float | None:
-    """Seconds from the start of training to the end of the last step's validation.
+    """Seconds of training: the summary's ``train_time_s`` (the slowest rank's clock from
+    the start of training to the end of its last batch, validation passes left out), or,
+    for summaries written before it existed, the time from the start of training to the
+    end of the last step's validation (``val_history``).
 
-    ``val_history`` entries carry the time since training started (after process-group
-    set-up and the strategy's initial broadcast); Lightning validates when ``max_steps``
-    is reached, so the last entry closes the run. None when the history does not end at
-    a step some rank finished on (then use ``wall_time_s``, which also counts the wait
-    for the slowest rank to start).
+    Either leaves out the process group's and the strategy's set-up, whose jitter
+    ``wall_time_s`` (the whole of ``fit``) carries into a difference of two runs. None
+    when neither is there (then use ``wall_time_s``, which also counts the wait for the
+    slowest rank to start).
     """
+    if summary.get("train_time_s") is not None:
+        return float(summary["train_time_s"])
     hist = summary.get("val_history") or []
     steps = [int(s) for s in summary.get("steps_per_rank") or [] if s]
     if not hist or hist[-1].get("time_s") is None or hist[-1].get("step") not in steps:

@@ -24,6 +24,7 @@ __all__ = [
     "AtomicCheckpointIO",
     "CommMetricsCallback",
     "ValHistoryCallback",
+    "TrainClockCallback",
     "FaultInjectionCallback",
     "EpochPrinter",
     "LastFirstCheckpoint",
@@ -87,6 +88,36 @@ class ValHistoryCallback(pl.Callback):
                 "val_loss": float(m["val/loss"]) if "val/loss" in m else None,
             }
         )
+
+
+class TrainClockCallback(pl.Callback):
+    """This rank's training clock: seconds from ``on_train_start`` to the end of its last
+    training batch, less the validation passes run in between (``train_time_s``, None until
+    a batch ends). Unlike the wall time of ``fit`` it leaves out the process group's and
+    the strategy's set-up and the final validation, whose jitter from run to run would
+    otherwise enter a step time taken as the difference of two runs (``bench/_tables.py``)."""
+
+    def __init__(self) -> None:
+        self.start: float | None = None
+        self.val_start: float | None = None
+        self.val_s = 0.0
+        self.train_time_s: float | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.start, self.val_s = time.perf_counter(), 0.0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.start is not None:
+            self.train_time_s = time.perf_counter() - self.start - self.val_s
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if self.start is not None and not trainer.sanity_checking:
+            self.val_start = time.perf_counter()
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self.val_start is not None:
+            self.val_s += time.perf_counter() - self.val_start
+            self.val_start = None
 
 
 class FaultInjectionCallback(pl.Callback):

@@ -44,6 +44,7 @@ def build_summary(
         return [(r["comm"].get(key, default) if r and r.get("status") == "ok" else default) for r in reports]
 
     wall = max((r["wall_time_s"] for r in ok), default=0.0)
+    train_times = [r["train_time_s"] for r in ok if r.get("train_time_s") is not None]
     samples = sum(r.get("samples", 0) for r in ok)
     loss_n = sum(r.get("train_loss_count", 0) for r in ok)
     train_loss = sum(r.get("train_loss_sum", 0.0) for r in ok) / loss_n if loss_n else None
@@ -75,6 +76,10 @@ def build_summary(
         "val_loss": first.get("val_loss") if first else None,
         "val_acc": first.get("val_acc") if first else None,
         "wall_time_s": wall,
+        # the slowest rank's training clock (callbacks.TrainClockCallback): its batches,
+        # without set-up and validation passes; None when no rank ran a training batch
+        "train_time_s": max(train_times) if train_times else None,
+        "train_time_s_per_rank": [(r.get("train_time_s") if r and r.get("status") == "ok" else None) for r in reports],
         "samples_per_s": samples / wall if wall > 0 else 0.0,
         "comm": {
             "bytes_sent": per_rank("bytes_sent"),

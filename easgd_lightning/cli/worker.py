@@ -155,6 +155,7 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
         FaultInjectionCallback,
         LastFirstCheckpoint,
         SignalStop,
+        TrainClockCallback,
         ValHistoryCallback,
     )
     from easgd_lightning.cli.build import build_model_and_data, build_strategy
@@ -173,11 +174,13 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
     module, dm = build_model_and_data(cfg)
     strategy = build_strategy(cfg)
     val_history = ValHistoryCallback()
+    train_clock = TrainClockCallback()
     stopper = SignalStop(str(out_dir / "checkpoints") if cfg.checkpoint.enabled else None)
     callbacks: list = [
         stopper,
         CommMetricsCallback(every=int(cfg.trainer.get("log_every_n_steps", 10))),
         val_history,
+        train_clock,
         FaultInjectionCallback(**dict(cfg.get("faults") or {})),
         NonFiniteLossGuard(allow=bool(cfg.get("allow_nonfinite_loss", False))),
         NaNFaultInjection(**dict(cfg.get("faults") or {})),
@@ -206,7 +209,7 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
     )
     stopper.attach(trainer)
     try:
-        return _fit_and_report(cfg, out_dir, rank, trainer, module, dm, strategy, meter, val_history, stopper)
+        return _fit_and_report(cfg, out_dir, rank, trainer, module, dm, strategy, meter, val_history, stopper, train_clock)
     except BaseException as err:
         _write_failure_report(out_dir, trainer.global_rank, err, stopper)
         signum = stop.stop_signal()
@@ -249,7 +252,8 @@ def _write_failure_report(out_dir: Path, rank: int, err: BaseException, stopper)
         log.exception("could not write the failure report of rank %d", rank)
 
 
-def _fit_and_report(cfg, out_dir: Path, rank: int, trainer, module, dm, strategy, meter, val_history, stopper) -> dict:
+def _fit_and_report(cfg, out_dir: Path, rank: int, trainer, module, dm, strategy, meter, val_history, stopper,
+                    train_clock) -> dict:
     start = time.perf_counter()
     trainer.fit(module, datamodule=dm, ckpt_path=cfg.checkpoint.get("resume"))
     wall = time.perf_counter() - start
@@ -270,6 +274,7 @@ def _fit_and_report(cfg, out_dir: Path, rank: int, trainer, module, dm, strategy
         "role": role,
         "steps": steps,
         "wall_time_s": wall,
+        "train_time_s": train_clock.train_time_s,
         # a rank counts samples when it consumes its own data (not a server, and for
         # pipeline/tensor parallelism only one rank per data-parallel replica)
         "samples": steps * batch if role != "server" and extras.get("counts_samples", True) else 0,
