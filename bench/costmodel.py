@@ -610,7 +610,9 @@ def fit_ps_loop(loops: Sequence[dict], model: dict[str, dict]) -> dict[str, dict
     burst, or where the worker's own chain (the kernel alone F + its exchange W) is as long
     as T (not server-bound) say nothing about phi and are skipped. Per rate because the
     probe shows the share varying with the rate at a fixed p (why was not measured);
-    :func:`busy_phi` interpolates.
+    :func:`busy_phi` interpolates. Where the probe also ran the loop at the workload's
+    message (``"at": "workload"``), only those samples count: phi then varies with the
+    rate alone, not with the probe's message size, which grows with the rate.
 
     Returns:
         ``{p: {rate_mbit: phi}}`` (both as strings); empty without samples or a ``ps`` fit.
@@ -620,9 +622,10 @@ def fit_ps_loop(loops: Sequence[dict], model: dict[str, dict]) -> dict[str, dict
         return {}
     free = free_times(loops)
     found: dict[int, dict[float, list[float]]] = {}
+    at_workload = any(s.get("at") == "workload" for s in loops if s["op"] == "loop_ps")
     for s in loops:
         p = s["p"]
-        if s["op"] != "loop_ps" or p < 3:
+        if s["op"] != "loop_ps" or p < 3 or at_workload and s.get("at") != "workload":
             continue
         alpha = par["alpha_s"] * (cpu_share(p, par["cpus"]) if par.get("cpus") else 1.0)
         burst = emulated_burst_bytes(s["rate_mbit"]) if par.get("burst") else 0.0
@@ -893,7 +896,8 @@ def ablation(model: dict[str, dict], inputs: dict, loops: dict) -> list[dict]:
     for k, row in enumerate(variants["idle"]):
         if row["in_fit"]:
             continue
-        out.append({"row": row["row"], **{name: preds[k]["rel_err"] for name, preds in variants.items()}})
+        out.append({"row": f"{row['row']} (p={row['workers']})",
+                    **{name: preds[k]["rel_err"] for name, preds in variants.items()}})
     return out
 
 
@@ -1005,6 +1009,10 @@ def project(
     layouts = layouts or LAYOUTS
     curves: dict[str, dict[str, list]] = {}
     rows = [r for r in inputs["rows"] if r.get("status") == "ok" and r["strategy"] != "limit"]
+    # one row per configuration: the one measured on the fewest ranks (one per core where
+    # that is this machine's count: the projection's one worker per core)
+    fewest = min((r.get("workers", 0) for r in rows), default=0)
+    rows = [r for r in rows if r.get("workers", 0) == fewest]
     for lname, layout in layouts.items():
         net = layout_net(model, layout)
         lay: dict[str, list] = {}
@@ -1150,7 +1158,7 @@ def markdown(result: dict) -> str:
             m = r["meter"]
             msgs = m.get("messages_per_step")
             lines.append(
-                f"| {r['row']} | {m['step_s']:.4f} | {m['comm_s']:.4f} | {m['exposed_s']:.4f} | "
+                f"| {r['row']} (p={r['workers']}) | {m['step_s']:.4f} | {m['comm_s']:.4f} | {m['exposed_s']:.4f} | "
                 f"{m['rest_s']:.4f} | {m['codec_s']:.4f} | "
                 f"{'' if msgs is None else format(msgs, '.2f')} | {r['comm_s']:.4f} | "
                 f"{r['t_compute_s'] + r['t_codec_s'] + r.get('sync_s', 0.0):.4f} |"
@@ -1171,9 +1179,10 @@ def markdown(result: dict) -> str:
             lines.append(f"| {a['row']} | {100 * a['idle']:+.1f}% | {100 * a['+ exchange']:+.1f}% | "
                          f"{100 * a['+ loops']:+.1f}% |")
     held = [r for r in result["predictions"] if not r["in_fit"]]
-    if held:
-        within = sum(abs(r["rel_err"]) <= 0.15 for r in held)
-        lines += ["", f"Held-out rows within 15%: {within} of {len(held)}."]
+    for q in sorted({r["workers"] for r in held}):
+        at_q = [r for r in held if r["workers"] == q]
+        within = sum(abs(r["rel_err"]) <= 0.15 for r in at_q)
+        lines += ["", f"Held-out rows within 15% on {q} ranks: {within} of {len(at_q)}."]
     lines += ["", projection_markdown(result["projection"])]
     return "\n".join(lines) + "\n"
 
@@ -1230,12 +1239,24 @@ def analyse(inputs: dict, out: Path, layouts: dict[str, dict] | None = None,
 # ---------------------------------------------------------------- measurement
 PROBE_WORKERS = (2, 4, 8)
 PROBE_RATES_MBIT = (50.0, 200.0, 1000.0)
-ROWS_WORKERS = 4
+ROWS_WORKERS = (2, 4)  # one rank per core here, and twice as many ranks as cores
 ROWS_RATE_MBIT = 100.0  # not a probe rate: the rows are predicted at a rate the fit never saw
 DEFAULT_ROWS = (
     "ddp/none,limit/none,ddp/powersgd,ddp/dgc;compression.warmup_ratio_steps=0;optim.momentum=0,"
     "sync_easgd/none,sync_easgd/topk,easgd_round_robin/none,async_easgd/none"
 )
+
+
+def parse_workers(text: str) -> list[int]:
+    """``"2,4"`` -> ``[2, 4]``: rank counts of at least 2, each once, in the given order."""
+    out: list[int] = []
+    for item in str(text).split(","):
+        w = int(item)
+        if w < 2:
+            raise ValueError(f"--rows-workers: {w} ranks; each needs at least 2")
+        if w not in out:
+            out.append(w)
+    return out
 
 
 def probe_sizes(rate_mbit: float, top_ms: float = 40.0) -> list[int]:
@@ -1248,10 +1269,12 @@ def probe_sizes(rate_mbit: float, top_ms: float = 40.0) -> list[int]:
 
 def run_probe(cluster, out: Path, rates: Sequence[float], port: int, timeout_s: float,
               repeats: int = 3, latency_ms: float = 0.1, top_ms: float = 40.0,
-              loops: bool = False, kernel_matmuls: int = 32, between_matmuls: int = 0) -> list[dict]:
+              loops: bool = False, kernel_matmuls: int = 32, between_matmuls: int = 0,
+              ps_bytes: int = 0) -> list[dict]:
     """Time every collective on ``cluster`` at each rate (one launch, links reshaped
     between phases); one sample per (op, bytes, rate): the slowest rank's median. With
-    ``loops``, also the probe's training-shaped loops (ops ``loop_*``)."""
+    ``loops``, also the probe's training-shaped loops (ops ``loop_*``; with ``ps_bytes``
+    the busy server's loop at that message too, marked ``"at": "workload"``)."""
     from _netem import LinkSpec
     from _runs import _log_tail, _rank_env, _wait_all
 
@@ -1265,7 +1288,7 @@ def run_probe(cluster, out: Path, rates: Sequence[float], port: int, timeout_s: 
     cmd = [sys.executable, str(script), "--phases", ",".join(f"{r:g}" for r in rates),
            "--sizes", sizes, "--repeats", str(repeats), "--out", str(res),
            "--timeout-s", str(timeout_s), "--kernel-matmuls", str(kernel_matmuls),
-           "--between-matmuls", str(between_matmuls),
+           "--between-matmuls", str(between_matmuls), "--ps-bytes", str(ps_bytes),
            *(["--loops"] if loops else [])]
     cluster.shape(LinkSpec(rates[0], latency_ms))
     procs = [cluster.spawn(r, cmd, _rank_env(cluster, r, port), res / f"rank{r}.log")
@@ -1288,7 +1311,8 @@ def run_probe(cluster, out: Path, rates: Sequence[float], port: int, timeout_s: 
     for recs in zip(*ranks):
         slowest = [max(ts) for ts in zip(*(r["times_s"] for r in recs))]
         samples.append({"op": recs[0]["op"], "p": cluster.workers, "bytes": recs[0]["bytes"],
-                        "rate_mbit": float(recs[0]["phase"]), "time_s": statistics.median(slowest)})
+                        "rate_mbit": float(recs[0]["phase"]), "time_s": statistics.median(slowest),
+                        **({"at": recs[0]["at"]} if "at" in recs[0] else {})})
     return samples
 
 
@@ -1454,12 +1478,13 @@ def measure(args: argparse.Namespace) -> dict:
     if limit_k is None:
         raise ValueError("--rows needs the limit row (limit/none): it measures the compute")
     link = LinkSpec(args.rows_rate, args.latency_ms)
+    rows_workers = parse_workers(args.rows_workers)
     # the limit row first: its compute sizes the probe loops' kernel
-    with EmulatedCluster(args.rows_workers, link, subnet=args.subnet) as cluster:
-        limit_row = _run_row(cluster, configs[limit_k], limit_k, args)
+    with EmulatedCluster(rows_workers[0], link, subnet=args.subnet) as cluster:
+        limit_row = _run_row(cluster, configs[limit_k], limit_k, args, rows_workers[0])
     matmuls, mm_s = 32, None
     if limit_row["status"] == "ok" and limit_row["step_time_s"]:
-        t_c1 = limit_row["step_time_s"] / cpu_share(args.rows_workers, inputs["cpus"])
+        t_c1 = limit_row["step_time_s"] / cpu_share(rows_workers[0], inputs["cpus"])
         matmuls, mm_s = kernel_matmuls(t_c1)
     inputs["probe_kernel"] = {"matmuls": matmuls, "matmul_s": mm_s,
                               "what": "256x256 float32 products per loop iteration, sized "
@@ -1477,7 +1502,7 @@ def measure(args: argparse.Namespace) -> dict:
                 "overrides": [o for o in config.overrides if o.startswith("compression.")],
                 "seconds_by_world": {
                     str(w): measure_exchange_codec(config.compression, config.overrides, shapes, w)
-                    for w in sorted({1, args.rows_workers})
+                    for w in sorted({1, *rows_workers})
                 },
                 **count_exchange_messages(config.compression, config.overrides, shapes),
             }
@@ -1500,6 +1525,7 @@ def measure(args: argparse.Namespace) -> dict:
                 cluster, args.out, rates, args.port + 10 * k, args.timeout_s,
                 repeats=args.probe_repeats, latency_ms=args.latency_ms, top_ms=args.probe_top_ms,
                 loops=args.probe_loops, kernel_matmuls=matmuls, between_matmuls=between,
+                ps_bytes=int(4 * sum(math.prod(s) for s in shapes)),
             )
             inputs["probe"] += [s for s in samples if not s["op"].startswith("loop_")]
             inputs["probe_loops"] += [s for s in samples if s["op"].startswith("loop_")]
@@ -1507,20 +1533,23 @@ def measure(args: argparse.Namespace) -> dict:
     partial.write_text(json.dumps(inputs, indent=2))
     t1 = time.monotonic()
     longest = 0.0
-    with EmulatedCluster(args.rows_workers, link, subnet=args.subnet) as cluster:
-        for k, config in enumerate(configs):
-            if k == limit_k:
-                inputs["rows"].append(limit_row)
-                continue
-            started = time.monotonic()
-            if args.budget_s and started - t0 + longest > args.budget_s:
-                print(f"[costmodel] row {config.label}: skipped (--budget-s {args.budget_s:g})", flush=True)
-                inputs["rows"].append({"strategy": config.strategy, "compression": config.compression,
-                                       "overrides": list(config.overrides), "status": "skipped (budget)"})
-                continue
-            inputs["rows"].append(_run_row(cluster, config, k, args))
-            longest = max(longest, time.monotonic() - started)
-            partial.write_text(json.dumps(inputs, indent=2))
+    for j, workers in enumerate(rows_workers):
+        with EmulatedCluster(workers, link, subnet=args.subnet) as cluster:
+            for k, config in enumerate(configs):
+                if k == limit_k and j == 0:
+                    inputs["rows"].append(limit_row)
+                    continue
+                started = time.monotonic()
+                if args.budget_s and started - t0 + longest > args.budget_s:
+                    print(f"[costmodel] row {config.label} on {workers} ranks: skipped "
+                          f"(--budget-s {args.budget_s:g})", flush=True)
+                    inputs["rows"].append({"strategy": config.strategy, "compression": config.compression,
+                                           "overrides": list(config.overrides), "workers": workers,
+                                           "status": "skipped (budget)"})
+                    continue
+                inputs["rows"].append(_run_row(cluster, config, k + 20 * j, args, workers))
+                longest = max(longest, time.monotonic() - started)
+                partial.write_text(json.dumps(inputs, indent=2))
     inputs["timings_s"]["rows"] = time.monotonic() - t1
     inputs["dense_bytes"] = dense_bytes(inputs)  # float32 parameters of the model
     for row in inputs["rows"]:
@@ -1529,23 +1558,24 @@ def measure(args: argparse.Namespace) -> dict:
     return inputs
 
 
-def _run_row(cluster, config, k: int, args: argparse.Namespace) -> dict:
-    """One training row on the rows' cluster: its measured step time and meter."""
+def _run_row(cluster, config, k: int, args: argparse.Namespace, workers: int) -> dict:
+    """One training row on the rows' cluster of ``workers`` ranks: its measured step time
+    and meter."""
     from _runs import run_config
     from _scenarios import WIDE_MLP_WORKLOAD
 
-    print(f"[costmodel] row {config.label} {' '.join(config.overrides)}", flush=True)
+    print(f"[costmodel] row {config.label} {' '.join(config.overrides)} on {workers} ranks", flush=True)
     res = run_config(
         cluster, config, steps=args.limit_steps if config.strategy == "limit" else args.steps,
         warmup_steps=args.warmup_steps,
-        workload=list(WIDE_MLP_WORKLOAD), extra=args.extra.split(), out_dir=args.out / "runs",
+        workload=list(WIDE_MLP_WORKLOAD), extra=args.extra.split(), out_dir=args.out / "runs" / f"p{workers}",
         port=args.port + 100 + k, timeout_s=args.timeout_s,
     )
     fig = res.figures
     print(f"[costmodel]   {res.status}: step {fig.get('step_time_s')}", flush=True)
     return {
         "strategy": config.strategy, "compression": config.compression,
-        "overrides": list(config.overrides), "workers": args.rows_workers,
+        "overrides": list(config.overrides), "workers": workers,
         "rate_mbit": args.rows_rate, "status": res.status,
         "step_time_s": fig.get("step_time_s"), "measured": fig.get("measured"),
         "bytes_per_step_per_worker": fig.get("bytes_per_step_per_worker"),
@@ -1657,7 +1687,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", action="append", default=[], metavar="LAYOUT.KEY=VALUE",
                    help="replace a projection layout's assumption, e.g. gpu.compute_factor=0.1")
     p.add_argument("--rows", default=DEFAULT_ROWS, help="bench/cluster.py --configs syntax")
-    p.add_argument("--rows-workers", type=int, default=ROWS_WORKERS)
+    p.add_argument("--rows-workers", default=",".join(str(w) for w in ROWS_WORKERS),
+                   help="ranks of the rows' cluster, comma-separated: every row runs at each "
+                        "(the first one's limit row, run first, sizes the probe's kernel)")
     p.add_argument("--rows-rate", type=float, default=ROWS_RATE_MBIT)
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--limit-steps", type=int, default=200,

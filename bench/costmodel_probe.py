@@ -195,6 +195,26 @@ def _ps_loop(t: torch.Tensor, rank: int, world: int, iters: int, kernel: Callabl
     return (time.perf_counter() - start) / iters
 
 
+def _workload_ps_loops(args, label: str, rank: int, world: int, kernel: Callable[[], None]) -> list[dict]:
+    """``loop_free`` and ``loop_ps`` at the workload's message (``--ps-bytes``), marked
+    ``"at": "workload"``: the busy server's reply overlap at the size the rows exchange."""
+    numel = max(2, args.ps_bytes // 4)
+    t, reply = torch.ones(numel), torch.empty(numel)
+    out = []
+    for op in ("loop_free", "loop_ps"):
+        times = []
+        for i in range(args.loop_repeats + 1):  # the first is a warm-up
+            ops.barrier()
+            per_iter = (_ps_loop(t, rank, world, args.loop_iters, kernel, reply) if op == "loop_ps"
+                        else _loop(op, t, args.loop_iters, kernel, {}, None))
+            if i:
+                times.append(per_iter)
+            t.fill_(1.0)
+        out.append({"phase": label, "op": op, "bytes": numel * 4, "times_s": times, "at": "workload",
+                    "kernel_matmuls": args.kernel_matmuls, "between_matmuls": args.between_matmuls})
+    return out
+
+
 def _run(op: str, t: torch.Tensor, rank: int, world: int, scratch: torch.Tensor, slot: dict) -> None:
     if op == "ring":
         ops.all_reduce(t, kind=_KIND)
@@ -235,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loop-iters", type=int, default=4)
     parser.add_argument("--loop-repeats", type=int, default=3)
     parser.add_argument("--kernel-matmuls", type=int, default=32)
+    parser.add_argument("--ps-bytes", type=int, default=0,
+                        help="with --loops: also run loop_free and loop_ps at this message size "
+                             "in every phase (the workload's dense message)")
     parser.add_argument("--between-matmuls", type=int, default=0,
                         help="products between the two rounds of loop_serial_ring_codec (0: no such loop)")
     args = parser.parse_args(argv)
@@ -296,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
                     records.append({"phase": label, "op": op, "bytes": numel * 4, "times_s": times,
                                     "kernel_matmuls": args.kernel_matmuls,
                                     "between_matmuls": args.between_matmuls})
+            if args.loops and args.ps_bytes > 0 and "ps" in wanted and world > 2:
+                records += _workload_ps_loops(args, label, rank, world, kernel)
         atomic_write_text(
             args.out / f"rank{rank}.json",
             json.dumps({"rank": rank, "world_size": world, "records": records}),

@@ -330,6 +330,46 @@ def test_projection_curves_table_and_sc17_mark(tmp_path):
     assert proj["curves"]["knl"]["ddp/none"][-1] == pytest.approx(t_c / (t_c + ring), rel=1e-12)
 
 
+def test_rows_on_two_rank_counts_each_use_their_own_limit_row(tmp_path):
+    # the same rows measured on 2 ranks too, whose limit row is 4x faster per rank than
+    # the 4-rank one would give (0.06 / 2): a prediction that took the other p's compute
+    # would miss, and the projection takes the rows of the fewest ranks
+    inputs = _synthetic_inputs(MODEL)
+    two = [{**r, "workers": 2, "step_time_s": None} for r in inputs["rows"]]
+    two[0]["step_time_s"] = 0.0075
+    inputs["rows"] += two
+    for row in two[1:]:
+        x = cm._row_inputs(row, inputs)
+        assert x["t_compute"] == pytest.approx(0.0075)  # one rank per core: no sharing
+        row["step_time_s"] = 1.25 * cm.step_time(
+            row["strategy"], 2, n=x["n"], m=x["m"], t_compute=x["t_compute"], t_codec=x["t_codec"],
+            net=cm.fitted_net(MODEL, 100.0), aggregation=x["aggregation"], calls=x["calls"],
+            **cm.row_options(row),
+        )["step_s"]
+    preds = cm.predict_rows(MODEL, inputs)
+    for p in preds:
+        want = 0.0 if p["workers"] == 4 or p["in_fit"] else 1 / 1.25 - 1  # -20%
+        assert p["rel_err"] == pytest.approx(want, abs=1e-12), (p["row"], p["workers"])
+    proj = cm.project(MODEL, inputs, workers=[1, 4096])
+    md = cm.markdown({"fit": {}, "loops": {}, "predictions": preds, "projection": proj,
+                      "inputs_summary": {"probe_samples": 0, "probe_workers": [], "probe_rates_mbit": []}})
+    assert "Held-out rows within 15% on 2 ranks: 0 of 5." in md
+    assert "Held-out rows within 15% on 4 ranks: 5 of 5." in md
+    # the projection: one curve per configuration, from the 2-rank rows (their t_c of 7.5 ms)
+    assert len(proj["curves"]["knl"]) == 5 + 2
+    knl = cm.LAYOUTS["knl"]
+    t_c = 0.0075 * knl["compute_factor"]
+    ring = cm.collective_time("ring", 4096, 614_440.0, 3e-4, 0.9 * knl["inter_mbit"] * 1e6 / 8)
+    assert proj["curves"]["knl"]["ddp/none"][-1] == pytest.approx(t_c / (t_c + ring), rel=1e-12)
+
+
+def test_rows_workers_parse_and_errors():
+    assert cm.parse_workers("2,4,2") == [2, 4]
+    assert cm.parse_workers("4") == [4]
+    with pytest.raises(ValueError, match="--rows-workers"):
+        cm.parse_workers("1,4")
+
+
 def test_layout_overrides_and_errors():
     lay = cm.layouts_with(["gpu.compute_factor=0.5", "knl.per_node=4"])
     assert lay["gpu"]["compute_factor"] == 0.5 and lay["knl"]["per_node"] == 4
@@ -351,7 +391,7 @@ def test_report_adds_the_projection_from_costmodel_json(tmp_path):
     assert result["fit"]["ring"]["eta"] == pytest.approx(0.9, rel=1e-12)
     assert result["fit"]["ps"]["overlap"] == pytest.approx(0.4, rel=1e-9)
     md = (tmp_path / "costmodel" / "costmodel.md").read_text()
-    assert "Held-out rows within 15%: 5 of 5." in md
+    assert "Held-out rows within 15% on 4 ranks: 5 of 5." in md
     assert_valid_png(tmp_path / "costmodel" / "costmodel_projection.png")
     # a sweep directory holding the file: the report gains the projection section
     path, _ = report.write_report(tmp_path)
@@ -610,6 +650,19 @@ def test_fit_ps_loop_recovers_the_busy_servers_overlap_per_p_and_rate_and_predic
     # async_easgd (tau 1, overlap): max(t_c, W, S), S the busy round
     assert preds["async_easgd/none"]["predicted_s"] == pytest.approx(busy_net("ps_server", 4, 614_440))
     assert cm.fit_ps_loop(loops, {}) == {}
+    # the same loop at the workload's message ("at": "workload", another phi per rate):
+    # only those samples count where there are any
+    at_n = {50.0: 0.8, 200.0: 0.6, 1000.0: 0.2}
+    for rate, phi in at_n.items():
+        x = (614_440 - _burst(rate)) / (eta * _bps(rate))
+        a = alpha * cm.cpu_share(4, 2)
+        loops.append({"op": "loop_free", "p": 4, "bytes": 614_440, "rate_mbit": rate, "time_s": 0.01,
+                      "at": "workload"})
+        loops.append({"op": "loop_ps", "p": 4, "bytes": 614_440, "rate_mbit": rate, "at": "workload",
+                      "time_s": 6 * a + 3 * (2 - phi) * x})
+    workload = cm.fit_ps_loop(loops, model)
+    assert set(workload) == {"4"}
+    assert workload["4"] == pytest.approx({f"{r:g}": v for r, v in at_n.items()}, abs=1e-9)
 
 
 def test_fit_codec_rounds_recovers_the_cost_of_a_round_after_the_codec_and_predictions_use_it():
