@@ -104,7 +104,9 @@ then exchange with the server in turn, the server kept busy. The fan-in probe fi
 one burst of simultaneous requests; training keeps the server busy with requests that
 arrive in turn, step after step, so :func:`fit_ps_loop` solves each server-bound loop
 sample, T = PS server round(p, n), for phi at its p and rate (the share varies with the
-rate at a fixed p: 0.4 / 0.7 / 0.4 at 50 / 200 / 1000 Mbit/s in one batch), and the
+rate at a fixed p: 0.4 / 0.7 / 0.4 at 50 / 200 / 1000 Mbit/s in one batch; the loop also
+runs at the workload's dense message n in every phase, and where it did only those samples
+count, so that phi varies with the rate and not with the probe's message size), and the
 server-round and round-robin formulas of the rows use that phi where it was measured at
 their p, linear in log(rate) between the probed rates (the fan-in's phi elsewhere, and in
 the projection). The probe's kernel is sized (``--kernel-matmuls``) from the limit row,
@@ -134,16 +136,21 @@ dense all-reduce), C = k x ring(p, m/k) (linear payloads) or k x all-gather(p, m
   max(t_c, W, S)), max(tau t_c + W, S) / tau without (no loop shape probed: s = 0);
 - ``limit``: t_c.
 
-**Held out.** The fit uses only the probe (collectives and loops), the limit row
+**Held out.** The fit uses only the probe (collectives and loops), the limit rows
 (compute) and the codec measurements (time, messages and bytes of each exchange); every
 training row's step time is a prediction, reported against its measured step time
-(target: within 15%), at a link rate the probe did not use. Each row's own meter
+(target: within 15%), at a link rate the probe did not use, on each of the rows' rank
+counts (``--rows-workers``, default 2 and 4: one rank per core of this machine, and two
+per core), each from the limit row of its own p. A row's step time is its steady state:
+the difference of a run and its first steps (``bench/_tables.py``), on the training
+clock (summary.json's ``train_time_s``: batches only, not ``fit``'s set-up). Each row's own meter
 (communication, exposed and codec time, messages per step) is printed beside its
 prediction for diagnosis; none of it enters a prediction.
 
 **Projection.** Weak scaling (fixed work per worker) to 4096 workers on two layouts,
 efficiency E(P) = t_c / T(P): the fitted formulas, alphas, etas and phi (no token bucket:
-B = 0), the measured compute,
+B = 0), the measured compute (of the rows on the fewest ranks: one worker per core where
+that is this machine's count),
 codec (growing with p where it decodes every rank's payload), messages and payloads
 (s = 0 and h = 1: both are measured for ranks that share this machine's two cores), and
 per layout (assumptions, stated in the output): workers per node,
