@@ -73,7 +73,9 @@ slowest rank, median of 3). Each sample gives one linear equation
 ``t = alpha * k_alpha + (k_bytes / R) * (1 / eta)``; :func:`fit_alpha_beta` solves them by
 least squares in float64, each row weighted by 1/t (relative errors, so the small
 messages that fix alpha count as much as the large ones), k_bytes with the probe rate's
-token-bucket burst B; the fan-in's also gives phi (:func:`fit_overlap`). With more ranks than cores
+token-bucket burst B; the fan-in's also gives phi (:func:`fit_overlap`). With alpha held,
+eta is also fitted at each probed p (:func:`fit_eta_by_p`): the rows, measured at probed
+p's, use that; the projection the all-p eta. With more ranks than cores
 (8 ranks on this 2-core machine) every hop also waits for the next rank to be scheduled,
 so k_alpha is scaled by max(1, p / cores): alpha is the latency of ranks that have a core
 each (what the projection uses), and the predictions on the emulated cluster scale it
@@ -118,7 +120,12 @@ measured compute per step (the ``limit`` row: same hosts, no communication; CPU 
 k computing processes on c cores scales it by max(1, k/c)), t_k the codec time of one
 exchange (:func:`measure_exchange_codec`: error feedback, compression, this rank's decode
 and the decode of every rank's payload (all-gather) or of the sum (all-reduce), on the
-model's own tensors; linear in p between the measured world sizes; same CPU scaling), n
+model's own tensors; linear in p between the measured world sizes; same CPU scaling; for
+the strategies that train on one rank (:data:`ONE_RANK_STRATEGIES`) the row's own
+configuration run on one rank instead, less the one-rank limit row (:func:`one_rank_cost`:
+the codec and the strategy's machinery per step, DDP's reducer and the hook's
+bookkeeping included, which the codec timed alone leaves out), plus the codec's growth
+from one rank to p), n
 the dense message, m the payload a rank sends per exchange and k its messages
 (:func:`count_exchange_messages`: the exchange run through the strategies' own collective
 on a one-rank group, e.g. PowerSGD: a P and a Q round per matrix plus the small tensors'
@@ -137,7 +144,7 @@ dense all-reduce), C = k x ring(p, m/k) (linear payloads) or k x all-gather(p, m
 - ``limit``: t_c.
 
 **Held out.** The fit uses only the probe (collectives and loops), the limit rows
-(compute) and the codec measurements (time, messages and bytes of each exchange); every
+(compute), the one-rank runs and the codec measurements (time, messages and bytes of each exchange); every
 training row's step time is a prediction, reported against its measured step time
 (target: within 15%), at a link rate the probe did not use, on each of the rows' rank
 counts (``--rows-workers``, default 2 and 4: one rank per core of this machine, and two
@@ -197,6 +204,7 @@ __all__ = [
     "fit",
     "fit_alpha_beta",
     "fit_codec_rounds",
+    "fit_eta_by_p",
     "fit_ps_loop",
     "hierarchical_allreduce_time",
     "layouts_with",
@@ -461,8 +469,29 @@ def fit(samples: Sequence[dict], cpus: int | None = None,
         out[op] = {
             "alpha_s": alpha, "eta": eta, "samples": len(rows),
             "max_rel_err": max(errs), "median_rel_err": statistics.median(errs), "cpus": cpus,
-            "burst": burst is not None, **extra,
+            "burst": burst is not None,
+            "eta_by_p": fit_eta_by_p(alpha, [s["p"] for s in rows], ka, kbr, times, eta), **extra,
         }
+    return out
+
+
+def fit_eta_by_p(alpha: float, ps: Sequence[int], k_alpha: Sequence[float],
+                 k_bytes_over_rate: Sequence[float], times: Sequence[float], eta: float) -> dict[str, float]:
+    """The bandwidth share at each probed p with the shared alpha held: per p, the
+    1/t-weighted least squares of ``t - alpha k_alpha = (k_bytes / R) / eta_p`` (eta where
+    that is not positive). On the emulated cluster eta_p rises with p (ring: 0.83-0.88 /
+    1.05-1.10 / 1.33-1.48 at p = 2 / 4 / 8 in batches F-H): the ring's 2(p-1) hops of n/p
+    bytes each start on a link that was idle while its ranks waited for a core, so more of
+    each hop passes in the token bucket's burst as p grows. The predictions of the rows,
+    on the emulated cluster at a probed p, use eta_p; the projection (no bucket) the
+    all-p eta."""
+    out: dict[str, float] = {}
+    for p in sorted(set(ps)):
+        idx = [i for i, q in enumerate(ps) if q == p]
+        x = np.array([k_bytes_over_rate[i] / times[i] for i in idx], np.float64)
+        y = np.array([(times[i] - alpha * k_alpha[i]) / times[i] for i in idx], np.float64)
+        inv = float(x @ y / (x @ x)) if float(x @ x) > 0 else 0.0
+        out[str(p)] = 1.0 / inv if inv > 0 else eta
     return out
 
 
@@ -636,7 +665,8 @@ def fit_ps_loop(loops: Sequence[dict], model: dict[str, dict]) -> dict[str, dict
             continue
         alpha = par["alpha_s"] * (cpu_share(p, par["cpus"]) if par.get("cpus") else 1.0)
         burst = emulated_burst_bytes(s["rate_mbit"]) if par.get("burst") else 0.0
-        x = _after_burst(s["bytes"], burst) / (par["eta"] * _rate_bps(s["rate_mbit"]))
+        eta = (par.get("eta_by_p") or {}).get(str(p), par["eta"])
+        x = _after_burst(s["bytes"], burst) / (eta * _rate_bps(s["rate_mbit"]))
         worker = free.get((p, s["bytes"], s["rate_mbit"]), 0.0) + 4.0 * alpha + 2.0 * x
         if x <= 0 or worker >= s["time_s"]:
             continue
@@ -757,7 +787,8 @@ def fitted_net(model: dict[str, dict], rate_mbit: float,
                busy_overlap: dict[str, dict[str, float]] | None = None) -> Callable[[str, int, float], float]:
     """``net(collective, p, bytes)`` of the emulated cluster at one link rate (alpha
     scaled by the CPU share of p ranks where the fit was made with ``cpus``; the links'
-    token-bucket burst B charged where the fit charged it; phi of the fitted ``ps``, or
+    token-bucket burst B charged where the fit charged it; eta at p where the probe ran p
+    (:func:`fit_eta_by_p`); phi of the fitted ``ps``, or
     for a busy server's round (:data:`BUSY_SERVER`) the one measured at p
     (:func:`fit_ps_loop`), at this rate (:func:`busy_phi`))."""
     def net(name: str, p: int, nbytes: float) -> float:
@@ -767,7 +798,8 @@ def fitted_net(model: dict[str, dict], rate_mbit: float,
         phi = par.get("overlap", 0.0)
         if name in BUSY_SERVER and busy_overlap and str(p) in busy_overlap:
             phi = busy_phi(busy_overlap[str(p)], rate_mbit)
-        return collective_time(name, p, nbytes, alpha, par["eta"] * _rate_bps(rate_mbit), burst, phi)
+        eta = (par.get("eta_by_p") or {}).get(str(p), par["eta"])
+        return collective_time(name, p, nbytes, alpha, eta * _rate_bps(rate_mbit), burst, phi)
     return net
 
 
@@ -832,9 +864,19 @@ def _row_inputs(row: dict, inputs: dict) -> dict:
     n = dense_bytes(inputs)
     round_trip = codec.get("seconds", 0.0)
 
-    def t_k1(q: int) -> float:
+    def codec1(q: int) -> float:
         """Codec seconds per exchange on q ranks, one worker per core."""
         return _codec_seconds(exchange, q) if exchange else round_trip
+
+    own = one_rank_cost(row, inputs)
+
+    def t_k1(q: int) -> float:
+        """The exchange's local seconds per step on q ranks, one worker per core: the
+        one-rank run's cost over the limit (codec and the strategy's machinery) where there
+        is one, plus the codec's growth from one rank to q; else the codec alone."""
+        if own is None:
+            return codec1(q)
+        return own + (codec1(q) - codec1(1) if exchange else 0.0)
 
     if exchange:
         m, calls = exchange["bytes"], exchange["messages"]
@@ -847,6 +889,26 @@ def _row_inputs(row: dict, inputs: dict) -> dict:
         "t_codec": t_k1(p) * share, "t_codec_1": t_k1, "calls": calls,
         "aggregation": codec.get("aggregation", "allreduce"),
     }
+
+
+#: strategies that train on one rank, whose row configurations also run there
+#: (``local_rows``): the strategy's machinery and codec per step without peers
+ONE_RANK_STRATEGIES = ("ddp",)
+
+
+def one_rank_cost(row: dict, inputs: dict) -> float | None:
+    """Seconds a step of ``row``'s configuration takes beyond the limit row when both run
+    on one rank (``inputs["local_rows"]``: no peers, no network, a core of its own): the
+    codec with every local step of its exchange (at one rank: its own payload) and the
+    strategy's own per-step machinery (DDP's reducer and bucket copies, the hook's
+    bookkeeping, the collectives' calls on a one-rank group), which the codec timed alone
+    leaves out. None where the configuration did not run on one rank."""
+    local = {_label(r): r["step_time_s"] for r in inputs.get("local_rows") or []
+             if r.get("status") == "ok" and r.get("step_time_s")}
+    limit, own = local.get("limit/none"), local.get(_label(row))
+    if row["strategy"] == "limit" or limit is None or own is None:
+        return None
+    return max(0.0, own - limit)
 
 
 def predict_rows(model: dict[str, dict], inputs: dict, loops: dict | None = None) -> list[dict]:
@@ -893,11 +955,13 @@ def ablation(model: dict[str, dict], inputs: dict, loops: dict) -> list[dict]:
     and the row's metered payload (the model before the loops); + the exchange's codec,
     messages and bytes measured on the model's tensors; + the loops' synchronisation cost
     (the full model). What each part explains, row by row."""
-    old = {k: v for k, v in inputs.items() if k not in ("codec_exchange", "model_shapes")}
+    old = {k: v for k, v in inputs.items() if k not in ("codec_exchange", "model_shapes", "local_rows")}
+    no_local = {k: v for k, v in inputs.items() if k != "local_rows"}
     variants = {
         "idle": predict_rows(model, old),
-        "+ exchange": predict_rows(model, inputs),
-        "+ loops": predict_rows(model, inputs, loops),
+        "+ exchange": predict_rows(model, no_local),
+        "+ loops": predict_rows(model, no_local, loops),
+        "+ one rank": predict_rows(model, inputs, loops),
     }
     out = []
     for k, row in enumerate(variants["idle"]):
@@ -1079,12 +1143,14 @@ def markdown(result: dict) -> str:
         "measurements; every other row below is held out",
         f"- load average: {inputs.get('loadavg_before')} before, {inputs.get('loadavg_after')} after",
         "",
-        "| collective | alpha (us) | eta (of the link) | samples | median rel. err | max rel. err |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| collective | alpha (us) | eta (of the link) | eta at each probed p (the rows') | samples | "
+        "median rel. err | max rel. err |",
+        "|---|---:|---:|---|---:|---:|---:|",
     ]
     for op, par in result["fit"].items():
+        by_p = ", ".join(f"{q}: {v:.3f}" for q, v in (par.get("eta_by_p") or {}).items())
         lines.append(
-            f"| {op} | {par['alpha_s'] * 1e6:.0f} | {par['eta']:.3f} | {par['samples']} | "
+            f"| {op} | {par['alpha_s'] * 1e6:.0f} | {par['eta']:.3f} | {by_p} | {par['samples']} | "
             f"{100 * par['median_rel_err']:.1f}% | {100 * par['max_rel_err']:.1f}% |"
         )
     fitted = result["fit"]
@@ -1177,14 +1243,15 @@ def markdown(result: dict) -> str:
             "collectives, the codec round trip on one tensor, the compressor's nominal "
             "collectives and the row's metered payload; + exchange: codec, messages and bytes "
             "of the whole exchange on the model's tensors; + loops: the synchronisation cost "
-            "and the overlap's hidden share):",
+            "and the overlap's hidden share; + one rank: the one-rank runs' cost beyond the "
+            "limit, codec and the strategy's machinery, where measured):",
             "",
-            "| row | idle | + exchange | + loops |",
-            "|---|---:|---:|---:|",
+            "| row | idle | + exchange | + loops | + one rank |",
+            "|---|---:|---:|---:|---:|",
         ]
         for a in result["ablation"]:
             lines.append(f"| {a['row']} | {100 * a['idle']:+.1f}% | {100 * a['+ exchange']:+.1f}% | "
-                         f"{100 * a['+ loops']:+.1f}% |")
+                         f"{100 * a['+ loops']:+.1f}% | {100 * a.get('+ one rank', a['+ loops']):+.1f}% |")
     held = [r for r in result["predictions"] if not r["in_fit"]]
     for q in sorted({r["workers"] for r in held}):
         at_q = [r for r in held if r["workers"] == q]
@@ -1493,6 +1560,14 @@ def measure(args: argparse.Namespace) -> dict:
     if limit_row["status"] == "ok" and limit_row["step_time_s"]:
         t_c1 = limit_row["step_time_s"] / cpu_share(rows_workers[0], inputs["cpus"])
         matmuls, mm_s = kernel_matmuls(t_c1)
+    # the configurations that train on one rank, and the limit: their cost beyond the
+    # limit without peers (one_rank_cost)
+    inputs["local_rows"] = []
+    if args.one_rank and any(c.strategy in ONE_RANK_STRATEGIES for c in configs):
+        with EmulatedCluster(1, link, subnet=args.subnet) as cluster:
+            for k, config in enumerate(configs):
+                if config.strategy == "limit" or config.strategy in ONE_RANK_STRATEGIES:
+                    inputs["local_rows"].append(_run_row(cluster, config, 40 + k, args, 1))
     inputs["probe_kernel"] = {"matmuls": matmuls, "matmul_s": mm_s,
                               "what": "256x256 float32 products per loop iteration, sized "
                               "to the limit row's compute per step (one worker per core)"}
@@ -1547,6 +1622,11 @@ def measure(args: argparse.Namespace) -> dict:
                     inputs["rows"].append(limit_row)
                     continue
                 started = time.monotonic()
+                if config.strategy.startswith("async_") and workers < 3:
+                    inputs["rows"].append({"strategy": config.strategy, "compression": config.compression,
+                                           "overrides": list(config.overrides), "workers": workers,
+                                           "status": "skipped (a server and two workers need 3 ranks)"})
+                    continue
                 if args.budget_s and started - t0 + longest > args.budget_s:
                     print(f"[costmodel] row {config.label} on {workers} ranks: skipped "
                           f"(--budget-s {args.budget_s:g})", flush=True)
@@ -1698,6 +1778,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="ranks of the rows' cluster, comma-separated: every row runs at each "
                         "(the first one's limit row, run first, sizes the probe's kernel)")
     p.add_argument("--rows-rate", type=float, default=ROWS_RATE_MBIT)
+    p.add_argument("--one-rank", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run the limit and the rows whose strategy trains on one rank "
+                        "(ddp) on a single rank: their cost beyond the limit without peers")
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--limit-steps", type=int, default=200,
                    help="steps of the limit row, whose compute every prediction uses: a steady "

@@ -70,6 +70,35 @@ def test_fit_recovers_known_alpha_and_eta_exactly():
         assert fitted[op]["samples"] == 3 * 3 * 3
 
 
+def test_fit_recovers_eta_at_each_p_with_alpha_held_and_the_rows_use_it():
+    # one alpha, a bandwidth share that rises with p (the emulated ring's): per p, the
+    # share is recovered exactly given alpha; predictions at a probed p use it, others
+    # (and the projection's layouts) the all-p eta
+    alpha, eta_p = 3e-4, {2: 0.85, 4: 1.05, 8: 1.4}
+    ka, kbr, times, ps = [], [], [], []
+    for p, eta in eta_p.items():
+        for rate in RATES:
+            for nbytes in cm.probe_sizes(rate):
+                a, b = cm.ring_terms(p, nbytes)
+                ka.append(a)
+                kbr.append(b / _bps(rate))
+                times.append(alpha * a + b / (eta * _bps(rate)))
+                ps.append(p)
+    got = cm.fit_eta_by_p(alpha, ps, ka, kbr, times, eta=1.0)
+    assert got == pytest.approx({str(p): v for p, v in eta_p.items()}, rel=1e-12)
+    model = {op: {"alpha_s": alpha, "eta": 1.0, "eta_by_p": {str(p): v for p, v in eta_p.items()}}
+             for op in cm.COLLECTIVES}
+    net = cm.fitted_net(model, 100.0)
+    for p, eta in eta_p.items():
+        assert net("ring", p, 614_440) == pytest.approx(
+            cm.collective_time("ring", p, 614_440, alpha, eta * _bps(100.0)), rel=1e-12)
+    assert net("ring", 3, 614_440) == pytest.approx(
+        cm.collective_time("ring", 3, 614_440, alpha, _bps(100.0)), rel=1e-12)
+    # a probe with one eta: each p's eta is that eta
+    fitted = cm.fit(_synthetic_probe({"ring": (alpha, 0.9)}))
+    assert fitted["ring"]["eta_by_p"] == pytest.approx({"2": 0.9, "4": 0.9, "8": 0.9}, rel=1e-9)
+
+
 def test_emulated_burst_is_the_shapers_tbf_burst():
     for rate in (10.0, 50.0, 100.0, 1000.0):
         assert cm.emulated_burst_bytes(rate) == _burst(rate)
@@ -361,6 +390,34 @@ def test_rows_on_two_rank_counts_each_use_their_own_limit_row(tmp_path):
     t_c = 0.0075 * knl["compute_factor"]
     ring = cm.collective_time("ring", 4096, 614_440.0, 3e-4, 0.9 * knl["inter_mbit"] * 1e6 / 8)
     assert proj["curves"]["knl"]["ddp/none"][-1] == pytest.approx(t_c / (t_c + ring), rel=1e-12)
+
+
+def test_one_rank_runs_replace_the_codec_alone_with_the_rows_own_cost_beyond_the_limit():
+    inputs = _synthetic_inputs(MODEL)
+    inputs["codec_exchange"] = {"dgc": {"seconds_by_world": {"1": 0.001, "4": 0.002}, "bytes": 2000.0,
+                                        "messages": 1.0}}
+    dgc = next(r for r in inputs["rows"] if r["compression"] == "dgc")
+    ddp = next(r for r in inputs["rows"] if r["strategy"] == "ddp" and r["compression"] == "none")
+    before = cm._row_inputs(dgc, inputs)
+    assert before["t_codec_1"](4) == pytest.approx(0.002)  # the codec timed alone
+    one = lambda strategy, compression, overrides, t: {  # noqa: E731
+        "strategy": strategy, "compression": compression, "overrides": overrides, "workers": 1,
+        "status": "ok", "step_time_s": t}
+    inputs["local_rows"] = [one("limit", "none", [], 0.005), one("ddp", "dgc", ["optim.momentum=0"], 0.008),
+                            one("ddp", "none", [], 0.0055)]
+    assert cm.one_rank_cost(dgc, inputs) == pytest.approx(0.003)
+    x = cm._row_inputs(dgc, inputs)
+    # 3 ms beyond the limit at one rank, plus the codec's growth from 1 to 4 ranks (1 ms)
+    assert x["t_codec_1"](4) == pytest.approx(0.004)
+    assert x["t_codec"] == pytest.approx(0.004 * cm.cpu_share(4, 2))
+    assert x["t_codec_1"](1) == pytest.approx(0.003)
+    # dense DDP: its machinery alone (0.5 ms); a strategy without a one-rank run: unchanged
+    assert cm._row_inputs(ddp, inputs)["t_codec"] == pytest.approx(0.0005 * cm.cpu_share(4, 2))
+    sync = next(r for r in inputs["rows"] if r["strategy"] == "sync_easgd")
+    assert cm.one_rank_cost(sync, inputs) is None
+    assert cm.one_rank_cost(inputs["rows"][0], inputs) is None  # the limit itself
+    pred = next(p for p in cm.predict_rows(MODEL, inputs) if p["row"] == cm._label(dgc))
+    assert pred["t_codec_s"] == pytest.approx(0.004 * cm.cpu_share(4, 2))
 
 
 def test_rows_workers_parse_and_errors():
