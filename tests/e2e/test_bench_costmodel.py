@@ -60,7 +60,15 @@ def test_costmodel_predicts_a_held_out_row(tmp_path: Path) -> None:
         "loop_overlap_allgather", "loop_serial_ring_x2", "loop_serial_ring_x4", "loop_ps"}
     assert len(inputs["probe_loops"]) == 5 * 2 * 2 + 2 * 2 + 2
     assert inputs["probe_kernel"]["matmuls"] >= 1
+    # the one-rank runs of the limit and of ddp/none (its DDP machinery beyond the limit)
+    assert [(r["strategy"], r["workers"], r["status"]) for r in inputs["local_rows"]] == [
+        ("ddp", 1, "ok"), ("limit", 1, "ok")]
+    # the rows' step times come from the training clock, not fit's wall time
+    summary = json.loads((Path(inputs["rows"][0]["run_dir"]) / "summary.json").read_text())
+    assert 0 < summary["train_time_s"] < summary["wall_time_s"]
     result = json.loads((tmp_path / "costmodel.json").read_text())
+    # eta at the probed p as well as over all of them
+    assert set(result["fit"]["ring"]["eta_by_p"]) == {"2"}
     held = [p for p in result["predictions"] if not p["in_fit"]]
     assert [p["row"] for p in held] == ["ddp/none"]
     (row,) = held
@@ -68,6 +76,8 @@ def test_costmodel_predicts_a_held_out_row(tmp_path: Path) -> None:
     print(f"ddp/none: measured {row['measured_s']:.4f} s, predicted {row['predicted_s']:.4f} s, "
           f"error {100 * row['rel_err']:+.1f}%")
     assert row["comm_s"] > 0 and math.isfinite(row["rel_err"])
+    local = {r["strategy"]: r["step_time_s"] for r in inputs["local_rows"]}
+    assert row["t_codec_s"] == pytest.approx(max(0.0, local["ddp"] - local["limit"]), rel=1e-9)
     assert row["loop_shape"] == "serial_ring" and math.isfinite(row["sync_s"])
     # steady state (16-step run minus 4-step run): the limit row, run first, sizes the
     # probe's kernel, so its start-up must not count; the row's own meter is kept beside
