@@ -121,11 +121,11 @@ k computing processes on c cores scales it by max(1, k/c)), t_k the codec time o
 exchange (:func:`measure_exchange_codec`: error feedback, compression, this rank's decode
 and the decode of every rank's payload (all-gather) or of the sum (all-reduce), on the
 model's own tensors; linear in p between the measured world sizes; same CPU scaling; for
-the strategies that train on one rank (:data:`ONE_RANK_STRATEGIES`) the row's own
-configuration run on one rank instead, less the one-rank limit row (:func:`one_rank_cost`:
-the codec and the strategy's machinery per step, DDP's reducer and the hook's
-bookkeeping included, which the codec timed alone leaves out), plus the codec's growth
-from one rank to p), n
+the all-reduce / all-gather family (:data:`LOCAL_STRATEGIES`) the row's own configuration
+run with its p ranks on one host instead (loopback, no shaped link), less the limit row
+run the same way (:func:`local_cost`: the codec and the strategy's machinery per step,
+DDP's reducer, the elastic update and the other ranks' threads included, which the codec
+timed alone leaves out)), n
 the dense message, m the payload a rank sends per exchange and k its messages
 (:func:`count_exchange_messages`: the exchange run through the strategies' own collective
 on a one-rank group, e.g. PowerSGD: a P and a Q round per matrix plus the small tensors'
@@ -144,7 +144,7 @@ dense all-reduce), C = k x ring(p, m/k) (linear payloads) or k x all-gather(p, m
 - ``limit``: t_c.
 
 **Held out.** The fit uses only the probe (collectives and loops), the limit rows
-(compute), the one-rank runs and the codec measurements (time, messages and bytes of each exchange); every
+(compute), the local runs and the codec measurements (time, messages and bytes of each exchange); every
 training row's step time is a prediction, reported against its measured step time
 (target: within 15%), at a link rate the probe did not use, on each of the rows' rank
 counts (``--rows-workers``, default 2 and 4: one rank per core of this machine, and two
@@ -868,15 +868,16 @@ def _row_inputs(row: dict, inputs: dict) -> dict:
         """Codec seconds per exchange on q ranks, one worker per core."""
         return _codec_seconds(exchange, q) if exchange else round_trip
 
-    own = one_rank_cost(row, inputs)
+    local = local_cost(row, inputs)
 
     def t_k1(q: int) -> float:
-        """The exchange's local seconds per step on q ranks, one worker per core: the
-        one-rank run's cost over the limit (codec and the strategy's machinery) where there
-        is one, plus the codec's growth from one rank to q; else the codec alone."""
-        if own is None:
+        """The exchange's local seconds per step on q ranks, one worker per core: the local
+        run's cost beyond the limit (codec and the strategy's machinery) where there is one,
+        plus the codec's growth from its rank count to q; else the codec alone."""
+        if local is None:
             return codec1(q)
-        return own + (codec1(q) - codec1(1) if exchange else 0.0)
+        q_run, cost = local
+        return cost + (codec1(q) - codec1(q_run) if exchange else 0.0)
 
     if exchange:
         m, calls = exchange["bytes"], exchange["messages"]
@@ -891,24 +892,30 @@ def _row_inputs(row: dict, inputs: dict) -> dict:
     }
 
 
-#: strategies that train on one rank, whose row configurations also run there
-#: (``local_rows``): the strategy's machinery and codec per step without peers
-ONE_RANK_STRATEGIES = ("ddp",)
+#: strategies whose rows also run on one host (``local_rows``): the codec and the
+#: strategy's machinery per step, measured in training
+LOCAL_STRATEGIES = ("ddp", "sync_easgd")
 
 
-def one_rank_cost(row: dict, inputs: dict) -> float | None:
-    """Seconds a step of ``row``'s configuration takes beyond the limit row when both run
-    on one rank (``inputs["local_rows"]``: no peers, no network, a core of its own): the
-    codec with every local step of its exchange (at one rank: its own payload) and the
-    strategy's own per-step machinery (DDP's reducer and bucket copies, the hook's
-    bookkeeping, the collectives' calls on a one-rank group), which the codec timed alone
-    leaves out. None where the configuration did not run on one rank."""
-    local = {_label(r): r["step_time_s"] for r in inputs.get("local_rows") or []
-             if r.get("status") == "ok" and r.get("step_time_s")}
-    limit, own = local.get("limit/none"), local.get(_label(row))
-    if row["strategy"] == "limit" or limit is None or own is None:
+def local_cost(row: dict, inputs: dict) -> tuple[int, float] | None:
+    """``(q, seconds)``: what a step of ``row``'s configuration takes beyond the limit row
+    when both run on one host (``inputs["local_rows"]``: q ranks over the host's loopback,
+    no shaped link; q = the row's p where it ran, else 1), per worker with a core of its
+    own (divided by the CPU share of q computing ranks): the codec with every local step
+    of its exchange, the strategy's machinery (DDP's reducer and bucket copies, the elastic
+    update, the hooks' bookkeeping, the collectives' software cost) and what the other
+    ranks' threads take from the cores, none of which the codec timed alone sees; the
+    loopback's own transfer time is in it too (about 1 ms for the dense message). None
+    where the configuration did not run on one host."""
+    runs = {(_label(r), r.get("workers")): r["step_time_s"] for r in inputs.get("local_rows") or []
+            if r.get("status") == "ok" and r.get("step_time_s")}
+    if row["strategy"] == "limit":
         return None
-    return max(0.0, own - limit)
+    for q in (row["workers"], 1):
+        limit, own = runs.get(("limit/none", q)), runs.get((_label(row), q))
+        if limit is not None and own is not None:
+            return q, max(0.0, own - limit) / cpu_share(_computing(row, q), inputs["cpus"])
+    return None
 
 
 def predict_rows(model: dict[str, dict], inputs: dict, loops: dict | None = None) -> list[dict]:
@@ -961,7 +968,7 @@ def ablation(model: dict[str, dict], inputs: dict, loops: dict) -> list[dict]:
         "idle": predict_rows(model, old),
         "+ exchange": predict_rows(model, no_local),
         "+ loops": predict_rows(model, no_local, loops),
-        "+ one rank": predict_rows(model, inputs, loops),
+        "+ local runs": predict_rows(model, inputs, loops),
     }
     out = []
     for k, row in enumerate(variants["idle"]):
@@ -1243,15 +1250,15 @@ def markdown(result: dict) -> str:
             "collectives, the codec round trip on one tensor, the compressor's nominal "
             "collectives and the row's metered payload; + exchange: codec, messages and bytes "
             "of the whole exchange on the model's tensors; + loops: the synchronisation cost "
-            "and the overlap's hidden share; + one rank: the one-rank runs' cost beyond the "
-            "limit, codec and the strategy's machinery, where measured):",
+            "and the overlap's hidden share; + local runs: the rows' cost beyond the limit "
+            "with all ranks on one host, codec and the strategy's machinery, where measured):",
             "",
-            "| row | idle | + exchange | + loops | + one rank |",
+            "| row | idle | + exchange | + loops | + local runs |",
             "|---|---:|---:|---:|---:|",
         ]
         for a in result["ablation"]:
             lines.append(f"| {a['row']} | {100 * a['idle']:+.1f}% | {100 * a['+ exchange']:+.1f}% | "
-                         f"{100 * a['+ loops']:+.1f}% | {100 * a.get('+ one rank', a['+ loops']):+.1f}% |")
+                         f"{100 * a['+ loops']:+.1f}% | {100 * a.get('+ local runs', a['+ loops']):+.1f}% |")
     held = [r for r in result["predictions"] if not r["in_fit"]]
     for q in sorted({r["workers"] for r in held}):
         at_q = [r for r in held if r["workers"] == q]
@@ -1560,14 +1567,16 @@ def measure(args: argparse.Namespace) -> dict:
     if limit_row["status"] == "ok" and limit_row["step_time_s"]:
         t_c1 = limit_row["step_time_s"] / cpu_share(rows_workers[0], inputs["cpus"])
         matmuls, mm_s = kernel_matmuls(t_c1)
-    # the configurations that train on one rank, and the limit: their cost beyond the
-    # limit without peers (one_rank_cost)
+    # the configurations of the all-reduce / all-gather family and the limit on one host
+    # (loopback, no shaped link) at each of the rows' rank counts: local_cost
     inputs["local_rows"] = []
-    if args.one_rank and any(c.strategy in ONE_RANK_STRATEGIES for c in configs):
-        with EmulatedCluster(1, link, subnet=args.subnet) as cluster:
-            for k, config in enumerate(configs):
-                if config.strategy == "limit" or config.strategy in ONE_RANK_STRATEGIES:
-                    inputs["local_rows"].append(_run_row(cluster, config, 40 + k, args, 1))
+    if args.local_runs and any(c.strategy in LOCAL_STRATEGIES for c in configs):
+        for j, workers in enumerate(rows_workers):
+            with EmulatedCluster(1, link, subnet=args.subnet, procs_per_host=workers) as cluster:
+                for k, config in enumerate(configs):
+                    if config.strategy == "limit" or config.strategy in LOCAL_STRATEGIES:
+                        inputs["local_rows"].append(
+                            _run_row(cluster, config, 40 + 10 * j + k, args, workers, where="local"))
     inputs["probe_kernel"] = {"matmuls": matmuls, "matmul_s": mm_s,
                               "what": "256x256 float32 products per loop iteration, sized "
                               "to the limit row's compute per step (one worker per core)"}
@@ -1645,17 +1654,18 @@ def measure(args: argparse.Namespace) -> dict:
     return inputs
 
 
-def _run_row(cluster, config, k: int, args: argparse.Namespace, workers: int) -> dict:
-    """One training row on the rows' cluster of ``workers`` ranks: its measured step time
-    and meter."""
+def _run_row(cluster, config, k: int, args: argparse.Namespace, workers: int, where: str = "p") -> dict:
+    """One training row of ``workers`` ranks on ``cluster`` (one host per rank, or with
+    ``where="local"`` all on one host): its measured step time and meter."""
     from _runs import run_config
     from _scenarios import WIDE_MLP_WORKLOAD
 
-    print(f"[costmodel] row {config.label} {' '.join(config.overrides)} on {workers} ranks", flush=True)
+    print(f"[costmodel] row {config.label} {' '.join(config.overrides)} on {workers} ranks"
+          + (" of one host" if where == "local" else ""), flush=True)
     res = run_config(
         cluster, config, steps=args.limit_steps if config.strategy == "limit" else args.steps,
         warmup_steps=args.warmup_steps,
-        workload=list(WIDE_MLP_WORKLOAD), extra=args.extra.split(), out_dir=args.out / "runs" / f"p{workers}",
+        workload=list(WIDE_MLP_WORKLOAD), extra=args.extra.split(), out_dir=args.out / "runs" / f"{where}{workers}",
         port=args.port + 100 + k, timeout_s=args.timeout_s,
     )
     fig = res.figures
@@ -1778,9 +1788,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="ranks of the rows' cluster, comma-separated: every row runs at each "
                         "(the first one's limit row, run first, sizes the probe's kernel)")
     p.add_argument("--rows-rate", type=float, default=ROWS_RATE_MBIT)
-    p.add_argument("--one-rank", action=argparse.BooleanOptionalAction, default=True,
-                   help="also run the limit and the rows whose strategy trains on one rank "
-                        "(ddp) on a single rank: their cost beyond the limit without peers")
+    p.add_argument("--local-runs", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run the limit and the ddp / sync_easgd rows with all their ranks "
+                        "on one host (loopback): their cost beyond the limit in training")
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--limit-steps", type=int, default=200,
                    help="steps of the limit row, whose compute every prediction uses: a steady "

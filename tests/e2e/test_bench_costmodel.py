@@ -60,9 +60,10 @@ def test_costmodel_predicts_a_held_out_row(tmp_path: Path) -> None:
         "loop_overlap_allgather", "loop_serial_ring_x2", "loop_serial_ring_x4", "loop_ps"}
     assert len(inputs["probe_loops"]) == 5 * 2 * 2 + 2 * 2 + 2
     assert inputs["probe_kernel"]["matmuls"] >= 1
-    # the one-rank runs of the limit and of ddp/none (its DDP machinery beyond the limit)
+    # the local runs of the limit and of ddp/none, both ranks on one host (its DDP machinery
+    # and loopback all-reduce beyond the limit)
     assert [(r["strategy"], r["workers"], r["status"]) for r in inputs["local_rows"]] == [
-        ("ddp", 1, "ok"), ("limit", 1, "ok")]
+        ("ddp", 2, "ok"), ("limit", 2, "ok")]
     # the rows' step times come from the training clock, not fit's wall time
     summary = json.loads((Path(inputs["rows"][0]["run_dir"]) / "summary.json").read_text())
     assert 0 < summary["train_time_s"] < summary["wall_time_s"]

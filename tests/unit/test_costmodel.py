@@ -392,32 +392,35 @@ def test_rows_on_two_rank_counts_each_use_their_own_limit_row(tmp_path):
     assert proj["curves"]["knl"]["ddp/none"][-1] == pytest.approx(t_c / (t_c + ring), rel=1e-12)
 
 
-def test_one_rank_runs_replace_the_codec_alone_with_the_rows_own_cost_beyond_the_limit():
+def test_local_runs_replace_the_codec_alone_with_the_rows_own_cost_beyond_the_limit():
     inputs = _synthetic_inputs(MODEL)
     inputs["codec_exchange"] = {"dgc": {"seconds_by_world": {"1": 0.001, "4": 0.002}, "bytes": 2000.0,
                                         "messages": 1.0}}
     dgc = next(r for r in inputs["rows"] if r["compression"] == "dgc")
     ddp = next(r for r in inputs["rows"] if r["strategy"] == "ddp" and r["compression"] == "none")
+    sync = next(r for r in inputs["rows"] if r["strategy"] == "sync_easgd")
     before = cm._row_inputs(dgc, inputs)
     assert before["t_codec_1"](4) == pytest.approx(0.002)  # the codec timed alone
-    one = lambda strategy, compression, overrides, t: {  # noqa: E731
-        "strategy": strategy, "compression": compression, "overrides": overrides, "workers": 1,
-        "status": "ok", "step_time_s": t}
-    inputs["local_rows"] = [one("limit", "none", [], 0.005), one("ddp", "dgc", ["optim.momentum=0"], 0.008),
-                            one("ddp", "none", [], 0.0055)]
-    assert cm.one_rank_cost(dgc, inputs) == pytest.approx(0.003)
+    run = lambda strategy, compression, overrides, workers, t: {  # noqa: E731
+        "strategy": strategy, "compression": compression, "overrides": overrides,
+        "workers": workers, "status": "ok", "step_time_s": t}
+    # on one host: 4 ranks (the rows' p: 2 per core) for DGC, 1 rank only for dense DDP
+    inputs["local_rows"] = [run("limit", "none", [], 4, 0.010), run("ddp", "dgc", ["optim.momentum=0"], 4, 0.016),
+                            run("limit", "none", [], 1, 0.005), run("ddp", "none", [], 1, 0.0055)]
+    # 6 ms beyond the limit for 4 ranks sharing 2 cores: 3 ms per worker with a core
+    assert cm.local_cost(dgc, inputs) == (4, pytest.approx(0.003))
     x = cm._row_inputs(dgc, inputs)
-    # 3 ms beyond the limit at one rank, plus the codec's growth from 1 to 4 ranks (1 ms)
-    assert x["t_codec_1"](4) == pytest.approx(0.004)
-    assert x["t_codec"] == pytest.approx(0.004 * cm.cpu_share(4, 2))
-    assert x["t_codec_1"](1) == pytest.approx(0.003)
-    # dense DDP: its machinery alone (0.5 ms); a strategy without a one-rank run: unchanged
+    assert x["t_codec_1"](4) == pytest.approx(0.003)
+    assert x["t_codec"] == pytest.approx(0.003 * cm.cpu_share(4, 2))  # back to the 4-rank share
+    # the projection's q: the codec's growth from the run's 4 ranks (-1 ms at one rank)
+    assert x["t_codec_1"](1) == pytest.approx(0.002)
+    # dense DDP from its one-rank run: its machinery alone (0.5 ms); no local run: unchanged
+    assert cm.local_cost(ddp, inputs) == (1, pytest.approx(0.0005))
     assert cm._row_inputs(ddp, inputs)["t_codec"] == pytest.approx(0.0005 * cm.cpu_share(4, 2))
-    sync = next(r for r in inputs["rows"] if r["strategy"] == "sync_easgd")
-    assert cm.one_rank_cost(sync, inputs) is None
-    assert cm.one_rank_cost(inputs["rows"][0], inputs) is None  # the limit itself
+    assert cm.local_cost(sync, inputs) is None
+    assert cm.local_cost(inputs["rows"][0], inputs) is None  # the limit itself
     pred = next(p for p in cm.predict_rows(MODEL, inputs) if p["row"] == cm._label(dgc))
-    assert pred["t_codec_s"] == pytest.approx(0.004 * cm.cpu_share(4, 2))
+    assert pred["t_codec_s"] == pytest.approx(0.003 * cm.cpu_share(4, 2))
 
 
 def test_rows_workers_parse_and_errors():
