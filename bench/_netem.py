@@ -5,6 +5,7 @@ everything it creates (``finally``, signal handlers, ``atexit``, ``--cleanup-sta
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import os
 import platform
 import re
@@ -16,11 +17,29 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Self
 
 from _scenarios import REPO
 
-from easgd_lightning.utils.procs import pid_alive, stop_signals_held
+
+def package_util(name: str) -> ModuleType:
+    """``easgd_lightning.utils.NAME``, a module of the standard library only, without the
+    package's ``__init__``: that imports Lightning (~5 s of one core here, at every start of
+    the harness), which the harness never uses itself -- its ranks do. The package's own
+    module when this process has imported it already."""
+    module = sys.modules.get(f"easgd_lightning.utils.{name}")
+    if module is None:
+        spec = importlib.util.spec_from_file_location(
+            f"_bench_easgd_{name}", REPO / "easgd_lightning" / "utils" / f"{name}.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return module
+
+
+pid_alive = package_util("procs").pid_alive
+stop_signals_held = package_util("procs").stop_signals_held
 
 PREFIX = "easgd-bench"
 

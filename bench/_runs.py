@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _netem import EmulatedCluster, LinkSpec
+from _netem import EmulatedCluster, LinkSpec, package_util
 from _scenarios import (
     LIMIT,
     LIMIT_RUN,
@@ -36,7 +36,8 @@ from _tables import (
 
 if str(REPO) not in sys.path:  # the checkout's package, also when not installed
     sys.path.insert(0, str(REPO))
-from easgd_lightning.utils.rank_env import clean_env, rank_env  # noqa: E402
+clean_env = package_util("rank_env").clean_env  # without importing Lightning here (_netem)
+rank_env = package_util("rank_env").rank_env
 
 # Defaults of every benchmark run (each can be replaced through --extra KEY=VALUE): no
 # logger, no checkpoint files, no progress bar, and as many epochs as --steps needs.

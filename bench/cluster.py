@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import importlib.util
 import json
 import os
 import platform
@@ -351,18 +352,29 @@ def _loadavg() -> str | None:
         return None
 
 
+def _torch_version() -> str | None:
+    """``torch.__version__`` (with its local part, e.g. ``+cpu``) from ``torch/version.py``
+    alone: importing torch would cost this process seconds for one string."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"].__version__
+    try:
+        spec = importlib.util.find_spec("torch")
+        path = Path(spec.submodule_search_locations[0]) / "version.py"
+        version = importlib.util.spec_from_file_location("_bench_torch_version", path)
+        module = importlib.util.module_from_spec(version)
+        version.loader.exec_module(module)
+        return module.__version__
+    except (AttributeError, ImportError, OSError, TypeError):  # pragma: no cover - torch is a dependency
+        return None
+
+
 def _scenario(
     args: argparse.Namespace,
     cluster: EmulatedCluster,
     settings: Settings,
     argv: Sequence[str],
 ) -> dict:
-    try:
-        import torch
-
-        torch_version = torch.__version__
-    except ImportError:  # pragma: no cover - torch is a dependency
-        torch_version = None
+    torch_version = _torch_version()
     commit = (
         subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
