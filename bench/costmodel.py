@@ -122,10 +122,11 @@ exchange (:func:`measure_exchange_codec`: error feedback, compression, this rank
 and the decode of every rank's payload (all-gather) or of the sum (all-reduce), on the
 model's own tensors; linear in p between the measured world sizes; same CPU scaling; for
 the all-reduce / all-gather family (:data:`LOCAL_STRATEGIES`) the row's own configuration
-run with its p ranks on one host instead (loopback, no shaped link), less the limit row
-run the same way (:func:`local_cost`: the codec and the strategy's machinery per step,
-DDP's reducer, the elastic update and the other ranks' threads included, which the codec
-timed alone leaves out)), n
+run with min(p, cores) ranks on one host instead (loopback, no shaped link), less the
+limit row run the same way, per worker with a core (:func:`local_cost`: the codec and the
+strategy's machinery per step, DDP's reducer, the elastic update and the other ranks'
+threads included, which the codec timed alone leaves out; the same CPU scaling to p, plus
+the codec's growth to p)), n
 the dense message, m the payload a rank sends per exchange and k its messages
 (:func:`count_exchange_messages`: the exchange run through the strategies' own collective
 on a one-rank group, e.g. PowerSGD: a P and a Q round per matrix plus the small tensors'
@@ -900,8 +901,8 @@ LOCAL_STRATEGIES = ("ddp", "sync_easgd")
 def local_cost(row: dict, inputs: dict) -> tuple[int, float] | None:
     """``(q, seconds)``: what a step of ``row``'s configuration takes beyond the limit row
     when both run on one host (``inputs["local_rows"]``: q ranks over the host's loopback,
-    no shaped link; q = the row's p where it ran, else 1), per worker with a core of its
-    own (divided by the CPU share of q computing ranks): the codec with every local step
+    no shaped link; q the largest run count up to the row's p), per worker with a core of
+    its own (divided by the CPU share of q computing ranks): the codec with every local step
     of its exchange, the strategy's machinery (DDP's reducer and bucket copies, the elastic
     update, the hooks' bookkeeping, the collectives' software cost) and what the other
     ranks' threads take from the cores, none of which the codec timed alone sees; the
@@ -911,7 +912,7 @@ def local_cost(row: dict, inputs: dict) -> tuple[int, float] | None:
             if r.get("status") == "ok" and r.get("step_time_s")}
     if row["strategy"] == "limit":
         return None
-    for q in (row["workers"], 1):
+    for q in sorted({q for _, q in runs if q is not None and q <= row["workers"]}, reverse=True):
         limit, own = runs.get(("limit/none", q)), runs.get((_label(row), q))
         if limit is not None and own is not None:
             return q, max(0.0, own - limit) / cpu_share(_computing(row, q), inputs["cpus"])
@@ -1568,10 +1569,11 @@ def measure(args: argparse.Namespace) -> dict:
         t_c1 = limit_row["step_time_s"] / cpu_share(rows_workers[0], inputs["cpus"])
         matmuls, mm_s = kernel_matmuls(t_c1)
     # the configurations of the all-reduce / all-gather family and the limit on one host
-    # (loopback, no shaped link) at each of the rows' rank counts: local_cost
+    # (loopback, no shaped link), at most one rank per core (local_cost; more ranks than
+    # cores would measure again the waits that the loops' s and the network model charge)
     inputs["local_rows"] = []
     if args.local_runs and any(c.strategy in LOCAL_STRATEGIES for c in configs):
-        for j, workers in enumerate(rows_workers):
+        for j, workers in enumerate(sorted({min(w, inputs["cpus"]) for w in rows_workers})):
             with EmulatedCluster(1, link, subnet=args.subnet, procs_per_host=workers) as cluster:
                 for k, config in enumerate(configs):
                     if config.strategy == "limit" or config.strategy in LOCAL_STRATEGIES:

@@ -404,9 +404,11 @@ def test_local_runs_replace_the_codec_alone_with_the_rows_own_cost_beyond_the_li
     run = lambda strategy, compression, overrides, workers, t: {  # noqa: E731
         "strategy": strategy, "compression": compression, "overrides": overrides,
         "workers": workers, "status": "ok", "step_time_s": t}
-    # on one host: 4 ranks (the rows' p: 2 per core) for DGC, 1 rank only for dense DDP
+    # on one host: 4 ranks (the rows' p: 2 per core) for DGC, 1 rank only for dense DDP;
+    # runs of more ranks than a row's p never count (8 ranks here)
     inputs["local_rows"] = [run("limit", "none", [], 4, 0.010), run("ddp", "dgc", ["optim.momentum=0"], 4, 0.016),
-                            run("limit", "none", [], 1, 0.005), run("ddp", "none", [], 1, 0.0055)]
+                            run("limit", "none", [], 1, 0.005), run("ddp", "none", [], 1, 0.0055),
+                            run("limit", "none", [], 8, 0.020), run("ddp", "none", [], 8, 0.090)]
     # 6 ms beyond the limit for 4 ranks sharing 2 cores: 3 ms per worker with a core
     assert cm.local_cost(dgc, inputs) == (4, pytest.approx(0.003))
     x = cm._row_inputs(dgc, inputs)
@@ -418,9 +420,15 @@ def test_local_runs_replace_the_codec_alone_with_the_rows_own_cost_beyond_the_li
     assert cm.local_cost(ddp, inputs) == (1, pytest.approx(0.0005))
     assert cm._row_inputs(ddp, inputs)["t_codec"] == pytest.approx(0.0005 * cm.cpu_share(4, 2))
     assert cm.local_cost(sync, inputs) is None
+    # a 4-rank row with only a 2-rank local run (one rank per core): its per-worker cost,
+    # and the codec's growth from 2 to 4 ranks
+    inputs["local_rows"] = [run("limit", "none", [], 2, 0.005), run("ddp", "dgc", ["optim.momentum=0"], 2, 0.008)]
+    assert cm.local_cost(dgc, inputs) == (2, pytest.approx(0.003))
+    grow = cm._codec_seconds(inputs["codec_exchange"]["dgc"], 4) - cm._codec_seconds(inputs["codec_exchange"]["dgc"], 2)
+    assert cm._row_inputs(dgc, inputs)["t_codec_1"](4) == pytest.approx(0.003 + grow)
     assert cm.local_cost(inputs["rows"][0], inputs) is None  # the limit itself
     pred = next(p for p in cm.predict_rows(MODEL, inputs) if p["row"] == cm._label(dgc))
-    assert pred["t_codec_s"] == pytest.approx(0.003 * cm.cpu_share(4, 2))
+    assert pred["t_codec_s"] == pytest.approx((0.003 + grow) * cm.cpu_share(4, 2))
 
 
 def test_rows_workers_parse_and_errors():
