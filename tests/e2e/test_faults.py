@@ -3,7 +3,10 @@ killed (SIGKILL), frozen (SIGSTOP) or terminated (SIGTERM), and SIGTERM / SIGINT
 launcher, for one strategy of each family. Every case checks: the run ends (bounded by a
 subprocess timeout), its exit status, ``summary.json`` (status failed, naming the rank
 that failed first and how), an intact loadable ``last.ckpt``, and that no process of the
-run is left (by PID, from ``ranks/launch.json``).
+run is left (by PID, from ``ranks/launch.json``). The launchers are forked from the test
+session's CLI server (tests/helpers.py, as ``run_cli``'s runs: the same ``main()`` without a
+fresh interpreter's seconds of imports), except in the spawn-path case, where every process
+of the run is a fresh interpreter.
 
 Run this file by hand to print the fault table: ``python tests/e2e/test_faults.py``.
 """
@@ -37,16 +40,24 @@ def pid_alive(pid: int) -> bool:
 
 
 class Run:
-    """``easgd-train`` started in the background, with handles on its processes."""
+    """``easgd-train`` started in the background, with handles on its processes: forked from
+    the session's CLI server (tests/helpers.py ``start_cli``: the same ``main()``, argv,
+    environment and working directory, its own session, a fresh interpreter's signal
+    handlers, the launcher's exit status), or with ``fresh=True`` a fresh
+    ``python -m easgd_lightning.cli.train``."""
 
-    def __init__(self, run_dir: Path, overrides: list[str]) -> None:
+    def __init__(self, run_dir: Path, overrides: list[str], fresh: bool = False) -> None:
         self.run_dir = run_dir
-        self.log = open(run_dir.parent / f"{run_dir.name}.log", "w")  # noqa: SIM115 - closed in wait()
+        self.log = run_dir.parent / f"{run_dir.name}.log"
+        args = [f"hydra.run.dir={run_dir}", *COMMON, *overrides]
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(
-            [PY, "-m", "easgd_lightning.cli.train", f"hydra.run.dir={run_dir}", *COMMON, *overrides],
-            env=base_env(), cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
-        )
+        self._log_file = None
+        if fresh:
+            self._log_file = open(self.log, "w")  # noqa: SIM115 - closed in wait()
+            self.proc = subprocess.Popen([PY, "-m", "easgd_lightning.cli.train", *args], env=base_env(),
+                                         cwd=REPO, stdout=self._log_file, stderr=subprocess.STDOUT)
+        else:  # the fork server opens the log for the process's stdout and stderr itself
+            self.proc = start_cli(args, base_env(), self.log)
 
     def wait_for(self, path: str, timeout: float = 120) -> dict | None:
         """Wait until ``run_dir/path`` exists (JSON files are returned parsed)."""
@@ -77,7 +88,8 @@ class Run:
             self.kill_all()
             raise AssertionError(f"the run did not end within {timeout}s:\n{self.output()}") from None
         finally:
-            self.log.close()
+            if self._log_file is not None:
+                self._log_file.close()
         return code, time.monotonic() - self.fault_at
 
     def mark_fault(self) -> None:
@@ -119,8 +131,9 @@ class Run:
         return json.loads((self.run_dir / "summary.json").read_text())
 
     def output(self) -> str:
-        self.log.flush()
-        return Path(self.log.name).read_text()[-6000:]
+        if self._log_file is not None:
+            self._log_file.flush()
+        return self.log.read_text(errors="replace")[-6000:] if self.log.exists() else ""
 
 
 def assert_loadable_last_checkpoint(run_dir: Path) -> dict:
@@ -163,10 +176,11 @@ def _end_every_run():
             run.kill_all()
 
 
-def _start(tmp_path: Path, name: str, overrides: list[str], timeout_s: float = TIMEOUT_S) -> Run:
+def _start(tmp_path: Path, name: str, overrides: list[str], timeout_s: float = TIMEOUT_S,
+           fresh: bool = False) -> Run:
     run_dir = tmp_path / name
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    run = Run(run_dir, [f"timeout_s={timeout_s}", *overrides])
+    run = Run(run_dir, [f"timeout_s={timeout_s}", *overrides], fresh=fresh)
     _RUNS.append(run)
     return run
 
@@ -193,12 +207,14 @@ def case_worker_crash(tmp_path: Path, strategy: str, devices: int) -> dict:
 def case_worker_signal(tmp_path: Path, strategy: str, devices: int, sig: signal.Signals,
                        start_method: str = "fork") -> dict:
     """SIGKILL / SIGSTOP / SIGTERM to rank 1 once the first epoch checkpoint exists (the ranks
-    forked by the launcher's fork server, or spawned). SIGSTOP: the run's timeout_s is
-    SHORT_TIMEOUT_S (the launcher kills the frozen rank after it)."""
+    forked by the launcher's fork server, or spawned: then the launcher too is a fresh
+    interpreter, so that one case runs every process of the run as the command does).
+    SIGSTOP: the run's timeout_s is SHORT_TIMEOUT_S (the launcher kills the frozen rank after it)."""
     timeout_s = SHORT_TIMEOUT_S if sig == signal.SIGSTOP else TIMEOUT_S
     run = _start(tmp_path, f"{sig.name.lower()}-{strategy}", [f"strategy={strategy}", f"trainer.devices={devices}",
                                                               "trainer.max_epochs=400",
-                                                              f"launcher.start_method={start_method}"], timeout_s)
+                                                              f"launcher.start_method={start_method}"], timeout_s,
+                 fresh=start_method == "spawn")
     pids = run.worker_pids
     run.wait_for("checkpoints/epoch000.ckpt")
     run.assert_ranks_started_as_promised(start_method)
@@ -256,10 +272,10 @@ def case_failed_sweep_job(tmp_path: Path) -> dict:
     """A sweep whose second job crashes: both jobs run, the sweep exits 1 naming the failed one."""
     sweep = tmp_path / "sweep"
     started = time.monotonic()
-    proc = subprocess.run(
-        [PY, "-m", "easgd_lightning.cli.train", "-m", f"hydra.sweep.dir={sweep}", *COMMON,
-         "trainer.max_epochs=1", "checkpoint.enabled=false", "faults.crash_at_step=3", "faults.crash_rank=null,1"],
-        env=base_env(), cwd=REPO, capture_output=True, text=True, timeout=600,
+    proc = run_cli(  # forked from the session's CLI server, as the multirun of test_cli_foundation
+        ["-m", f"hydra.sweep.dir={sweep}", *COMMON, "trainer.max_epochs=1", "checkpoint.enabled=false",
+         "faults.crash_at_step=3", "faults.crash_rank=null,1"],
+        check=False, timeout=600,
     )
     took = time.monotonic() - started
     assert proc.returncode == 1, proc.stderr[-3000:]
