@@ -1561,9 +1561,12 @@ def measure(args: argparse.Namespace) -> dict:
         raise ValueError("--rows needs the limit row (limit/none): it measures the compute")
     link = LinkSpec(args.rows_rate, args.latency_ms)
     rows_workers = parse_workers(args.rows_workers)
-    # the limit row first: its compute sizes the probe loops' kernel
+    # a limit row first: its compute sizes the probe loops' kernel; the predictions take
+    # the limit measured again beside the rows (batch K's first one read 7.2 ms per step,
+    # twice the 3.4-3.7 ms of H-J and of the rows' own compute, right after the lock)
     with EmulatedCluster(rows_workers[0], link, subnet=args.subnet) as cluster:
-        limit_row = _run_row(cluster, configs[limit_k], limit_k, args, rows_workers[0])
+        limit_row = _run_row(cluster, configs[limit_k], 60 + limit_k, args, rows_workers[0], where="kernel")
+    inputs["kernel_limit_row"] = limit_row
     matmuls, mm_s = 32, None
     if limit_row["status"] == "ok" and limit_row["step_time_s"]:
         t_c1 = limit_row["step_time_s"] / cpu_share(rows_workers[0], inputs["cpus"])
@@ -1629,9 +1632,6 @@ def measure(args: argparse.Namespace) -> dict:
     for j, workers in enumerate(rows_workers):
         with EmulatedCluster(workers, link, subnet=args.subnet) as cluster:
             for k, config in enumerate(configs):
-                if k == limit_k and j == 0:
-                    inputs["rows"].append(limit_row)
-                    continue
                 started = time.monotonic()
                 if config.strategy.startswith("async_") and workers < 3:
                     inputs["rows"].append({"strategy": config.strategy, "compression": config.compression,
