@@ -149,14 +149,19 @@ def start_cli(args: list[str], env: dict[str, str], log: Path, *, cwd: Path = RE
                         entry="tests.helpers:run_train_main", stdout=str(log), stderr=str(log))
 
 
-def _run_forked(server, argv: list[str], entry: str, env: dict[str, str], cwd: Path, timeout: float,
-                cmd: list[str]) -> subprocess.CompletedProcess:
-    """Fork ``entry(argv[1:])`` from ``server`` and wait for it, as ``subprocess.run(cmd,
-    capture_output=True, text=True, timeout=timeout)`` would; on timeout its whole process
-    group (its own session, with what it started) gets SIGKILL first."""
+def _start_forked(server, argv: list[str], entry: str, env: dict[str, str], cwd: Path) -> tuple:
+    """Fork ``entry(argv[1:])`` from ``server``, its stdout and stderr into files: (process, log dir)."""
     logs = Path(tempfile.mkdtemp(prefix="easgd-test-run-"))
+    proc = server.start(argv, env, str(cwd), [], entry=entry, stdout=str(logs / "stdout"),
+                        stderr=str(logs / "stderr"))
+    return proc, logs
+
+
+def _finish_forked(proc, logs: Path, timeout: float, cmd: list[str]) -> subprocess.CompletedProcess:
+    """Wait for a process of :func:`_start_forked` as ``subprocess.run(cmd, capture_output=True,
+    text=True, timeout=timeout)`` would; on timeout its whole process group (its own session,
+    with what it started) gets SIGKILL first."""
     out, err = logs / "stdout", logs / "stderr"
-    proc = server.start(argv, env, str(cwd), [], entry=entry, stdout=str(out), stderr=str(err))
     try:
         try:
             code = proc.wait(timeout)
@@ -171,6 +176,13 @@ def _run_forked(server, argv: list[str], entry: str, env: dict[str, str], cwd: P
         return subprocess.CompletedProcess(cmd, code, out.read_text(errors="replace"), err.read_text(errors="replace"))
     finally:
         shutil.rmtree(logs, ignore_errors=True)
+
+
+def _run_forked(server, argv: list[str], entry: str, env: dict[str, str], cwd: Path, timeout: float,
+                cmd: list[str]) -> subprocess.CompletedProcess:
+    """Fork ``entry(argv[1:])`` from ``server`` and wait for it (:func:`_finish_forked`)."""
+    proc, logs = _start_forked(server, argv, entry, env, cwd)
+    return _finish_forked(proc, logs, timeout, cmd)
 
 
 def _run_forked_cli(server, args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
@@ -191,6 +203,42 @@ def run_python(script: Path, args: list[str], *, timeout: float, cwd: Path | Non
         return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     return _run_forked(server, [str(script), *args], "tests.helpers:run_script", env, cwd or Path.cwd(),
                        timeout, cmd)
+
+
+def run_pythons(runs: list[tuple[Path, list[str], Path]], *, timeout: float) -> list[subprocess.CompletedProcess]:
+    """:func:`run_python` of each ``(script, args, cwd)``, all started at once, then waited for
+    in turn (from this thread: the fork server has one reader); their results in order. For
+    runs whose own start leaves a core idle (Lightning's launcher starts the other ranks as
+    fresh interpreters, one core busy importing each, while rank 0 waits for them)."""
+    server = script_server()
+    env = base_env()
+    results: list[subprocess.CompletedProcess] = []
+    if server is None:
+        procs = [subprocess.Popen([PY, str(script), *args], env=env, cwd=cwd, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for script, args, cwd in runs]
+        try:
+            for proc in procs:
+                out, err = proc.communicate(timeout=timeout)
+                results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+        return results
+    started = [_start_forked(server, [str(script), *args], "tests.helpers:run_script", env, cwd)
+               for script, args, cwd in runs]
+    try:
+        for (proc, logs), (script, args, _) in zip(started, runs):
+            results.append(_finish_forked(proc, logs, timeout, [PY, str(script), *args]))
+    finally:
+        for proc, logs in started[len(results):]:  # one timed out: the others end too
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            shutil.rmtree(logs, ignore_errors=True)
+    return results
 
 
 def run_script(args: list[str]) -> None:
@@ -231,10 +279,12 @@ class ScriptRank:
                 self._err.read_text(errors="replace") if self._err.exists() else "")
 
 
-def start_ranks(script: Path, world: int, args: list[str]) -> list[subprocess.Popen | ScriptRank]:
-    """Start ``script`` as ``world`` ranks (torchrun-style environment), forked by the
-    session's :func:`script_server` (or spawned); their out/err are read by ``communicate``."""
-    port = free_port()
+def start_ranks(script: Path, world: int, args: list[str], *,
+                port: int | None = None) -> list[subprocess.Popen | ScriptRank]:
+    """Start ``script`` as ``world`` ranks (torchrun-style environment, rendezvous at
+    ``port``: a free one by default), forked by the session's :func:`script_server` (or
+    spawned); their out/err are read by ``communicate``."""
+    port = free_port() if port is None else port
     server = script_server()
     procs: list = []
     logs = Path(tempfile.mkdtemp(prefix="ranks-", dir=_session_tmp())) if server is not None else None

@@ -9,32 +9,49 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import run_python
+from tests.helpers import run_pythons
 
 SCRIPT = Path(__file__).parent / "scripts" / "feature_run.py"
+#: every (strategy, feature) run of this file
+RUNS = (("sync_easgd", "auto"), ("sync_easgd", "manual"), ("async_sgd", "sched"))
 
 
-def _run(tmp_path: Path, strategy: str, feature: str) -> dict:
-    proc = run_python(SCRIPT, [strategy, feature, str(tmp_path)], cwd=tmp_path, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((tmp_path / f"{strategy}-{feature}-rank0.json").read_text())
+@pytest.fixture(scope="module")
+def out(tmp_path_factory) -> Path:
+    """The runs of this file side by side, each its own Trainer and ranks (Lightning's
+    launcher starts the other ranks of each as fresh interpreters, one core busy importing
+    each while its rank 0 waits): the directory of their files, each named by strategy,
+    feature and rank."""
+    out = tmp_path_factory.mktemp("features")
+    cwds = [out / f"cwd-{strategy}-{feature}" for strategy, feature in RUNS]  # one working directory each
+    for cwd in cwds:
+        cwd.mkdir()
+    procs = run_pythons([(SCRIPT, [strategy, feature, str(out)], cwd) for (strategy, feature), cwd in zip(RUNS, cwds)],
+                        timeout=240)
+    for (strategy, feature), proc in zip(RUNS, procs):
+        assert proc.returncode == 0, f"{strategy} {feature}:\n{proc.stderr[-4000:]}"
+    return out
+
+
+def _run(out: Path, strategy: str, feature: str) -> dict:
+    return json.loads((out / f"{strategy}-{feature}-rank0.json").read_text())
 
 
 @pytest.mark.slow
-def test_manual_optimization_is_bitwise_automatic_under_sync_easgd(tmp_path: Path) -> None:
-    auto, manual = _run(tmp_path, "sync_easgd", "auto"), _run(tmp_path, "sync_easgd", "manual")
+def test_manual_optimization_is_bitwise_automatic_under_sync_easgd(out: Path) -> None:
+    auto, manual = _run(out, "sync_easgd", "auto"), _run(out, "sync_easgd", "manual")
     assert auto["steps"] == manual["steps"] == 16 and auto["moved"] > 1e-3
     for rank in (0, 1):
-        assert torch.equal(torch.load(tmp_path / f"sync_easgd-auto-rank{rank}.pt"),
-                           torch.load(tmp_path / f"sync_easgd-manual-rank{rank}.pt"))
+        assert torch.equal(torch.load(out / f"sync_easgd-auto-rank{rank}.pt"),
+                           torch.load(out / f"sync_easgd-manual-rank{rank}.pt"))
 
 
 @pytest.mark.slow
-def test_async_sgd_server_follows_the_scheduler(tmp_path: Path) -> None:
+def test_async_sgd_server_follows_the_scheduler(out: Path) -> None:
     # the scheduler sets the rate to 0: the server, which applies the pushed gradients with
     # the worker's current rate, must leave every weight where it was
-    r = _run(tmp_path, "async_sgd", "sched")
-    worker1 = json.loads((tmp_path / "async_sgd-sched-rank1.json").read_text())
+    r = _run(out, "async_sgd", "sched")
+    worker1 = json.loads((out / "async_sgd-sched-rank1.json").read_text())
     # stop_policy=first: the first worker to finish its 16 steps stops the other
     assert max(r["steps"], worker1["steps"]) == 16
     assert r["moved"] == 0.0 and worker1["moved"] == 0.0

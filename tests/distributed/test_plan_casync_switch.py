@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from easgd_lightning.utils.rank_env import free_port, rank_env
-from tests.helpers import PY, base_env, launch_ranks
+from easgd_lightning.utils.rank_env import free_port
+from tests.helpers import PY, base_env, launch_ranks, start_ranks
 
 SCRIPT = Path(__file__).parent / "scripts" / "plan_run.py"
 
@@ -124,11 +124,9 @@ def test_switch_with_an_external_aggregator_process(tmp_path):
          "--workers", str(world), "--timeout-s", "60"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    procs = [
-        subprocess.Popen([PY, str(SCRIPT), str(tmp_path), "switch_external"], env=rank_env(base_env(), r, world, port),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for r in range(world)
-    ]
+    # the ranks forked from the session's script server (as launch_ranks'), rendezvous at
+    # the aggregator's port; the aggregator itself a fresh `python -m easgd_lightning.comm.switch`
+    procs = start_ranks(SCRIPT, world, [str(tmp_path), "switch_external"], port=port)
     try:
         outs = [p.communicate(timeout=240) for p in procs]
         agg_out = agg.communicate(timeout=60)
