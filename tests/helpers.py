@@ -216,15 +216,7 @@ def run_pythons(runs: list[tuple[Path, list[str], Path]], *, timeout: float) -> 
     if server is None:
         procs = [subprocess.Popen([PY, str(script), *args], env=env, cwd=cwd, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for script, args, cwd in runs]
-        try:
-            for proc in procs:
-                out, err = proc.communicate(timeout=timeout)
-                results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-        return results
+        return communicate_all(procs, timeout)
     started = [_start_forked(server, [str(script), *args], "tests.helpers:run_script", env, cwd)
                for script, args, cwd in runs]
     try:
@@ -302,9 +294,9 @@ def start_ranks(script: Path, world: int, args: list[str], *,
     return procs
 
 
-def launch_ranks(script: Path, world: int, args: list[str], *, timeout: float = 240) -> list[subprocess.CompletedProcess]:
-    """Run ``script`` as ``world`` ranks (torchrun-style environment) and wait for all."""
-    procs = start_ranks(script, world, args)
+def communicate_all(procs: list[subprocess.Popen], timeout: float) -> list[subprocess.CompletedProcess]:
+    """Each process's exit status and output, in order (each waited for up to ``timeout``);
+    any still running afterwards (a timeout) is killed."""
     results = []
     try:
         for p in procs:
@@ -314,6 +306,12 @@ def launch_ranks(script: Path, world: int, args: list[str], *, timeout: float = 
         for p in procs:
             if p.poll() is None:
                 p.kill()
+    return results
+
+
+def launch_ranks(script: Path, world: int, args: list[str], *, timeout: float = 240) -> list[subprocess.CompletedProcess]:
+    """Run ``script`` as ``world`` ranks (torchrun-style environment) and wait for all."""
+    results = communicate_all(start_ranks(script, world, args), timeout)
     for r in results:
         if r.returncode != 0:
             raise AssertionError(f"rank failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}")
