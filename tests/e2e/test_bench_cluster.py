@@ -76,10 +76,17 @@ def netns_ok() -> None:
 
 
 def run_cluster_bench(tmp_path: Path, scenario: str, args: list[str]) -> dict:
-    """``bench/cluster.py --scenario SCENARIO ARGS --out tmp_path``, bounded (SIGTERM on
-    timeout: the harness removes its namespaces then); its ``cluster.json``, parsed."""
+    """``bench/cluster.py --scenario SCENARIO ARGS --fork-ranks --out tmp_path``, bounded
+    (SIGTERM on timeout: the harness removes its namespaces then); its ``cluster.json``, parsed.
+
+    ``--fork-ranks``: each row's ``easgd-train`` ranks are forked from a fork server per host,
+    inside the host's namespace, instead of each importing torch and Lightning afresh (~7 s
+    of one core per rank): the same ``main()`` over the same emulated links, so the rows,
+    messages, bytes and tables these tests read are the same. The fresh ranks' own start and
+    exit on the emulated cluster are exercised by the 10 Mbit/s soak (``run_config``) and the
+    interrupt tests, which do not pass it."""
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, str(SCRIPT), "--scenario", scenario, *args, "--out", str(tmp_path)]
+    cmd = [sys.executable, str(SCRIPT), "--scenario", scenario, *args, "--fork-ranks", "--out", str(tmp_path)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
     try:
         # Generous: the machine may be shared; each scenario here takes a minute or two alone.
