@@ -195,24 +195,30 @@ def _ps_loop(t: torch.Tensor, rank: int, world: int, iters: int, kernel: Callabl
     return (time.perf_counter() - start) / iters
 
 
+def _loop_record(op: str, t: torch.Tensor, scratch: torch.Tensor, slot: dict, args, label: str,
+                 rank: int, world: int, kernel: Callable[[], None],
+                 between: Callable[[], None] | None = None, **extra) -> dict:
+    """One loop's record: ``--loop-repeats`` timed loops after a warm-up, each between
+    barriers (``loop_ps`` with ``scratch`` as the server's reply buffer)."""
+    times = []
+    for i in range(args.loop_repeats + 1):  # the first is a warm-up
+        ops.barrier()
+        per_iter = (_ps_loop(t, rank, world, args.loop_iters, kernel, scratch) if op == "loop_ps"
+                    else _loop(op, t, args.loop_iters, kernel, slot, between))
+        if i:
+            times.append(per_iter)
+        t.fill_(1.0)
+    return {"phase": label, "op": op, "bytes": t.numel() * 4, "times_s": times,
+            "kernel_matmuls": args.kernel_matmuls, "between_matmuls": args.between_matmuls, **extra}
+
+
 def _workload_ps_loops(args, label: str, rank: int, world: int, kernel: Callable[[], None]) -> list[dict]:
     """``loop_free`` and ``loop_ps`` at the workload's message (``--ps-bytes``), marked
     ``"at": "workload"``: the busy server's reply overlap at the size the rows exchange."""
     numel = max(2, args.ps_bytes // 4)
     t, reply = torch.ones(numel), torch.empty(numel)
-    out = []
-    for op in ("loop_free", "loop_ps"):
-        times = []
-        for i in range(args.loop_repeats + 1):  # the first is a warm-up
-            ops.barrier()
-            per_iter = (_ps_loop(t, rank, world, args.loop_iters, kernel, reply) if op == "loop_ps"
-                        else _loop(op, t, args.loop_iters, kernel, {}, None))
-            if i:
-                times.append(per_iter)
-            t.fill_(1.0)
-        out.append({"phase": label, "op": op, "bytes": numel * 4, "times_s": times, "at": "workload",
-                    "kernel_matmuls": args.kernel_matmuls, "between_matmuls": args.between_matmuls})
-    return out
+    return [_loop_record(op, t, reply, {}, args, label, rank, world, kernel, at="workload")
+            for op in ("loop_free", "loop_ps")]
 
 
 def _run(op: str, t: torch.Tensor, rank: int, world: int, scratch: torch.Tensor, slot: dict) -> None:
@@ -308,17 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                     rounds.append(_CODEC_ROUNDS)
                 served = ["loop_ps"] if "ps" in wanted and world > 1 and nbytes == phase_sizes[-1] else []
                 for op in [*LOOPS, *rounds, *served] if looped else ():
-                    times = []
-                    for i in range(args.loop_repeats + 1):  # the first is a warm-up
-                        ops.barrier()
-                        per_iter = (_ps_loop(t, rank, world, args.loop_iters, kernel, scratch) if op == "loop_ps"
-                                    else _loop(op, t, args.loop_iters, kernel, slot, between))
-                        if i:
-                            times.append(per_iter)
-                        t.fill_(1.0)
-                    records.append({"phase": label, "op": op, "bytes": numel * 4, "times_s": times,
-                                    "kernel_matmuls": args.kernel_matmuls,
-                                    "between_matmuls": args.between_matmuls})
+                    records.append(_loop_record(op, t, scratch, slot, args, label, rank, world, kernel, between))
             if args.loops and args.ps_bytes > 0 and "ps" in wanted and world > 2:
                 records += _workload_ps_loops(args, label, rank, world, kernel)
         atomic_write_text(
