@@ -953,6 +953,7 @@ def predict_rows(model: dict[str, dict], inputs: dict, loops: dict | None = None
             "per_round_s": per_round if rounds_extra else 0.0,
             "rel_err": (pred["step_s"] - measured) / measured, "formula": pred["formula"],
             "in_fit": row["strategy"] == "limit", "meter": row.get("meter"),
+            "spread": row.get("spread"),
         })
     return out
 
@@ -1213,13 +1214,13 @@ def markdown(result: dict) -> str:
                 for q in ps) + " |")
     lines += [
         "",
-        "| row | ranks | Mbit/s | measured s/step | predicted | error | t_c | t_k | comm | msgs | s | formula | held out |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "| row | ranks | Mbit/s | measured s/step | spread | predicted | error | t_c | t_k | comm | msgs | s | formula | held out |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in result["predictions"]:
         lines.append(
             f"| {r['row']} | {r['workers']} | {r['rate_mbit']:g} | {r['measured_s']:.4f} | "
-            f"{r['predicted_s']:.4f} | {100 * r['rel_err']:+.1f}% | {r['t_compute_s']:.4f} | "
+            f"{_percent(r.get('spread'))} | {r['predicted_s']:.4f} | {100 * r['rel_err']:+.1f}% | {r['t_compute_s']:.4f} | "
             f"{r['t_codec_s']:.4f} | {r['comm_s']:.4f} | {r.get('messages', 1):g} | "
             f"{r.get('sync_s', 0.0):.4f} | {r['formula']} | "
             f"{'no (fit)' if r['in_fit'] else 'yes'} |"
@@ -1264,7 +1265,10 @@ def markdown(result: dict) -> str:
     for q in sorted({r["workers"] for r in held}):
         at_q = [r for r in held if r["workers"] == q]
         within = sum(abs(r["rel_err"]) <= 0.15 for r in at_q)
-        lines += ["", f"Held-out rows within 15% on {q} ranks: {within} of {len(at_q)}."]
+        spreads = sorted(r["spread"] for r in at_q if r.get("spread") is not None)
+        lines += ["", f"Held-out rows within 15% on {q} ranks: {within} of {len(at_q)}" + (
+            f" (the measurements' own spread between repeats: median {_percent(spreads[len(spreads) // 2])}, "
+            f"largest {_percent(spreads[-1])})." if spreads else ".")]
     lines += ["", projection_markdown(result["projection"])]
     return "\n".join(lines) + "\n"
 
@@ -1275,6 +1279,10 @@ def projection_markdown(projection: dict) -> str:
     from easgd_lightning.cli.report import projection_markdown as render
 
     return render(projection)
+
+
+def _percent(x: float | None) -> str:
+    return "" if x is None else f"{100 * x:.0f}%"
 
 
 def _loadavg() -> str | None:
@@ -1564,7 +1572,7 @@ def measure(args: argparse.Namespace) -> dict:
     # a limit row first: its compute sizes the probe loops' kernel; the predictions take
     # the limit measured again beside the rows (batch K's first one read 7.2 ms per step,
     # twice the 3.4-3.7 ms of H-J and of the rows' own compute, right after the lock)
-    with EmulatedCluster(rows_workers[0], link, subnet=args.subnet) as cluster:
+    with EmulatedCluster(rows_workers[0], link, subnet=args.subnet, fork_ranks=args.fork_ranks) as cluster:
         limit_row = _run_row(cluster, configs[limit_k], 60 + limit_k, args, rows_workers[0], where="kernel")
     inputs["kernel_limit_row"] = limit_row
     matmuls, mm_s = 32, None
@@ -1577,7 +1585,8 @@ def measure(args: argparse.Namespace) -> dict:
     inputs["local_rows"] = []
     if args.local_runs and any(c.strategy in LOCAL_STRATEGIES for c in configs):
         for j, workers in enumerate(sorted({min(w, inputs["cpus"]) for w in rows_workers})):
-            with EmulatedCluster(1, link, subnet=args.subnet, procs_per_host=workers) as cluster:
+            with EmulatedCluster(1, link, subnet=args.subnet, procs_per_host=workers,
+                             fork_ranks=args.fork_ranks) as cluster:
                 for k, config in enumerate(configs):
                     if config.strategy == "limit" or config.strategy in LOCAL_STRATEGIES:
                         inputs["local_rows"].append(
@@ -1630,7 +1639,7 @@ def measure(args: argparse.Namespace) -> dict:
     t1 = time.monotonic()
     longest = 0.0
     for j, workers in enumerate(rows_workers):
-        with EmulatedCluster(workers, link, subnet=args.subnet) as cluster:
+        with EmulatedCluster(workers, link, subnet=args.subnet, fork_ranks=args.fork_ranks) as cluster:
             for k, config in enumerate(configs):
                 started = time.monotonic()
                 if config.strategy.startswith("async_") and workers < 3:
@@ -1658,25 +1667,36 @@ def measure(args: argparse.Namespace) -> dict:
 
 def _run_row(cluster, config, k: int, args: argparse.Namespace, workers: int, where: str = "p") -> dict:
     """One training row of ``workers`` ranks on ``cluster`` (one host per rank, or with
-    ``where="local"`` all on one host): its measured step time and meter."""
+    ``where="local"`` all on one host): its step time and meter, from the median of
+    ``--repeats`` runs (on this 2-core VM a lone run's steady step time moved by up to 2x:
+    the limit row read 3.3-6.3 ms in four runs back to back); every repeat's is kept."""
     from _runs import run_config
     from _scenarios import WIDE_MLP_WORKLOAD
 
     print(f"[costmodel] row {config.label} {' '.join(config.overrides)} on {workers} ranks"
           + (" of one host" if where == "local" else ""), flush=True)
-    res = run_config(
-        cluster, config, steps=args.limit_steps if config.strategy == "limit" else args.steps,
-        warmup_steps=args.warmup_steps,
-        workload=list(WIDE_MLP_WORKLOAD), extra=args.extra.split(), out_dir=args.out / "runs" / f"{where}{workers}",
-        port=args.port + 100 + k, timeout_s=args.timeout_s,
-    )
+    runs = []
+    for r in range(max(1, args.repeats)):
+        res = run_config(
+            cluster, config, steps=args.limit_steps if config.strategy == "limit" else args.steps,
+            warmup_steps=args.warmup_steps, workload=list(WIDE_MLP_WORKLOAD), extra=args.extra.split(),
+            out_dir=args.out / "runs" / f"{where}{workers}" / f"repeat{r}",
+            port=args.port + 100 + k + 200 * r, timeout_s=args.timeout_s,
+        )
+        runs.append(res)
+        print(f"[costmodel]   {res.status}: step {res.figures.get('step_time_s')}", flush=True)
+    timed = sorted((res for res in runs if res.status == "ok" and res.figures.get("step_time_s")),
+                   key=lambda res: res.figures["step_time_s"])
+    res = timed[(len(timed) - 1) // 2] if timed else runs[-1]  # the median run (lower middle)
     fig = res.figures
-    print(f"[costmodel]   {res.status}: step {fig.get('step_time_s')}", flush=True)
+    steps = [x.figures["step_time_s"] for x in timed]
     return {
         "strategy": config.strategy, "compression": config.compression,
         "overrides": list(config.overrides), "workers": workers,
         "rate_mbit": args.rows_rate, "status": res.status,
         "step_time_s": fig.get("step_time_s"), "measured": fig.get("measured"),
+        "step_time_s_repeats": [x.figures.get("step_time_s") for x in runs],
+        "spread": (steps[-1] - steps[0]) / fig["step_time_s"] if len(steps) > 1 else None,
         "bytes_per_step_per_worker": fig.get("bytes_per_step_per_worker"),
         "run_dir": res.run_dir,
         "meter": row_meter(Path(res.run_dir), args.warmup_steps) if res.status == "ok" else None,
@@ -1794,6 +1814,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="also run the limit and the ddp / sync_easgd rows with all their ranks "
                         "on one host (loopback): their cost beyond the limit in training")
     p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of each row, limit and local run; its step time is their median")
+    p.add_argument("--fork-ranks", action=argparse.BooleanOptionalAction, default=True,
+                   help="fork the rows' ranks from a fork server per host (bench/cluster.py "
+                        "--fork-ranks): start-up is not in a steady step time, and it is most "
+                        "of a fresh run's wall time here")
     p.add_argument("--limit-steps", type=int, default=200,
                    help="steps of the limit row, whose compute every prediction uses: a steady "
                         "window long against the two runs' start-up jitter")

@@ -36,7 +36,8 @@ def test_costmodel_predicts_a_held_out_row(tmp_path: Path) -> None:
         sys.executable, str(REPO / "bench" / "costmodel.py"), "--measure",
         "--probe-workers", "2", "--probe-rates", "100,1000", "--probe-repeats", "1",
         "--rows", "ddp/none,limit/none", "--rows-workers", "2",
-        "--rows-rate", "50", "--steps", "16", "--limit-steps", "16", "--warmup-steps", "4", "--out", str(tmp_path),
+        "--rows-rate", "50", "--steps", "16", "--limit-steps", "16", "--warmup-steps", "4", "--repeats", "2",
+        "--out", str(tmp_path),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -64,6 +65,13 @@ def test_costmodel_predicts_a_held_out_row(tmp_path: Path) -> None:
     # and loopback all-reduce beyond the limit)
     assert [(r["strategy"], r["workers"], r["status"]) for r in inputs["local_rows"]] == [
         ("ddp", 2, "ok"), ("limit", 2, "ok")]
+    # each row, local run and limit ran twice (forked ranks); its step time is the lower
+    # middle of the two, and its run directory that run's
+    for r in [*inputs["rows"], *inputs["local_rows"], inputs["kernel_limit_row"]]:
+        repeats = r["step_time_s_repeats"]
+        assert len(repeats) == 2 and r["step_time_s"] == min(repeats), r
+        assert r["spread"] == pytest.approx((max(repeats) - min(repeats)) / min(repeats))
+        assert Path(r["run_dir"]).parent.name == f"repeat{repeats.index(min(repeats))}"
     # the rows' step times come from the training clock, not fit's wall time
     summary = json.loads((Path(inputs["rows"][0]["run_dir"]) / "summary.json").read_text())
     assert 0 < summary["train_time_s"] < summary["wall_time_s"]
