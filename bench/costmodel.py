@@ -93,8 +93,9 @@ sample with F and with C, the idle probe's sample at the same p, rate and size. 
 T = F + C + s, s(p, shape) the median of T - F - C. Overlapped: T = F + C - h min(F, C) + s,
 h(p, shape) in [0, 1] the share of the shorter one the overlap actually hides (least
 squares of T - F - C on min(F, C); 1 is the ideal max(F, C)), then s the median of the
-rest. s is reported per size too: a cost that grows with the message would be a slower
-collective, not a synchronisation. Two more serial loops run 2 and 4 blocking all-reduces
+rest. s is read at the smallest message, where C is a few alpha: it is a wait, not a
+transfer, and at tens of ms of the link T - F - C is the difference of two noisy timings
+of the same transfer (it is reported per size too). Two more serial loops run 2 and 4 blocking all-reduces
 per iteration (smallest message): :func:`fit_rounds` fits ``T_r - F - r C = s_0 + r s_r``,
 s_r the cost of each further blocking round; a serial all-reduce row whose exchange sends
 k messages in turn (PowerSGD's rounds) is charged ``s + (k - 1) s_r``, or, where the
@@ -516,12 +517,16 @@ def fit_loops(loops: Sequence[dict], probe: Sequence[dict]) -> dict:
     Each loop sample (``bench/costmodel_probe.py --loops``: per iteration, the slowest
     rank) is paired with the same rate and message's ``loop_free`` sample (F: the kernel
     alone, the ranks sharing the cores) and the idle probe's sample of the collective (C).
-    Serial loops: T = F + C + s, s the median over rates and sizes of T - F - C.
-    Overlapped loops: T = F + C - h min(F, C) + s, h the share of the shorter of compute
-    and collective that the overlap actually hides (1: T = max(F, C) + s, the ideal; 0:
-    nothing hidden), fitted by least squares of T - F - C on min(F, C) and clipped to
-    [0, 1], then s the median of T - F - C + h min(F, C). Per size too (a cost that grows
-    with the message is a slower collective, not a synchronisation).
+    Serial loops: T = F + C + s, s the median over rates of T - F - C at the smallest
+    message. Overlapped loops: T = F + C - h min(F, C) + s, h the share of the shorter of
+    compute and collective that the overlap actually hides (1: T = max(F, C) + s, the
+    ideal; 0: nothing hidden), fitted by least squares of T - F - C on min(F, C) over every
+    size and clipped to [0, 1], then s the median of T - F - C + h min(F, C) at the
+    smallest message. s is a wait, not a transfer, so it is read where C is a few alpha:
+    at the largest messages T - F - C is the difference of two timings of a transfer of
+    tens of ms, whose noise is ms (batch L, 2-rank all-gather: 0.1 / -4.4 / -3.6 / -10.4 ms
+    by size, ascending; their median, -2.3 ms, had put a DGC row 27% low). The medians at
+    every size are kept (``by_size``) to show it.
 
     Returns:
         ``{"free_s": {p: F}, "sync_s": {shape: {p: s}}, "hidden": {shape: {p: h}},
@@ -556,11 +561,10 @@ def fit_loops(loops: Sequence[dict], probe: Sequence[dict]) -> dict:
                     (_, h_ls), *_ = np.linalg.lstsq(a, np.array([q[1] for q in pts]), rcond=None)
                     h = float(min(1.0, max(0.0, h_ls)))
                 out["hidden"].setdefault(shape, {})[str(p)] = h
-            costs = [(b, y + h * x) for b, y, x in pts]
-            out["sync_s"].setdefault(shape, {})[str(p)] = statistics.median(c for _, c in costs)
             by_size: dict[int, list[float]] = {}
-            for b, c in costs:
-                by_size.setdefault(b, []).append(c)
+            for b, y, x in pts:
+                by_size.setdefault(b, []).append(y + h * x)
+            out["sync_s"].setdefault(shape, {})[str(p)] = statistics.median(by_size[min(by_size)])
             out["by_size"].setdefault(shape, {})[str(p)] = {
                 str(b): statistics.median(cs) for b, cs in sorted(by_size.items())}
     out.update(fit_rounds(loops, idle, free))

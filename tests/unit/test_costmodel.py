@@ -511,6 +511,26 @@ def test_fit_loops_recovers_known_synchronisation_costs():
     assert all(h == pytest.approx(1.0, abs=1e-9) for h in got["hidden"]["overlap_ring"].values())
 
 
+def test_fit_loops_reads_the_synchronisation_cost_at_the_smallest_message():
+    """At the largest messages a serial loop's excess over F + C is the difference of two
+    timings of a long transfer: here 30% of C faster than the idle probe's. s is a wait,
+    read where C is a few alpha; a median over both sizes would land between the two."""
+    probe = _synthetic_probe({"ring": (ALPHA, ETA), "allgather": (2 * ALPHA, 0.6)}, cpus=2)
+    free = {2: 0.012, 4: 0.024, 8: 0.048}
+    sync = {"serial_allgather": {p: 0.001 * p for p in free}}
+    loops = _synthetic_loops(probe, free, sync)
+    idle = {(s["op"], s["p"], s["bytes"], s["rate_mbit"]): s["time_s"] for s in probe}
+    for s in loops:
+        if s["op"] == "loop_serial_allgather" and s["bytes"] == cm.probe_sizes(s["rate_mbit"])[-1]:
+            s["time_s"] -= 0.3 * idle[("allgather", s["p"], s["bytes"], s["rate_mbit"])]
+    got = cm.fit_loops(loops, probe)
+    for p, s in sync["serial_allgather"].items():
+        assert got["sync_s"]["serial_allgather"][str(p)] == pytest.approx(s, rel=1e-9), p
+        by_size = got["by_size"]["serial_allgather"][str(p)]
+        assert by_size[str(min(int(b) for b in by_size))] == pytest.approx(s, rel=1e-9)
+        assert max(by_size.values()) == pytest.approx(s, rel=1e-9) and min(by_size.values()) < 0
+
+
 @pytest.mark.parametrize("hidden", [0.0, 0.3, 0.85])
 def test_fit_loops_recovers_the_hidden_share_of_an_overlap(hidden):
     probe = _synthetic_probe({"ring": (ALPHA, ETA), "allgather": (2 * ALPHA, 0.6)}, cpus=2)
