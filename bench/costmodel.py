@@ -124,10 +124,11 @@ and the decode of every rank's payload (all-gather) or of the sum (all-reduce), 
 model's own tensors; linear in p between the measured world sizes; same CPU scaling; for
 the all-reduce / all-gather family (:data:`LOCAL_STRATEGIES`) the row's own configuration
 run with min(p, cores) ranks on one host instead (loopback, no shaped link), less the
-limit row run the same way, per worker with a core (:func:`local_cost`: the codec and the
-strategy's machinery per step, DDP's reducer, the elastic update and the other ranks'
-threads included, which the codec timed alone leaves out; the same CPU scaling to p, plus
-the codec's growth to p)), n
+limit row run the same way, each outside its exposed communication (the loopback transfers
+and the waits inside the collectives, which C and s charge), per worker with a core
+(:func:`local_cost`: the codec and the strategy's machinery per step, DDP's reducer, the
+elastic update and the other ranks' threads included, which the codec timed alone leaves
+out; the same CPU scaling to p, plus the codec's growth to p)), n
 the dense message, m the payload a rank sends per exchange and k its messages
 (:func:`count_exchange_messages`: the exchange run through the strategies' own collective
 on a one-rank group, e.g. PowerSGD: a P and a Q round per matrix plus the small tensors'
@@ -909,10 +910,14 @@ def local_cost(row: dict, inputs: dict) -> tuple[int, float] | None:
     its own (divided by the CPU share of q computing ranks): the codec with every local step
     of its exchange, the strategy's machinery (DDP's reducer and bucket copies, the elastic
     update, the hooks' bookkeeping, the collectives' software cost) and what the other
-    ranks' threads take from the cores, none of which the codec timed alone sees; the
-    loopback's own transfer time is in it too (about 1 ms for the dense message). None
-    where the configuration did not run on one host."""
-    runs = {(_label(r), r.get("workers")): r["step_time_s"] for r in inputs.get("local_rows") or []
+    ranks' threads take from the cores, none of which the codec timed alone sees. Each
+    run's step is taken outside its exposed communication (its meter's ``rest_s``): the
+    loopback transfers and the waits for the other ranks inside the collectives are what
+    the network model's C and the loops' s charge (batch N, 2-rank ddp/powersgd on one
+    host: step 9.6 ms, 3.0 ms of it exposed in the collectives, most of it waiting; with
+    the whole step the row was predicted 35% high). None where the configuration did not
+    run on one host."""
+    runs = {(_label(r), r.get("workers")): _outside_comm(r) for r in inputs.get("local_rows") or []
             if r.get("status") == "ok" and r.get("step_time_s")}
     if row["strategy"] == "limit":
         return None
@@ -921,6 +926,13 @@ def local_cost(row: dict, inputs: dict) -> tuple[int, float] | None:
         if limit is not None and own is not None:
             return q, max(0.0, own - limit) / cpu_share(_computing(row, q), inputs["cpus"])
     return None
+
+
+def _outside_comm(run: dict) -> float:
+    """A run's steady step time outside its exposed communication (the whole step for
+    inputs measured before the runs kept a meter)."""
+    rest = (run.get("meter") or {}).get("rest_s")
+    return rest if rest is not None else run["step_time_s"]
 
 
 def predict_rows(model: dict[str, dict], inputs: dict, loops: dict | None = None) -> list[dict]:

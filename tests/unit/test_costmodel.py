@@ -429,6 +429,11 @@ def test_local_runs_replace_the_codec_alone_with_the_rows_own_cost_beyond_the_li
     assert cm.local_cost(inputs["rows"][0], inputs) is None  # the limit itself
     pred = next(p for p in cm.predict_rows(MODEL, inputs) if p["row"] == cm._label(dgc))
     assert pred["t_codec_s"] == pytest.approx((0.003 + grow) * cm.cpu_share(4, 2))
+    # with the runs' meters: the step outside the exposed communication (loopback transfers
+    # and waits for the other rank, which C and s charge): (8 - 2.5) - (5 - 0.1) = 0.6 ms
+    inputs["local_rows"][0]["meter"] = {"rest_s": 0.0049, "exposed_s": 0.0001}
+    inputs["local_rows"][1]["meter"] = {"rest_s": 0.0055, "exposed_s": 0.0025}
+    assert cm.local_cost(dgc, inputs) == (2, pytest.approx(0.0006))
 
 
 def test_rows_workers_parse_and_errors():
