@@ -1200,8 +1200,8 @@ def markdown(result: dict) -> str:
             "Probe loops (compute + collective, the slowest rank per iteration): the "
             "synchronisation cost s, what a loop took beyond the kernel alone (F) plus the "
             "idle collective C (serial) or beyond F + C - h min(F, C) (overlapped; h: the "
-            "share the overlap hid), ms per iteration; median over rates and sizes (in "
-            "brackets: per message size, ascending).",
+            "share the overlap hid), ms per iteration; the median over rates at the smallest "
+            "message, which the rows use (in brackets: at each message size, ascending).",
             "",
             "| shape | " + " | ".join(f"p={q}" for q in ps) + " |",
             "|---|" + "---:|" * len(ps),
