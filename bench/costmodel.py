@@ -95,8 +95,8 @@ h(p, shape) in [0, 1] the share of the shorter one the overlap actually hides (l
 squares of T - F - C on min(F, C); 1 is the ideal max(F, C)), then s the median of the
 rest. s is read at the smallest message, where C is a few alpha: it is a wait, not a
 transfer, and at tens of ms of the link T - F - C is the difference of two noisy timings
-of the same transfer (it is reported per size too). Two more serial loops run 2 and 4 blocking all-reduces
-per iteration (smallest message): :func:`fit_rounds` fits ``T_r - F - r C = s_0 + r s_r``,
+of the same transfer (it is reported per size too). Two more serial loops run 2 and 4
+blocking all-reduces per iteration (smallest message): :func:`fit_rounds` fits ``T_r - F - r C = s_0 + r s_r``,
 s_r the cost of each further blocking round; a serial all-reduce row whose exchange sends
 k messages in turn (PowerSGD's rounds) is charged ``s + (k - 1) s_r``, or, where the
 probe ran ``loop_serial_ring_codec`` (the codec's compute between two blocking rounds,
@@ -1602,7 +1602,7 @@ def measure(args: argparse.Namespace) -> dict:
     if args.local_runs and any(c.strategy in LOCAL_STRATEGIES for c in configs):
         for j, workers in enumerate(sorted({min(w, inputs["cpus"]) for w in rows_workers})):
             with EmulatedCluster(1, link, subnet=args.subnet, procs_per_host=workers,
-                             fork_ranks=args.fork_ranks) as cluster:
+                                 fork_ranks=args.fork_ranks) as cluster:
                 for k, config in enumerate(configs):
                     if config.strategy == "limit" or config.strategy in LOCAL_STRATEGIES:
                         inputs["local_rows"].append(
