@@ -153,9 +153,11 @@ training row's step time is a prediction, reported against its measured step tim
 counts (``--rows-workers``, default 2 and 4: one rank per core of this machine, and two
 per core), each from the limit row of its own p. A row's step time is its steady state:
 the difference of a run and its first steps (``bench/_tables.py``), on the training
-clock (summary.json's ``train_time_s``: batches only, not ``fit``'s set-up). Each row's own meter
-(communication, exposed and codec time, messages per step) is printed beside its
-prediction for diagnosis; none of it enters a prediction.
+clock (summary.json's ``train_time_s``: batches only, not ``fit``'s set-up), the median of
+``--repeats`` runs (default 3; their spread printed beside it), as are the limit rows'
+and the local runs'. Each held-out row's own meter (communication, exposed and codec time,
+messages per step) is printed beside its prediction for diagnosis; none of it enters a
+prediction (the local runs' meters do: their step outside the exposed communication).
 
 **Projection.** Weak scaling (fixed work per worker) to 4096 workers on two layouts,
 efficiency E(P) = t_c / T(P): the fitted formulas, alphas, etas and phi (no token bucket:
