@@ -10,6 +10,7 @@ Lightning's; our metered, compression-capable DDP is ``"ddp_compressed"``.
 from __future__ import annotations
 
 from easgd_lightning.strategies.ddp import CompressedDDPStrategy
+from easgd_lightning.strategies.diloco import DiLoCoStrategy
 from easgd_lightning.strategies.local_sgd import LocalSGDStrategy
 from easgd_lightning.strategies.pipeline import Pipeline3DStrategy
 from easgd_lightning.strategies.ps import (
@@ -41,6 +42,7 @@ __all__ = [
     "HogwildEASGDStrategy",
     "HogwildSGDStrategy",
     "LocalSGDStrategy",
+    "DiLoCoStrategy",
     "Pipeline3DStrategy",
     "STRATEGY_CLASSES",
     "StrategyProtocol",
