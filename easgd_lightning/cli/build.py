@@ -754,7 +754,7 @@ def validate_config(cfg: Any, *, hardware: bool = True) -> None:
     logger = cfg.logger.get("name")
     if logger not in ("wandb", "csv", "none"):
         raise ConfigError(f"logger.name={logger!r} is unknown; choose one of wandb, csv, none")
-    build_strategy(cfg, world_size=world)
+    strategy = build_strategy(cfg, world_size=world)
     if name in ("sync_easgd", "easgd_round_robin"):  # alpha = lr * rho needs the optimizer's lr
         try:
             from easgd_lightning.strategies import elastic
@@ -770,6 +770,11 @@ def validate_config(cfg: Any, *, hardware: bool = True) -> None:
             raise ConfigError(str(err)) from err
     module = _meta_module(cfg, dm)  # shapes only: cheap even for ImageNet models
     check_module_features(cfg, module)
+    if module is not None and hasattr(strategy, "validate_module"):  # the strategy's own rules
+        try:
+            strategy.validate_module(module)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     if cfg.compression.get("name", "none") not in ("none", "optimus_cc"):
         warning = idle_compression_warning(cfg, module)
         if warning and os.environ.get("RANK", "0") == "0":  # once per run, not once per rank

@@ -341,6 +341,15 @@ class DiLoCoStrategy(CenterStrategy):
         super().validate_world_size(world_size)
         self._validate_world(world_size)
 
+    def validate_module(self, module: torch.nn.Module) -> None:
+        """Before launch: the module has at least ``fragments`` elastic tensors.
+
+        Raises:
+            ValueError: naming ``strategy.fragments`` and the most the module allows.
+        """
+        tensors = list(module.parameters()) + [b for b in module.buffers() if b.is_floating_point()]
+        fragment_bounds([t.numel() for t in tensors], self.options["fragments"])
+
     @override
     def _on_center_ready(self) -> None:
         """Lay out the fragments and hold theta and the outer momentum in one flat buffer."""

@@ -27,7 +27,7 @@ from easgd_lightning.strategies.registry import (
 
 SPECS = strategy_specs()
 EXPECTED = {  # name -> fewest processes, written out here independently of the classes
-    "ddp_compressed": 1, "sync_easgd": 2, "easgd_round_robin": 2, "local_sgd": 1, "pipeline_3d": 1,
+    "ddp_compressed": 1, "sync_easgd": 2, "easgd_round_robin": 2, "local_sgd": 1, "diloco": 1, "pipeline_3d": 1,
     "async_easgd": 3, "async_measgd": 3, "async_sgd": 3, "async_msgd": 3, "hogwild_easgd": 2, "hogwild_sgd": 2,
 }
 

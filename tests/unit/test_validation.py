@@ -147,7 +147,7 @@ BAD += [
     (["strategy=sync_easgd", "trainer.devices=1"], "trainer.devices", "strategy=sync_easgd: it needs at least 2"),
     (["strategy=easgd_round_robin", "trainer.devices=1"], "trainer.devices", "it needs at least 2"),
     (["trainer.devices=0"], "trainer.devices", "a positive integer, got 0"),
-    (["strategy.name=nonsense"], "strategy.name", "choose one of async_easgd, async_measgd, async_msgd, async_sgd, ddp_compressed, easgd_round_robin"),
+    (["strategy.name=nonsense"], "strategy.name", "choose one of async_easgd, async_measgd, async_msgd, async_sgd, ddp_compressed, diloco, easgd_round_robin"),
     (["model.name=nonsense"], "model.name", "choose one of alexnet"),
     (["data.name=nonsense"], "data.name", "choose one of digits"),
     (["logger.name=nonsense"], "logger.name", "choose one of wandb, csv, none"),
@@ -180,6 +180,19 @@ BAD += [
      "applies to gradients only (strategy=ddp): strategy=sync_easgd exchanges differences"),
     (["strategy=local_sgd", "compression=sgc"], "compression=sgc", "use strategy=ddp with compression=sgc"),
     (["compression=powersgd", "compression.rank=0"], "compression.rank", "an integer >= 1, got 0"),
+    # DiLoCo's options (strategies/diloco.py)
+    (["strategy=diloco", "strategy.tau=0"], "strategy.tau", "positive integer"),
+    (["strategy=diloco", "strategy.outer=adam"], "strategy.outer", "nesterov, average, elastic"),
+    (["strategy=diloco", "strategy.outer_lr=0"], "strategy.outer_lr", "(0, inf)"),
+    (["strategy=diloco", "strategy.outer_momentum=1.0"], "strategy.outer_momentum", "[0, 1)"),
+    (["strategy=diloco", "strategy.outer_nesterov=maybe"], "strategy.outer_nesterov", "true or false"),
+    (["strategy=diloco", "strategy.tau=16", "strategy.fragments=3"], "strategy.tau=16 must be a multiple", ""),
+    (["strategy=diloco", "strategy.tau=8", "strategy.fragments=2", "strategy.fragment_sync_delay=4"],
+     "strategy.fragment_sync_delay", "[0, tau / fragments = 4)"),
+    (["strategy=diloco", "strategy.fragment_update_alpha=1.5"], "strategy.fragment_update_alpha", "[0, 1]"),
+    (["strategy=diloco", "strategy.alpha=0.3"], "strategy.alpha", "outer=elastic only"),
+    (["strategy=diloco", "strategy.outer=elastic", "strategy.alpha=0.6"], "strategy.alpha", "beta = world_size * alpha"),
+    (["strategy=diloco", "strategy.fragments=16", "strategy.tau=16"], "strategy.fragments=16", "at most 4"),
     (["compression=sidco", "compression.distribution=cauchy"], "compression.distribution",
      "one of ['exponential', 'gamma', 'gpareto'], got 'cauchy'"),
 ]
@@ -254,6 +267,9 @@ def test_every_job_of_a_sweep_is_checked_before_any_runs() -> None:
         *([f"strategy={s}", f"trainer.devices={n}", "optim.optimizer=adamw"]  # any optimizer runs as given
           for s, n in (("async_easgd", 4), ("async_sgd", 4), ("hogwild_sgd", 3))),
         ["strategy=async_msgd", "trainer.devices=4", "optim.momentum=0"],
+        ["strategy=diloco", "strategy.tau=8", "strategy.fragments=4", "strategy.fragment_sync_delay=1",
+         "compression=qsgd"],
+        ["strategy=diloco", "strategy.outer=elastic", "trainer.devices=1"],
     ],
 )
 def test_good_inputs_pass(overrides: list[str]) -> None:
