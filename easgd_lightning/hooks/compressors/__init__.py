@@ -35,6 +35,7 @@ from easgd_lightning.hooks.compressors.sidco import SIDCoCompressor
 from easgd_lightning.hooks.compressors.signsgd import SignSGDCompressor
 from easgd_lightning.hooks.compressors.sketch import SketchCompressor
 from easgd_lightning.hooks.compressors.sparse_gc import SparseGCCompressor
+from easgd_lightning.hooks.compressors.sparseloco import SparseLoCoCompressor
 from easgd_lightning.hooks.compressors.topk import TopKCompressor
 from easgd_lightning.utils.renames import renamed_kwargs
 
@@ -63,6 +64,7 @@ __all__ = [
     "SignSGDCompressor",
     "SketchCompressor",
     "SparseGCCompressor",
+    "SparseLoCoCompressor",
     "TopKCompressor",
     "build_compressor",
     "compressor_class",
@@ -106,6 +108,7 @@ for _cls in (
     SGCCompressor,
     CSCCompressor,
     LGCCompressor,
+    SparseLoCoCompressor,
 ):
     register_compressor(_cls)
 
