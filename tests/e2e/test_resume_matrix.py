@@ -30,6 +30,10 @@ COMMON = [
 #: 0.01 s * 1e6 B/s / (2 ranks * 12 B) / N, N = 8192 + 1280 -> 0.044 (0.051 if N were 8192)
 ADAPTIVE_FIXED = ["compression.bandwidth=1e6", "compression.compute_time=0.01"]
 
+#: Streaming DiLoCo whose fragment 1 is in flight at step 16 (tau 6, F 2: a fragment every
+#: 3 steps, each prepared 2 steps before its synchronisation)
+DILOCO_STREAMING = ["strategy.tau=6", "strategy.fragments=2", "strategy.fragment_sync_delay=2"]
+
 #: (strategy, compression, extra overrides, the per-rank state that must be in the checkpoint)
 MATRIX = [
     ("ddp", "topk", [], "residuals"),
@@ -42,6 +46,10 @@ MATRIX = [
     ("ddp", "qsgd", [], "noise_calls"),
     ("local_sgd", "qsgd", ["strategy.tau=3"], "noise_calls"),
     ("sync_easgd", "adaptive", ["strategy.tau=2", *ADAPTIVE_FIXED], "residuals"),
+    # DiLoCo: two fragments, an exchange in flight at the epoch-2 checkpoint (prepared at
+    # step 16, applied at 18), the outer momentum; 4-bit QSGD as Streaming DiLoCo sends
+    ("diloco", "topk", [*DILOCO_STREAMING], "residuals"),
+    ("diloco", "qsgd", [*DILOCO_STREAMING, "compression.levels=7"], "noise_calls"),
 ]
 
 
@@ -104,6 +112,25 @@ def test_resume_is_exact(tmp_path: Path, strategy: str, compression: str, extra:
     assert resumed["val_acc"] == full["val_acc"]
     assert resumed["val_loss"] == full["val_loss"]
     assert [h["val_acc"] for h in resumed["val_history"]] == [h["val_acc"] for h in full["val_history"][2:]]
+
+
+@pytest.mark.slow
+def test_diloco_resume_is_exact_without_compression(tmp_path: Path) -> None:
+    """theta, the outer momentum and the fragment in flight are in the checkpoint: 2 epochs
+    + resume to 4 equals 4 straight epochs, bit for bit (float64)."""
+    common = ["strategy=diloco", *COMMON, *DILOCO_STREAMING]
+    full = train_summary(tmp_path / "full", *common, "trainer.max_epochs=4")
+    assert full["status"] == "ok" and full["steps_per_rank"] == [32, 32]
+    ckpt_path = tmp_path / "full" / "checkpoints" / "epoch001.ckpt"
+    easgd = torch.load(ckpt_path, weights_only=True)["easgd"]
+    assert easgd["extra"]["momentum"].abs().max() > 0  # the outer optimizer's state
+    for worker in easgd["workers"]:  # fragment 1 was prepared at step 16, is applied at 18
+        assert list(worker["extra"]["pending"]) == [1] and worker["extra"]["synced_at"] == [15, 12]
+    resumed = train_summary(tmp_path / "resumed", *common, "trainer.max_epochs=4", f"checkpoint.resume={ckpt_path}")
+    assert resumed["steps_per_rank"] == [32, 32]
+    assert resumed["train_loss"] == full["train_loss"] and resumed["val_loss"] == full["val_loss"]
+    assert [h["val_acc"] for h in resumed["val_history"]] == [h["val_acc"] for h in full["val_history"][2:]]
+    assert full["extras"][0]["outer_syncs"] == [6, 6]  # 32 steps: 5 + the end's, each fragment
 
 
 def _tensors(obj) -> list[torch.Tensor]:
