@@ -12,7 +12,7 @@ export WANDB_SILENT ?= true
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -e '.[dev,slurm]'
+	$(PY) -m pip install -e '.[dev,slurm,ft]'
 	@touch $(STAMP)
 
 venv: $(STAMP)
