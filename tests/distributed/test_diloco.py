@@ -205,3 +205,44 @@ def test_reduces_bitwise(runs: dict[int, Path], mode: str, world: int) -> None:
         if mode == "pair_local_sgd_fp16":  # the pseudo-gradients travelled in fp16
             kind = mine["comm"]["by_kind"]["pseudo_gradient"]
             assert kind["bytes_sent"] * 4 == kind["dense_bytes"]
+
+
+# ---------------------------------------------------------------------- the outside oracle
+@pytest.mark.parametrize("mode", ["nesterov", "streaming"])
+def test_theta_matches_torchfts_diloco(runs: dict[int, Path], tmp_path: Path, mode: str) -> None:
+    """torchft's DiLoCo (a real lighthouse, a Manager per replica over gloo) on the same
+    workers gives the same theta after every step of the whole rounds, to 1e-12 (float64;
+    the sums are taken in another order). Streaming: two fragments, delay 1, alpha 0.5."""
+    pytest.importorskip("torchft", reason="torchft is installed by `make venv` (extra ft)")
+    import subprocess
+    import sys
+
+    from torchft._torchft import LighthouseServer
+
+    from tests.helpers import base_env, communicate_all
+
+    mine = records(runs[2], mode, 2)
+    init = tmp_path / "init.pt"
+    torch.save(mine[0]["diloco"]["init"], init)
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=10000)
+    script = SCRIPT.parent / "diloco_torchft_run.py"
+    try:
+        procs = [
+            subprocess.Popen([sys.executable, str(script), lighthouse.address(), str(i), mode, str(init),
+                              str(tmp_path / f"tft{i}.pt")], env=base_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+            for i in range(2)
+        ]
+        for r in communicate_all(procs, 180):
+            assert r.returncode == 0, r.stderr[-4000:]
+    finally:
+        lighthouse.shutdown()
+    tau = S.MODES[mode][0]["tau"]
+    steps = (S.MODES[mode][3] // tau) * tau
+    for i in range(2):
+        oracle = torch.load(tmp_path / f"tft{i}.pt")
+        assert oracle["participants"] == 2 and len(oracle["thetas"]) == steps
+        for t in range(steps):
+            torch.testing.assert_close(mine[i]["diloco"]["thetas"][t], oracle["thetas"][t], rtol=0, atol=1e-12,
+                                       msg=f"replica {i}, step {t + 1}")
+    assert (oracle["thetas"][-1] - mine[0]["diloco"]["init"]).abs().max() > 0.05  # theta moved
