@@ -23,7 +23,7 @@ import torch
 from tests.helpers import PY, base_env
 
 SCRIPT = Path(__file__).parent / "distributed" / "scripts" / "feature_run.py"
-STRATEGIES = ["ddp_compressed", "sync_easgd", "easgd_round_robin", "local_sgd", "async_easgd", "async_measgd",
+STRATEGIES = ["ddp_compressed", "sync_easgd", "easgd_round_robin", "local_sgd", "diloco", "async_easgd", "async_measgd",
               "async_sgd", "async_msgd", "hogwild_easgd", "hogwild_sgd"]
 FEATURES = ["auto", "manual", "two_opt", "accum", "clip", "sched", "metric", "bf16-mixed", "64-true"]
 

@@ -55,3 +55,35 @@ def test_async_sgd_server_follows_the_scheduler(out: Path) -> None:
     # stop_policy=first: the first worker to finish its 16 steps stops the other
     assert max(r["steps"], worker1["steps"]) == 16
     assert r["moved"] == 0.0 and worker1["moved"] == 0.0
+
+
+#: the README's diloco row, every cell
+DILOCO_CELLS = ("auto", "manual", "two_opt", "accum", "clip", "sched", "metric", "bf16-mixed", "64-true")
+
+
+@pytest.mark.slow
+def test_diloco_row_of_the_feature_table(tmp_path: Path) -> None:
+    """``Trainer(strategy="diloco")`` with the two-layer module, 2 processes, each feature:
+    manual optimization ends bitwise equal to automatic; two optimizers are refused in one
+    line; accumulation halves the optimizer steps; a rate of 0 (scheduler) leaves every
+    weight where it was and a clip of 1e-9 almost so; a metric, bf16-mixed and 64-true run."""
+    cwds = [tmp_path / f"cwd-{feature}" for feature in DILOCO_CELLS]
+    for cwd in cwds:
+        cwd.mkdir()
+    procs = run_pythons([(SCRIPT, ["diloco", feature, str(tmp_path)], cwd) for feature, cwd in zip(DILOCO_CELLS, cwds)],
+                        timeout=400)
+    cells = {f: json.loads((tmp_path / f"diloco-{f}-rank0.json").read_text()) for f in DILOCO_CELLS}
+    assert all(p.returncode == 0 for f, p in zip(DILOCO_CELLS, procs) if f != "two_opt")
+    refusal = cells.pop("two_opt")
+    assert refusal["status"] != "ok" and refusal["error"].startswith(
+        "ValueError: strategy=diloco drives exactly one optimizer, but configure_optimizers returned 2")
+    assert all(c["status"] == "ok" for c in cells.values()), cells
+    assert cells["auto"]["steps"] == cells["manual"]["steps"] == 16 and cells["auto"]["moved"] > 1e-2
+    for rank in (0, 1):
+        assert torch.equal(torch.load(tmp_path / f"diloco-auto-rank{rank}.pt"),
+                           torch.load(tmp_path / f"diloco-manual-rank{rank}.pt"))
+    assert cells["accum"]["steps"] == 8
+    assert cells["sched"]["moved"] == 0.0
+    assert 0 < cells["clip"]["moved"] < 1e-9 < cells["auto"]["moved"]
+    for feature in ("metric", "bf16-mixed", "64-true"):
+        assert cells[feature]["steps"] == 16 and cells[feature]["moved"] > 1e-2, feature
