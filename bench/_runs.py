@@ -353,6 +353,19 @@ def run_config(
     return result
 
 
+def _bytes_to_target(whole: dict, hit: dict | None) -> float | None:
+    """Bytes one worker sent until the validation that reached the target (None: never)."""
+    per_step = whole.get("bytes_per_step_per_worker")
+    return per_step * hit["step"] if hit and per_step is not None and hit.get("step") else None
+
+
+def _peak_exchange(summary: dict) -> int | None:
+    """The largest single exchange's dense bytes, where the strategy reports it (diloco)."""
+    extras = summary.get("extras") or [{}]
+    first = extras[0] if isinstance(extras, list) and extras else {}
+    return first.get("peak_exchange_dense_bytes") if isinstance(first, dict) else None
+
+
 def run_tta_config(
     cluster: EmulatedCluster,
     config: BenchConfig,
@@ -389,6 +402,8 @@ def run_tta_config(
         "target_step": hit["step"] if hit else None,
         "target_epoch": hit["epoch"] if hit else None,
         "best_val_acc": max(accs) if accs else None,
+        "bytes_to_target": _bytes_to_target(whole, hit),
+        "peak_exchange_bytes": _peak_exchange(summary),
         "val_acc": summary.get("val_acc"),
         "train_time_s": clock,
         "step_time_s": clock / _mean(steps) if clock and steps else whole["step_time_s"],

@@ -57,3 +57,33 @@ def test_ring_bound_of_the_sc17_comparison():
     assert sc17_bound(rows, scenario) == b
     rows[1]["status"] = "failed"
     assert sc17_bound(rows, scenario) is None
+
+
+def test_lowband_targets_read_bytes_to_target_and_the_largest_exchange():
+    """The lowband presets judge DiLoCo by the bytes a worker sent until the target and by
+    its largest exchange, each as ref / row."""
+    from _runs import _bytes_to_target, _peak_exchange
+    from _scenarios import LOWBAND_4BIT, LOWBAND_DILOCO, LOWBAND_STREAMING, SCENARIOS
+    from _tables import evaluate_targets
+
+    assert _bytes_to_target({"bytes_per_step_per_worker": 1000.0}, {"step": 30}) == 30000.0
+    assert _bytes_to_target({"bytes_per_step_per_worker": 1000.0}, None) is None
+    assert _peak_exchange({"extras": [{"peak_exchange_dense_bytes": 328704}, {}]}) == 328704
+    assert _peak_exchange({"extras": [{}]}) is None
+
+    def row(spec, **figures):
+        strategy, rest = spec.split("/", 1)
+        compression, *overrides = rest.split(";")
+        return {"strategy": strategy, "compression": compression, "overrides": overrides, "status": "ok", **figures}
+
+    rows = [
+        row("ddp/none", bytes_to_target=2.0e8, time_to_target_s=300.0),
+        row(LOWBAND_DILOCO, peak_exchange_bytes=1_129_512),
+        row(LOWBAND_STREAMING, peak_exchange_bytes=328_704),
+        row(LOWBAND_4BIT, bytes_to_target=1.0e6, time_to_target_s=150.0),
+    ]
+    verdicts = {(t["row"], t["short"]): (t["status"], t["measured"])
+                for t in evaluate_targets(rows, SCENARIOS["lowband10"].targets)}
+    assert verdicts[(LOWBAND_4BIT, "100x vs ddp/none")] == ("PASS", pytest.approx(200.0))
+    assert verdicts[(LOWBAND_STREAMING, "3x vs diloco/none")] == ("PASS", pytest.approx(1_129_512 / 328_704))
+    assert verdicts[(LOWBAND_4BIT, "3x vs ddp/none")] == ("MISS", pytest.approx(2.0))
