@@ -9,6 +9,7 @@ outer_momentum=0`` is ``local_sgd`` and ``outer=elastic`` is ``sync_easgd``, bit
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from tests.distributed.scripts import diloco_run as S
 from tests.helpers import launch_ranks
 
 SCRIPT = Path(S.__file__)
-RULE_MODES = ("nesterov", "streaming", "adamw", "elastic_stream")
+RULE_MODES = ("nesterov", "streaming", "adamw", "elastic_stream", "topk_stream")
 PAIR_MODES = ("pair_local_sgd", "pair_local_sgd_fp16", "pair_sync_easgd")
 #: the Regression module's tensors (Linear(5, 8), Linear(8, 3)) and their sizes
 NUMELS = [40, 8, 24, 3]
@@ -66,8 +67,22 @@ def _fragments(count: int) -> list[list[int]]:
     return [[0, 1, 2, 3]] if count == 1 else [[0], [1, 2, 3]]
 
 
-def reference_diloco(init, world, options, optimizer, lr, steps):
-    """DiLoCo / Streaming DiLoCo written as a loop: theta after every step, and at the end."""
+def _topk_with_residual(u: torch.Tensor, residual: torch.Tensor, ratio: float) -> torch.Tensor:
+    """Exact top-k of p = u + e (k = ceil(ratio * n)); the rest becomes the residual."""
+    p = u + residual
+    k = math.ceil(ratio * p.numel())
+    keep = torch.zeros_like(p).reshape(-1)
+    idx = torch.topk(p.reshape(-1).abs(), k).indices
+    keep[idx] = p.reshape(-1)[idx]
+    keep = keep.view_as(p)
+    residual.copy_(p - keep)
+    return keep
+
+
+def reference_diloco(init, world, options, optimizer, lr, steps, topk=None):
+    """DiLoCo / Streaming DiLoCo written as a loop: theta after every step, and at the end.
+    ``topk``: the ratio of an exact top-k of each tensor's u_i = theta_i - theta, with
+    error feedback (one residual per rank and tensor)."""
     tau, count = options["tau"], options.get("fragments", 1)
     delay, a = options.get("fragment_sync_delay", 0), options.get("fragment_update_alpha", 0.0)
     models, opts = _workers(init, world, optimizer, lr)
@@ -83,8 +98,14 @@ def reference_diloco(init, world, options, optimizer, lr, steps):
     ]
     slot, pending, synced, history = tau // count, {}, [0] * count, []
 
+    residuals = [[torch.zeros_like(t) for t in theta] for _ in range(world)]
+
     def delta(f):  # mean_i (theta - x_i) per tensor of fragment f
-        return {j: sum(theta[j] - params[i][j].detach() for i in range(world)) / world for j in frags[f]}
+        if topk is None:
+            return {j: sum(theta[j] - params[i][j].detach() for i in range(world)) / world for j in frags[f]}
+        sent = {j: sum(_topk_with_residual(params[i][j].detach() - theta[j], residuals[i][j], topk)
+                       for i in range(world)) for j in frags[f]}
+        return {j: -(sent[j] / world) for j in frags[f]}
 
     def sync(f, d, t):
         with torch.no_grad():
@@ -143,7 +164,7 @@ def reference_elastic(init, world, options, optimizer, lr, steps):
 # ---------------------------------------------------------------------- the rules
 @pytest.mark.parametrize(
     "mode,world",
-    [("nesterov", 2), ("streaming", 2), ("streaming", 3), ("adamw", 2), ("elastic_stream", 2)],
+    [("nesterov", 2), ("streaming", 2), ("streaming", 3), ("adamw", 2), ("elastic_stream", 2), ("topk_stream", 2)],
 )
 def test_theta_follows_the_rule(runs: dict[int, Path], mode: str, world: int) -> None:
     recs = records(runs[world], mode, world)
@@ -152,8 +173,11 @@ def test_theta_follows_the_rule(runs: dict[int, Path], mode: str, world: int) ->
     for rec in recs:  # the strategy broadcast rank 0's weights (the script seeds each rank apart)
         assert torch.equal(rec["diloco"]["init"], init)
         assert rec["diloco"]["steps"] == steps
-    rule = reference_elastic if options.get("outer") == "elastic" else reference_diloco
-    history, final = rule(init, world, options, optimizer, lr, steps)
+    if options.get("outer") == "elastic":
+        history, final = reference_elastic(init, world, options, optimizer, lr, steps)
+    else:
+        topk = 0.3 if mode == "topk_stream" else None
+        history, final = reference_diloco(init, world, options, optimizer, lr, steps, topk=topk)
     for rec in recs:
         got = rec["diloco"]
         assert len(got["thetas"]) == steps

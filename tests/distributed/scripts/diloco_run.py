@@ -40,6 +40,9 @@ MODES: dict[str, tuple[dict, str, float, int]] = {
         {"tau": 4, "outer": "elastic", "alpha": 0.2, "fragments": 2, "fragment_sync_delay": 1},
         "sgd", 0.05, 12,
     ),
+    "topk_stream": (
+        {"tau": 4, "fragments": 2, "fragment_sync_delay": 1}, "sgd", 0.05, 12,
+    ),
     "pair_local_sgd": ({"tau": 3, "outer_lr": 1.0, "outer_momentum": 0.0}, "sgd", 0.05, 10),
     "pair_local_sgd_fp16": ({"tau": 2, "outer": "average"}, "sgd", 0.05, 9),
     "pair_sync_easgd": ({"tau": 2, "outer": "elastic", "alpha": 0.25}, "sgd", 0.05, 10),
@@ -129,6 +132,9 @@ def run_mode(mode: str, out_dir: str) -> None:
         record["diloco"] = fit(DiLoCoStrategy(**options), optimizer, lr, steps, rank)
         other = SyncEASGDStrategy(tau=options["tau"], alpha=options["alpha"])
         record["other"] = fit(other, optimizer, lr, steps, rank)
+    elif mode == "topk_stream":  # exact top-k of 30% per tensor, error feedback per fragment
+        topk = build_compressor("topk", ratio=0.3, exact=True, min_numel=0)
+        record["diloco"] = fit(DiLoCoStrategy(**options, compression=topk), optimizer, lr, steps, rank)
     else:
         record["diloco"] = fit(DiLoCoStrategy(**options), optimizer, lr, steps, rank)
     torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
