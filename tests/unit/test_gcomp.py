@@ -126,3 +126,16 @@ def test_round_trip_at_every_block_count(numel):
     assert torch.equal(y.view(torch.int32), x.view(torch.int32))
     y7 = gcomp_decode(gcomp_encode(x, 7), numel, torch.float32, 7)
     assert torch.equal(y7, x.to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("dtype,bits", [(torch.float32, b) for b in (0, 1, 7, 23)] + [(torch.float64, b) for b in (0, 7, 52)])
+def test_a_nan_stays_a_nan(dtype, bits) -> None:
+    """A NaN whose payload lies below the kept mantissa bits decoded as +-inf before; it
+    has its own symbol now (decoded as the quiet NaN) and infinities stay infinities."""
+    from easgd_lightning.hooks.compressors.gcomp import gcomp_decode, gcomp_encode
+
+    low_payload = torch.tensor([0x7F800001], dtype=torch.int32).view(torch.float32).to(dtype)  # payload bit 0
+    x = torch.cat([low_payload, torch.tensor([1.0, -float("nan"), float("inf"), -float("inf"), 3.0], dtype=dtype)])
+    y = gcomp_decode(gcomp_encode(x, bits), x.numel(), dtype, bits)
+    assert torch.isnan(y[[0, 2]]).all()
+    assert y[3] == float("inf") and y[4] == -float("inf") and y[1] == 1.0

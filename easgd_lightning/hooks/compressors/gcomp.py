@@ -6,7 +6,10 @@ with its own 11-bit exponents and 52-bit mantissa):
      the carry may raise the exponent; a finite value never rounds up to infinity);
      ``b`` = the full width (23 for float32) changes nothing: the coding is lossless.
   2. symbols: the (rounded) biased exponent of each entry, or ZERO for +0.0 (zero pruning:
-     a zero sends its symbol alone, no sign, no mantissa; -0.0 keeps its sign);
+     a zero sends its symbol alone, no sign, no mantissa; -0.0 keeps its sign), or NAN for
+     a NaN whose payload lies below the kept mantissa bits (its symbol alone: it decodes
+     as the quiet NaN, where cutting its payload would have made it an infinity; a NaN
+     with a kept payload bit travels as any value, so the full width stays lossless);
   3. a canonical Huffman code built from this tensor's symbol histogram (code lengths at
      most 16) codes the symbols; the code travels with the payload as (symbol, length)
      pairs, so every rank decodes every other rank's message without agreeing first;
@@ -148,15 +151,17 @@ def gcomp_encode(x: torch.Tensor, mantissa_bits: int) -> torch.Tensor:
         raw = raw & 0xFFFFFFFF
     sign = (raw >> (total - 1)) & 1
     mag = _round_mantissa(raw & ((1 << (total - 1)) - 1), mb - b, eb, mb)
-    zero_sym = 1 << eb
+    zero_sym, nan_sym = 1 << eb, (1 << eb) + 1
     is_zero = (mag == 0) & (sign == 0)
-    sym = torch.where(is_zero, zero_sym, mag >> mb)
-    hist = torch.bincount(sym, minlength=zero_sym + 1)
+    # a NaN whose kept mantissa bits are all zero would decode as an infinity
+    is_nan = (mag > (((1 << eb) - 1) << mb)) & (((mag & ((1 << mb) - 1)) >> (mb - b)) == 0)
+    sym = torch.where(is_zero, zero_sym, torch.where(is_nan, nan_sym, mag >> mb))
+    hist = torch.bincount(sym, minlength=nan_sym + 1)
     present = torch.nonzero(hist).squeeze(1)
     lengths = huffman_lengths(dict(zip(present.tolist(), hist[present].tolist())))
     codes = canonical_codes(lengths)
-    code_tab = torch.zeros(zero_sym + 1, dtype=torch.int64)
-    len_tab = torch.zeros(zero_sym + 1, dtype=torch.int64)
+    code_tab = torch.zeros(nan_sym + 1, dtype=torch.int64)
+    len_tab = torch.zeros(nan_sym + 1, dtype=torch.int64)
     syms = torch.tensor(sorted(lengths), dtype=torch.int64)
     code_tab[syms] = torch.tensor([codes[s] for s in syms.tolist()], dtype=torch.int64)
     len_tab[syms] = torch.tensor([lengths[s] for s in syms.tolist()], dtype=torch.int64)
@@ -166,7 +171,7 @@ def gcomp_encode(x: torch.Tensor, mantissa_bits: int) -> torch.Tensor:
         raise ValueError("compression=gcomp: a tensor's symbol stream must stay under 2^32 bits")
     stream_a = pack_fields(code_tab[sym], widths, a_bits)
     starts = (torch.cumsum(widths, 0) - widths)[:: block_size(x.numel())]
-    nz = ~is_zero
+    nz = ~(is_zero | is_nan)
     # sign and b mantissa bits per non-zero entry, in chunks of at most 32 bits
     field = (sign[nz] << b) | ((mag[nz] & ((1 << mb) - 1)) >> (mb - b))
     width = 1 + b
@@ -230,8 +235,8 @@ def gcomp_decode(msg: torch.Tensor, numel: int, dtype: torch.dtype, mantissa_bit
         sym[i] = entry
         bit = torch.clamp_(bit + (entry & 31), max=a_bits)
     sym = sym.t().reshape(-1)[:numel] >> 5
-    zero_sym = 1 << eb
-    nz = sym != zero_sym
+    zero_sym, nan_sym = 1 << eb, (1 << eb) + 1
+    nz = (sym != zero_sym) & (sym != nan_sym)
     m = int(nz.sum())
     width = 1 + b
     bwords = _words_of(stream_b, m * width)
@@ -243,6 +248,7 @@ def gcomp_decode(msg: torch.Tensor, numel: int, dtype: torch.dtype, mantissa_bit
     mant = (field & ((1 << b) - 1)) << (mb - b)
     sign = field >> b
     bits[nz] = (sign << (total - 1)) | (sym[nz] << mb) | mant
+    bits[sym == nan_sym] = ((1 << (eb + 1)) - 1) << (mb - 1)  # the canonical quiet NaN
     if total == 32:
         bits = torch.where(bits >= 1 << 31, bits - (1 << 32), bits)
     return bits.to(int_dt).view(dtype)
