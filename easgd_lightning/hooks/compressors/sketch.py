@@ -6,10 +6,15 @@ fixed-size mergeable messages instead of an all-gather:
      all-reduce when the collective offers one, else a byte-per-entry max all-reduce);
   2. a count sketch S[j, h_j(i)] += s_j(i) g_i (``rows`` hash rows, width =
      ceil(overhead |U| / rows) for the union U of positions), summed by all-reduce.
-Decoding at U: peel cells holding a single position (exact), least squares on the small
-remainder, median estimate beyond ``max_core``. Hashes h_j(i) = ((a_j i + b_j) mod P) mod
-width, P = 2^31 - 1, drawn from a seed shared by all ranks and the step counter.
-Defaults: ratio = 0.01, rows = 3, overhead = 1.5, seed = 0, memory = true.
+Decoding at U: peel cells holding a single position (exact). Peeling can stop with a
+remainder (a 2-core: every cell left holds two or more undecoded positions; at the
+defaults, unions of a few entries in a few percent of draws); the decoder knows that
+remainder, and every rank finds the same one in the summed sketch, so its entries travel
+exactly in a third, small all-reduce (their values, in the remainder's order): nothing is
+lost and no residual misses what the decode got wrong. A single rank's payload
+(``compress``) carries its own remainder's values the same way. Hashes h_j(i) =
+((a_j i + b_j) mod P) mod width, P = 2^31 - 1, drawn from a seed shared by all ranks and
+the step counter. Defaults: ratio = 0.01, rows = 3, overhead = 1.5, seed = 0, memory = true.
 """
 
 from __future__ import annotations
@@ -70,13 +75,16 @@ def build_sketch(
 
 
 def peel_decode(
-    sketch: torch.Tensor, cols: torch.Tensor, signs: torch.Tensor, max_core: int = 2048
-) -> torch.Tensor:
+    sketch: torch.Tensor, cols: torch.Tensor, signs: torch.Tensor, max_core: int = 2048,
+    *, return_core: bool = False,
+):
     """Values of the len(cols[0]) positions summed into ``sketch``.
 
     Repeatedly reads cells that hold exactly one undecoded position (exact) and subtracts
-    the decoded positions from all their cells; what remains (a 2-core) is solved by least
-    squares when it has at most ``max_core`` positions, else by the median of the rows.
+    the decoded positions from all their cells; what remains (a 2-core) is estimated by
+    least squares when it has at most ``max_core`` positions, else by the median of the
+    rows. ``return_core``: also return the indices (into the positions) that peeling left
+    undecoded, whose values are only estimates.
     """
     rows, width = sketch.shape
     u = cols.shape[1]
@@ -117,7 +125,7 @@ def peel_decode(
             values[core] = sol.squeeze(1).to(values.device)
         else:
             values[core] = (s[cc] * sg[:, core]).median(dim=0).values
-    return values.to(sketch.dtype)
+    return (values.to(sketch.dtype), core) if return_core else values.to(sketch.dtype)
 
 
 def or_reduce_bits(collective: Collective, bits: torch.Tensor) -> torch.Tensor:
@@ -142,9 +150,10 @@ class SketchCompressor(Compressor):
     Args:
         ratio: fraction of entries each rank keeps before sketching, in (0, 1].
         rows: hash rows of the count sketch (>= 1; 3 peels well).
-        overhead: sketch cells per union position (>= 1.0; 1.5 keeps peeling reliable).
+        overhead: sketch cells per union position (>= 1.0; more cells leave a peeling
+            remainder, which travels exactly, less often).
         seed: hash seed shared by all ranks.
-        max_core: largest undecoded remainder solved exactly by least squares.
+        max_core: accepted for older configs; the remainder now travels exactly.
         min_numel, memory: attach-point policies (see :class:`Compressor`).
     """
 
@@ -196,17 +205,20 @@ class SketchCompressor(Compressor):
         state["step"] = int(state.get("step", 0)) + 1
         cols, signs = sketch_hashes(positions, self.rows, width, seed)
         sk = build_sketch(flat[positions], cols, signs, width)
+        _, core = peel_decode(sk, cols, signs, 0, return_core=True)
         meta = {"numel": flat.numel(), "width": width, "seed": seed, "dtype": flat.dtype}
-        return Payload((pack_bits(bits), sk), meta)
+        return Payload((pack_bits(bits), sk, flat[positions[core]].clone()), meta)
 
     def decompress(self, payload: Payload, shape: torch.Size) -> torch.Tensor:
-        packed, sk = payload.tensors
+        packed, sk, exact = payload.tensors
         meta = payload.meta
         positions = torch.nonzero(unpack_bits(packed, meta["numel"])).squeeze(1)
         out = torch.zeros(meta["numel"], dtype=sk.dtype, device=sk.device)
         if positions.numel():
             cols, signs = sketch_hashes(positions, self.rows, sk.shape[1], meta["seed"])
-            out[positions] = peel_decode(sk, cols, signs, self.max_core)
+            values, core = peel_decode(sk, cols, signs, 0, return_core=True)
+            values[core] = exact  # the remainder peeling left, sent exactly
+            out[positions] = values
         return out.reshape(shape)
 
     def aggregate(
@@ -242,5 +254,11 @@ class SketchCompressor(Compressor):
             pending = start_collective(collective, "all_reduce_sum", [sk])
             yield
             (summed,) = pending.wait()
-            mean[positions] = peel_decode(summed, cols, signs, self.max_core) / world
+            values, core = peel_decode(summed, cols, signs, 0, return_core=True)
+            state["last_core"] = int(core.numel())
+            if core.numel():  # the same remainder on every rank: its entries travel exactly
+                pending = start_collective(collective, "all_reduce_sum", [local[positions[core]]])
+                yield
+                (values[core],) = pending.wait()
+            mean[positions] = values / world
         return mean.reshape(tensor.shape), local.reshape(tensor.shape)
