@@ -39,8 +39,26 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         atomic_torch_save(checkpoint, path)
 
 
+def comm_series(snapshot: dict, elapsed: float) -> dict[str, float]:
+    """The ``comm/*`` series of one meter snapshot: totals (bytes sent, dense bytes, time
+    and exposed time as fractions of ``elapsed``) and, per traffic kind, its bytes sent and
+    exposed seconds (``comm/<kind>/bytes_sent``, ``comm/<kind>/exposed_s``)."""
+    elapsed = max(1e-9, elapsed)
+    out = {
+        "comm/bytes_sent": float(snapshot["bytes_sent"]),
+        "comm/dense_bytes": float(snapshot["dense_bytes"]),
+        "comm/time_fraction": snapshot["time_s"] / elapsed,
+        "comm/exposed_fraction": snapshot["exposed_s"] / elapsed,
+    }
+    for kind, totals in snapshot.get("by_kind", {}).items():
+        out[f"comm/{kind}/bytes_sent"] = float(totals["bytes_sent"])
+        out[f"comm/{kind}/exposed_s"] = float(totals["exposed_s"])
+    return out
+
+
 class CommMetricsCallback(pl.Callback):
-    """Logs this rank's communication totals as ``comm/*`` metrics every ``every`` steps."""
+    """Logs this rank's communication series (:func:`comm_series`) every ``every`` steps,
+    to whichever logger the Trainer has (wandb, TensorBoard, CSV)."""
 
     def __init__(self, every: int = 10) -> None:
         self.every = max(1, every)
@@ -52,17 +70,8 @@ class CommMetricsCallback(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step % self.every or self.fit_start is None:
             return
-        meter = get_meter()
-        elapsed = max(1e-9, time.perf_counter() - self.fit_start)
-        pl_module.log_dict(
-            {
-                "comm/bytes_sent": float(meter.bytes_sent),
-                "comm/dense_bytes": float(meter.dense_bytes),
-                "comm/time_fraction": meter.time_s / elapsed,
-            },
-            on_step=True,
-            on_epoch=False,
-        )
+        series = comm_series(get_meter().snapshot(), time.perf_counter() - self.fit_start)
+        pl_module.log_dict(series, on_step=True, on_epoch=False)
 
 
 class ValHistoryCallback(pl.Callback):

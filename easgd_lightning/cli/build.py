@@ -752,8 +752,8 @@ def validate_config(cfg: Any, *, hardware: bool = True) -> None:
     if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
         raise ConfigError(f"threads_per_process must be a positive integer or null, got {threads!r}")
     logger = cfg.logger.get("name")
-    if logger not in ("wandb", "csv", "none"):
-        raise ConfigError(f"logger.name={logger!r} is unknown; choose one of wandb, csv, none")
+    if logger not in ("wandb", "tensorboard", "csv", "none"):
+        raise ConfigError(f"logger.name={logger!r} is unknown; choose one of wandb, tensorboard, csv, none")
     strategy = build_strategy(cfg, world_size=world)
     if name in ("sync_easgd", "easgd_round_robin"):  # alpha = lr * rho needs the optimizer's lr
         try:

@@ -95,6 +95,10 @@ def _make_logger(cfg, out_dir: Path):
         from pytorch_lightning.loggers import CSVLogger
 
         return CSVLogger(save_dir=str(out_dir), name="csv", version="")
+    if name == "tensorboard":
+        from pytorch_lightning.loggers import TensorBoardLogger
+
+        return TensorBoardLogger(save_dir=str(out_dir), name="tensorboard", version="", default_hp_metric=False)
     from pytorch_lightning.loggers import WandbLogger
 
     os.environ.setdefault("WANDB_SILENT", "true")
