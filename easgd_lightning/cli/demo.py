@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -28,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     for i, strategy in enumerate(STRATEGIES, 1):
         run_dir = out / strategy
         print(f"\n=== [{i}/{len(STRATEGIES)}] strategy={strategy}: digits, 2 workers on CPU -> {run_dir}", flush=True)
+        if run_dir.is_dir():  # the demo's own previous run: start it afresh
+            print(f"(replacing the previous demo run in {run_dir})", flush=True)
+            shutil.rmtree(run_dir)
         cmd = [
             sys.executable, "-m", "easgd_lightning.cli.train",
             f"strategy={strategy}", "trainer.devices=2", f"hydra.run.dir={run_dir}",

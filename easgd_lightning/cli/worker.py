@@ -104,7 +104,9 @@ def _make_logger(cfg, out_dir: Path):
     os.environ.setdefault("WANDB_SILENT", "true")
     mode = cfg.logger.get("mode", "offline")
     run_name, group = run_identity(cfg, out_dir)
-    return WandbLogger(
+    from easgd_lightning.compat.lightning import drop_wandb_anonymous
+
+    return drop_wandb_anonymous(WandbLogger(
         project=cfg.logger.get("project", "easgd-lightning"),
         name=run_name,
         group=group,
@@ -113,7 +115,7 @@ def _make_logger(cfg, out_dir: Path):
         offline=mode == "offline",
         mode=mode,
         config=cfg_to_dict(cfg),
-    )
+    ))
 
 
 def cfg_to_dict(cfg) -> dict:
@@ -167,6 +169,9 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
     from easgd_lightning.comm import reset_meter
     from easgd_lightning.guards import NaNFaultInjection, NonFiniteLossGuard
     from easgd_lightning.utils.checkpoint import VerifiedCheckpointIO
+    from easgd_lightning.utils.quiet import quiet_third_party
+
+    quiet_third_party()
 
     out_dir = Path(out_dir)
     rank = int(os.environ.get("RANK", "0"))

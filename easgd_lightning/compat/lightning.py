@@ -43,6 +43,9 @@ And, not about asynchrony:
   (:data:`CHECKPOINT_TOPK_STEP`, :data:`CHECKPOINT_LAST_STEP`): the two writes of a
   checkpoint, epoch file first; ``LastFirstCheckpoint`` overrides both to write
   ``last.ckpt`` first.
+* ``WandbLogger._wandb_init`` (its ``"anonymous"`` key): Lightning always passes
+  ``anonymous=None`` to ``wandb.init``, and wandb warns at every run that the setting has
+  no effect (:func:`drop_wandb_anonymous`).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from pytorch_lightning.trainer.connectors.signal_connector import (
 
 __all__ = [
     "PATH",
+    "drop_wandb_anonymous",
     "DDP_HOOKS_STEP",
     "CHECKPOINT_TOPK_STEP",
     "CHECKPOINT_LAST_STEP",
@@ -106,6 +110,16 @@ PRIVATE_OVERRIDES: tuple[tuple[type, str], ...] = (
 
 
 # ------------------------------------------------------------------ configure_optimizers
+def drop_wandb_anonymous(logger: Any) -> Any:
+    """Remove the ``anonymous`` argument Lightning's ``WandbLogger`` hands ``wandb.init``
+    (always present, None unless asked for; wandb warns that it has no effect) when it was
+    not asked for. Returns ``logger``."""
+    init = getattr(logger, "_wandb_init", None)
+    if isinstance(init, dict) and init.get("anonymous") is None:
+        init.pop("anonymous", None)
+    return logger
+
+
 def configured_optimizers(configured: Any) -> list:
     """The optimizers in what ``LightningModule.configure_optimizers()`` returned (any of
     the forms Lightning accepts: one optimizer, a list, a dict, lists of optimizers and
