@@ -740,6 +740,12 @@ def validate_config(cfg: Any, *, hardware: bool = True) -> None:
     if (faults.get("slow_ms") or 0) < 0:
         raise ConfigError(f"faults.slow_ms must be >= 0, got {faults.get('slow_ms')}")
     validate_values(cfg)
+    from easgd_lightning.cli.search import check_search
+
+    try:
+        check_search(cfg.get("search"))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     from easgd_lightning.cli.targets import check_group
     from easgd_lightning.cli.trainer_config import trainer_rule
 

@@ -72,8 +72,18 @@ def check_command_line(argv: list[str], *, conf_dir: str = CONF_DIR) -> list[str
     config_name = args.config_name or "train"
     renamed: dict[str, str] = {}
     for job in _jobs(list(args.overrides), bool(args.multirun), conf_dir, config_name):
-        compose_checked(job, config_name=config_name, conf_dir=conf_dir, renamed=renamed)
+        cfg = compose_checked(job, config_name=config_name, conf_dir=conf_dir, renamed=renamed)
+        _check_search_space(cfg)  # an Optuna search: its space, before any trial
     return [_renamed_sweep(arg, renamed) for arg in argv]
+
+
+def _check_search_space(cfg: DictConfig) -> None:
+    from easgd_lightning.cli.search import check_search
+
+    try:
+        check_search(cfg.get("search"))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _renamed_sweep(arg: str, renamed: dict[str, str]) -> str:

@@ -306,6 +306,79 @@ def _costmodel(root: Path, out: Path) -> list[str]:
     return [projection_markdown(projection), f"![{png.stem}]({png.name})", ""]
 
 
+def _trial_label(summary: dict) -> str:
+    """``compression knob=value tau=T`` of a search trial, from its resolved config."""
+    from easgd_lightning.cli.search import KNOBS
+
+    cfg = summary.get("config") or {}
+    comp, strategy = cfg.get("compression") or {}, cfg.get("strategy") or {}
+    name = comp.get("name", summary.get("compression"))
+    parts = [str(name)]
+    knob = KNOBS.get(name)
+    if knob is not None and comp.get(knob[0]) is not None:
+        value = comp[knob[0]]
+        parts.append(f"{knob[0]}={value:.3g}" if isinstance(value, float) else f"{knob[0]}={value}")
+    if strategy.get("tau") is not None:
+        parts.append(f"tau={strategy['tau']}")
+    return " ".join(parts)
+
+
+def plot_pareto(points: list[tuple[float, float]], labels: list[str], front: list[int], chosen: int | None,
+                path: Path, budget: float | None) -> Path:
+    """val_acc against bytes sent per worker for every trial, the Pareto front joined, the
+    chosen trial starred and the budget drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.scatter([max(p[1], 1) for p in points], [p[0] for p in points], color="0.6", label="trials")
+    ax.plot([max(points[i][1], 1) for i in front], [points[i][0] for i in front], "o-", color="tab:red",
+            label="Pareto front")
+    for i in front:
+        ax.annotate(labels[i], (max(points[i][1], 1), points[i][0]), fontsize=7, xytext=(4, -10),
+                    textcoords="offset points")
+    if chosen is not None:
+        ax.scatter([max(points[chosen][1], 1)], [points[chosen][0]], marker="*", s=220, color="tab:green",
+                   zorder=5, label=f"chosen: {labels[chosen]}")
+    if budget is not None:
+        ax.axvline(budget, color="tab:blue", ls="--", lw=1, label="bytes budget")
+    ax.set_xscale("log")
+    return _finish_figure(plt, fig, ax, path, xlabel="bytes sent per worker (log)",
+                          ylabel="final validation accuracy", title="Compression search: accuracy vs bytes",
+                          legend=True)
+
+
+def _search(root: Path, runs: list[tuple[Path, dict]], out: Path) -> list[str]:
+    """The search section when ``root`` is an Optuna sweep (``optimization_results.yaml``):
+    the Pareto front of val_acc vs bytes sent per worker, the chosen trial, the plot."""
+    from easgd_lightning.cli.search import bytes_per_worker, chosen_run, pareto_front
+
+    if not (root / "optimization_results.yaml").is_file():
+        return []
+    done = [(d, s) for d, s in runs if s.get("status") == "ok" and s.get("val_acc") is not None
+            and bytes_per_worker(s) is not None]
+    if not done:
+        return ["## Compression search", "", "no trial finished", ""]
+    points = [(float(s["val_acc"]), float(bytes_per_worker(s))) for _, s in done]
+    labels = [_trial_label(s) for _, s in done]
+    budget = ((done[0][1].get("config") or {}).get("search") or {}).get("bytes_budget")
+    front, chosen = pareto_front(points), chosen_run(points, budget)
+    png = plot_pareto(points, labels, front, chosen, out / "pareto.png", budget)
+    lines = ["## Compression search (Optuna)", "",
+             f"{len(done)} trials finished; Pareto front of val_acc vs bytes sent per worker"
+             + (f" (budget {budget:,.0f} bytes)" if budget is not None else "") + ":", "",
+             "| trial | val_acc | bytes / worker | chosen |", "|---|---:|---:|---|"]
+    for i in front:
+        lines.append(f"| {labels[i]} | {points[i][0]:.4f} | {points[i][1]:,.0f} | {'yes' if i == chosen else ''} |")
+    if chosen is not None and chosen not in front:  # cannot happen: the best within a budget is on the front
+        lines.append(f"| {labels[chosen]} | {points[chosen][0]:.4f} | {points[chosen][1]:,.0f} | yes |")
+    if chosen is None:
+        lines += ["", "no trial fits the bytes budget"]
+    return lines + ["", f"![{png.stem}]({png.name})", ""]
+
+
 def write_report(root: str | Path, out: str | Path | None = None) -> tuple[Path, list[dict]]:
     """Write report.md and the plots; returns (report path, rows)."""
     root = Path(root)
@@ -313,7 +386,8 @@ def write_report(root: str | Path, out: str | Path | None = None) -> tuple[Path,
         raise FileNotFoundError(f"{root} does not exist")
     out = Path(out) if out else root
     out.mkdir(parents=True, exist_ok=True)
-    table = rows(collect(root), root)
+    runs = collect(root)
+    table = rows(runs, root)
     pngs = _plots(table, out)
     failed = [r for r in table if r["status"] != "ok"]
     text = [f"# Run report: {root}", "", markdown_table(table), ""]
@@ -321,6 +395,7 @@ def write_report(root: str | Path, out: str | Path | None = None) -> tuple[Path,
         text += ["## Failed runs", ""] + [f"- {r['run']}: {r['error']}" for r in failed] + [""]
     text += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in pngs] + [""]
     text += _costmodel(root, out)
+    text += _search(root, runs, out)
     path = out / "report.md"
     atomic_write_text(path, "\n".join(text))
     atomic_write_text(out / "report.csv", _csv(table))

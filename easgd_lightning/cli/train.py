@@ -316,7 +316,9 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     if summary and summary.get("status") != "ok" and not multirun and not _externally_launched():
         print(f"easgd-train: run failed: {summary.get('error')}", file=sys.stderr, flush=True)
         sys.exit(1)
-    return summary.get("val_acc") if summary else None
+    from easgd_lightning.cli.search import objective
+
+    return objective(cfg.get("search"), summary)
 
 
 

@@ -1,0 +1,143 @@
+"""Optuna searches over compression (``hparams_search=compression_optuna`` /
+``compression_pareto``, Hydra's Optuna sweeper).
+
+The space (``search.*``): the compressor's name, its main knob -- ``ratio`` (log-uniform in
+``search.ratio``) for the sparsifiers, ``rank`` for PowerSGD / ACP-SGD, ``levels`` for
+QSGD -- and ``strategy.tau`` (one of ``search.taus``) where the strategy has a period.
+The knob is suggested only for the compressor that has it (a conditional space, built by
+:func:`compression_space`, the sweeper's ``custom_search_space``).
+
+Objectives (:func:`objective`, what a job returns to the sweeper):
+
+* ``search.objective=val_acc``: the final validation accuracy; a run whose bytes sent per
+  worker exceed ``search.bytes_budget`` scores 0 (the budget is a constraint, not a trade);
+* ``search.objective=pareto``: (val_acc, bytes sent per worker), maximised and minimised:
+  Optuna keeps the Pareto front; ``easgd-report`` draws it (:func:`pareto_front`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = [
+    "OBJECTIVES",
+    "KNOBS",
+    "check_search",
+    "compression_space",
+    "objective",
+    "bytes_per_worker",
+    "pareto_front",
+    "chosen_run",
+]
+
+OBJECTIVES = ("val_acc", "pareto")
+
+#: compression name -> (its knob, the kind of values it takes)
+KNOBS: dict[str, tuple[str, str]] = {
+    **{name: ("ratio", "ratio") for name in ("topk", "randomk", "dgc", "redsync", "sidco", "sparseloco", "sketch",
+                                             "csc", "sparse_gc")},
+    "powersgd": ("rank", "rank"), "acpsgd": ("rank", "rank"),
+    "qsgd": ("levels", "levels"),
+}
+
+
+class SearchError(ValueError):
+    """A bad ``search.*`` value (the CLI prints it as its one error line)."""
+
+
+def _positive_ints(key: str, values: Any) -> list[int]:
+    values = list(values or [])
+    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+        raise SearchError(f"search.{key} must be a non-empty list of integers >= 1, got {values!r}")
+    return values
+
+
+def check_search(search: Any) -> None:
+    """Check ``search.*`` before any trial.
+
+    Raises:
+        SearchError: one line naming the key and what is allowed.
+    """
+    from easgd_lightning.hooks import compressor_names
+
+    if search is None:
+        return
+    if search.get("objective") not in OBJECTIVES:
+        raise SearchError(f"search.objective={search.get('objective')!r} is unknown; choose one of {', '.join(OBJECTIVES)}")
+    budget = search.get("bytes_budget")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0):
+        raise SearchError(f"search.bytes_budget must be a number of bytes > 0 or null, got {budget!r}")
+    names = list(search.get("compressions") or [])
+    allowed = [n for n in compressor_names() if n != "optimus_cc"]
+    bad = [n for n in names if n not in allowed]
+    if not names or bad:
+        raise SearchError(
+            f"search.compressions must name compressors, got {bad[0] if bad else names!r}; choose from {', '.join(allowed)}"
+        )
+    lo, hi = (list(search.get("ratio") or []) + [None, None])[:2]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (lo, hi)) or not 0 < lo < hi <= 1:
+        raise SearchError(f"search.ratio must be [low, high] with 0 < low < high <= 1, got {list(search.get('ratio') or [])!r}")
+    _positive_ints("ranks", search.get("ranks"))
+    _positive_ints("levels", search.get("levels"))
+    _positive_ints("taus", search.get("taus"))
+
+
+def compression_space(cfg: Any, trial: Any) -> None:
+    """The sweeper's ``custom_search_space``: suggest the compressor, its knob and tau."""
+    search = cfg.search
+    name = trial.suggest_categorical("compression", list(search.compressions))
+    knob = KNOBS.get(name)
+    if knob is not None:
+        key, kind = knob
+        if kind == "ratio":
+            lo, hi = search.ratio
+            trial.suggest_float(f"compression.{key}", float(lo), float(hi), log=True)
+        elif kind == "rank":
+            trial.suggest_categorical(f"compression.{key}", list(search.ranks))
+        else:
+            trial.suggest_categorical(f"compression.{key}", list(search.levels))
+    if "tau" in cfg.strategy:
+        trial.suggest_categorical("strategy.tau", list(search.taus))
+
+
+def bytes_per_worker(summary: dict) -> float | None:
+    """Mean over ranks of the payload bytes sent (``comm.bytes_sent``)."""
+    sent = [b for b in ((summary.get("comm") or {}).get("bytes_sent") or []) if b is not None]
+    return sum(sent) / len(sent) if sent else None
+
+
+def objective(search: Any, summary: dict | None) -> float | tuple[float, float] | None:
+    """What a job returns to the sweeper (module docstring); a failed run scores 0 accuracy
+    (and, for the Pareto search, infinite bytes), so the study goes on."""
+    if search is None:
+        return summary.get("val_acc") if summary else None
+    ok = bool(summary) and summary.get("status") == "ok" and summary.get("val_acc") is not None
+    acc = float(summary["val_acc"]) if ok else 0.0
+    sent = bytes_per_worker(summary) if ok else None
+    if search.get("objective") == "pareto":
+        return acc, float(sent) if sent is not None else math.inf
+    budget = search.get("bytes_budget")
+    if budget is not None and (sent is None or sent > float(budget)):
+        return 0.0
+    return acc
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the (accuracy, bytes) points no other point beats in both (higher
+    accuracy and no more bytes, or as accurate with fewer), by increasing bytes."""
+    front = []
+    for i, (acc, sent) in enumerate(points):
+        dominated = any(
+            (a >= acc and b <= sent) and (a > acc or b < sent) for j, (a, b) in enumerate(points) if j != i
+        )
+        if not dominated:
+            front.append(i)
+    return sorted(front, key=lambda i: points[i][1])
+
+
+def chosen_run(points: list[tuple[float, float]], budget: float | None) -> int | None:
+    """The trial a user would deploy: the highest accuracy within the bytes budget (fewer
+    bytes on a tie); None when no trial fits."""
+    fits = [i for i, (_, sent) in enumerate(points) if budget is None or sent <= budget]
+    return max(fits, key=lambda i: (points[i][0], -points[i][1])) if fits else None
