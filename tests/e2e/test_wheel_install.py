@@ -59,8 +59,8 @@ def installed(tmp_path_factory) -> dict[str, Path]:
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(REPO / name, src / name)
-    shutil.copytree(REPO / "easgd_lightning", src / "easgd_lightning",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copytree(REPO / "easgd_lightning", src / "easgd_lightning",  # no library built in place
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so"))
     dist = root / "dist"
     _ok(_run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
               "-q", "-w", dist, src], cwd=root))
@@ -146,3 +146,44 @@ def test_installed_easgd_train_runs_from_an_empty_directory(installed, tmp_path)
     sources = yaml.safe_load((work / "run" / ".hydra" / "hydra.yaml").read_text())["hydra"]["runtime"]["config_sources"]
     paths = {s["provider"]: s["path"] for s in sources}
     assert paths["main"] == "easgd_lightning.conf" and paths.get("hydra.searchpath in command-line") == str(user)
+
+
+#: from outside the checkout: where the kernels come from, and two codecs whose kernels are
+#: bitwise their eager path, with the kernels and without (same data, fresh state each)
+KERNEL_CHECK = """
+import torch
+from easgd_lightning.hooks import build_compressor
+from easgd_lightning.hooks.compressors import _native
+print(_native.source(), _native.__file__)
+x = torch.randn(200_000, generator=torch.Generator().manual_seed(3))
+for name, opts in (("topk", {"ratio": 0.01}), ("signsgd", {})):
+    c = build_compressor(name, min_numel=0, **opts)
+    native = c.decompress(c.compress(x.clone(), {"key_hash": 1}), x.shape)
+    with _native.disabled():
+        c = build_compressor(name, min_numel=0, **opts)
+        eager = c.decompress(c.compress(x.clone(), {"key_hash": 1}), x.shape)
+    print(name, bool(torch.equal(native, eager)), int(torch.count_nonzero(native)))
+"""
+
+
+def test_the_wheel_carries_compiled_kernels_used_without_a_compiler(installed, tmp_path):
+    """The wheel holds the kernels compiled at build time (and their source); installed and
+    run with no C compiler on PATH, the codecs use that library, bitwise as their eager path."""
+    names = zipfile.ZipFile(installed["wheel"]).namelist()
+    built = [n for n in names if n.startswith("easgd_lightning/hooks/compressors/_kernels_built") and n.endswith(".so")]
+    assert len(built) == 1 and "easgd_lightning/hooks/compressors/_kernels.c" in names, names
+    env = base_env()
+    env.pop("PYTHONPATH")
+    env.pop("CC", None)
+    env["PATH"] = str(installed["venv"] / "bin")  # no cc, no gcc
+    env["EASGD_KERNEL_CACHE"] = str(tmp_path / "cache")  # nothing compiled earlier is found
+    proc = _ok(subprocess.run([str(installed["python"]), "-W", "error::UserWarning", "-c", KERNEL_CHECK],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120))
+    lines = proc.stdout.splitlines()
+    where, module = lines[0].split()
+    assert where == "prebuilt" and Path(module).is_relative_to(installed["site"]), lines[0]
+    assert not (tmp_path / "cache").exists()  # nothing was compiled at run time
+    for line in lines[1:]:
+        name, same, nonzero = line.split()
+        assert same == "True" and int(nonzero) > 0, line
+    assert len(lines) == 3

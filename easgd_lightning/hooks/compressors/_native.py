@@ -9,10 +9,20 @@ work in one pass. They cover contiguous float32 / float64 CPU tensors; everythin
 (CUDA, half precision, no C compiler) takes the eager path of the same rule, which the
 unit tests compare against the kernels.
 
-The library is compiled once per source / compiler / CPU into
-``$EASGD_KERNEL_CACHE`` (default ``~/.cache/easgd_lightning``) and renamed into place
-atomically, so concurrent processes can race safely. ``EASGD_NATIVE_KERNELS=0`` turns
-the kernels off (eager everywhere).
+Where the library comes from, in order (:func:`source` says which):
+
+1. ``compiled``: built for this CPU (``-march=native``: the AVX-512 / AVX2 paths) once per
+   source / compiler / CPU into ``$EASGD_KERNEL_CACHE`` (default
+   ``~/.cache/easgd_lightning``), renamed into place atomically so concurrent processes
+   can race safely -- where a C compiler is present;
+2. ``prebuilt``: the portable build the package carries (``_kernels_built*.so``, compiled
+   when the package was built: pyproject's ``ext-modules``), so an installed wheel runs the
+   kernels without a compiler;
+3. neither: every codec takes its eager path (the same numbers, slower), with one warning
+   naming the reason.
+
+``EASGD_NATIVE_KERNELS=0`` turns the kernels off (eager everywhere);
+``EASGD_NATIVE_KERNELS=prebuilt`` skips step 1.
 """
 
 from __future__ import annotations
@@ -31,12 +41,13 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "use", "disabled", "lib", "fn", "add_into", "scatter_into", "scatter_add_into", "zero_at", "kth_largest_abs"]
+__all__ = ["available", "use", "disabled", "lib", "source", "fn", "add_into", "scatter_into", "scatter_add_into", "zero_at", "kth_largest_abs"]
 
 _SRC = Path(__file__).with_name("_kernels.c")
 _FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
+_source: str | None = None
 _failed = False
 _off = 0  # nesting depth of ``disabled()``
 
@@ -102,9 +113,48 @@ def _cpu_id() -> str:
     return "\n".join(lines[:2])
 
 
+def _bind(path: Path) -> ctypes.CDLL | None:
+    """Load the library at ``path`` and declare every kernel's signature (None: unloadable)."""
+    try:
+        lib = ctypes.CDLL(str(path))
+        for name, (res, args) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = res, args
+    except (OSError, AttributeError):
+        return None
+    return lib
+
+
+def _prebuilt() -> ctypes.CDLL | None:
+    """The portable library built with the package, if it is there."""
+    for path in sorted(Path(__file__).parent.glob("_kernels_built*.so")):
+        lib = _bind(path)
+        if lib is not None:
+            return lib
+    return None
+
+
+def _load() -> tuple[ctypes.CDLL | None, str | None, str]:
+    """(library, where it came from, why there is none)."""
+    why = "EASGD_NATIVE_KERNELS=prebuilt"
+    if os.environ.get("EASGD_NATIVE_KERNELS") != "prebuilt":
+        try:
+            lib = _build()
+        except (OSError, subprocess.SubprocessError) as exc:
+            lib, why = None, f"compiling failed: {exc}"
+        else:
+            why = "no C compiler (cc, gcc or $CC)" if lib is None else why
+        if lib is not None:
+            return lib, "compiled", ""
+    lib = _prebuilt()
+    if lib is not None:
+        return lib, "prebuilt", ""
+    return None, None, f"{why}, and the package carries no prebuilt kernel library"
+
+
 def _build() -> ctypes.CDLL | None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
+    if cc is None or not _SRC.is_file():
         return None
     src = _SRC.read_bytes()
     cache = Path(os.environ.get("EASGD_KERNEL_CACHE", Path.home() / ".cache" / "easgd_lightning"))
@@ -123,32 +173,33 @@ def _build() -> ctypes.CDLL | None:
                 os.unlink(tmp)
                 continue
             os.replace(tmp, path)
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError:
-            continue
-        for name, (res, args) in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = res, args
-        return lib
+        lib = _bind(path)
+        if lib is not None:
+            return lib
     return None
 
 
 def lib() -> ctypes.CDLL | None:
-    """The loaded kernel library, or None (no compiler, build failed, or turned off)."""
-    global _lib, _failed
+    """The loaded kernel library, or None (turned off, or neither compiled nor prebuilt:
+    warned once with the reason)."""
+    global _lib, _source, _failed
     if _off or os.environ.get("EASGD_NATIVE_KERNELS", "1") == "0":
         return None
     if _lib is None and not _failed:
         with _lock:
             if _lib is None and not _failed:
-                try:
-                    _lib = _build()
-                except (OSError, subprocess.SubprocessError) as exc:  # pragma: no cover
-                    warnings.warn(f"codec kernels unavailable ({exc}); using eager ops", stacklevel=2)
-                    _lib = None
+                _lib, _source, why = _load()
                 _failed = _lib is None
+                if _failed:
+                    warnings.warn(f"codec kernels unavailable ({why}); the codecs use their eager "
+                                  "path (the same numbers, slower)", stacklevel=2)
     return _lib
+
+
+def source() -> str | None:
+    """Where the kernels in use come from: ``compiled`` (for this CPU), ``prebuilt`` (the
+    package's portable build) or None (eager)."""
+    return _source if lib() is not None else None
 
 
 def available() -> bool:
