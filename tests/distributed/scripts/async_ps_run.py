@@ -36,7 +36,7 @@ from easgd_lightning.comm import get_meter
 from easgd_lightning.comm.liveness import Liveness
 from easgd_lightning.strategies.ps.client import ServerClient
 from easgd_lightning.strategies.ps.protocol import OP_ELASTIC, OP_GRAD, request_header_size
-from easgd_lightning.strategies.ps.server import ParameterServer
+from easgd_lightning.strategies.ps.server import ParameterServer, worker_channels
 
 N = 257
 SERVER = 3
@@ -95,13 +95,14 @@ def since(before: dict) -> dict:
 def main(modes: str, out: Path) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     names = modes.split(",")
+    channels = worker_channels(SERVER, [0, 1, 2])  # each worker's group with the server
     for i, mode in enumerate(names):
-        run(mode, out)
+        run(mode, out, channels)
         if i + 1 < len(names):
             dist.barrier()
 
 
-def run(mode: str, out: Path) -> None:
+def run(mode: str, out: Path, channels: dict) -> None:
     rank = int(os.environ["RANK"])
     live = Liveness(f"test/{mode}", rank, interval_s=0.2, dead_after_s=2.0).start()
     dist.barrier()
@@ -113,16 +114,16 @@ def run(mode: str, out: Path) -> None:
             rank=SERVER, workers=[0, 1, 2], center=adam_start() if mode.startswith("adam") else torch.zeros(N),
             n_params=N - 1, rule="sgd" if sgd_rule else "elastic", alpha=ALPHA,
             optimizer=optimizer, params=params, liveness=live, stop_policy="all",
-            lockfree=mode in ("lockfree", "adamfree"),
+            lockfree=mode in ("lockfree", "adamfree"), channels=channels,
         )
         start = time.monotonic()
         server.serve()
         record.update(order=list(server.service_log), center=server.center.clone(), done=server.done,
-                      dead=server.dead, updates=server.updates, seconds=time.monotonic() - start,
+                      dead=server.dead, lost=server.lost, updates=server.updates, seconds=time.monotonic() - start,
                       state=server.state_dict())
     else:
         client = ServerClient(SERVER, torch.zeros(N), 4, n_params=N - 1, liveness=live,
-                              header_size=request_header_size(optimizer, params))
+                              header_size=request_header_size(optimizer, params), group=channels[rank])
         count = {"fcfs": 12, "sgd": 8, "adam": 8, "adamfree": 8, "lockfree": 12, "overlap": 4, "dead": 10}[mode]
         meter_from = ps_totals()
         sent, got, times = [], [], []
