@@ -2,9 +2,9 @@
 (through ``faults.crash_rank``, or killed or frozen from outside the process by its PID from
 ``ranks/launch.json``), and resuming the center together with the server's state.
 
-A parameter-server run goes on without a worker it lost and ends ``ok`` (exit 0), with the
-loss in ``summary.json`` ``ft.lost_ranks`` and no process of the run left; shared-memory
-Hogwild has nobody to drop the worker from, so the survivors finish and the run is failed.
+A parameter-server run (and shared-memory Hogwild) goes on without a worker it lost and
+ends ``ok`` (exit 0), with the loss in ``summary.json`` ``ft.lost_ranks`` and no process of
+the run left.
 """
 
 from __future__ import annotations
@@ -117,9 +117,9 @@ def test_a_worker_stopped_from_outside_is_dropped_after_its_timeout_and_killed_a
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy,devices", [("async_easgd", 4), ("hogwild_easgd", 3)])
 def test_a_dead_worker_neither_hangs_the_server_nor_the_others(tmp_path: Path, strategy: str, devices: int) -> None:
-    """faults.crash_rank (os._exit(17)) takes the path of a real outside kill: the parameter
-    server drops the worker and the run ends ok; shared-memory Hogwild's survivors finish,
-    and that run is failed, naming the rank."""
+    """faults.crash_rank (os._exit(17)) takes the path of a real outside kill: the worker is
+    dropped (by the parameter server; under shared-memory Hogwild by the other workers) and
+    the run ends ok."""
     run = tmp_path / strategy
     proc = run_cli(
         [
@@ -133,23 +133,17 @@ def test_a_dead_worker_neither_hangs_the_server_nor_the_others(tmp_path: Path, s
     )
     s = json.loads((run / "summary.json").read_text())
     assert s["exit_codes"][1] == 17
-    if strategy == "async_easgd":
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert s["status"] == "ok" and s["first_failure"] is None
-        (lost,) = s["ft"]["lost_ranks"]
-        assert lost["rank"] == 1 and lost["why"] == "crashed" and lost["exit"] == {"exitcode": 17}, lost
-        assert lost["detected"] == "connection lost", lost
-    else:  # nobody holds the center to drop it from: the run is failed
-        assert proc.returncode == 1, proc.stderr[-3000:]
-        assert s["status"] == "failed" and s["failed_ranks"] == [1] and s["ft"]["lost_ranks"] == []
-        # the summary names the rank that died and how (faults.crash_rank exits with code 17)
-        assert s["first_failure"]["rank"] == 1 and s["first_failure"]["exitcode"] == 17, s["first_failure"]
-        assert s["error"].startswith("rank 1 failed first: exit code 17")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert s["status"] == "ok" and s["first_failure"] is None and s["roles"][1] == "lost"
+    (lost,) = s["ft"]["lost_ranks"]
+    assert lost["rank"] == 1 and lost["why"] == "crashed" and lost["exit"] == {"exitcode": 17}, lost
+    # the server sees the channel close; Hogwild's workers see the heartbeat stop
+    assert lost["detected"] == ("connection lost" if strategy == "async_easgd" else "heartbeat stopped"), lost
     # and no process of the run is left
     pids = json.loads((run / "ranks" / "launch.json").read_text())["worker_pids"]
     assert [p for p in pids if pid_alive(p)] == []
-    # either way it finished with the remaining workers: they reported (the launcher did not
-    # have to terminate them after timeout_s) and their center converged
+    # it finished with the remaining workers: they reported (the launcher did not have to
+    # terminate them after timeout_s) and their center converged
     survivors = [r for r in range(devices) if r != 1]
     assert all(s["steps_per_rank"][r] is not None for r in survivors)
     workers = [r for r in survivors if s["roles"][r] == "worker"]
