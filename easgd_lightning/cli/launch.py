@@ -338,7 +338,8 @@ class LaunchOutcome:
 
 def lost_rank_records(outcome: LaunchOutcome) -> list[dict]:
     """``summary.json`` ``ft.lost_ranks``: per rank the run went on without, ``why`` --
-    ``killed`` (a signal from outside: SIGKILL, the OOM killer), ``crashed`` (a non-zero
+    ``killed`` (a signal from outside: SIGKILL, the OOM killer), ``terminated`` (it stopped
+    on a SIGTERM / SIGINT / SIGHUP sent to it alone: 128 + N), ``crashed`` (another non-zero
     exit), ``stopped`` (frozen, e.g. SIGSTOP: killed by the launcher), ``unresponsive``
     (running but declared lost: killed by the launcher) -- ``t_s`` (when it was declared
     lost, seconds after launch), ``exit`` (as ``describe_returncode``), ``detected`` (the
@@ -354,6 +355,8 @@ def lost_rank_records(outcome: LaunchOutcome) -> list[dict]:
             why = "unresponsive"
         elif code is not None and code < 0:
             why = "killed"
+        elif code is not None and code - 128 in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            why = "terminated"  # it stopped on a signal to it alone (a preempted worker)
         else:
             why = "crashed" if code else "left"
         at = info.get("at")
@@ -573,7 +576,9 @@ def _supervise(
             else:
                 stopped_since[r] = None
         alive = [r for r in range(world) if not done[r]]
-        if store is not None and (now - lost_read >= _LOST_POLL_S or not alive):
+        # declarations count until the launcher itself signals the ranks (then ranks leave
+        # because they were told to, and that is not a loss the run went on without)
+        if store is not None and term_at is None and (now - lost_read >= _LOST_POLL_S or not alive):
             lost_read = now
             declared = _read_lost(store, world)  # a declaration may also be withdrawn
             for r in sorted(set(declared) - set(outcome.lost)):

@@ -55,9 +55,10 @@ def test_ranks_declared_lost_do_not_fail_the_run_and_say_why() -> None:
     assert records[0] == {"rank": 0, "why": "killed", "t_s": 1.5, "exit": {"signal": "SIGKILL"},
                           "detected": "connection lost", "updates": 7, "worker_step": 3}
     assert records[1]["exit"] == {"exitcode": 17}
-    out.exit_codes[5] = 0
-    out.failures.pop()
+    out.exit_codes[5] = 143  # stopped on SIGTERM, sent to it alone (a preempted worker)
+    out.lost[5] = {**declared, "at": 110.0}
     assert out.failed_ranks == [] and out.first_failure is None
+    assert launch.lost_rank_records(out)[-1]["why"] == "terminated"
 
 
 def test_the_summary_excuses_only_lost_ranks() -> None:
