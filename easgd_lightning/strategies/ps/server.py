@@ -359,6 +359,12 @@ class ParameterServer:
             link = self._links[r].thread
             while link.is_alive() and (self.liveness is None or self.liveness.alive(r)):
                 link.join(self.poll_s)
+            if link.is_alive():
+                self._drop(r, "heartbeat stopped", "no heartbeat while it waited for the final center")
+        while not self._inbox.empty():  # a done worker that died before its final center
+            sender, hdr, _, err = self._inbox.get()
+            if hdr is None:
+                self._drop(sender, "connection lost", err)
         self.finished = time.time()
         self._maybe_checkpoint(force=True)
 
