@@ -191,5 +191,6 @@ def test_dead_worker_neither_hangs_server_nor_others(runs: Path) -> None:
         torch.testing.assert_close(recs[r]["final"], server["center"])
     (lost,) = server["lost"]
     assert lost["rank"] == 2 and lost["cause"] == "connection lost" and lost["updates"] <= 23, lost
-    assert "Connection closed by peer" in lost["error"], lost
+    # closed (FIN) or reset (RST: it died with bytes unread), as gloo reports either
+    assert "Connection closed by peer" in lost["error"] or "Connection reset by peer" in lost["error"], lost
     assert "lost worker 2 (connection lost" in (runs / "server.err").read_text()
