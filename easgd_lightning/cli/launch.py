@@ -23,6 +23,12 @@ Rules (README, "Signals, exit codes and run directories"):
   exit time of the processes.
 * The first failure is the earliest one seen; failures within ``_TIE_S`` seconds of it
   that the rank reported as a consequence of a lost peer yield to one that was not.
+* A rank the run declared lost in the rendezvous store (``comm/liveness.py``
+  ``LOST_KEY``: the parameter server does when it drops a dead or frozen worker) is one the
+  others go on without: its failure starts no ``timeout_s`` countdown (unless it was not
+  declared within ``_DECLARE_S`` of its exit), is not the run's failure
+  (:func:`lost_rank_records`, ``summary.json`` ``ft.lost_ranks``), and once every rank not
+  declared lost has ended, the declared ranks still running (a frozen worker) are killed.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ __all__ = [
     "START_METHODS",
     "first_failure",
     "first_failure_of_reports",
+    "lost_rank_records",
     "is_peer_loss",
     "describe_returncode",
     "remove_stray_temp_files",
@@ -70,6 +77,8 @@ log = logging.getLogger("easgd_lightning")
 
 _POLL_S = 0.05
 _TIE_S = 2.0  # failures this close to the first are ordered by cause, not by when they were seen
+_DECLARE_S = 1.0  # how long after a rank's exit the run may still declare it lost
+_LOST_POLL_S = 0.25  # how often the store's lost declarations are read
 LOCK_NAME = "run.lock"
 _WORKER_FILE = str(Path(__file__).with_name("worker.py"))  # a forked rank's sys.argv[0]
 
@@ -312,11 +321,51 @@ class LaunchOutcome:
     failures: list[dict] = field(default_factory=list)
     killed_ranks: list[int] = field(default_factory=list)
     interrupted_by: int | None = None
+    #: ranks the run declared lost (rank -> the declaration: ``at``, ``cause``, ...)
+    lost: dict[int, dict] = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
 
     @property
     def first_failure(self) -> dict | None:
-        before = [f for f in self.failures if not f.get("after_interrupt")]
+        before = [f for f in self.failures if not f.get("after_interrupt") and f["rank"] not in self.lost]
         return first_failure(before)
+
+    @property
+    def failed_ranks(self) -> list[int]:
+        """Ranks that ended badly and were not declared lost (those fail the run)."""
+        return [r for r, c in enumerate(self.exit_codes) if c != 0 and r not in self.lost]
+
+
+def lost_rank_records(outcome: LaunchOutcome) -> list[dict]:
+    """``summary.json`` ``ft.lost_ranks``: per rank the run went on without, ``why`` --
+    ``killed`` (a signal from outside: SIGKILL, the OOM killer), ``terminated`` (it stopped
+    on a SIGTERM / SIGINT / SIGHUP sent to it alone: 128 + N), ``crashed`` (another non-zero
+    exit), ``stopped`` (frozen, e.g. SIGSTOP: killed by the launcher), ``unresponsive``
+    (running but declared lost: killed by the launcher) -- ``t_s`` (when it was declared
+    lost, seconds after launch), ``exit`` (as ``describe_returncode``), ``detected`` (the
+    declarer's cause: ``connection lost``, ``heartbeat stopped``) and the server's
+    ``updates`` and the worker's last step at that moment."""
+    records = []
+    for rank, info in sorted(outcome.lost.items()):
+        code = outcome.exit_codes[rank]
+        states = {f.get("state") for f in outcome.failures if f["rank"] == rank}
+        if "stopped" in states:
+            why = "stopped"
+        elif rank in outcome.killed_ranks:
+            why = "unresponsive"
+        elif code is not None and code < 0:
+            why = "killed"
+        elif code is not None and code - 128 in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            why = "terminated"  # it stopped on a signal to it alone (a preempted worker)
+        else:
+            why = "crashed" if code else "left"
+        at = info.get("at")
+        records.append({
+            "rank": rank, "why": why, "t_s": round(at - outcome.started, 2) if isinstance(at, (int, float)) else None,
+            "exit": describe_returncode(code), "detected": info.get("cause"),
+            "updates": info.get("updates"), "worker_step": info.get("worker_step"),
+        })
+    return records
 
 
 # ---------------------------------------------------------------------------- start method
@@ -458,7 +507,7 @@ def spawn_and_supervise(
             "rendezvous_port": store.port, "start_method": "fork" if server is not None else "spawn",
             "fork_server_pid": server.pid if server is not None else None,
         })
-        return _supervise(procs, out_dir, timeout_s, grace, run_id, signals)
+        return _supervise(procs, out_dir, timeout_s, grace, run_id, signals, store)
     finally:
         for p in procs:  # whatever happened above, nothing we started outlives the launcher
             if p.poll() is None:
@@ -470,11 +519,23 @@ def spawn_and_supervise(
         del store
 
 
+def _read_lost(store, world: int) -> dict[int, dict]:
+    from easgd_lightning.comm.liveness import read_lost
+
+    try:
+        return read_lost(store, range(world))
+    except Exception:  # pragma: no cover - the store is this process's own; be safe anyway
+        log.debug("could not read the lost ranks", exc_info=True)
+        return {}
+
+
 def _supervise(
-    procs: list[subprocess.Popen | RankProcess], out_dir: Path, timeout_s: float, grace: float, run_id: str, signals: LauncherSignals
+    procs: list[subprocess.Popen | RankProcess], out_dir: Path, timeout_s: float, grace: float, run_id: str,
+    signals: LauncherSignals, store=None,
 ) -> LaunchOutcome:
     world = len(procs)
     t0 = time.monotonic()
+    lost_read = -_LOST_POLL_S
     done = [False] * world
     stopped_since: list[float | None] = [None] * world
     outcome = LaunchOutcome(exit_codes=[None] * world)
@@ -515,9 +576,34 @@ def _supervise(
             else:
                 stopped_since[r] = None
         alive = [r for r in range(world) if not done[r]]
+        # declarations count until the launcher itself signals the ranks (then ranks leave
+        # because they were told to, and that is not a loss the run went on without)
+        if store is not None and term_at is None and (now - lost_read >= _LOST_POLL_S or not alive):
+            lost_read = now
+            declared = _read_lost(store, world)  # a declaration may also be withdrawn
+            for r in sorted(set(declared) - set(outcome.lost)):
+                log.warning("rank %d was declared lost (%s); the run goes on without it", r, declared[r].get("cause"))
+            outcome.lost = declared
         if not alive:
             break
-        if outcome.failures and failed_at is None:
+        if outcome.lost and all(r in outcome.lost for r in alive):  # nobody waits for them any more
+            for r in alive:
+                if r not in outcome.killed_ranks:
+                    stopped = _proc_state(procs[r].pid) in ("T", "t")
+                    log.warning("rank %d was declared lost and is still running (%s): SIGKILL", r,
+                                "stopped" if stopped else "not stopped")
+                    outcome.failures.append({
+                        "rank": r, "t_s": round(now - t0, 2), "state": "stopped" if stopped else "lost",
+                        "error": "declared lost and still running at the end of the run", "consequence": False,
+                        "after_interrupt": bool(signals.received),
+                    })
+                    outcome.killed_ranks.append(r)
+                    _signal_group(procs[r], signal.SIGKILL)
+        untolerated = [f for f in outcome.failures
+                       if f["rank"] not in outcome.lost and (now - t0) - f["t_s"] >= _DECLARE_S]
+        if not untolerated:
+            failed_at = None
+        elif failed_at is None:
             failed_at = now
             log.warning("a worker failed; the others get up to %.0fs (timeout_s) to finish", timeout_s)
         # the launcher was signalled: forward once, escalate on a second signal

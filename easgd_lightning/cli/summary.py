@@ -34,11 +34,15 @@ def build_summary(
     *,
     status: str = "ok",
     error: str | None = None,
+    lost: list[int] | tuple = (),
 ) -> dict:
-    """A summary dict from the rank reports (missing or failed ranks are recorded as such)."""
+    """A summary dict from the rank reports (missing or failed ranks are recorded as such;
+    ``lost``: ranks the run went on without, whose missing report does not fail it, role
+    ``lost``)."""
     world = len(reports)
     ok = [r for r in reports if r and r.get("status") == "ok"]
     failed_ranks = [i for i, r in enumerate(reports) if not r or r.get("status") != "ok"]
+    unexcused = [i for i in failed_ranks if i not in lost]
 
     def per_rank(key: str, default: Any = 0) -> list:
         return [(r["comm"].get(key, default) if r and r.get("status") == "ok" else default) for r in reports]
@@ -63,12 +67,13 @@ def build_summary(
     compression = cfg.get("compression", {}).get("name")
     by_kind_per_rank = [(r["comm"].get("by_kind", {}) if r and r.get("status") == "ok" else {}) for r in reports]
     summary = {
-        "status": status if not failed_ranks or status != "ok" else "failed",
+        "status": status if not unexcused or status != "ok" else "failed",
         "error": error,
         "strategy": strategy,
         "compression": compression,
         "world_size": world,
-        "roles": [(r.get("role", "worker") if r and r.get("status") == "ok" else "failed") for r in reports],
+        "roles": [(r.get("role", "worker") if r and r.get("status") == "ok" else "lost" if i in lost else "failed")
+                  for i, r in enumerate(reports)],
         "trained_ranks": [i for i, r in enumerate(reports) if r and r.get("status") == "ok" and r.get("role", "worker") == "worker"],
         "failed_ranks": failed_ranks,
         "steps_per_rank": steps,

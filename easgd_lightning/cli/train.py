@@ -144,10 +144,12 @@ def _launch_local(cfg_yaml: str, out_dir: Path, world: int, timeout_s: float, ru
         "first_failure": {k: v for k, v in first.items() if k not in ("after_interrupt",)} if first else None,
         "killed_ranks": outcome.killed_ranks,
         "interrupted_by": signal.Signals(outcome.interrupted_by).name if outcome.interrupted_by else None,
+        # ranks the run went on without (a dropped parameter-server worker): not a failure
+        "ft": {"lost_ranks": launch.lost_rank_records(outcome)},
     }
     if outcome.interrupted_by is not None:
         return "failed", f"interrupted by {fields['interrupted_by']}", fields
-    if any(c != 0 for c in outcome.exit_codes):
+    if outcome.failed_ranks:
         return "failed", launch.failure_message(first, outcome.exit_codes) or f"worker exit codes {outcome.exit_codes}", fields
     return "ok", None, fields
 
@@ -205,9 +207,13 @@ def _train_local(cfg: DictConfig, out_dir: Path, run_id: str, signals: launch.La
         status, error, fields = _launch_local(cfg_yaml, out_dir, world, timeout_s, run_id, signals,
                                               launch.resolve_start_method(cfg), launch.preload_modules(cfg))
     reports = read_rank_reports(out_dir, world, run_id)
-    if any(r is None or r.get("status") != "ok" for r in reports) and status == "ok":
+    lost = [rec["rank"] for rec in fields.get("ft", {}).get("lost_ranks", [])]
+    if status == "ok" and lost and not any(r and r.get("status") == "ok" and r.get("role", "worker") == "worker"
+                                           for r in reports):
+        status, error = "failed", f"every worker was lost (ranks {lost})"
+    if any((r is None or r.get("status") != "ok") and i not in lost for i, r in enumerate(reports)) and status == "ok":
         status, error = "failed", "some ranks did not report"
-    summary = build_summary(resolved, reports, status=status, error=error)
+    summary = build_summary(resolved, reports, status=status, error=error, lost=lost)
     summary.update(run_id=run_id, **fields)
     path = write_summary(out_dir, summary)
     log.info("summary: %s (val_acc=%s, wall=%.1fs)", path, summary["val_acc"], summary["wall_time_s"])

@@ -7,10 +7,15 @@ out: :class:`CancellableWait` waits on a helper thread while the caller checks
 :class:`Liveness` (heartbeats every rank posts to the rendezvous store) and gives up when the
 peer's heartbeat stops. A rank blocked in such a C++ wait never runs Python's signal
 handlers: :class:`SignalWatch` ends it ``grace_s`` after SIGTERM / SIGINT.
+
+A rank the run goes on without (the parameter server drops a dead or frozen worker) is
+*declared lost* in the same store (:meth:`Liveness.declare_lost`, key :data:`LOST_KEY`):
+the local launcher reads it (:func:`read_lost`), so that rank's death does not fail the run.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -28,10 +33,25 @@ from easgd_lightning.compat import lightning as compat
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Liveness", "CancellableWait", "SignalWatch", "SIGNAL_GRACE_S", "interruption"]
+__all__ = ["Liveness", "CancellableWait", "SignalWatch", "SIGNAL_GRACE_S", "interruption", "LOST_KEY", "read_lost"]
 
 #: a receive must never time out: that closes the process group
 LONG_WAIT = timedelta(days=7)
+#: store key of a rank declared lost (one run per store: no run prefix), value JSON
+LOST_KEY = "easgd/lost/{rank}"
+
+
+def read_lost(store, ranks) -> dict[int, dict]:
+    """The ranks of ``ranks`` declared lost in ``store``: rank -> what the declarer wrote."""
+    lost = {}
+    for rank in ranks:
+        key = LOST_KEY.format(rank=rank)
+        try:
+            if store.check([key]):
+                lost[rank] = json.loads(store.get(key).decode() or "{}")
+        except (RuntimeError, ValueError):  # withdrawn in between, or unreadable: not lost
+            continue
+    return lost
 
 
 def interruption(signum: int, who: str) -> BaseException:
@@ -123,6 +143,20 @@ class Liveness:
 
     def is_done(self, rank: int) -> bool:
         return bool(self._reader.check([self._key(rank, "done")]))
+
+    def declare_lost(self, rank: int, info: dict) -> None:
+        """Say in the store that the run goes on without ``rank`` (``info``: why, when)."""
+        try:
+            self._reader.set(LOST_KEY.format(rank=rank), json.dumps(info))
+        except Exception as err:  # the store went away: nobody is left to read it
+            log.debug("could not declare rank %d lost: %s", rank, err)
+
+    def withdraw_lost(self, rank: int) -> None:
+        """``rank`` answered again after :meth:`declare_lost`."""
+        try:
+            self._reader.delete_key(LOST_KEY.format(rank=rank))
+        except Exception as err:
+            log.debug("could not withdraw rank %d: %s", rank, err)
 
     def mark_left(self) -> None:
         """This rank will not read the store again (rank 0, its host, may now exit)."""

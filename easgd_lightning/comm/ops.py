@@ -318,34 +318,42 @@ def broadcast_control(tensor: torch.Tensor, src: int = 0, group: dist.ProcessGro
     return tensor
 
 
-def send(tensor: torch.Tensor, dst: int, *, kind: str, dense_bytes: int | None = None, tag: int = 0) -> None:
+# Point-to-point: ``dst`` / ``src`` are global ranks; ``group`` (default: the default
+# group) must hold both ends. A timeout or a lost peer closes every connection of the group
+# it happened in (gloo), so a channel that must survive a peer's death gets a group of its
+# own (the parameter server's per-worker channels).
+def send(tensor: torch.Tensor, dst: int, *, kind: str, dense_bytes: int | None = None, tag: int = 0,
+         group: dist.ProcessGroup | None = None) -> None:
     """Blocking point-to-point send."""
     start = time.perf_counter()
-    dist.send(tensor, dst=dst, tag=tag)
+    dist.send(tensor, dst=dst, tag=tag, group=group)
     _finish(kind, start, nbytes(tensor), 0, dense_bytes)
 
 
-def recv(tensor: torch.Tensor, src: int | None = None, *, kind: str, tag: int = 0) -> int:
+def recv(tensor: torch.Tensor, src: int | None = None, *, kind: str, tag: int = 0,
+         group: dist.ProcessGroup | None = None) -> int:
     """Blocking receive into ``tensor``; ``src=None`` receives from any source (gloo).
 
     Returns the sender's rank.
     """
     start = time.perf_counter()
-    sender = dist.recv(tensor, src=src, tag=tag)
+    sender = dist.recv(tensor, src=src, tag=tag, group=group)
     _finish(kind, start, 0, nbytes(tensor), 0)
     return int(sender)
 
 
-def isend(tensor: torch.Tensor, dst: int, *, kind: str, dense_bytes: int | None = None, tag: int = 0):
+def isend(tensor: torch.Tensor, dst: int, *, kind: str, dense_bytes: int | None = None, tag: int = 0,
+          group: dist.ProcessGroup | None = None):
     """Non-blocking send; bytes are recorded at launch, wait time by the caller."""
     get_meter().record(kind, sent=nbytes(tensor), dense=dense_bytes)
-    return dist.isend(tensor, dst=dst, tag=tag)
+    return dist.isend(tensor, dst=dst, tag=tag, group=group)
 
 
-def irecv(tensor: torch.Tensor, src: int | None = None, *, kind: str, tag: int = 0):
+def irecv(tensor: torch.Tensor, src: int | None = None, *, kind: str, tag: int = 0,
+          group: dist.ProcessGroup | None = None):
     """Non-blocking receive; bytes are recorded at launch, wait time by the caller."""
     get_meter().record(kind, recv=nbytes(tensor), dense=0)
-    return dist.irecv(tensor, src=src, tag=tag)
+    return dist.irecv(tensor, src=src, tag=tag, group=group)
 
 
 def barrier(group: dist.ProcessGroup | None = None, *, kind: str = "control") -> None:
@@ -361,10 +369,11 @@ def all_gather_object(obj, group: dist.ProcessGroup | None = None) -> list:
     return out
 
 
-def new_group(ranks: list[int]) -> dist.ProcessGroup:
-    """A process group of ``ranks``. Collective over the default group: every rank creates
-    every group, in the same order (a rank outside ``ranks`` gets a handle it never uses)."""
-    return dist.new_group(ranks=ranks)
+def new_group(ranks: list[int], timeout=None) -> dist.ProcessGroup:
+    """A process group of ``ranks`` (``timeout``: a ``timedelta`` for its operations; None:
+    torch's default). Collective over the default group: every rank creates every group, in
+    the same order (a rank outside ``ranks`` gets a handle it never uses)."""
+    return dist.new_group(ranks=ranks, timeout=timeout)
 
 
 def close_process_group() -> None:

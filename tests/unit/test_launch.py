@@ -33,6 +33,45 @@ def test_first_failure_is_the_earliest_cause() -> None:
     assert launch.first_failure([]) is None
 
 
+def test_ranks_declared_lost_do_not_fail_the_run_and_say_why() -> None:
+    """A rank the run declared lost (the parameter server dropped it) is left out of the
+    first failure and of the failed ranks; ``ft.lost_ranks`` says why from what the launcher
+    saw: a signal from outside, a non-zero exit, frozen and killed, running and killed."""
+    out = launch.LaunchOutcome(exit_codes=[-9, 17, -9, -9, 0, 1], started=100.0)
+    out.failures = [
+        {"rank": 0, "t_s": 1.0, "signal": "SIGKILL", "consequence": False},
+        {"rank": 1, "t_s": 2.0, "exitcode": 17, "consequence": False},
+        {"rank": 2, "t_s": 3.0, "state": "stopped", "consequence": False},
+        {"rank": 3, "t_s": 4.0, "state": "lost", "consequence": False},
+        {"rank": 5, "t_s": 5.0, "exitcode": 1, "consequence": False},
+    ]
+    out.killed_ranks = [2, 3]
+    declared = {"cause": "connection lost", "updates": 7, "worker_step": 3}
+    out.lost = {r: {**declared, "at": 101.5 + r} for r in (0, 1, 2, 3)}
+    assert out.failed_ranks == [5] and out.first_failure["rank"] == 5
+    records = launch.lost_rank_records(out)
+    assert [(r["rank"], r["why"]) for r in records] == [(0, "killed"), (1, "crashed"), (2, "stopped"),
+                                                          (3, "unresponsive")]
+    assert records[0] == {"rank": 0, "why": "killed", "t_s": 1.5, "exit": {"signal": "SIGKILL"},
+                          "detected": "connection lost", "updates": 7, "worker_step": 3}
+    assert records[1]["exit"] == {"exitcode": 17}
+    out.exit_codes[5] = 143  # stopped on SIGTERM, sent to it alone (a preempted worker)
+    out.lost[5] = {**declared, "at": 110.0}
+    assert out.failed_ranks == [] and out.first_failure is None
+    assert launch.lost_rank_records(out)[-1]["why"] == "terminated"
+
+
+def test_the_summary_excuses_only_lost_ranks() -> None:
+    from easgd_lightning.cli.summary import build_summary
+
+    ok = {"status": "ok", "role": "worker", "steps": 3, "wall_time_s": 1.0, "comm": {"time_s": 0.1}}
+    reports = [dict(ok), None, dict(ok, role="server")]
+    lost = build_summary({}, reports, lost=[1])
+    assert lost["status"] == "ok" and lost["roles"] == ["worker", "lost", "server"] and lost["failed_ranks"] == [1]
+    failed = build_summary({}, reports)
+    assert failed["status"] == "failed" and failed["roles"][1] == "failed"
+
+
 def test_first_failure_from_rank_reports_under_an_external_launcher() -> None:
     """torchrun / SLURM: only the ranks' own reports (failed_at is wall-clock time)."""
     ok = {"status": "ok"}

@@ -57,6 +57,8 @@ class ServerClient:
         liveness: heartbeat reader (used while waiting for the final center).
         header_size: entries of a request header (the server's :func:`request_header_size`).
         interrupted: returns a signal number once this process got SIGTERM (waits stop).
+        group: this worker's channel to the server (:func:`~.server.worker_channels`);
+            None: the default group.
     """
 
     def __init__(
@@ -71,8 +73,10 @@ class ServerClient:
         poll_s: float = 0.1,
         header_size: int = HEADER,
         interrupted: Callable[[], int | None] | None = None,
+        group=None,
     ) -> None:
         self.server, self.like, self.world = server_rank, like, world_size
+        self.group = group
         self.n_params = like.numel() if n_params is None else n_params
         self.kind, self.liveness, self.poll_s = kind, liveness, poll_s
         self.header_size, self.interrupted = header_size, interrupted
@@ -96,14 +100,14 @@ class ServerClient:
         ``dense_reply`` False: the reply is a uint8 message whose length its header gives
         (received in :meth:`end`)."""
         hdr = self._header(op, step, lr, wd, extras)
-        works = [ops.isend(hdr, self.server, kind=self.kind, tag=TAG_REQ)]
+        works = [ops.isend(hdr, self.server, kind=self.kind, tag=TAG_REQ, group=self.group)]
         if payload is not None:
-            works.append(ops.isend(payload, self.server, kind=self.kind, tag=TAG_REQ_DATA))
+            works.append(ops.isend(payload, self.server, kind=self.kind, tag=TAG_REQ_DATA, group=self.group))
         reply_hdr = torch.zeros(HEADER, dtype=torch.float64)
         reply = torch.empty_like(self.like) if dense_reply else None
-        works.append(ops.irecv(reply_hdr, self.server, kind=self.kind, tag=TAG_REP))
+        works.append(ops.irecv(reply_hdr, self.server, kind=self.kind, tag=TAG_REP, group=self.group))
         if dense_reply:
-            works.append(ops.irecv(reply, self.server, kind=self.kind, tag=TAG_REP_DATA))
+            works.append(ops.irecv(reply, self.server, kind=self.kind, tag=TAG_REP_DATA, group=self.group))
         return _Pending(works, reply_hdr, reply, (hdr, payload))
 
     def end(self, pending: _Pending) -> torch.Tensor:
@@ -117,7 +121,7 @@ class ServerClient:
                 work.wait()
             if pending.reply is None:  # a message whose length the reply header gives
                 pending.reply = torch.empty(int(pending.reply_hdr[3]), dtype=torch.uint8)
-                ops.recv(pending.reply, self.server, kind=self.kind, tag=TAG_REP_DATA)
+                ops.recv(pending.reply, self.server, kind=self.kind, tag=TAG_REP_DATA, group=self.group)
         except RuntimeError as err:
             raise self._error(err) from err
         done = time.perf_counter()
@@ -147,7 +151,7 @@ class ServerClient:
         center = self.end(pending)
         blob = torch.empty(int(pending.reply_hdr[3]), dtype=torch.uint8)
         try:
-            ops.recv(blob, self.server, kind=self.kind, tag=TAG_REP_STATE)
+            ops.recv(blob, self.server, kind=self.kind, tag=TAG_REP_STATE, group=self.group)
         except RuntimeError as err:
             raise self._error(err) from err
         state = from_blob(blob)
@@ -160,9 +164,9 @@ class ServerClient:
         reply_hdr = torch.zeros(HEADER, dtype=torch.float64)
         final = torch.empty_like(self.like)
         try:
-            ops.send(hdr, self.server, kind=self.kind, tag=TAG_REQ)
-            w_hdr = ops.irecv(reply_hdr, self.server, kind=self.kind, tag=TAG_REP)
-            w_data = ops.irecv(final, self.server, kind=self.kind, tag=TAG_REP_DATA)
+            ops.send(hdr, self.server, kind=self.kind, tag=TAG_REQ, group=self.group)
+            w_hdr = ops.irecv(reply_hdr, self.server, kind=self.kind, tag=TAG_REP, group=self.group)
+            w_data = ops.irecv(final, self.server, kind=self.kind, tag=TAG_REP_DATA, group=self.group)
             start = time.perf_counter()
             waiter = CancellableWait()
             for work in (w_hdr, w_data):

@@ -1,27 +1,48 @@
-"""The parameter server: first-come-first-served service of worker requests.
+"""The parameter server: first-come-first-served service of worker requests, and a
+worker's loss that costs the others nothing.
 
-The server receives request headers from *any source*, so it serves whichever worker
-arrives first, never in rank order, and never waits for all workers. It applies the elastic
-rule or steps the user's optimizer (:mod:`easgd_lightning.strategies.ps.rules`) and
-replies to that one worker (:mod:`easgd_lightning.strategies.ps.protocol`). While waiting
-for a request it checks the workers' heartbeats (:mod:`easgd_lightning.comm.liveness`): a
-worker whose heartbeat stops is declared dead and the server goes on without it.
+Rules:
+
+* **One channel per worker.** Each worker talks to the server on a process group of its own,
+  ``{worker, server}`` (:func:`worker_channels`, created by every rank at set-up). Gloo
+  closes *every* connection of a group when one of its operations times out, and fails the
+  operations bound to a peer that died; on the default group one dead or frozen worker
+  would take the others' traffic down with it. On its own group it takes only its own.
+* **One receiving thread per worker, one applying thread.** A :class:`_Link` thread per
+  worker receives that worker's requests (header and payload) on its channel and sends the
+  replies; the server's loop takes whole requests from one queue in the order they arrived
+  (first come, first served, never rank order), applies the rule
+  (:mod:`easgd_lightning.strategies.ps.rules`) and hands the reply back to that worker's
+  link. The loop never calls gloo, so a worker that stops reading (SIGSTOP) blocks only its
+  own link's send, never the loop or another worker.
+* **Losing a worker.** A worker is dropped when its channel fails (the process died:
+  SIGKILL, a crash, ``os._exit``) or when its heartbeat (:mod:`easgd_lightning.comm.liveness`)
+  has stopped for ``dead_after_s`` (frozen or hung). The server goes on with the others,
+  records the loss (:attr:`ParameterServer.lost`: rank, time, cause, the server's update
+  count) and declares it in the rendezvous store, where the local launcher reads it (the
+  run does not fail for it). A dropped worker whose request arrives later was only slow:
+  it is served again and the declaration withdrawn. A restarted process cannot rejoin:
+  its channel is a fixed-membership gloo group made at set-up (README, "Losing a worker").
+* **The end.** Serving ends when every worker is done or lost; each done worker then gets
+  the final center. Link threads blocked on a lost worker are daemons and are abandoned.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+import torch.distributed as dist
 from torch.optim import Optimizer
 
 from easgd_lightning.comm import get_meter, ops
-from easgd_lightning.comm.liveness import CancellableWait, Liveness, interruption
-from easgd_lightning.compat import lightning as compat
+from easgd_lightning.comm.liveness import LONG_WAIT, Liveness, interruption
 from easgd_lightning.strategies.ps import rules
 from easgd_lightning.strategies.ps.protocol import (
     OP_CGRAD,
@@ -43,7 +64,71 @@ from easgd_lightning.strategies.ps.protocol import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ParameterServer"]
+__all__ = ["ParameterServer", "worker_channels"]
+
+
+def worker_channels(server: int, workers: list[int], timeout=None) -> dict[int, dist.ProcessGroup]:
+    """One process group ``{w, server}`` per worker ``w`` (see the module docstring), its
+    operations timing out after ``timeout`` (a ``timedelta``; the run's ``timeout_s``).
+
+    Collective over the default group: every rank calls it at set-up with the same
+    arguments (a rank gets handles it never uses for the groups it is not in)."""
+    return {w: ops.new_group(sorted([w, server]), timeout=timeout) for w in workers}
+
+
+class _Link:
+    """The server's end of one worker's channel: a daemon thread that receives the worker's
+    requests (header, then the payload the header announces), puts each whole request on
+    the server's queue, and sends the one reply the server hands back for it.
+
+    A failed receive or send (the worker's process died) puts ``(worker, None, None, err)``
+    on the queue and ends the thread. Waits never time out (:data:`LONG_WAIT`): a timeout
+    would close the channel of a worker that is only busy; liveness decides instead.
+    """
+
+    def __init__(self, worker: int, group, like: torch.Tensor, header_size: int, kind: str,
+                 inbox: queue.SimpleQueue) -> None:
+        self.worker, self.group, self.like = worker, group, like
+        self.header_size, self.kind, self.inbox = header_size, kind, inbox
+        self._replies: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name=f"easgd-ps-link-{worker}", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def reply(self, parts: list[tuple[torch.Tensor, int]]) -> None:
+        """Send ``parts`` (tensor, tag) to the worker, in order, as the answer to its last request."""
+        self._replies.put(parts)
+
+    def close(self) -> None:
+        """No reply will come: end the thread once it asks for one."""
+        self._replies.put(None)
+
+    def _recv(self, tensor: torch.Tensor, tag: int) -> None:
+        ops.irecv(tensor, self.worker, kind=self.kind, tag=tag, group=self.group).wait(LONG_WAIT)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                hdr = torch.zeros(self.header_size, dtype=torch.float64)
+                self._recv(hdr, TAG_REQ)
+                op, data = int(hdr[0]), None
+                if op in (OP_ELASTIC, OP_GRAD):
+                    data = torch.empty_like(self.like)
+                elif op == OP_CGRAD:  # a compressed push: its byte length in the header
+                    data = torch.empty(int(hdr[2]), dtype=torch.uint8)
+                if data is not None:
+                    self._recv(data, TAG_REQ_DATA)
+                self.inbox.put((self.worker, hdr, data, None))
+                parts = self._replies.get()
+                if parts is None:
+                    return
+                for tensor, tag in parts:
+                    ops.isend(tensor, self.worker, kind=self.kind, tag=tag, group=self.group).wait(LONG_WAIT)
+                if op == OP_DONE:  # that was the final center: the worker asks nothing more
+                    return
+        except RuntimeError as err:  # the channel failed: the worker's process is gone
+            self.inbox.put((self.worker, None, None, err))
 
 
 class ParameterServer:
@@ -74,6 +159,9 @@ class ParameterServer:
         poll_s: how often liveness is checked while waiting.
         replies: compressed pushes (``OP_CGRAD``) and, two-way, compressed replies with one
             replica per worker (:class:`~easgd_lightning.strategies.ps.compressed.ServerReplies`).
+        channels: each worker's process group (:func:`worker_channels`); None: the default
+            group for every worker (then one worker's death or a timeout may close the
+            others' connections too).
     """
 
     def __init__(
@@ -98,6 +186,7 @@ class ParameterServer:
         log_size: int = 2000,
         interrupted: Callable[[], int | None] | None = None,
         replies=None,
+        channels: dict[int, dist.ProcessGroup] | None = None,
     ) -> None:
         if rule not in ("elastic", "sgd"):
             raise ValueError(f"rule must be 'elastic' or 'sgd', got {rule!r}")
@@ -122,10 +211,15 @@ class ParameterServer:
             raise ValueError("compressed pushes need the SGD rule without lockfree application")
         self.active: set[int] = set(workers)
         self.done: list[int] = []
-        self.dead: list[int] = []
+        self.dead: list[int] = []  # the workers dropped (and not back)
+        #: every loss: ``{rank, at (time.time()), cause, error, updates, worker_step}``, and
+        #: ``back_at`` when the worker answered again
+        self.lost: list[dict] = []
         self.stop = False
         self.service_log: deque = deque(maxlen=log_size)
-        self._waiter = CancellableWait()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        channels = channels or {}
+        self._links = {w: _Link(w, channels.get(w), center, self.header_size, kind, self._inbox) for w in workers}
         workers_n = 1 if optimizer is not None else 2  # an optimizer's state is not thread-safe
         self._pool = ThreadPoolExecutor(max_workers=workers_n, thread_name_prefix="easgd-hogwild") if lockfree else None
         self._last_ckpt = time.monotonic()
@@ -176,6 +270,8 @@ class ParameterServer:
 
     # ---------------------------------------------------------------- loop
     def _keep_waiting(self) -> bool:
+        """Stop on a signal, checkpoint when due, drop workers whose heartbeat stopped;
+        False once no worker is active."""
         signum = self.interrupted() if self.interrupted is not None else None
         if signum:
             self._maybe_checkpoint(force=True)
@@ -186,106 +282,133 @@ class ParameterServer:
         for r in sorted(self.active):
             if not self.liveness.alive(r):
                 log.warning("parameter server: worker %d stopped sending heartbeats; going on without it", r)
-                self.active.discard(r)
-                self.dead.append(r)
+                self._drop(r, "heartbeat stopped", f"no heartbeat for {self.liveness.dead_after_s:g}s")
         return bool(self.active)
 
-    def _reply(self, dst: int, op: int, payload: torch.Tensor | None, extra: float = 0.0) -> bool:
-        hdr = torch.tensor([op, self.updates, float(self.stop), extra], dtype=torch.float64)
-        try:
-            ops.send(hdr, dst, kind=self.kind, tag=TAG_REP)
-            if payload is not None:
-                ops.send(payload, dst, kind=self.kind, tag=TAG_REP_DATA)
-        except RuntimeError as err:  # the peer's connection closed: it died
-            self._lost(dst, err)
-            return False
-        return True
-
-    def _lost(self, r: int, err: BaseException) -> None:
-        log.warning("parameter server: lost worker %d (%s)", r, err)
+    def _drop(self, r: int, cause: str, err: BaseException | str) -> None:
+        """Go on without worker ``r``: record it and declare it lost (module docstring)."""
         self.active.discard(r)
-        if r not in self.dead:
-            self.dead.append(r)
+        if r in self.dead:
+            return
+        if cause != "heartbeat stopped":
+            log.warning("parameter server: lost worker %d (%s: %s); going on without it", r, cause, err)
+        self.dead.append(r)
+        info = {"rank": r, "at": time.time(), "cause": cause, "error": str(err)[:300],
+                "updates": self.updates, "worker_step": self.worker_steps[r]}
+        self.lost.append(info)
+        if self.liveness is not None:
+            self.liveness.declare_lost(r, info)
+
+    def _readmit(self, r: int) -> None:
+        """A dropped worker's request arrived: it was only slow."""
+        log.warning("parameter server: worker %d answered again; serving it again", r)
+        self.dead.remove(r)
+        if r not in self.done:
+            self.active.add(r)
+        for info in self.lost:
+            if info["rank"] == r and "back_at" not in info:
+                info["back_at"] = time.time()
+        if self.liveness is not None:
+            self.liveness.withdraw_lost(r)
+
+    def _header(self, op: int, extra: float = 0.0) -> torch.Tensor:
+        return torch.tensor([op, self.updates, float(self.stop), extra], dtype=torch.float64)
+
+    def _reply(self, dst: int, op: int, payload: torch.Tensor | None, extra: float = 0.0,
+               blob: torch.Tensor | None = None) -> None:
+        """Hand the reply to ``dst``'s link, which sends it (``payload``: not changed after)."""
+        parts = [(self._header(op, extra), TAG_REP)]
+        if payload is not None:
+            parts.append((payload, TAG_REP_DATA))
+        if blob is not None:
+            parts.append((blob, TAG_REP_STATE))
+        self._links[dst].reply(parts)
 
     def serve(self) -> None:
-        """Serve requests until every worker is done or dead, then send the final center."""
+        """Serve requests until every worker is done or lost, then send the final center."""
         self.started = time.time()
         self._maybe_checkpoint(force=True)
-        payload = torch.empty_like(self.center)
+        for link in self._links.values():
+            link.start()
+        checked = time.monotonic()
         while self.active:
-            self._maybe_checkpoint()
-            hdr = torch.zeros(self.header_size, dtype=torch.float64)
             start = time.perf_counter()
-            work = ops.irecv(hdr, src=None, kind=self.kind, tag=TAG_REQ)
-            if not self._waiter.wait(work, self._keep_waiting, self.poll_s, keep=hdr):
-                break
-            get_meter().add_time(self.kind, time.perf_counter() - start)
-            sender = compat.source_rank(work)
-            op, step = int(hdr[0]), int(hdr[1])
-            if sender in self.dead:  # it was only slow
-                self.dead.remove(sender)
-                if sender not in self.done:
-                    self.active.add(sender)
-            self.worker_steps[sender] = max(self.worker_steps[sender], step)
             try:
-                if op in (OP_ELASTIC, OP_GRAD):
-                    ops.recv(payload, src=sender, kind=self.kind, tag=TAG_REQ_DATA)
-                    reply = self._apply(op, payload, hdr)
-                    self.updates += 1
-                    self.served[sender] += 1
-                    self.service_log.append(sender)
-                    self._reply(sender, op, reply)
-                elif op == OP_CGRAD and self.replies is not None:
-                    self._serve_compressed(sender, hdr)
-                elif op == OP_PULL:
-                    self._reply(sender, op, self.center)
-                elif op == OP_STATE:
-                    self._reply_state(sender)
-                elif op == OP_DONE:
-                    self.active.discard(sender)
-                    if sender not in self.done:
-                        self.done.append(sender)
-                    if self.stop_policy == "first":
-                        self.stop = True
-                else:
-                    raise RuntimeError(f"parameter server: unknown request op {op} from rank {sender}")
-            except RuntimeError as err:
-                if "unknown request" in str(err):
-                    raise
-                self._lost(sender, err)
+                event = self._inbox.get(timeout=self.poll_s)
+            except queue.Empty:
+                event = None
+            get_meter().add_time(self.kind, time.perf_counter() - start)  # waiting for requests
+            if event is None or time.monotonic() - checked >= self.poll_s:
+                checked = time.monotonic()
+                if not self._keep_waiting():
+                    break
+            if event is None:
+                continue
+            sender, hdr, data, err = event
+            if hdr is None:
+                self._drop(sender, "connection lost", err)
+                continue
+            self._serve_request(sender, hdr, data)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         self.stop = True
-        for r in list(self.done):
-            self._reply(r, OP_FINAL, self.center)
+        for r in self.done:
+            if r not in self.dead:
+                self._reply(r, OP_FINAL, self.center)  # the center does not change any more
+        for r in self.done:  # bounded: a worker whose heartbeat stops is not waited for
+            link = self._links[r].thread
+            while link.is_alive() and (self.liveness is None or self.liveness.alive(r)):
+                link.join(self.poll_s)
+            if link.is_alive():
+                self._drop(r, "heartbeat stopped", "no heartbeat while it waited for the final center")
+        while not self._inbox.empty():  # a done worker that died before its final center
+            sender, hdr, _, err = self._inbox.get()
+            if hdr is None:
+                self._drop(sender, "connection lost", err)
         self.finished = time.time()
         self._maybe_checkpoint(force=True)
 
-    def _serve_compressed(self, sender: int, hdr: torch.Tensor) -> None:
-        """A compressed push: decode it, step as for a dense gradient, reply with the dense
-        center (one-way) or d = C(w - r_sender) (two-way)."""
-        message = torch.empty(int(hdr[2]), dtype=torch.uint8)
-        ops.recv(message, src=sender, kind=self.kind, tag=TAG_REQ_DATA)
-        grad = self.replies.decode_push(message, self.center.dtype).to(self.center.device)
-        self._apply(OP_GRAD, grad, hdr)
+    def _serve_request(self, sender: int, hdr: torch.Tensor, data: torch.Tensor | None) -> None:
+        op, step = int(hdr[0]), int(hdr[1])
+        if sender in self.dead:
+            self._readmit(sender)
+        self.worker_steps[sender] = max(self.worker_steps[sender], step)
+        if op in (OP_ELASTIC, OP_GRAD):
+            reply = self._apply(op, data, hdr)
+            self._count(sender)
+            self._reply(sender, op, reply)
+        elif op == OP_CGRAD and self.replies is not None:
+            self._serve_compressed(sender, hdr, data)
+        elif op == OP_PULL:
+            self._reply(sender, op, self.center.clone())
+        elif op == OP_STATE:
+            blob = to_blob(self.state_dict())
+            self._reply(sender, OP_STATE, self.center.clone(), extra=float(blob.numel()), blob=blob)
+        elif op == OP_DONE:  # answered with the final center, once serving ends
+            self.active.discard(sender)
+            if sender not in self.done:
+                self.done.append(sender)
+            if self.stop_policy == "first":
+                self.stop = True
+        else:
+            raise RuntimeError(f"parameter server: unknown request op {op} from rank {sender}")
+
+    def _count(self, sender: int) -> None:
         self.updates += 1
         self.served[sender] += 1
         self.service_log.append(sender)
+
+    def _serve_compressed(self, sender: int, hdr: torch.Tensor, message: torch.Tensor) -> None:
+        """A compressed push: decode it, step as for a dense gradient, reply with the dense
+        center (one-way) or d = C(w - r_sender) (two-way)."""
+        grad = self.replies.decode_push(message, self.center.dtype).to(self.center.device)
+        self._apply(OP_GRAD, grad, hdr)
+        self._count(sender)
         if self.replies.two_way:
             reply = self.replies.reply(sender, self.center)
             self._reply(sender, OP_CGRAD, reply, extra=float(reply.numel()))
         else:
             self._reply(sender, OP_CGRAD, self.center.clone())
-
-    def _reply_state(self, dst: int) -> None:
-        """The center, then the rest of :meth:`state_dict` as one serialized blob."""
-        blob = to_blob(self.state_dict())
-        if not self._reply(dst, OP_STATE, self.center, extra=float(blob.numel())):
-            return
-        try:
-            ops.send(blob, dst, kind=self.kind, tag=TAG_REP_STATE)
-        except RuntimeError as err:
-            self._lost(dst, err)
 
     def _maybe_checkpoint(self, force: bool = False) -> None:
         if self.on_checkpoint is None:

@@ -8,10 +8,18 @@ the strategy has rank 0 create the file, every rank map it after a barrier, and 
 unlink it after a second barrier. :class:`SharedMemoryTransport` is the
 :class:`CenterTransport` over it: every worker applies its own updates, without a lock.
 Traffic is metered as ``kind="shared_memory"`` (bytes read from and written to the center).
+
+Losing a worker: workers never wait for each other while training, so the others go on
+untouched (an update the lost worker was writing is at worst half applied, a race Hogwild
+accepts by design). Each worker checks the others' heartbeats at its exchanges, at most every
+heartbeat interval, and declares one whose heartbeat stopped before it was done lost in the
+rendezvous store (:meth:`~easgd_lightning.comm.liveness.Liveness.declare_lost`), as the
+parameter server does: the local launcher then ends the run ``ok`` without it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import time
@@ -23,6 +31,8 @@ import torch
 from easgd_lightning.comm import get_meter, ops
 from easgd_lightning.comm.liveness import Liveness, interruption
 from easgd_lightning.strategies.ps.transport import CenterTransport
+
+log = logging.getLogger(__name__)
 
 __all__ = ["SharedCenter", "SharedMemoryTransport", "default_shm_dir"]
 
@@ -83,6 +93,22 @@ class SharedMemoryTransport(CenterTransport):
         self.n_params, self.liveness = n_params, liveness
         self.stop_policy, self.interrupted = stop_policy, interrupted
         self.dead: list[int] = []
+        self._watched = time.monotonic()
+
+    def _watch(self) -> None:
+        """At most every heartbeat interval: declare lost the others whose heartbeat stopped
+        before they were done (module docstring)."""
+        if time.monotonic() - self._watched < self.liveness.interval_s:
+            return
+        self._watched = time.monotonic()
+        for r in range(self.world):
+            if r != self.rank and r not in self.dead and not self.liveness.alive(r) and not self.liveness.is_done(r):
+                self._declare_dead(r)
+
+    def _declare_dead(self, r: int) -> None:
+        log.warning("hogwild rank %d: rank %d stopped sending heartbeats; going on without it", self.rank, r)
+        self.dead.append(r)
+        self.liveness.declare_lost(r, {"rank": r, "at": time.time(), "cause": "heartbeat stopped", "by": self.rank})
 
     #: the worker's own optimizer steps; its displacement is added to the shared weights
     steps_locally = True
@@ -101,6 +127,7 @@ class SharedMemoryTransport(CenterTransport):
 
     @torch.no_grad()
     def begin_elastic(self, x: torch.Tensor, step: int, lr: float) -> torch.Tensor:
+        self._watch()
         start = time.perf_counter()
         center = self.shared.center
         diff = (x - center).mul_(self.alpha)  # racy read of c
@@ -116,6 +143,7 @@ class SharedMemoryTransport(CenterTransport):
                           buffers: list[torch.Tensor], step: int) -> torch.Tensor:
         """Add each parameter's optimizer displacement to the shared weights (no lock; None:
         not moved, left exactly as it is), overwrite the buffers, read w back."""
+        self._watch()
         start = time.perf_counter()
         w = self.shared.center
         offset, sent = 0, 0
@@ -170,7 +198,7 @@ class SharedMemoryTransport(CenterTransport):
                 if reached(r):
                     continue
                 if not self.liveness.alive(r):
-                    self.dead.append(r)
+                    self._declare_dead(r)
                     continue
                 still.append(r)
             pending = still

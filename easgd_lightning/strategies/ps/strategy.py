@@ -16,22 +16,31 @@ Design decisions (and their trade-offs):
   threads of one process on one process group are not safe, and a worker that also serves
   stalls every other worker whenever it computes. The last rank, not rank 0, serves so that
   rank 0 (Lightning's global zero: logger, checkpoint files, ``val_history``) is a worker.
-* **Engine: point-to-point on the gloo process group** through :mod:`easgd_lightning.comm.ops`
-  (every byte metered, ``kind="parameter_server"``). The server receives request headers with
-  ``recv`` from *any source*, so it serves whichever worker arrives first (FCFS), never in rank
-  order, and never waits for all workers. A request is a float64 header
-  ``[op, local_step, lr, weight_decay]`` plus one flat payload (the SC17 single-layer message);
-  the reply is a header ``[op, server_updates, stop, extra]`` plus one flat payload.
-* **Liveness without hangs.** Gloo has no way to cancel a receive, and a receive that times
-  out closes every connection of the process group. So the server never lets a receive time
-  out: it waits for a request on a helper thread (with a very long timeout) and meanwhile
-  checks heartbeats that every rank posts to the rendezvous store (``TCPStore``) every
-  ``heartbeat_s``. A worker whose heartbeat stops for ``worker_timeout_s`` (default
-  ``min(30, timeout_s / 2)``) is declared dead: the server finishes with the remaining
-  workers. Workers wait for the final center the same way (checking the server's
-  heartbeat); if the server dies, a worker's pending receive fails (connection closed) or
-  times out after ``timeout_s``, and it stops with an error naming the server rank. The
-  store lives in rank 0, so rank 0's death stops the run with an error.
+* **Engine: point-to-point on gloo** through :mod:`easgd_lightning.comm.ops` (every byte
+  metered, ``kind="parameter_server"``), each worker on a process group of its own with the
+  server (:func:`~easgd_lightning.strategies.ps.server.worker_channels`, made at set-up): gloo
+  closes every connection of a group when one operation in it times out or fails on a dead
+  peer, so one worker's death must not share a group with the others' traffic. The server
+  receives each worker's requests on a thread of its own and serves whole requests in the
+  order they arrived (FCFS), never in rank order, and never waits for all workers. A request
+  is a float64 header ``[op, local_step, lr, weight_decay]`` plus one flat payload (the SC17
+  single-layer message); the reply is a header ``[op, server_updates, stop, extra]`` plus one
+  flat payload.
+* **Losing a worker** (:mod:`easgd_lightning.strategies.ps.server`). The server drops a
+  worker whose channel fails (its process died) or whose heartbeat, posted to the rendezvous
+  store every ``heartbeat_s``, has stopped for ``worker_timeout_s`` (default
+  ``min(30, timeout_s / 2)``: frozen, e.g. SIGSTOP); it goes on with the rest, records the
+  loss (``summary.json`` ``ft.lost_ranks``, ``extras[server].lost_workers``) and declares it
+  in the store, so the local launcher ends the run ``ok`` when every other rank finished.
+  A dropped worker that answers again (it was only slow) is served again; a restarted
+  process cannot join the fixed groups made at set-up. Waits never let gloo time out (that
+  would close the channel): they run on a helper thread with a very long timeout while
+  liveness is checked. Workers wait for the final center the same way (checking the
+  server's heartbeat); if the server dies, a worker's pending receive fails (connection
+  closed) or times out after ``timeout_s``, and it stops with an error naming the server
+  rank: the server is not replaceable. Heartbeats need the store: ``easgd-train`` hosts it
+  in the launcher; where rank 0 hosts it (Lightning's own launcher), rank 0's death stops
+  the run with an error.
 * **No collectives after set-up.** Workers run at different speeds, so every Lightning
   collective would re-synchronise them (or hang on a dead worker): after set-up this strategy
   answers ``barrier``/``broadcast``/``reduce``/``all_gather`` locally, skips Lightning's
@@ -69,6 +78,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +103,7 @@ from easgd_lightning.strategies.base import (
 from easgd_lightning.strategies.ps import compressed, rules
 from easgd_lightning.strategies.ps.client import ServerClient, ServerTransport
 from easgd_lightning.strategies.ps.protocol import request_extras, request_header_size
-from easgd_lightning.strategies.ps.server import ParameterServer
+from easgd_lightning.strategies.ps.server import ParameterServer, worker_channels
 from easgd_lightning.strategies.ps.transport import CenterTransport
 from easgd_lightning.strategies.registry import reject_unknown_kwargs
 
@@ -263,6 +273,7 @@ class AsyncCenterStrategy(CenterStrategy):
         self._detached = False
         self._finished = False
         self._server: ParameterServer | None = None
+        self._channels: dict = {}  # worker rank -> its process group with the server
         self._transport: CenterTransport | None = None
         self._liveness: Liveness | None = None
         self._velocity: torch.Tensor | None = None
@@ -523,6 +534,9 @@ class AsyncCenterStrategy(CenterStrategy):
             interval_s=self._heartbeat_s, dead_after_s=self._worker_timeout_s,
         ).start()
         self._setup_checkpoint_file(trainer)
+        if self.uses_server:  # every rank, in the same order (a collective)
+            timeout = timedelta(seconds=compat.process_group_timeout(self))
+            self._channels = worker_channels(self.server_rank, list(range(self.world_size - 1)), timeout)
         self._make_transport(trainer, int(token))
         if self.worker_momentum and not self.is_server:
             self._own_momentum(self.optimizers[0])
@@ -560,6 +574,7 @@ class AsyncCenterStrategy(CenterStrategy):
                 checkpoint_every_s=self._checkpoint_every_s,
                 interrupted=self._interrupted_by,
                 replies=self._compressed_side(compressed.ServerReplies, list(range(self.world_size - 1))),
+                channels=self._channels,
             )
             if self._resume_state is not None:
                 srv = self._resume_state.get("server") or {}
@@ -571,7 +586,7 @@ class AsyncCenterStrategy(CenterStrategy):
             self._transport = ServerTransport(
                 ServerClient(self.world_size - 1, self._center, self.world_size, n_params=self._n_params,
                              kind=self.comm_kind, liveness=self._liveness, header_size=header,
-                             interrupted=self._interrupted_by),
+                             interrupted=self._interrupted_by, group=self._channels.get(self.global_rank)),
                 push=self._compressed_side(compressed.WorkerPush),
             )
 
@@ -834,6 +849,7 @@ class AsyncCenterStrategy(CenterStrategy):
                 worker_steps=srv.worker_steps,
                 done_workers=srv.done,
                 dead_workers=srv.dead,
+                lost_workers=srv.lost,
                 service_order=list(srv.service_log)[-400:],
                 lockfree=srv.lockfree,
                 resumed=self._resumed,

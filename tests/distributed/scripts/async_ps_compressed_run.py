@@ -26,7 +26,7 @@ from easgd_lightning.hooks import build_compressor
 from easgd_lightning.strategies.ps.client import ServerClient, ServerTransport
 from easgd_lightning.strategies.ps.compressed import ServerReplies, WorkerPush, unwrap
 from easgd_lightning.strategies.ps.protocol import request_header_size
-from easgd_lightning.strategies.ps.server import ParameterServer
+from easgd_lightning.strategies.ps.server import ParameterServer, worker_channels
 
 SHAPES = [(16, 8), (64,), (5,)]
 SIZES = [128, 64, 5]
@@ -57,7 +57,7 @@ def optimizer() -> tuple[torch.optim.Optimizer, list[torch.Tensor]]:
     return torch.optim.Adam(params, lr=LR), params
 
 
-def run(mode: str, out: Path) -> None:
+def run(mode: str, out: Path, channels: dict) -> None:
     rank = int(os.environ["RANK"])
     live = Liveness(f"test/{mode}", rank, interval_s=0.2, dead_after_s=5.0).start()
     dist.barrier()
@@ -67,7 +67,8 @@ def run(mode: str, out: Path) -> None:
     if rank == SERVER:
         replies = ServerReplies(inner, SIZES, start(), WORKERS, two_way)
         server = ParameterServer(rank=SERVER, workers=WORKERS, center=start(), n_params=N_PARAMS, rule="sgd",
-                                 optimizer=opt, params=params, liveness=live, stop_policy="all", replies=replies)
+                                 optimizer=opt, params=params, liveness=live, stop_policy="all", replies=replies,
+                                 channels=channels)
         server.serve()
         record.update(order=list(server.service_log), center=server.center.clone(), updates=server.updates,
                       residuals={w: replies.residual(w, server.center) for w in WORKERS} if two_way else None,
@@ -76,7 +77,7 @@ def run(mode: str, out: Path) -> None:
         push = WorkerPush(inner, SIZES, start(), two_way)
         transport = ServerTransport(
             ServerClient(SERVER, start(), 3, n_params=N_PARAMS, liveness=live,
-                         header_size=request_header_size(opt, params)),
+                         header_size=request_header_size(opt, params), group=channels[rank]),
             push=push,
         )
         w = start()
@@ -99,8 +100,9 @@ def run(mode: str, out: Path) -> None:
 def main(modes: str, out: Path) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     names = modes.split(",")
+    channels = worker_channels(SERVER, WORKERS)  # each worker's group with the server
     for i, mode in enumerate(names):
-        run(mode, out)
+        run(mode, out, channels)
         if i + 1 < len(names):
             dist.barrier()
     dist.destroy_process_group()

@@ -1,7 +1,7 @@
 """One rank of the parameter-server protocol runs (no Lightning): ``python async_ps_run.py MODES OUT``.
 
 ``MODES`` is a comma-separated list run in turn by the same processes (imports paid once);
-``dead`` must come last (a worker dies in it).
+``dead`` or ``frozen`` must come last (a worker dies in it).
 
 World 4: rank 3 is the server, ranks 0-2 are workers. Every rank saves what it sent and
 received to ``OUT/MODE/rank<R>.pt``; the tests replay the server's service order with a
@@ -19,11 +19,16 @@ Modes:
         computation and collected after it, as the strategy overlaps them, then 2 blocking;
         each worker records its meter's parameter_server totals over each half.
     dead: elastic rule; worker 2 exits abruptly (no "done") after 3 requests.
+    frozen: elastic rule; worker 2 starts a 4th request and stops itself (SIGSTOP) right
+        after; workers 0 and 1 keep sending requests until FROZEN_FOR_S after that. After
+        serving, the server SIGKILLs the frozen process (as the launcher does at the end of a
+        run) and records when it froze.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -36,7 +41,7 @@ from easgd_lightning.comm import get_meter
 from easgd_lightning.comm.liveness import Liveness
 from easgd_lightning.strategies.ps.client import ServerClient
 from easgd_lightning.strategies.ps.protocol import OP_ELASTIC, OP_GRAD, request_header_size
-from easgd_lightning.strategies.ps.server import ParameterServer
+from easgd_lightning.strategies.ps.server import ParameterServer, worker_channels
 
 N = 257
 SERVER = 3
@@ -46,6 +51,7 @@ ADAM_LR, ADAM_WD = 0.05, 0.01
 SHAPES = [(16, 8), (64,), (64,)]  # adam mode: 256 parameters + 1 buffer; the third is frozen
 HAS_GRAD = [1.0, 1.0, 0.0]
 COMPUTE_S = 0.6  # overlap mode: the computation a worker does while its request travels
+FROZEN_FOR_S = 4.0  # frozen mode: how long workers 0 and 1 go on after worker 2 froze
 
 
 def adam_start() -> torch.Tensor:
@@ -95,17 +101,20 @@ def since(before: dict) -> dict:
 def main(modes: str, out: Path) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     names = modes.split(",")
+    channels = worker_channels(SERVER, [0, 1, 2])  # each worker's group with the server
     for i, mode in enumerate(names):
-        run(mode, out)
+        run(mode, out, channels)
         if i + 1 < len(names):
             dist.barrier()
 
 
-def run(mode: str, out: Path) -> None:
+def run(mode: str, out: Path, channels: dict) -> None:
     rank = int(os.environ["RANK"])
     live = Liveness(f"test/{mode}", rank, interval_s=0.2, dead_after_s=2.0).start()
     dist.barrier()
     record: dict = {"rank": rank}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=30))  # frozen mode: who froze, and when
     sgd_rule = mode in ("sgd", "adam", "adamfree")
     optimizer, params = server_optimizer(mode) if sgd_rule else (None, [])
     if rank == SERVER:
@@ -113,22 +122,35 @@ def run(mode: str, out: Path) -> None:
             rank=SERVER, workers=[0, 1, 2], center=adam_start() if mode.startswith("adam") else torch.zeros(N),
             n_params=N - 1, rule="sgd" if sgd_rule else "elastic", alpha=ALPHA,
             optimizer=optimizer, params=params, liveness=live, stop_policy="all",
-            lockfree=mode in ("lockfree", "adamfree"),
+            lockfree=mode in ("lockfree", "adamfree"), channels=channels,
         )
         start = time.monotonic()
         server.serve()
+        if mode == "frozen":  # end the frozen worker, as the launcher does at the end of a run
+            os.kill(int(store.get("frozen/pid")), signal.SIGKILL)
+            record.update(frozen_at=float(store.get("frozen/at")))
         record.update(order=list(server.service_log), center=server.center.clone(), done=server.done,
-                      dead=server.dead, updates=server.updates, seconds=time.monotonic() - start,
+                      dead=server.dead, lost=server.lost, updates=server.updates, seconds=time.monotonic() - start,
                       state=server.state_dict())
     else:
         client = ServerClient(SERVER, torch.zeros(N), 4, n_params=N - 1, liveness=live,
-                              header_size=request_header_size(optimizer, params))
-        count = {"fcfs": 12, "sgd": 8, "adam": 8, "adamfree": 8, "lockfree": 12, "overlap": 4, "dead": 10}[mode]
+                              header_size=request_header_size(optimizer, params), group=channels[rank])
+        count = {"fcfs": 12, "sgd": 8, "adam": 8, "adamfree": 8, "lockfree": 12, "overlap": 4, "dead": 10,
+                 "frozen": 10_000}[mode]
         meter_from = ps_totals()
         sent, got, times = [], [], []
         for k in range(count):
             if mode == "dead" and rank == 2 and k == 3:
                 os._exit(0)  # dies without "done"
+            if mode == "frozen" and rank == 2 and k == 3:
+                client.begin(OP_ELASTIC, x_of(rank, k), k + 1, 0.0)  # frozen in the middle of it
+                store.set("frozen/pid", str(os.getpid()))
+                store.set("frozen/at", repr(time.time()))
+                os.kill(os.getpid(), signal.SIGSTOP)
+            if mode == "frozen":
+                if store.check(["frozen/at"]) and time.time() - float(store.get("frozen/at")) > FROZEN_FOR_S:
+                    break
+                time.sleep(0.01)
             if mode == "fcfs":
                 time.sleep(0.04 if rank == 1 else 0.001)
             x = x_of(rank, k)
@@ -145,7 +167,7 @@ def run(mode: str, out: Path) -> None:
             else:
                 got.append(client.call(OP_ELASTIC, x, k + 1, 0.0).clone())
             sent.append(x)
-            times.append(time.monotonic())
+            times.append(time.time())
         if mode == "overlap":
             record["blocking"] = since(meter_from)
         final = client.finish(count)
