@@ -8,11 +8,11 @@ export OMP_NUM_THREADS ?= 1
 export WANDB_MODE ?= offline
 export WANDB_SILENT ?= true
 
-.PHONY: venv demo test test-fast lint bench-cluster bench-compressors clean
+.PHONY: venv demo test test-fast lint docs bench-cluster bench-compressors clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -e '.[dev,slurm,ft]'
+	$(PY) -m pip install -e '.[dev,slurm,ft,docs]'
 	@touch $(STAMP)
 
 venv: $(STAMP)
@@ -29,6 +29,11 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check easgd_lightning tests bench scripts hydra_plugins
 
+# The documentation site, offline, into site/ (open site/index.html); --strict: a broken
+# link, anchor or reference fails the build (mkdocs.yml, tests/e2e/test_docs.py).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
 bench-cluster: $(STAMP)
 	$(PY) bench/cluster.py
 
@@ -36,4 +41,4 @@ bench-compressors: $(STAMP)
 	$(PY) bench/compressors.py
 
 clean:
-	rm -rf outputs multirun runs wandb lightning_logs .pytest_cache
+	rm -rf outputs multirun runs wandb lightning_logs .pytest_cache site

@@ -125,7 +125,7 @@ class Collective(Protocol):
         """Element-wise max over ranks of each tensor (same shapes on every rank)."""
 
     def all_gather(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-        """Every rank's list of tensors (shapes may differ per rank); index [rank][i]."""
+        """Every rank's list of tensors (shapes may differ per rank); index ``[rank][i]``."""
 
     def all_to_all(self, sends: list[torch.Tensor]) -> list[torch.Tensor]:
         """``sends[j]`` (1-D, one dtype for all, lengths free) to rank j; returns, per source
