@@ -6,10 +6,13 @@ for a heading of the same file, ``bench/README.md`` relative to the repository r
 site the text lands on several pages under ``docs/``, so after the snippets are expanded
 this hook rewrites, page by page:
 
-- ``#anchor`` that is no heading of this page but of exactly one other page
-  -> ``other.md#anchor``;
+- ``#anchor`` that is no heading of this page but of another one -> ``other.md#anchor``
+  (the first such page in the nav);
 - a path that does not exist relative to the page but does from the repository root:
   ``docs/X`` -> ``X``; a file a page includes whole (or sections of) -> that page.
+
+The docstrings (API pages) use Sphinx roles, ``:mod:`x``` / ``:class:`x```; the role prefix
+is dropped so ``x`` shows as code.
 
 Everything else is left alone, so a link whose target is nowhere still fails
 ``mkdocs build --strict`` (the ``validation`` settings in mkdocs.yml), as it should. The
@@ -31,6 +34,7 @@ _FENCE = re.compile(r"^\s*(```|~~~)")
 _HEADING = re.compile(r"^(#{1,6})\s+(.+?)\s*#*\s*$")
 _INCLUDE = re.compile(r'^\s*-{1,}8<-{1,}\s+"([^"]+)"\s*$')
 _LINK = re.compile(r"\]\(([^()\s]+)\)")
+_ROLE = re.compile(r":(?:py:)?(?:mod|class|func|meth|attr|data|obj|exc):(?=`)")
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
 
 _state: dict = {"anchors": {}, "files": {}, "page": None, "order": []}
@@ -127,7 +131,7 @@ def _rewrite(target: str, page: str) -> str:
         if anchor in anchors.get(page, ()):
             return target
         holders = [p for p in _state["order"] if anchor in anchors[p]]
-        if len(holders) == 1:
+        if holders:  # the first in the nav (the README's pages come before bench-results)
             return posixpath.relpath(holders[0], here or ".") + target
         return target
     if _SCHEME.match(target) or target.startswith("/"):
@@ -157,6 +161,8 @@ class _ReadmeLinks(Preprocessor):
                 fence = not fence
             if not fence and "](" in line:
                 line = _LINK.sub(lambda m: f"]({_rewrite(m.group(1), page)})", line)
+            if not fence and ":`" in line:
+                line = _ROLE.sub("", line)
             out.append(line)
         return out
 
