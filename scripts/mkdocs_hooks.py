@@ -11,8 +11,9 @@ this hook rewrites, page by page:
 - a path that does not exist relative to the page but does from the repository root:
   ``docs/X`` -> ``X``; a file a page includes whole (or sections of) -> that page.
 
-The docstrings (API pages) use Sphinx roles, ``:mod:`x``` / ``:class:`x```; the role prefix
-is dropped so ``x`` shows as code.
+The docstrings (API pages) are written in reStructuredText habits: Sphinx roles
+(``:mod:`x``` / ``:class:`x```) lose the role prefix so ``x`` shows as code, and a paragraph
+ending in ``::`` before its literal block ends in ``:``.
 
 Everything else is left alone, so a link whose target is nowhere still fails
 ``mkdocs build --strict`` (the ``validation`` settings in mkdocs.yml), as it should. The
@@ -163,6 +164,8 @@ class _ReadmeLinks(Preprocessor):
                 line = _LINK.sub(lambda m: f"]({_rewrite(m.group(1), page)})", line)
             if not fence and ":`" in line:
                 line = _ROLE.sub("", line)
+            if not fence and line.endswith("::") and line.strip() != "::":
+                line = line[:-1]
             out.append(line)
         return out
 
