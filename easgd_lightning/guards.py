@@ -9,6 +9,13 @@ stops before the step's gradient exchange; its peers then fail at their next exc
 allow_nonfinite_loss=true`` turns the check off (e.g. mixed precision with dynamic loss
 scaling, where an overflowing step is skipped on purpose).
 
+Exploding loss (``loss_explosion_factor``, default 1e4; null turns it off): a finite loss
+above ``loss_explosion_factor x max(|L1|, 1)``, where ``L1`` is this rank's first training
+loss of the fit, raises the same error: the run has diverged although no value overflowed
+yet (``optim.lr=1e6`` on the digits MLP: losses of 1e28). ``max(..., 1)`` keeps a loss that
+starts near zero from tripping it on noise. The CLI ends such a run with ``status:
+diverged`` (README "Signals, exit codes and run directories").
+
 ``faults.nan_at_step`` / ``faults.nan_rank`` (tests): overwrite one parameter with NaN on
 that rank just before that step, so its loss becomes NaN there.
 """
@@ -25,32 +32,55 @@ __all__ = ["NonFiniteLossError", "NonFiniteLossGuard", "NaNFaultInjection"]
 
 
 class NonFiniteLossError(FloatingPointError):
-    """The training loss became NaN or infinite."""
+    """The training loss became NaN or infinite, or exploded (the run diverged)."""
+
+    def __init__(self, message: str, step: int | None = None) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 class NonFiniteLossGuard(pl.Callback):
     """Raises :class:`NonFiniteLossError` at the first non-finite training loss.
 
     Args:
-        allow: ``allow_nonfinite_loss``: True skips the check.
+        allow: ``allow_nonfinite_loss``: True skips the non-finite check.
+        explosion_factor: ``loss_explosion_factor``: a finite loss above this times
+            ``max(|first loss|, 1)`` has exploded (None: not checked).
     """
 
-    def __init__(self, allow: bool = False) -> None:
+    def __init__(self, allow: bool = False, explosion_factor: float | None = None) -> None:
         if not isinstance(allow, bool):
             raise ValueError(f"allow_nonfinite_loss must be true or false, got {allow!r}")
+        if explosion_factor is not None and not float(explosion_factor) > 1.0:
+            raise ValueError(f"loss_explosion_factor must be a number > 1 or null, got {explosion_factor!r}")
         self.allow = allow
+        self.factor = None if explosion_factor is None else float(explosion_factor)
+        self.first: float | None = None
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        if self.allow:
-            return
         value = loss.detach()
-        if bool(torch.isfinite(value).all()):
+        step = trainer.global_step + 1
+        where = f"at step {step} on rank {trainer.global_rank} (epoch {trainer.current_epoch})"
+        if not bool(torch.isfinite(value).all()):
+            if self.allow:
+                return
+            shown = float(value.reshape(-1)[0]) if value.numel() else math.nan
+            raise NonFiniteLossError(
+                f"train loss is {shown} {where}; stopped (set allow_nonfinite_loss=true to go on)", step
+            )
+        if self.factor is None or not value.numel():
             return
-        shown = float(value.reshape(-1)[0]) if value.numel() else math.nan
-        raise NonFiniteLossError(
-            f"train loss is {shown} at step {trainer.global_step + 1} on rank {trainer.global_rank} "
-            f"(epoch {trainer.current_epoch}); stopped (set allow_nonfinite_loss=true to go on)"
-        )
+        current = float(value.float().mean())
+        if self.first is None:
+            self.first = current
+            return
+        bound = self.factor * max(abs(self.first), 1.0)
+        if current > bound:
+            raise NonFiniteLossError(
+                f"train loss {current:.4g} {where} exploded: above loss_explosion_factor={self.factor:g} "
+                f"x max(|first loss {self.first:.4g}|, 1) = {bound:.4g}; stopped (lower optim.lr, or set "
+                "loss_explosion_factor=null to go on)", step
+            )
 
 
 class NaNFaultInjection(pl.Callback):

@@ -37,6 +37,7 @@ __all__ = [
     "check_hardware",
     "check_module_features",
     "check_resume",
+    "threads_warning",
 ]
 
 
@@ -445,6 +446,9 @@ def _check_trainer(cfg: Any) -> None:
     _need_int("trainer.check_val_every_n_epoch", t.get("check_val_every_n_epoch", 1), 1, allowed=(None,))
     _need_int("trainer.num_sanity_val_steps", t.get("num_sanity_val_steps", 0), -1)
     _need_number("trainer.gradient_clip_val", t.get("gradient_clip_val"), low=0.0, nullable=True)
+    algorithm = t.get("gradient_clip_algorithm")
+    if algorithm is not None and algorithm not in ("norm", "value"):
+        raise ConfigError(f"trainer.gradient_clip_algorithm: {algorithm!r} is unknown; choose one of norm, value (or null)")
     for key, low in (("limit_train_batches", 1), ("limit_val_batches", 0)):
         value = t.get(key)
         if value is None or (_is_int(value) and value >= low):
@@ -457,6 +461,7 @@ def _check_trainer(cfg: Any) -> None:
     for key in ("deterministic", "enable_progress_bar"):
         _need_bool(f"trainer.{key}", t.get(key, False))
     _need_bool("allow_nonfinite_loss", cfg.get("allow_nonfinite_loss", False))
+    _need_number("loss_explosion_factor", cfg.get("loss_explosion_factor"), low=1.0, low_open=True, nullable=True)
 
 
 def check_hardware(cfg: Any) -> None:
@@ -516,6 +521,109 @@ def _check_model(cfg: Any) -> None:
             f"model.name: {model.get('name')!r} has no pipeline form (configure_pipeline), which "
             "strategy=pipeline_3d needs; use model=gpt_tiny or a recipe=nlp3d/... recipe"
         )
+
+
+def _check_fault_values(cfg: Any) -> None:
+    """``faults.*``: numbers of the right kind, and no key that does nothing alone (a step
+    without its rank: nothing would be injected, and the run would look like it survived).
+    ``faults.nan_rank`` null means every rank, so ``nan_at_step`` alone is valid."""
+    faults = cfg.get("faults", {}) or {}
+    slow_ms = faults.get("slow_ms")
+    _need_number("faults.slow_ms", 0 if slow_ms is None else slow_ms, low=0.0)
+    for key in ("crash_at_step", "nan_at_step"):
+        _need_int(f"faults.{key}", faults.get(key), 1, allowed=(None,))
+    for key in ("slow_rank", "crash_rank", "nan_rank"):
+        _need_int(f"faults.{key}", faults.get(key), 0, allowed=(None,))
+    if faults.get("crash_at_step") is not None and faults.get("crash_rank") is None:
+        raise ConfigError(
+            f"faults.crash_at_step: set faults.crash_rank too (the rank that crashes at step "
+            f"{faults.get('crash_at_step')}); without it nothing crashes"
+        )
+    if faults.get("nan_rank") is not None and faults.get("nan_at_step") is None:
+        raise ConfigError("faults.nan_rank: set faults.nan_at_step too (the step before which its parameter "
+                          "becomes NaN); without it nothing is injected")
+
+
+def _check_fault_ranks_step(cfg: Any, strategy: Any, world: int) -> None:
+    """A fault on a rank that never takes a training step (the parameter server of the
+    asynchronous strategies: the last rank) would never fire."""
+    if not getattr(strategy, "uses_server", False):
+        return
+    server = world - 1
+    faults = cfg.get("faults", {}) or {}
+    for key in ("slow_rank", "crash_rank", "nan_rank"):
+        if faults.get(key) == server:
+            raise ConfigError(
+                f"faults.{key}: rank {server} is strategy={cfg.strategy.get('name')}'s parameter server, which "
+                f"never takes a training step, so the fault would never fire; choose a worker rank in [0, {server - 1}]"
+            )
+
+
+def _check_pipeline_precision(cfg: Any) -> None:
+    """strategy=pipeline_3d runs in fp32 (strategies/pipeline.py refuses any other precision
+    plugin in its setup, after the workers started)."""
+    if cfg.strategy.get("name") != "pipeline_3d":
+        return
+    precision = str(cfg.trainer.get("precision", "32-true"))
+    if _PRECISION_ALIASES.get(precision, precision) != "32-true":
+        raise ConfigError(
+            f"trainer.precision: strategy=pipeline_3d runs in fp32: set trainer.precision=32-true, got {precision}"
+        )
+
+
+def _check_model_fits_data(cfg: Any, dm: Any) -> None:
+    """A language model (its ``_target_`` takes ``vocab_size``) needs token data: a data
+    module with a ``vocab_size`` (data=text), or ``model.vocab_size`` set. On other data its
+    embedding would be indexed with feature values (an index error in every worker)."""
+    import inspect
+
+    model = cfg.model
+    if model.get("builder") or model.get("vocab_size") is not None or getattr(dm, "vocab_size", None):
+        return
+    try:
+        from hydra._internal.utils import _locate
+
+        target = _locate(str(model.get("_target_") or _shipped_model_targets().get(model.get("name"))))
+        params = inspect.signature(target).parameters
+    except Exception:  # the model's own rule reports a target it cannot import
+        return
+    if "vocab_size" in params:
+        raise ConfigError(
+            f"model={model.get('name')}: a language model needs token data with a vocabulary (data=text, or a "
+            f"data module with vocab_size); data={cfg.data.get('name')} has none"
+        )
+
+
+def threads_warning(cfg: Any, cores: int | None = None) -> str | None:
+    """The warning for more torch threads on this machine than it has cores, else None.
+
+    Rule: with more than one thread per rank, ``threads_per_process`` (null:
+    ``$OMP_NUM_THREADS``, else 1) x ``trainer.devices`` (the processes this node runs) must
+    not exceed the cores this process may use (``os.sched_getaffinity``); above that the ranks' threads (and their
+    ``data.num_workers`` loader processes) time-share the cores and every step slows down
+    many times over. A recipe written for a bigger node (recipe=imagenet/alexnet_knl: 4 x 16
+    threads) warns on a small machine, naming the override that fits it.
+    """
+    threads = cfg.get("threads_per_process") or int(os.environ.get("OMP_NUM_THREADS", "1") or 1)
+    devices = cfg.trainer.get("devices")
+    if not _is_int(devices) or not _is_int(threads):
+        return None
+    if cores is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # pragma: no cover - not Linux
+            cores = os.cpu_count() or 1
+    if threads <= 1 or threads * devices <= cores:  # one thread per rank: nothing to lower here
+        return None
+    loaders = int(cfg.data.get("num_workers", 0) or 0)
+    extra = f" (plus data.num_workers={loaders} loader processes per rank)" if loaders else ""
+    fit = max(1, cores // devices)
+    return (
+        f"threads_per_process={threads} x trainer.devices={devices} = {threads * devices} threads{extra} on a "
+        f"machine with {cores} cores: the ranks will time-share the cores and run many times slower; on this "
+        f"machine use threads_per_process={fit}" + (f" trainer.devices={cores}" if devices > cores else "")
+        + (" data.num_workers=0" if loaders else "")
+    )
 
 
 def validate_values(cfg: Any) -> None:
@@ -625,17 +733,24 @@ def idle_compression_warning(cfg: Any, module: Any) -> str | None:
     )
 
 
-def check_resume(cfg: Any, world: int, module: Any) -> None:
+def check_resume(cfg: Any, world: int, module: Any) -> dict[str, Any] | None:
     """``checkpoint.resume``: an intact checkpoint (file present, non-empty, readable with
     ``weights_only=True``, checksum matching) written by this strategy, world size and model
-    (``module``: this run's module on the meta device, or None when it cannot be built so).
+    (``module``: this run's module on the meta device, or None when it cannot be built so),
+    that leaves something to train (``trainer.max_epochs`` / ``trainer.max_steps`` beyond it).
+
+    Returns:
+        None without ``checkpoint.resume``; else what ``summary.json`` records as ``resume``
+        (:func:`resume_point`): where the checkpoint stands and whether the resume is exact.
+        A checkpoint written in the middle of an epoch (a run stopped by SIGINT / SIGTERM)
+        resumes inexactly: this logs one line saying so and why.
 
     Raises:
         ConfigError: ``"checkpoint.resume: <path> <what is wrong>"``.
     """
     path = (cfg.get("checkpoint") or {}).get("resume")
     if path is None:
-        return
+        return None
     from pathlib import Path
 
     from easgd_lightning.utils.checkpoint import (
@@ -653,7 +768,7 @@ def check_resume(cfg: Any, world: int, module: Any) -> None:
             verify_checkpoint_dir(path, "meta.pt")  # every shard readable, checksums matching
         except CheckpointError as err:
             raise ConfigError(f"checkpoint.resume: {err}") from None
-        return
+        return {"checkpoint": str(path), "exact": None, "inexact_because": None}
     try:
         ckpt = load_checkpoint_file(path)
     except CheckpointError as err:
@@ -680,10 +795,66 @@ def check_resume(cfg: Any, world: int, module: Any) -> None:
                 f"({len(differ)} tensors differ, e.g. {k}: {list(saved[k]) if k in saved else 'absent'} "
                 f"in the checkpoint, {list(here[k]) if k in here else 'absent'} here)"
             )
+    point = resume_point(ckpt)
+    _check_something_to_train(cfg, path, point)
+    point = {"checkpoint": str(path), **point}
+    if point["inexact_because"] and os.environ.get("RANK", "0") == "0":
+        log.warning("checkpoint.resume: the resume is inexact: %s", point["inexact_because"])
+    return point
 
 
-def validate_config(cfg: Any, *, hardware: bool = True) -> None:
+def resume_point(ckpt: dict) -> dict[str, Any]:
+    """Where a Lightning checkpoint stands: ``epochs_done`` (epochs whose training finished),
+    ``step`` (optimizer steps), ``mid_epoch`` (it was written inside an epoch: ``SignalStop``
+    on SIGINT / SIGTERM), ``exact`` and ``inexact_because``.
+
+    Rule: Lightning resumes a mid-epoch checkpoint by iterating the interrupted epoch's data
+    loader again from its first batch (the loaders here have no resumable position:
+    ``state_dict`` / ``load_state_dict``), so the batches seen, and the steps after the
+    resume, differ from those of the run that was not interrupted: inexact. A checkpoint
+    written at the end of an epoch resumes exactly.
+    """
+    loops = (ckpt.get("loops") or {}).get("fit_loop") or {}
+    batches = loops.get("epoch_loop.batch_progress") or {}
+    epochs = (loops.get("epoch_progress") or {}).get("current") or {}
+    in_epoch = int((batches.get("current") or {}).get("completed", 0) or 0)
+    mid = bool(batches) and not batches.get("is_last_batch", True) and in_epoch > 0
+    done = int(epochs.get("processed", ckpt.get("epoch", 0)) or 0)
+    step = int(ckpt.get("global_step", 0) or 0)
+    because = None
+    if mid:
+        because = (
+            f"it was written in the middle of epoch {done} (after {in_epoch} of its batches, step {step}: a run "
+            f"stopped by a signal) and the data loader has no resumable position, so epoch {done} is iterated "
+            "again from its first batch; the steps after the resume differ from those of an uninterrupted run "
+            "(resume from an end-of-epoch checkpoint, checkpoints/epochNNN.ckpt, for an exact one)"
+        )
+    return {"epochs_done": done, "step": step, "mid_epoch": mid, "exact": not mid, "inexact_because": because}
+
+
+def _check_something_to_train(cfg: Any, path: Any, point: dict) -> None:
+    """A resume that would train nothing (Lightning then returns at once and the run would
+    report ok) is refused, naming the keys."""
+    t = cfg.trainer
+    max_epochs, max_steps = t.get("max_epochs"), t.get("max_steps", -1)
+    done, step = point["epochs_done"], point["step"]
+    if _is_int(max_steps) and max_steps != -1 and step >= max_steps:
+        raise ConfigError(
+            f"checkpoint.resume: {path} is at step {step} and trainer.max_steps={max_steps}: nothing would be "
+            f"trained; set trainer.max_steps above {step}"
+        )
+    if _is_int(max_epochs) and max_epochs != -1 and done >= max_epochs:
+        raise ConfigError(
+            f"checkpoint.resume: {path} has finished {done} epochs and trainer.max_epochs={max_epochs}: nothing "
+            f"would be trained; set trainer.max_epochs above {done}"
+        )
+
+
+def validate_config(cfg: Any, *, hardware: bool = True) -> dict[str, Any]:
     """Check everything that can be checked before processes start.
+
+    Returns:
+        What the checks learnt that the summary records: ``resume`` (:func:`check_resume`).
 
     Args:
         hardware: also check that the accelerator asked for exists on this machine (off to
@@ -728,6 +899,7 @@ def validate_config(cfg: Any, *, hardware: bool = True) -> None:
         resolve_start_method(cfg)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    _check_fault_values(cfg)
     faults = cfg.get("faults", {}) or {}
     for key in ("slow_rank", "crash_rank", "nan_rank"):
         r = faults.get(key)
@@ -753,7 +925,9 @@ def validate_config(cfg: Any, *, hardware: bool = True) -> None:
         check_group(cfg, rule)  # every key is an argument of the group's _target_ (or easgd-train's own)
     if hardware:
         check_hardware(cfg)
+    _check_pipeline_precision(cfg)
     dm = build_data(cfg)  # a bad data.root (or other data option) fails here, before any process
+    _check_model_fits_data(cfg, dm)
     threads = cfg.get("threads_per_process")
     if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
         raise ConfigError(f"threads_per_process must be a positive integer or null, got {threads!r}")
@@ -761,6 +935,7 @@ def validate_config(cfg: Any, *, hardware: bool = True) -> None:
     if logger not in ("wandb", "tensorboard", "csv", "none"):
         raise ConfigError(f"logger.name={logger!r} is unknown; choose one of wandb, tensorboard, csv, none")
     strategy = build_strategy(cfg, world_size=world)
+    _check_fault_ranks_step(cfg, strategy, world)
     if name in ("sync_easgd", "easgd_round_robin"):  # alpha = lr * rho needs the optimizer's lr
         try:
             from easgd_lightning.strategies import elastic
@@ -785,4 +960,7 @@ def validate_config(cfg: Any, *, hardware: bool = True) -> None:
         warning = idle_compression_warning(cfg, module)
         if warning and os.environ.get("RANK", "0") == "0":  # once per run, not once per rank
             log.warning(warning)
-    check_resume(cfg, world, module)
+    warning = threads_warning(cfg)
+    if warning and os.environ.get("LOCAL_RANK", "0") == "0":  # once per node
+        log.warning(warning)
+    return {"resume": check_resume(cfg, world, module)}

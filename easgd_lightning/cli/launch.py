@@ -603,7 +603,7 @@ def _supervise(
                        if f["rank"] not in outcome.lost and (now - t0) - f["t_s"] >= _DECLARE_S]
         if not untolerated:
             failed_at = None
-        elif failed_at is None:
+        elif failed_at is None and not signals.received:  # after a signal: stopping, said once
             failed_at = now
             log.warning("a worker failed; the others get up to %.0fs (timeout_s) to finish", timeout_s)
         # the launcher was signalled: forward once, escalate on a second signal

@@ -32,7 +32,7 @@ from easgd_lightning.cli.build import ConfigError
 from easgd_lightning.conf import CONF_DIR
 from easgd_lightning.utils.renames import apply_renames, rename_override_line
 
-__all__ = ["check_command_line", "compose_checked", "CONF_DIR"]
+__all__ = ["check_command_line", "compose_checked", "hydra_settings", "CONF_DIR"]
 
 
 #: Hydra flags after which nothing is composed or run (help, version, completion).
@@ -52,8 +52,12 @@ def _hydra_args(argv: list[str]) -> argparse.Namespace | None:
             return None
 
 
-def check_command_line(argv: list[str], *, conf_dir: str = CONF_DIR) -> list[str]:
+def check_command_line(argv: list[str], *, conf_dir: str = CONF_DIR,
+                       composed: list[tuple[list[str], DictConfig]] | None = None) -> list[str]:
     """Compose and check every job of ``easgd-train ARGV`` (all jobs of a ``-m`` sweep).
+
+    ``composed`` (when given) gains ``(job overrides, composed config)`` for every job, so
+    the caller can check every job's values before the first one runs.
 
     Returns:
         ``argv`` with every renamed key under its new name (Hydra runs that).
@@ -74,6 +78,8 @@ def check_command_line(argv: list[str], *, conf_dir: str = CONF_DIR) -> list[str
     for job in _jobs(list(args.overrides), bool(args.multirun), conf_dir, config_name):
         cfg = compose_checked(job, config_name=config_name, conf_dir=conf_dir, renamed=renamed)
         _check_search_space(cfg)  # an Optuna search: its space, before any trial
+        if composed is not None:
+            composed.append((job, cfg))
     return [_renamed_sweep(arg, renamed) for arg in argv]
 
 
@@ -84,6 +90,42 @@ def _check_search_space(cfg: DictConfig) -> None:
         check_search(cfg.get("search"))
     except ValueError as err:
         raise ConfigError(str(err)) from None
+
+
+def hydra_settings(argv: list[str], *, conf_dir: str = CONF_DIR) -> dict[str, Any] | None:
+    """What Hydra will do with ``easgd-train ARGV``, before it does anything: ``multirun``,
+    ``run_dir`` / ``sweep_dir`` (resolved: ``${now:...}`` is evaluated now), ``run_dir_raw`` /
+    ``sweep_dir_raw`` (as configured, unresolved), ``launcher`` (the ``hydra/launcher`` choice) and ``runs``
+    (False for ``--cfg``-like flags that print and run nothing).
+
+    None when it cannot be known here (``--help``-like flags, another config tree, an
+    interpolation only Hydra's own run can resolve): Hydra then goes on as before.
+    """
+    args = _hydra_args(argv)
+    if args is None or any(getattr(args, flag, None) for flag in _NO_RUN_FLAGS):
+        return None
+    if args.config_path or args.config_dir:
+        return None
+    from hydra import compose, initialize_config_dir
+
+    hydra_lines = [o.input_line for o in _parse(list(args.overrides)) if _is_hydra(o)]
+    try:
+        with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
+            cfg = compose(config_name=args.config_name or "train", overrides=hydra_lines, return_hydra_config=True)
+        hydra = cfg.hydra
+        raw = OmegaConf.to_container(hydra.run, resolve=False).get("dir")  # type: ignore[union-attr]
+        sweep_raw = OmegaConf.to_container(hydra.sweep, resolve=False).get("dir")  # type: ignore[union-attr]
+        return {
+            "multirun": bool(args.multirun),
+            "runs": not args.cfg,
+            "run_dir": None if hydra.run.dir is None else str(hydra.run.dir),
+            "run_dir_raw": None if raw is None else str(raw),
+            "sweep_dir": None if hydra.sweep.dir is None else str(hydra.sweep.dir),
+            "sweep_dir_raw": None if sweep_raw is None else str(sweep_raw),
+            "launcher": hydra.runtime.choices.get("hydra/launcher"),
+        }
+    except Exception:  # noqa: BLE001 - Hydra's own run reports what it cannot compose
+        return None
 
 
 def _renamed_sweep(arg: str, renamed: dict[str, str]) -> str:

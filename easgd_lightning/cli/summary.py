@@ -61,8 +61,10 @@ def build_summary(
         r["comm"].get("exposed_s", r["comm"]["time_s"]) / r["wall_time_s"] for r in ok if r["wall_time_s"] > 0
     ]
     messages = per_rank("messages", None)
-    steps = [(r["steps"] if r and r.get("status") == "ok" else None) for r in reports]
+    # a failed or stopped rank reports what it measured in its finished epochs (cli/worker.py)
+    steps = [(r.get("steps") if r else None) for r in reports]
     first = next((r for r in ok if r.get("val_acc") is not None), ok[0] if ok else None)
+    first = first or next((r for r in reports if r and r.get("val_history")), None)
     strategy = cfg.get("strategy", {}).get("name")
     compression = cfg.get("compression", {}).get("name")
     by_kind_per_rank = [(r["comm"].get("by_kind", {}) if r and r.get("status") == "ok" else {}) for r in reports]

@@ -72,12 +72,12 @@ def _node(cfg: Any, group: str) -> Any:
 
 def _locate(rule: GroupRule, node: Any) -> Callable:
     """The object ``GROUP._target_`` names, checked against ``rule.base``."""
-    from hydra.utils import get_object
+    from hydra._internal.utils import _locate as locate  # hydra.utils.get_object logs 3 lines first
 
     target = node.get("_target_") or rule.default
     base = f"{rule.base_name or target_path(rule.base)}{rule.base_note}" if rule.base is not None else ""
     try:
-        obj = get_object(str(target))
+        obj = locate(str(target))
     except Exception as err:
         use = f"; use {base} or a subclass of it" if base else ""
         raise ConfigError(f"{rule.group}._target_: cannot import {target!r}{use}") from err

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -164,6 +165,30 @@ def _wait_for_rank_files(out_dir: Path, world: int, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
+#: run directories ``main`` claimed before Hydra ran (resolved path -> run id): Hydra writes
+#: ``.hydra/`` only into a directory this process holds (README, "Signals, exit codes and
+#: run directories"); :func:`train` takes the claim over
+_PRECLAIMED: dict[str, str] = {}
+
+
+def _diverged(reports: list[dict | None]) -> tuple[int, dict] | None:
+    """(rank, report) of the rank whose loss diverged first (guards.NonFiniteLossError),
+    else None."""
+    hits = [(r, rep) for r, rep in enumerate(reports) if rep and rep.get("diverged_at_step") is not None]
+    return min(hits, key=lambda hit: (hit[1]["diverged_at_step"], hit[0])) if hits else None
+
+
+def _diverged_status(reports: list[dict | None], status: str, error: str | None) -> tuple[str, str | None]:
+    """``status: diverged`` for a run that failed because a loss became NaN / inf or
+    exploded (``loss_explosion_factor``), naming the step and the rank."""
+    hit = _diverged(reports)
+    if hit is None or status == "ok":
+        return status, error
+    rank, rep = hit
+    message = str(rep.get("error") or "").removeprefix("NonFiniteLossError: ")
+    return "diverged", f"diverged at step {rep['diverged_at_step']} (rank {rank}): {message}"
+
+
 def train(cfg: DictConfig, out_dir: Path | None = None) -> dict[str, Any]:
     """Validate, launch, merge; returns the summary dict (also written to summary.json).
 
@@ -176,11 +201,13 @@ def train(cfg: DictConfig, out_dir: Path | None = None) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     if _external_rank_world() is not None:
         return _train_as_rank(cfg, out_dir)
-    run_id = launch.new_run_id()
-    try:
-        launch.claim_run_dir(out_dir, run_id)
-    except launch.RunDirInUse as err:
-        raise ConfigError(str(err)) from None
+    run_id = _PRECLAIMED.pop(str(out_dir.resolve()), None)  # main() holds it already
+    if run_id is None:
+        run_id = launch.new_run_id()
+        try:
+            launch.claim_run_dir(out_dir, run_id)
+        except launch.RunDirInUse as err:
+            raise ConfigError(str(err)) from None
     try:
         with launch.LauncherSignals() as signals:
             return _train_local(cfg, out_dir, run_id, signals)
@@ -189,7 +216,7 @@ def train(cfg: DictConfig, out_dir: Path | None = None) -> dict[str, Any]:
 
 
 def _train_local(cfg: DictConfig, out_dir: Path, run_id: str, signals: launch.LauncherSignals) -> dict[str, Any]:
-    validate_config(cfg)
+    notes = validate_config(cfg) or {}
     resolved = OmegaConf.to_container(cfg, resolve=True)
     world = int(cfg.trainer.devices) * int(cfg.trainer.get("num_nodes", 1))
     timeout_s = float(cfg.get("timeout_s", 300))
@@ -213,8 +240,10 @@ def _train_local(cfg: DictConfig, out_dir: Path, run_id: str, signals: launch.La
         status, error = "failed", f"every worker was lost (ranks {lost})"
     if any((r is None or r.get("status") != "ok") and i not in lost for i, r in enumerate(reports)) and status == "ok":
         status, error = "failed", "some ranks did not report"
+    if not fields.get("interrupted_by"):
+        status, error = _diverged_status(reports, status, error)
     summary = build_summary(resolved, reports, status=status, error=error, lost=lost)
-    summary.update(run_id=run_id, **fields)
+    summary.update(run_id=run_id, resume=notes.get("resume"), **fields)
     path = write_summary(out_dir, summary)
     log.info("summary: %s (val_acc=%s, wall=%.1fs)", path, summary["val_acc"], summary["wall_time_s"])
     return summary
@@ -228,7 +257,7 @@ def _train_as_rank(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     global rank 0 unless it died without a word -- and names the first failure
     (:func:`launch.first_failure_of_reports`); a failed rank re-raises its error after that.
     """
-    validate_config(cfg)
+    notes = validate_config(cfg) or {}
     resolved = OmegaConf.to_container(cfg, resolve=True)
     timeout_s = float(cfg.get("timeout_s", 300))
     rank, world = _external_rank_world()
@@ -246,7 +275,8 @@ def _train_as_rank(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     close_process_group()  # the last collective is done (issue 14: an abort at exit)
     if gathered and rank != 0:  # rank 0 has every report: one summary, on its node
         return {}
-    summary = _summarize_external_run(resolved, out_dir, rank, world, started, _report_wait_s(timeout_s))
+    summary = _summarize_external_run(resolved, out_dir, rank, world, started, _report_wait_s(timeout_s),
+                                      resume=notes.get("resume"))
     if failure is not None:
         raise failure
     return summary
@@ -264,7 +294,7 @@ def _report_wait_s(timeout_s: float) -> float:
 
 
 def _summarize_external_run(resolved: dict, out_dir: Path, rank: int, world: int, started: float,
-                            wait_s: float) -> dict[str, Any]:
+                            wait_s: float, resume: dict | None = None) -> dict[str, Any]:
     """Write ``summary.json`` if this rank is the lowest that reported; returns it ({} if not)."""
     from easgd_lightning.cli.worker import rank_file
 
@@ -278,8 +308,10 @@ def _summarize_external_run(resolved: dict, out_dir: Path, rank: int, world: int
     status, error = "ok", None
     if first is not None:
         status, error = "failed", launch.failure_message(first, None)
+    if not any(rep and rep.get("signal") for rep in reports):
+        status, error = _diverged_status(reports, status, error)
     summary = build_summary(resolved, reports, status=status, error=error)
-    summary.update(run_id=run_id, first_failure=first)
+    summary.update(run_id=run_id, first_failure=first, resume=resume)
     path = write_summary(out_dir, summary)
     log.info("summary: %s (val_acc=%s, wall=%.1fs)", path, summary["val_acc"], summary["wall_time_s"])
     return summary
@@ -320,7 +352,8 @@ def _hydra_main(cfg: DictConfig) -> float | None:
         print(f"easgd-train: {summary.get('error')}", file=sys.stderr, flush=True)
         sys.exit(128 + signal.Signals[summary["interrupted_by"]].value)
     if summary and summary.get("status") != "ok" and not multirun and not _externally_launched():
-        print(f"easgd-train: run failed: {summary.get('error')}", file=sys.stderr, flush=True)
+        what = "diverged" if summary.get("status") == "diverged" else "failed"
+        print(f"easgd-train: run {what}: {summary.get('error')}", file=sys.stderr, flush=True)
         sys.exit(1)
     from easgd_lightning.cli.search import objective
 
@@ -352,21 +385,159 @@ def _exit_if_sweep_failed() -> None:
         sys.exit(1)
 
 
+_PLAIN_PATH = re.compile(r"[\w./+%@-]+")
+
+
+def _override_value(value: str) -> str:
+    """``value`` as a Hydra override value (quoted unless it is a plain path)."""
+    if _PLAIN_PATH.fullmatch(value):
+        return value
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _pin(argv: list[str], key: str, value: str) -> list[str]:
+    """``argv`` with ``key=value`` as the only override of ``key`` (``${now:...}`` would be
+    resolved again, later, by Hydra's run: the directory checked must be the one used)."""
+    return [a for a in argv if a.split("=", 1)[0] != key] + [f"{key}={_override_value(value)}"]
+
+
+def check_dir_usable(key: str, value: str | None, *, probe: bool = True) -> Path:
+    """``hydra.run.dir`` / ``hydra.sweep.dir`` is a directory this run can create and write.
+
+    Rules: not empty (Hydra would use the current directory: summary.json, checkpoints/ and
+    ranks/ among the user's files); the path at most 4095 bytes and every name in it at
+    most 255 (Linux's PATH_MAX and NAME_MAX); created here when missing (its parents too);
+    ``probe``: a file can be created in it (not immutable, not under /proc or on a read-only
+    file system). Returns the absolute path.
+
+    Raises:
+        ConfigError: one line naming the key and what is wrong.
+    """
+    if value is None or not str(value).strip():
+        raise ConfigError(
+            f"{key}: is empty; give the run a directory of its own, e.g. {key}=outputs/my-run (an empty one "
+            "would put summary.json, checkpoints/ and ranks/ into the current directory)"
+        )
+    path = Path(value).absolute()
+    size = len(os.fsencode(str(path)))
+    if size > 4095:
+        raise ConfigError(f"{key}: the path is {size} bytes long; Linux allows at most 4095 (PATH_MAX)")
+    for part in path.parts:
+        if len(os.fsencode(part)) > 255:
+            raise ConfigError(
+                f"{key}: the name {part[:24]}... in it is {len(os.fsencode(part))} bytes long; Linux allows at "
+                "most 255 per name (NAME_MAX)"
+            )
+    shown = f"{key}={value}"
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{shown}: is a file, not a directory; give the run a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"{shown}: cannot be created ({err.strerror or err}); give the run a writable directory") from None
+    if probe:
+        test = path / f".easgd-write-test-{os.getpid()}"
+        try:
+            os.close(os.open(test, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            os.unlink(test)
+        except OSError as err:
+            raise ConfigError(
+                f"{shown}: no file can be created in it ({err.strerror or err}); give the run a writable directory"
+            ) from None
+    return path
+
+
+def _live_run_under(sweep_dir: Path) -> Path | None:
+    """A job directory of ``sweep_dir`` that a live run holds (its run.lock), else None."""
+    if not sweep_dir.is_dir():
+        return None
+    for lock in sorted(sweep_dir.glob(f"*/{launch.LOCK_NAME}")):
+        if launch.held_by_another_run(lock.parent):
+            return lock.parent
+    return None
+
+
+def before_hydra(argv: list[str], composed: list[tuple[list[str], DictConfig]]) -> list[str]:
+    """What ``main`` checks after the command line and before Hydra writes anything.
+
+    * a sweep (``-m``) run by this process: every job's values (``validate_config``), so a
+      bad job stops the sweep before its first job trains;
+    * the run directory (:func:`check_dir_usable`); for a single run launched here it is
+      also claimed (``run.lock``): a directory a live run holds is refused before Hydra
+      writes ``.hydra/`` into it, and Hydra then uses exactly the directory claimed.
+
+    Returns:
+        ``argv`` for Hydra (the run or sweep directory pinned when it was an interpolation).
+
+    Raises:
+        ConfigError: one line naming the key (for a sweep, also the job).
+    """
+    from easgd_lightning.cli.overrides import hydra_settings
+
+    settings = hydra_settings(argv, conf_dir=CONF_DIR)
+    if settings is None or not settings["runs"]:
+        return argv
+    if settings["multirun"]:
+        if settings["launcher"] in (None, "basic"):  # every job runs on this machine, one after the other
+            for i, (job, cfg) in enumerate(composed):
+                try:
+                    validate_config(cfg)
+                except ConfigError as err:
+                    raise ConfigError(f"{err} (sweep job {i}: {' '.join(job) or 'the defaults'}; no job was started)") from None
+        sweep = Path(settings["sweep_dir"] or "").absolute()
+        live = _live_run_under(sweep) if settings["sweep_dir"] else None
+        if live is not None:
+            raise ConfigError(f"hydra.sweep.dir={settings['sweep_dir']} is in use by a live run ({live}); "
+                              "give this sweep its own hydra.sweep.dir")
+        check_dir_usable("hydra.sweep.dir", settings["sweep_dir"])
+        if settings["sweep_dir_raw"] != settings["sweep_dir"]:
+            argv = _pin(argv, "hydra.sweep.dir", str(sweep))
+        return argv
+    launched_here = not _externally_launched()
+    path = check_dir_usable("hydra.run.dir", settings["run_dir"], probe=not launched_here)
+    if not launched_here:  # every rank of torchrun / SLURM runs main(): no lock (train.py doc)
+        return argv
+    run_id = launch.new_run_id()
+    try:
+        launch.claim_run_dir(path, run_id)
+    except launch.RunDirInUse as err:
+        raise ConfigError(str(err)) from None
+    except OSError as err:
+        raise ConfigError(f"hydra.run.dir={settings['run_dir']}: no file can be created in it "
+                          f"({err.strerror or err}); give the run a writable directory") from None
+    _PRECLAIMED[str(path.resolve())] = run_id
+    if settings["run_dir_raw"] != settings["run_dir"]:
+        argv = _pin(argv, "hydra.run.dir", str(path))
+    return argv
+
+
 def main() -> None:
     """Console entry point: the command line is checked against the config tree before Hydra
-    runs it (unknown keys and options, bad overrides, YAML errors: one line, exit 2)."""
+    runs it (unknown keys and options, bad overrides, YAML errors: one line, exit 2), then
+    :func:`before_hydra` (a sweep's every job, the run directory and its lock)."""
     from easgd_lightning.cli.overrides import check_command_line
 
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    composed: list = []
     try:
-        sys.argv[1:] = check_command_line(sys.argv[1:], conf_dir=CONF_DIR)  # renamed keys: new names
+        sys.argv[1:] = check_command_line(sys.argv[1:], conf_dir=CONF_DIR, composed=composed)  # renamed keys: new names
     except ConfigError as err:
         print(f"easgd-train: error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
     if not _externally_launched():  # ranks forked from here (cli/forkserver.py): before
         forkserver.start_server()   # Hydra, threads, torch operations, the store, the lock
-    _hydra_main()
+    try:
+        sys.argv[1:] = before_hydra(sys.argv[1:], composed)
+    except ConfigError as err:
+        print(f"easgd-train: error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    try:
+        _hydra_main()
+    finally:
+        for held in list(_PRECLAIMED):  # a claim no job took over (Hydra stopped first)
+            _PRECLAIMED.pop(held, None)
+            launch.release_run_dir(Path(held))
     _exit_if_sweep_failed()
 
 

@@ -191,7 +191,8 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
         val_history,
         train_clock,
         FaultInjectionCallback(**dict(cfg.get("faults") or {})),
-        NonFiniteLossGuard(allow=bool(cfg.get("allow_nonfinite_loss", False))),
+        NonFiniteLossGuard(allow=bool(cfg.get("allow_nonfinite_loss", False)),
+                           explosion_factor=cfg.get("loss_explosion_factor")),
         NaNFaultInjection(**dict(cfg.get("faults") or {})),
     ]
     if not cfg.trainer.get("enable_progress_bar", True):
@@ -220,7 +221,8 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
     try:
         return _fit_and_report(cfg, out_dir, rank, trainer, module, dm, strategy, meter, val_history, stopper, train_clock)
     except BaseException as err:
-        _write_failure_report(out_dir, trainer.global_rank, err, stopper)
+        _write_failure_report(out_dir, trainer.global_rank, err, stopper,
+                              measured=_measured_so_far(val_history))
         signum = stop.stop_signal()
         if signum is not None:  # this rank was signalled: 128 + N, whatever it was doing
             raise SystemExit(stop.exit_code_for(signum)) from err
@@ -254,9 +256,25 @@ def _failure_report(rank: int, err: BaseException, stopper) -> dict:
     }
 
 
-def _write_failure_report(out_dir: Path, rank: int, err: BaseException, stopper) -> None:
+def _measured_so_far(val_history) -> dict:
+    """What a failed or stopped rank measured in the epochs that finished: ``val_history``,
+    the last validation's ``val_acc`` / ``val_loss`` and ``steps`` at its end (the summary
+    keeps them; the interrupted epoch's partial steps are not counted), ``diverged_at_step``
+    when the loss diverged (guards.NonFiniteLossError)."""
+    history = list(getattr(val_history, "history", []) or [])
+    last = history[-1] if history else {}
+    return {"val_history": history, "val_acc": last.get("val_acc"), "val_loss": last.get("val_loss"),
+            "steps": last.get("step")}
+
+
+def _write_failure_report(out_dir: Path, rank: int, err: BaseException, stopper, measured: dict | None = None) -> None:
+    from easgd_lightning.guards import NonFiniteLossError
+
     try:
-        atomic_write_json(rank_file(out_dir, rank), _failure_report(rank, err, stopper))
+        report = {**(measured or {}), **_failure_report(rank, err, stopper)}
+        if isinstance(err, NonFiniteLossError) and stop.stop_signal() is None:
+            report["diverged_at_step"] = err.step
+        atomic_write_json(rank_file(out_dir, rank), report)
     except Exception:  # pragma: no cover - reporting must not hide the original error
         log.exception("could not write the failure report of rank %d", rank)
 
