@@ -269,12 +269,13 @@ def case_launcher_signal(tmp_path: Path, strategy: str, devices: int, sig: signa
 
 
 def case_failed_sweep_job(tmp_path: Path) -> dict:
-    """A sweep whose second job crashes: both jobs run, the sweep exits 1 naming the failed one."""
+    """A sweep whose second job crashes (the first stops at step 2, before the crash at step 3):
+    both jobs run, the sweep exits 1 naming the failed one."""
     sweep = tmp_path / "sweep"
     started = time.monotonic()
     proc = run_cli(  # forked from the session's CLI server, as the multirun of test_cli_foundation
         ["-m", f"hydra.sweep.dir={sweep}", *COMMON, "trainer.max_epochs=1", "checkpoint.enabled=false",
-         "faults.crash_at_step=3", "faults.crash_rank=null,1"],
+         "faults.crash_rank=1", "faults.crash_at_step=3", "trainer.limit_train_batches=2,null"],  # job 0: 2 steps
         check=False, timeout=600,
     )
     took = time.monotonic() - started
