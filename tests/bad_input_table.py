@@ -33,6 +33,15 @@ INPUTS = [
     "trainer.max_steps=-2", "data.num_workers=-1", "seed=abc", "strategy=pipeline_3d", _TWO_OPT,
     # Hydra-level (exit 1, several lines, before)
     "strategy=bogus", "compression=bogus", "model=bogus", "optim.milestones=[1,2", "strategy=ddp,sync_easgd",
+    # issue 31 item 5: silent, late (after the workers started) or a traceback before
+    "hydra.run.dir=", "faults.crash_at_step=2", "faults.nan_at_step=abc", "faults.nan_at_step=-3",
+    "strategy=async_easgd trainer.devices=3 faults.crash_rank=2 faults.crash_at_step=2",
+    "strategy=pipeline_3d model=gpt_tiny data=text trainer.precision=64-true", "-m optim.lr=0.1,-1",
+    "faults.slow_ms=abc", "model=gpt_tiny", "model._target_=nonexistent.mod.fn",
+    "hydra.run.dir={tmp}/afile", "hydra.run.dir={tmp}/afile/run", "hydra.run.dir=/proc/easgd-run",
+    "hydra.run.dir={tmp}/" + "a" * 300, "hydra.run.dir=/tmp/" + "/".join(["d" * 200] * 21),
+    # valid: a real Trainer argument (it was refused as unknown)
+    "trainer.gradient_clip_algorithm=value trainer.max_epochs=1 trainer.limit_train_batches=2",
     # valid, with a warning: the compressor never engages (every tensor is under min_numel)
     "compression=dgc optim.momentum=0 trainer.max_epochs=1 trainer.limit_train_batches=2",
     # valid: on one node the center is in shared memory, so both processes are workers
@@ -40,9 +49,15 @@ INPUTS = [
 ]
 
 
+def _args(args: str, tmp: Path) -> list[str]:
+    """The input's overrides, ``{tmp}`` the table's directory (holding ``afile``, a file)."""
+    (tmp / "afile").write_text("a file\n")
+    return args.replace("{tmp}", str(tmp)).split()
+
+
 def _row(args: str, run: Path) -> tuple[str, int, bool, str]:
-    proc = run_cli([f"hydra.run.dir={run}", "logger=none", "trainer.enable_progress_bar=false", *args.split()],
-                   check=False, timeout=300, fresh=True)
+    proc = run_cli([f"hydra.run.dir={run}", "logger=none", "trainer.enable_progress_bar=false",
+                    *_args(args, run.parent)], check=False, timeout=300, fresh=True, cwd=run.parent)
     errors = [ln for ln in proc.stderr.splitlines() if "easgd-train: error:" in ln]
     warnings = [ln.split(" - ", 1)[-1] for ln in proc.stdout.splitlines() if "[WARNING]" in ln]  # Hydra logs to stdout
     said = errors + [f"warning: {w}" for w in warnings]
@@ -63,8 +78,21 @@ def _row_in_process(args: str) -> tuple[str, int, bool, str]:
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
     root = logging.getLogger()
     root.addHandler(handler)
+    from easgd_lightning.cli.overrides import check_command_line
+    from easgd_lightning.cli.train import check_dir_usable
+
+    argv = _args(args, Path(tempfile.mkdtemp(prefix="easgd-bad-input-")))
     try:
-        validate_config(compose_checked(args.split()))
+        for arg in argv:  # what main() checks of the run directory before Hydra runs
+            if arg.startswith("hydra.run.dir="):
+                check_dir_usable("hydra.run.dir", arg.split("=", 1)[1], probe=False)
+        composed: list = []
+        check_command_line(argv, composed=composed)
+        for i, (job, cfg) in enumerate(composed):  # every job of a sweep (main(): before_hydra)
+            try:
+                validate_config(cfg)
+            except ConfigError as err:
+                raise ConfigError(f"{err} (sweep job {i}: {' '.join(job)}; no job was started)") from None
     except ConfigError as err:
         return args, 2, False, f"easgd-train: error: {err}"
     finally:
@@ -79,6 +107,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for i, args in enumerate(INPUTS):
             name, code, started, line = _row_in_process(args) if in_process else _row(args, Path(tmp) / str(i))
+            name = name if len(name) < 80 else f"{name[:40]}...({len(name)} chars)"
             print(f"| `{name}` | {code} | {'yes' if started else 'no'} | {line.replace('|', '/')} |", flush=True)
     sys.exit(0)
 

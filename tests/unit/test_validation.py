@@ -9,6 +9,7 @@ tests/e2e/test_bad_input_cli.py.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -197,6 +198,28 @@ BAD += [
      "one of ['exponential', 'gamma', 'gpareto'], got 'cauchy'"),
 ]
 
+# issue 31 item 5: accepted silently, failing after the workers started, or a traceback before
+BAD += [
+    (["faults.crash_at_step=2"], "faults.crash_at_step", "set faults.crash_rank too"),
+    (["faults.nan_rank=1"], "faults.nan_rank", "set faults.nan_at_step too"),
+    (["faults.nan_at_step=abc"], "faults.nan_at_step", "an integer >= 1 or null, got 'abc'"),
+    (["faults.nan_at_step=-3"], "faults.nan_at_step", "an integer >= 1 or null, got -3"),
+    (["faults.crash_at_step=0", "faults.crash_rank=1"], "faults.crash_at_step", "an integer >= 1 or null, got 0"),
+    (["faults.slow_ms=abc"], "faults.slow_ms", "a number >= 0, got 'abc'"),
+    (["faults.slow_ms=-5"], "faults.slow_ms", "a number >= 0, got -5"),
+    (["strategy=async_easgd", "trainer.devices=3", "faults.crash_rank=2", "faults.crash_at_step=2"],
+     "faults.crash_rank", "rank 2 is strategy=async_easgd's parameter server, which never takes a training step"),
+    (["strategy=async_sgd", "trainer.devices=3", "faults.slow_rank=2", "faults.slow_ms=10"], "faults.slow_rank",
+     "choose a worker rank in [0, 1]"),
+    (["strategy=pipeline_3d", "model=gpt_tiny", "data=text", "trainer.precision=64-true"], "trainer.precision",
+     "strategy=pipeline_3d runs in fp32: set trainer.precision=32-true, got 64-true"),
+    (["recipe=nlp3d/gpt_tiny_pp2", "trainer.precision=bf16-mixed"], "trainer.precision", "runs in fp32"),
+    (["model=gpt_tiny"], "model=gpt", "a language model needs token data with a vocabulary (data=text"),
+    (["model._target_=nonexistent.mod.fn"], "model._target_", "cannot import 'nonexistent.mod.fn'"),
+    (["trainer.gradient_clip_algorithm=foo"], "trainer.gradient_clip_algorithm", "choose one of norm, value"),
+    (["loss_explosion_factor=1"], "loss_explosion_factor", "a number > 1"),
+]
+
 
 def _check(overrides: list[str]) -> None:
     validate_config(compose_checked(overrides))
@@ -270,6 +293,11 @@ def test_every_job_of_a_sweep_is_checked_before_any_runs() -> None:
         ["strategy=diloco", "strategy.tau=8", "strategy.fragments=4", "strategy.fragment_sync_delay=1",
          "compression=qsgd"],
         ["strategy=diloco", "strategy.outer=elastic", "trainer.devices=1"],
+        # a real Trainer argument (issue 31 item 5: it was refused as unknown)
+        ["trainer.gradient_clip_val=1.0", "trainer.gradient_clip_algorithm=value"],
+        ["faults.nan_at_step=3"],  # nan_rank null: every rank
+        ["strategy=async_easgd", "trainer.devices=3", "faults.crash_rank=1", "faults.crash_at_step=2"],
+        ["loss_explosion_factor=null"],
     ],
 )
 def test_good_inputs_pass(overrides: list[str]) -> None:
@@ -348,3 +376,30 @@ def test_unknown_strategy_option_in_a_config_file_is_refused(overrides: list[str
     assert message.startswith("strategy.tua: unknown key; "), message
     assert f"valid keys of strategy (arguments of {target_path(strategy_spec(name).cls)}" in message, message
     assert "\n" not in message
+
+
+def test_threads_beyond_the_cores_warn_naming_the_override(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 31 item 6: recipe=imagenet/alexnet_knl (4 ranks x 16 threads, 2 loaders each) on
+    a small machine warns before launch, naming what fits it; within the cores, or with one
+    thread per rank (nothing to lower), it does not."""
+    from easgd_lightning.cli.build import threads_warning
+
+    knl = compose_checked(["recipe=imagenet/alexnet_knl", "data.synthetic=true"])
+    line = threads_warning(knl, cores=2)
+    assert line == (
+        "threads_per_process=16 x trainer.devices=4 = 64 threads (plus data.num_workers=2 loader processes per "
+        "rank) on a machine with 2 cores: the ranks will time-share the cores and run many times slower; on this "
+        "machine use threads_per_process=1 trainer.devices=2 data.num_workers=0")
+    assert threads_warning(knl, cores=64) is None  # the KNL node it was written for
+    assert "use threads_per_process=4" in threads_warning(
+        compose_checked(["recipe=imagenet/alexnet_knl", "data.synthetic=true", "trainer.devices=2"]), cores=8)
+    assert threads_warning(compose_checked(["trainer.devices=4"]), cores=2) is None  # one thread each
+    small = compose_checked(["recipe=imagenet/alexnet_knl", "data.synthetic=true", "threads_per_process=1",
+                             "trainer.devices=2", "data.num_workers=0"])
+    assert threads_warning(small, cores=2) is None  # the README's small-machine override
+    cores = len(os.sched_getaffinity(0))
+    with caplog.at_level(logging.WARNING, logger="easgd_lightning"):
+        validate_config(compose_checked(["recipe=imagenet/alexnet_knl", "data.synthetic=true",
+                                         f"threads_per_process={cores + 1}", "trainer.devices=2"]))
+    said = [r.getMessage() for r in caplog.records if "threads_per_process=" in r.getMessage()]
+    assert len(said) == 1 and f"on a machine with {cores} cores" in said[0], said
