@@ -198,7 +198,7 @@ def test_cli_refuses_bad_resume_before_launch(tmp_path: Path, ddp_checkpoint: Pa
 @pytest.mark.slow
 def test_nan_loss_stops_the_run_naming_the_step(tmp_path: Path) -> None:
     """Rank 1's weights become NaN just before step 5: its loss there is NaN, the run ends
-    failed (exit 1) and the summary says which rank and step; with
+    diverged (exit 1) and the summary says which rank and step; with
     allow_nonfinite_loss=true the same run goes to the end."""
     common = ["strategy=ddp", *COMMON, "trainer.max_epochs=1", "faults.nan_rank=1", "faults.nan_at_step=5",
               "timeout_s=60", "checkpoint.enabled=false"]
@@ -207,7 +207,7 @@ def test_nan_loss_stops_the_run_naming_the_step(tmp_path: Path) -> None:
                    check=False, timeout=240)
     assert proc.returncode == 1, proc.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["status"] == "failed"
+    assert summary["status"] == "diverged" and summary["error"].startswith("diverged at step 5 (rank 1): ")
     assert "NonFiniteLossError: train loss is nan at step 5 on rank 1" in summary["rank_errors"]["1"]
 
     allowed = train_summary(tmp_path / "allowed", *common, "allow_nonfinite_loss=true", timeout=240)
