@@ -259,8 +259,7 @@ def _failure_report(rank: int, err: BaseException, stopper) -> dict:
 def _measured_so_far(val_history) -> dict:
     """What a failed or stopped rank measured in the epochs that finished: ``val_history``,
     the last validation's ``val_acc`` / ``val_loss`` and ``steps`` at its end (the summary
-    keeps them; the interrupted epoch's partial steps are not counted), ``diverged_at_step``
-    when the loss diverged (guards.NonFiniteLossError)."""
+    keeps them; the interrupted epoch's partial steps are not counted)."""
     history = list(getattr(val_history, "history", []) or [])
     last = history[-1] if history else {}
     return {"val_history": history, "val_acc": last.get("val_acc"), "val_loss": last.get("val_loss"),
