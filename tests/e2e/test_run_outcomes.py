@@ -103,11 +103,28 @@ def test_a_resume_that_would_train_nothing_is_refused_in_one_line(interrupted: d
     assert not (interrupted["tmp"] / "nothing" / "ranks").exists()
 
 
-def test_after_sigint_the_log_says_interrupt(interrupted: dict) -> None:
+def test_after_sigint_the_log_says_interrupt(interrupted: dict, tmp_path: Path) -> None:
+    """The ranks stop seconds apart (async_easgd: worker 1 sleeps 20 s before each step, so
+    it notices the stop long after worker 0): the launcher used to log "a worker failed;
+    the others get up to 300s" for the first rank that stopped."""
     output = interrupted["output"]
     assert interrupted["code"] == 130, output[-3000:]
+    assert "received SIGINT: stopping the workers" in output and "a worker failed" not in output
+    run = Run(tmp_path / "async", ["strategy=async_easgd", "trainer.devices=3", "trainer.max_epochs=400",
+                                   "faults.slow_rank=1", "faults.slow_ms=20000", "timeout_s=60"])
+    try:
+        run.wait_for("checkpoints/epoch000.ckpt")  # worker 0 trains on while worker 1 sleeps
+        run.proc.send_signal(signal.SIGINT)
+        run.mark_fault()
+        code, took = run.wait(90)
+    finally:
+        if run.proc.poll() is None:
+            run.kill_all()
+    output = run.log.read_text(errors="replace")
+    assert code == 130, output[-3000:]
     assert "received SIGINT: stopping the workers" in output
-    assert "a worker failed" not in output  # it was an interrupt
+    assert "a worker failed" not in output  # it was an interrupt, and the log says so once
+    assert json.loads((run.run_dir / "summary.json").read_text())["error"] == "interrupted by SIGINT"
 
 
 def test_an_interrupted_summary_keeps_the_finished_epochs(interrupted: dict) -> None:
