@@ -108,15 +108,18 @@ def hydra_settings(argv: list[str], *, conf_dir: str = CONF_DIR) -> dict[str, An
         return None
     from hydra import compose, initialize_config_dir
 
-    hydra_lines = [o.input_line for o in _parse(list(args.overrides)) if _is_hydra(o)]
+    config_name = args.config_name or "train"
     try:
+        hydra_lines = [o.input_line for o in _parse(list(args.overrides)) if _is_hydra(o)]
+        first = _jobs(list(args.overrides), bool(args.multirun), conf_dir, config_name)[0]  # a config may set hydra.*
+        lines = hydra_lines + [line for line in first if line not in hydra_lines]
         with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
-            cfg = compose(config_name=args.config_name or "train", overrides=hydra_lines, return_hydra_config=True)
+            cfg = compose(config_name=config_name, overrides=lines, return_hydra_config=True)
         hydra = cfg.hydra
         raw = OmegaConf.to_container(hydra.run, resolve=False).get("dir")  # type: ignore[union-attr]
         sweep_raw = OmegaConf.to_container(hydra.sweep, resolve=False).get("dir")  # type: ignore[union-attr]
         return {
-            "multirun": bool(args.multirun),
+            "multirun": bool(args.multirun) or str(hydra.get("mode")).endswith("MULTIRUN"),  # hparams_search
             "runs": not args.cfg,
             "run_dir": None if hydra.run.dir is None else str(hydra.run.dir),
             "run_dir_raw": None if raw is None else str(raw),
