@@ -56,8 +56,10 @@ def _args(args: str, tmp: Path) -> list[str]:
 
 
 def _row(args: str, run: Path) -> tuple[str, int, bool, str]:
-    proc = run_cli([f"hydra.run.dir={run}", "logger=none", "trainer.enable_progress_bar=false",
-                    *_args(args, run.parent)], check=False, timeout=300, fresh=True, cwd=run.parent)
+    given = _args(args, run.parent)
+    flags = [a for a in given if a in ("-m", "--multirun")]  # Hydra's argparse: flags before the overrides
+    proc = run_cli([*flags, f"hydra.run.dir={run}", "logger=none", "trainer.enable_progress_bar=false",
+                    *(a for a in given if a not in flags)], check=False, timeout=300, fresh=True, cwd=run.parent)
     errors = [ln for ln in proc.stderr.splitlines() if "easgd-train: error:" in ln]
     warnings = [ln.split(" - ", 1)[-1] for ln in proc.stdout.splitlines() if "[WARNING]" in ln]  # Hydra logs to stdout
     said = errors + [f"warning: {w}" for w in warnings]
