@@ -17,6 +17,7 @@ from easgd_lightning.comm import get_meter, ops
 from easgd_lightning.comm.liveness import CancellableWait, Liveness, interruption
 from easgd_lightning.strategies.ps.protocol import (
     HEADER,
+    OP_CELASTIC,
     OP_CGRAD,
     OP_DONE,
     OP_ELASTIC,
@@ -95,14 +96,17 @@ class ServerClient:
         return hdr
 
     def begin(self, op: int, payload: torch.Tensor | None, step: int, lr: float = 0.0, wd: float = 0.0,
-              extras: list[float] | None = None, dense_reply: bool = True) -> _Pending:
+              extras: list[float] | None = None, dense_reply: bool = True,
+              dense_bytes: int | None = None) -> _Pending:
         """Send a request and post the reply receives; returns a handle for :meth:`end`.
         ``dense_reply`` False: the reply is a uint8 message whose length its header gives
-        (received in :meth:`end`)."""
+        (received in :meth:`end`). ``dense_bytes``: what an uncompressed payload would
+        have taken (the meter's ``dense_bytes``; None: the payload is dense)."""
         hdr = self._header(op, step, lr, wd, extras)
         works = [ops.isend(hdr, self.server, kind=self.kind, tag=TAG_REQ, group=self.group)]
         if payload is not None:
-            works.append(ops.isend(payload, self.server, kind=self.kind, tag=TAG_REQ_DATA, group=self.group))
+            works.append(ops.isend(payload, self.server, kind=self.kind, tag=TAG_REQ_DATA, group=self.group,
+                                   dense_bytes=dense_bytes))
         reply_hdr = torch.zeros(HEADER, dtype=torch.float64)
         reply = torch.empty_like(self.like) if dense_reply else None
         works.append(ops.irecv(reply_hdr, self.server, kind=self.kind, tag=TAG_REP, group=self.group))
@@ -135,11 +139,17 @@ class ServerClient:
         return self.end(self.begin(op, payload, step, lr, wd, extras))
 
     def push_compressed(self, message: torch.Tensor, step: int, extras: list[float] | None,
-                        dense_reply: bool) -> torch.Tensor:
+                        dense_reply: bool, dense_bytes: int) -> torch.Tensor:
         """``OP_CGRAD``: a compressed push (its byte length in the header's lr entry); the
-        reply: the dense center, or (``dense_reply`` False) the server's uint8 message."""
+        reply: the dense center, or (``dense_reply`` False) the server's uint8 message.
+        ``dense_bytes``: the size of the uncompressed gradient (metered as dense bytes)."""
         return self.end(self.begin(OP_CGRAD, message, step, lr=float(message.numel()), extras=extras,
-                                   dense_reply=dense_reply))
+                                   dense_reply=dense_reply, dense_bytes=dense_bytes))
+
+    def begin_compressed_elastic(self, message: torch.Tensor, step: int, dense_bytes: int) -> _Pending:
+        """``OP_CELASTIC``: a compressed elastic push (its byte length in the header's lr
+        entry); :meth:`end` returns the dense elastic difference d."""
+        return self.begin(OP_CELASTIC, message, step, lr=float(message.numel()), dense_bytes=dense_bytes)
 
     def pull(self, step: int) -> torch.Tensor:
         """The server's current center."""
@@ -191,7 +201,8 @@ class ServerTransport(CenterTransport):
 
     def __init__(self, client: ServerClient, push=None) -> None:
         self.client = client
-        #: compressed pushes (:class:`~easgd_lightning.strategies.ps.compressed.WorkerPush`)
+        #: compressed pushes (:class:`~easgd_lightning.strategies.ps.compressed.WorkerPush`,
+        #: or :class:`~easgd_lightning.strategies.ps.compressed.ElasticPush` for the elastic rule)
         self.push = push
 
     @property
@@ -199,10 +210,14 @@ class ServerTransport(CenterTransport):
         return self.client.stop
 
     def begin_elastic(self, x: torch.Tensor, step: int, lr: float) -> Any:
-        return self.client.begin(OP_ELASTIC, x, step, lr)
+        if self.push is None:
+            return self.client.begin(OP_ELASTIC, x, step, lr)
+        message = self.push.encode(x)
+        return self.client.begin_compressed_elastic(message, step, dense_bytes=ops.nbytes(x))
 
     def end_elastic(self, handle: Any) -> torch.Tensor:
-        return self.client.end(handle)
+        d = self.client.end(handle)
+        return d if self.push is None else self.push.apply(d)
 
     #: the worker's own optimizer does not step: the server steps the user's optimizer
     steps_locally = False
@@ -211,7 +226,8 @@ class ServerTransport(CenterTransport):
         if self.push is None:
             return self.client.call(OP_GRAD, g, step, extras=extras)
         message = self.push.encode(g)
-        reply = self.client.push_compressed(message, step, extras, dense_reply=not self.push.two_way)
+        reply = self.client.push_compressed(message, step, extras, dense_reply=not self.push.two_way,
+                                            dense_bytes=ops.nbytes(g))
         return self.push.apply(reply).to(device=g.device, dtype=g.dtype)
 
     def pull(self, step: int) -> torch.Tensor:

@@ -9,6 +9,8 @@ flat payload; ``OP_STATE`` adds the server's state as one serialized blob of ``e
 ``OP_CGRAD`` (a compressed push, :mod:`easgd_lightning.strategies.ps.compressed`) carries
 the byte length of its uint8 message in the header's ``lr`` entry; its reply is the dense
 center (one-way, ``extra`` 0) or a uint8 message of ``extra`` bytes (two-way).
+``OP_CELASTIC`` (a compressed elastic push) carries its message length the same way; its
+reply is the dense elastic difference d.
 """
 
 from __future__ import annotations
@@ -20,13 +22,13 @@ import torch
 from torch.optim import Optimizer
 
 __all__ = [
-    "OP_ELASTIC", "OP_GRAD", "OP_PULL", "OP_STATE", "OP_DONE", "OP_FINAL", "OP_CGRAD",
+    "OP_ELASTIC", "OP_GRAD", "OP_PULL", "OP_STATE", "OP_DONE", "OP_FINAL", "OP_CGRAD", "OP_CELASTIC",
     "TAG_REQ", "TAG_REQ_DATA", "TAG_REP", "TAG_REP_DATA", "TAG_REP_STATE", "HEADER",
     "request_header_size", "request_extras", "split_request_extras", "to_blob", "from_blob",
 ]
 
 # request / reply operation codes (first header entry)
-OP_ELASTIC, OP_GRAD, OP_PULL, OP_STATE, OP_DONE, OP_FINAL, OP_CGRAD = 1, 2, 3, 4, 5, 6, 7
+OP_ELASTIC, OP_GRAD, OP_PULL, OP_STATE, OP_DONE, OP_FINAL, OP_CGRAD, OP_CELASTIC = 1, 2, 3, 4, 5, 6, 7, 8
 # point-to-point tags (gloo slots)
 TAG_REQ, TAG_REQ_DATA, TAG_REP, TAG_REP_DATA, TAG_REP_STATE = 41, 42, 43, 44, 45
 HEADER = 4

@@ -38,6 +38,7 @@ import torch
 
 __all__ = [
     "server_elastic_update",
+    "elastic_replica",
     "nesterov_lookahead",
     "nesterov_velocity_update",
     "sgd_update",
@@ -48,6 +49,8 @@ __all__ = [
     "optimizer_displacement",
     "check_sgd_momentum",
     "check_fixed_lr",
+    "CLI_TERMS",
+    "api_terms",
 ]
 
 
@@ -77,6 +80,18 @@ def server_elastic_update(center: torch.Tensor, x: torch.Tensor, alpha: float) -
     diff = (x - center).mul_(alpha)
     center.add_(diff)
     return diff
+
+
+@torch.no_grad()
+def elastic_replica(estimate: torch.Tensor, d: torch.Tensor, alpha: float) -> torch.Tensor:
+    """The center right after one elastic exchange, from what both of its ends hold.
+
+    The server applied ``d = alpha (x_hat - c); c <- c + d``, so the new center is
+    ``c + d = x_hat - d / alpha + d``. Compressed exchanges keep this as the worker's replica
+    of the center (its next push is relative to it); worker and server compute it with these
+    same operations from the same ``x_hat`` and ``d``, so their replicas agree bitwise.
+    """
+    return estimate - d / alpha + d
 
 
 @torch.no_grad()
@@ -196,38 +211,57 @@ def momentum_buffers(optimizer: torch.optim.Optimizer, params: list[torch.Tensor
     )
 
 
-def check_sgd_momentum(optimizer: torch.optim.Optimizer, mu: float, who: str) -> str | None:
+#: how a refusal names what the user set: the CLI's keys, or the Python API's arguments
+CLI_TERMS = {
+    "momentum": "strategy.momentum", "optim_momentum": "optim.momentum", "use_sgd": "optim.optimizer=sgd",
+    "no_momentum": "strategy.momentum=0", "lr": "strategy.lr", "no_lr": "strategy.lr=null",
+}
+
+
+def api_terms(cls: str) -> dict:
+    """:data:`CLI_TERMS` in the Python API's words, for strategy class ``cls``."""
+    return {
+        "momentum": f"{cls}'s momentum", "optim_momentum": "the SGD's own momentum",
+        "use_sgd": "return torch.optim.SGD from configure_optimizers", "no_momentum": f"{cls}(momentum=0)",
+        "lr": f"{cls}'s lr", "no_lr": f"{cls}(lr=None)",
+    }
+
+
+def check_sgd_momentum(optimizer: torch.optim.Optimizer, mu: float, who: str, terms: dict | None = None) -> str | None:
     """Refusal of an optimizer under a strategy that applies heavy-ball momentum ``mu``
     itself (one line), else None; groups whose momentum is 0 get ``mu`` (in place).
+    ``terms``: how to name the settings (:data:`CLI_TERMS` by default, :func:`api_terms`).
 
     Momentum on top of another optimizer's (Adam's first moment, a different SGD momentum)
     would be a rule neither the paper nor the user asked for, so it is refused, not mixed.
     """
+    t = terms or CLI_TERMS
     if not isinstance(optimizer, torch.optim.SGD):
         return (
-            f"strategy.momentum: {who} applies heavy-ball SGD momentum ({mu}) and needs "
-            f"torch.optim.SGD, got {type(optimizer).__name__} (optim.optimizer=sgd; or set strategy.momentum=0)"
+            f"{t['momentum']}: {who} applies heavy-ball SGD momentum ({mu}) and needs "
+            f"torch.optim.SGD, got {type(optimizer).__name__} ({t['use_sgd']}; or set {t['no_momentum']})"
         )
     for i, group in enumerate(optimizer.param_groups):
         own = float(group.get("momentum", 0.0) or 0.0)
         if own not in (0.0, mu):
             return (
-                f"strategy.momentum={mu} and the optimizer's momentum={own} (param group {i}, "
-                f"optim.momentum) differ: {who} applies one momentum; make them equal or set one to 0"
+                f"{t['momentum']}={mu} and the optimizer's momentum={own} (param group {i}, "
+                f"{t['optim_momentum']}) differ: {who} applies one momentum; make them equal or set one to 0"
             )
     for group in optimizer.param_groups:
         group["momentum"] = mu
     return None
 
 
-def check_fixed_lr(optimizer: torch.optim.Optimizer, lr: float | None, who: str) -> str | None:
+def check_fixed_lr(optimizer: torch.optim.Optimizer, lr: float | None, who: str, terms: dict | None = None) -> str | None:
     """Refusal (one line) of a single fixed ``strategy.lr`` over groups with different lrs."""
     if lr is None:
         return None
+    t = terms or CLI_TERMS
     own = sorted({float(g["lr"]) for g in optimizer.param_groups})
     if len(own) > 1:
         return (
-            f"strategy.lr={lr} would replace the different learning rates of the optimizer's "
-            f"param groups {own} ({who}); set strategy.lr=null to use each group's"
+            f"{t['lr']}={lr} would replace the different learning rates of the optimizer's "
+            f"param groups {own} ({who}); set {t['no_lr']} to use each group's"
         )
     return None

@@ -45,6 +45,7 @@ from easgd_lightning.comm import get_meter, ops
 from easgd_lightning.comm.liveness import LONG_WAIT, Liveness, interruption
 from easgd_lightning.strategies.ps import rules
 from easgd_lightning.strategies.ps.protocol import (
+    OP_CELASTIC,
     OP_CGRAD,
     OP_DONE,
     OP_ELASTIC,
@@ -96,8 +97,9 @@ class _Link:
     def start(self) -> None:
         self.thread.start()
 
-    def reply(self, parts: list[tuple[torch.Tensor, int]]) -> None:
-        """Send ``parts`` (tensor, tag) to the worker, in order, as the answer to its last request."""
+    def reply(self, parts: list[tuple[torch.Tensor, int, int | None]]) -> None:
+        """Send ``parts`` (tensor, tag, dense bytes: None when the tensor is not compressed)
+        to the worker, in order, as the answer to its last request."""
         self._replies.put(parts)
 
     def close(self) -> None:
@@ -115,7 +117,7 @@ class _Link:
                 op, data = int(hdr[0]), None
                 if op in (OP_ELASTIC, OP_GRAD):
                     data = torch.empty_like(self.like)
-                elif op == OP_CGRAD:  # a compressed push: its byte length in the header
+                elif op in (OP_CGRAD, OP_CELASTIC):  # a compressed push: its byte length in the header
                     data = torch.empty(int(hdr[2]), dtype=torch.uint8)
                 if data is not None:
                     self._recv(data, TAG_REQ_DATA)
@@ -123,8 +125,9 @@ class _Link:
                 parts = self._replies.get()
                 if parts is None:
                     return
-                for tensor, tag in parts:
-                    ops.isend(tensor, self.worker, kind=self.kind, tag=tag, group=self.group).wait(LONG_WAIT)
+                for tensor, tag, dense in parts:
+                    ops.isend(tensor, self.worker, kind=self.kind, tag=tag, group=self.group,
+                              dense_bytes=dense).wait(LONG_WAIT)
                 if op == OP_DONE:  # that was the final center: the worker asks nothing more
                     return
         except RuntimeError as err:  # the channel failed: the worker's process is gone
@@ -158,7 +161,9 @@ class ParameterServer:
         on_checkpoint: ``fn(state_dict)`` called every ``checkpoint_every_s`` and at the end.
         poll_s: how often liveness is checked while waiting.
         replies: compressed pushes (``OP_CGRAD``) and, two-way, compressed replies with one
-            replica per worker (:class:`~easgd_lightning.strategies.ps.compressed.ServerReplies`).
+            replica per worker (:class:`~easgd_lightning.strategies.ps.compressed.ServerReplies`);
+            for the elastic rule, compressed elastic pushes (``OP_CELASTIC``,
+            :class:`~easgd_lightning.strategies.ps.compressed.ElasticReplies`).
         channels: each worker's process group (:func:`worker_channels`); None: the default
             group for every worker (then one worker's death or a timeout may close the
             others' connections too).
@@ -207,8 +212,8 @@ class ParameterServer:
         self.header_size = request_header_size(optimizer, self.params)
         self.interrupted = interrupted
         self.replies = replies
-        if replies is not None and (rule != "sgd" or lockfree):
-            raise ValueError("compressed pushes need the SGD rule without lockfree application")
+        if replies is not None and lockfree:
+            raise ValueError("compressed pushes are not applied lock-free (Hogwild)")
         self.active: set[int] = set(workers)
         self.done: list[int] = []
         self.dead: list[int] = []  # the workers dropped (and not back)
@@ -315,13 +320,14 @@ class ParameterServer:
         return torch.tensor([op, self.updates, float(self.stop), extra], dtype=torch.float64)
 
     def _reply(self, dst: int, op: int, payload: torch.Tensor | None, extra: float = 0.0,
-               blob: torch.Tensor | None = None) -> None:
-        """Hand the reply to ``dst``'s link, which sends it (``payload``: not changed after)."""
-        parts = [(self._header(op, extra), TAG_REP)]
+               blob: torch.Tensor | None = None, dense_bytes: int | None = None) -> None:
+        """Hand the reply to ``dst``'s link, which sends it (``payload``: not changed after;
+        ``dense_bytes``: its uncompressed size when it is a compressed message)."""
+        parts = [(self._header(op, extra), TAG_REP, None)]
         if payload is not None:
-            parts.append((payload, TAG_REP_DATA))
+            parts.append((payload, TAG_REP_DATA, dense_bytes))
         if blob is not None:
-            parts.append((blob, TAG_REP_STATE))
+            parts.append((blob, TAG_REP_STATE, None))
         self._links[dst].reply(parts)
 
     def serve(self) -> None:
@@ -377,8 +383,12 @@ class ParameterServer:
             reply = self._apply(op, data, hdr)
             self._count(sender)
             self._reply(sender, op, reply)
-        elif op == OP_CGRAD and self.replies is not None:
+        elif op == OP_CGRAD and self.replies is not None and self.rule == "sgd":
             self._serve_compressed(sender, hdr, data)
+        elif op == OP_CELASTIC and self.replies is not None and self.rule == "elastic":
+            d = self.replies.serve(sender, data, self.center)
+            self._count(sender)
+            self._reply(sender, op, d)
         elif op == OP_PULL:
             self._reply(sender, op, self.center.clone())
         elif op == OP_STATE:
@@ -406,7 +416,7 @@ class ParameterServer:
         self._count(sender)
         if self.replies.two_way:
             reply = self.replies.reply(sender, self.center)
-            self._reply(sender, OP_CGRAD, reply, extra=float(reply.numel()))
+            self._reply(sender, OP_CGRAD, reply, extra=float(reply.numel()), dense_bytes=ops.nbytes(self.center))
         else:
             self._reply(sender, OP_CGRAD, self.center.clone())
 

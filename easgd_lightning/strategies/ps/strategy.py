@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -121,6 +122,15 @@ _PASSED_ON = (
     "num_nodes_hint", "optim_hint", "compression",
 )
 STOP_POLICIES = ("first", "all")
+
+
+class RefusedOnRankZero(SystemExit):
+    """Raised on every rank but 0 when set-up refuses the run: rank 0 raises the refusal
+    itself (one message, one traceback), the others end with exit status 2 and print nothing."""
+
+
+#: top-level packages whose calls of barrier/broadcast/reduce are bookkeeping answered locally
+_LIBRARY_PACKAGES = frozenset({"pytorch_lightning", "lightning", "lightning_fabric", "torchmetrics", "easgd_lightning"})
 
 
 def _never_distributed() -> bool:
@@ -224,12 +234,18 @@ class AsyncCenterStrategy(CenterStrategy):
         name = self.strategy_name
         self._push_compression: tuple | None = None
         if compression is not None:
-            if self.rule != "sgd" or self.lockfree:
+            if self.lockfree:
                 raise ValueError(
-                    f"compression: {name} sends uncompressed parameter-server messages; use compression=none "
-                    "(compressed pushes: async_sgd, async_msgd; compressed elastic exchanges: sync_easgd)"
+                    f"compression: {name} applies its updates lock-free in place (Hogwild), with no "
+                    "message to compress; use compression=none (compressed pushes: async_sgd, async_msgd; "
+                    "compressed elastic differences: async_easgd, async_measgd, sync_easgd)"
                 )
             self._push_compression = compressed.unwrap(compression, name)
+            if self.rule == "elastic" and self._push_compression[1]:
+                raise ValueError(
+                    f"compression.two_way: {name} compresses the workers' elastic differences and replies "
+                    "with the dense d; set compression.two_way=false"
+                )
         super().__init__(**kwargs)
         self._tau = check_positive_int("strategy.tau", tau)
         for key, value in (("alpha", alpha), ("beta", beta)):
@@ -266,6 +282,7 @@ class AsyncCenterStrategy(CenterStrategy):
         self._overlap = bool(overlap)
         self._num_nodes_hint = num_nodes_hint
         self._check_nodes(num_nodes_hint)
+        self._from_cli = optim_hint is not None  # refusals name the CLI's keys, else the API's
         hinted = _optimizer_from_hint(optim_hint)
         if hinted is not None:  # the CLI: refuse before any process starts
             self._check_optimizer(hinted)
@@ -304,7 +321,7 @@ class AsyncCenterStrategy(CenterStrategy):
         hint = {k: optim.get(k) for k in ("optimizer", "lr", "momentum", "weight_decay")}
         return {"num_nodes_hint": int(cfg.trainer.get("num_nodes", 1) or 1), "optim_hint": hint}
 
-    def _check_optimizer(self, optimizer: Optimizer) -> None:
+    def _check_optimizer(self, optimizer: Optimizer, *, cli: bool = True, warn: bool = False) -> None:
         """Refuse (one line, before training) an optimizer this strategy would not run as given.
 
         * ``async_measgd`` runs EAMSGD: its Nesterov momentum replaces SGD's momentum. On top
@@ -314,20 +331,42 @@ class AsyncCenterStrategy(CenterStrategy):
         * ``async_msgd`` and ``hogwild_sgd`` with ``strategy.momentum`` > 0 apply that
           heavy-ball momentum as SGD's: torch.optim.SGD only, and no other momentum.
         * ``strategy.lr`` replaces every group's learning rate: refused over groups that differ.
+
+        ``cli``: name the CLI's keys (``optim.optimizer=sgd``: the check before launch),
+        else the Python API's (the class and its arguments, ``configure_optimizers``).
+        ``warn``: say (once per process) when the strategy's momentum replaces an SGD
+        momentum of 0 (``async_msgd``'s default 0.9 over a user's plain SGD).
         """
         who = self.strategy_name
+        cls = type(self).__name__
+        terms = rules.CLI_TERMS if cli else rules.api_terms(cls)
         if self.worker_momentum and not isinstance(optimizer, torch.optim.SGD):
+            other = type(optimizer).__name__
+            if cli:
+                raise ValueError(
+                    f"optim.optimizer: {who} adds EAMSGD Nesterov momentum (strategy.momentum) to SGD steps; "
+                    f"{other} has momentum of its own and the two would compound: use "
+                    f"optim.optimizer=sgd, or strategy=async_easgd to run {other} on the workers"
+                )
             raise ValueError(
-                f"optim.optimizer: {who} adds EAMSGD Nesterov momentum (strategy.momentum) to SGD steps; "
-                f"{type(optimizer).__name__} has momentum of its own and the two would compound: use "
-                f"optim.optimizer=sgd, or strategy=async_easgd to run {type(optimizer).__name__} on the workers"
+                f"{cls} adds EAMSGD Nesterov momentum to SGD steps, but configure_optimizers returned {other}, "
+                f"whose own momentum would compound with it: return torch.optim.SGD, or use AsyncEASGDStrategy "
+                f"to run {other} on the workers"
             )
         if self.rule != "sgd":
             return
         problem = None
         if self.server_momentum and self._momentum > 0:
-            problem = rules.check_sgd_momentum(optimizer, self._momentum, who)
-        problem = problem or rules.check_fixed_lr(optimizer, self._lr, who)
+            had_none = isinstance(optimizer, torch.optim.SGD) and any(
+                not float(g.get("momentum", 0.0) or 0.0) for g in optimizer.param_groups)
+            problem = rules.check_sgd_momentum(optimizer, self._momentum, who, terms)
+            if problem is None and had_none and warn:
+                where = "server" if self.uses_server else "workers"
+                rank_zero_warn(
+                    f"{who} applies heavy-ball momentum {self._momentum} at the {where} ({terms['momentum']}); "
+                    f"the optimizer's momentum 0 was set to {self._momentum}. For plain SGD set {terms['no_momentum']}"
+                )
+        problem = problem or rules.check_fixed_lr(optimizer, self._lr, who, terms)
         if problem:
             raise ValueError(problem)
 
@@ -377,7 +416,12 @@ class AsyncCenterStrategy(CenterStrategy):
     def _validate_world(self, world_size: int) -> None:
         super()._validate_world(world_size)
         if self.optimizers:  # set-up: refuse an optimizer this strategy would not run as given
-            self._check_optimizer(self.optimizers[0])
+            try:
+                self._check_optimizer(self.optimizers[0], cli=self._from_cli, warn=self.global_rank == 0)
+            except ValueError:
+                if self.global_rank != 0:  # rank 0 says it; the others end quietly
+                    raise RefusedOnRankZero(2) from None
+                raise
         self.validate_world_size(world_size)
         if self.rule == "elastic":
             self._alpha = elastic.resolve_alpha(
@@ -406,35 +450,76 @@ class AsyncCenterStrategy(CenterStrategy):
             return {"num_replicas": self.world_size - 1, "rank": min(self.global_rank, self.world_size - 2)}
         return super().distributed_sampler_kwargs
 
-    # ------------------------------------------------------------------ local collectives
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """``trainer.test()`` / ``predict()`` after set-up run once, on rank 0: every rank holds
+        the same center, the ranks cannot combine shards (no collective), and the server and
+        the other workers would only repeat rank 0's work. The other ranks get no batches."""
+        trainer = compat.attached_trainer(self.lightning_module)
+        stage = trainer.state.stage if trainer is not None else None
+        if self._detached and stage in (RunningStage.TESTING, RunningStage.PREDICTING) and not self.is_global_zero:
+            return []
+        return super().process_dataloader(dataloader)
+
+    # ------------------------------------------------------------------ collectives after set-up
+    def _refuse_collective(self, what: str) -> RuntimeError:
+        """The one-line error of a collective the module asked for after set-up."""
+        server = f"the parameter server (rank {self.server_rank}) never joins one and " if self.uses_server else ""
+        return RuntimeError(
+            f"{what} under {self.strategy_name}: after set-up the ranks run apart ({server}workers train at "
+            "their own pace), so a collective would wait for ranks that never come, and a local answer would "
+            "be wrong. Compute the value on each rank (validation runs the whole set on the center on every "
+            "rank; self.log(sync_dist=True) and torchmetrics are per rank here) or use a synchronous strategy "
+            "(sync_easgd, ddp, local_sgd)"
+        )
+
+    def _from_user_code(self) -> bool:
+        """Whether the caller of the collective (two frames up) is code of the user's, not
+        Lightning's, torchmetrics' or this package's own bookkeeping (a checkpoint path
+        broadcast, a barrier around file writes, ``self.log(sync_dist=True)``'s reduce),
+        which this strategy answers locally on purpose."""
+        frame = sys._getframe(2)
+        name = frame.f_globals.get("__name__", "") or ""
+        return not name.split(".")[0] in _LIBRARY_PACKAGES
+
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if self._detached:
+            if self._from_user_code():
+                raise self._refuse_collective("barrier()")
             return
         super().barrier(*args, **kwargs)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if self._detached:
+            if self._from_user_code():
+                raise self._refuse_collective(f"broadcast(src={src})")
             return obj
         return super().broadcast(obj, src)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
         if self._detached:
+            if self._from_user_code():
+                raise self._refuse_collective("reduce()")
             return tensor
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         if self._detached:
+            if self._from_user_code():
+                raise self._refuse_collective("reduce_boolean_decision()")
             return bool(decision)
         return super().reduce_boolean_decision(decision, all=all)
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
+        """After set-up: refused at the call (Lightning never gathers for itself; a module's
+        ``self.all_gather`` would otherwise get a one-rank answer while ``world_size`` says more)."""
         if self._detached:
-            return tensor.unsqueeze(0)
+            raise self._refuse_collective("all_gather (self.all_gather)")
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     def _check_sigterm_locally(self, trainer) -> None:
@@ -597,6 +682,10 @@ class AsyncCenterStrategy(CenterStrategy):
             return None
         compressor, two_way = self._push_compression
         sizes = [p.numel() for p in self.lightning_module.parameters()]
+        if self.rule == "elastic":  # compressed elastic differences, dense replies
+            if cls is compressed.ServerReplies:
+                return compressed.ElasticReplies(compressor, sizes, self._center, workers[0], self._alpha)
+            return compressed.ElasticPush(compressor, sizes, self._center, self._alpha)
         if cls is compressed.ServerReplies:
             return cls(compressor, sizes, self._center, workers[0], two_way)
         return cls(compressor, sizes, self._center, two_way)
