@@ -15,6 +15,7 @@ the local launcher reads it (:func:`read_lost`), so that rank's death does not f
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -37,6 +38,9 @@ __all__ = ["Liveness", "CancellableWait", "SignalWatch", "SIGNAL_GRACE_S", "inte
 
 #: a receive must never time out: that closes the process group
 LONG_WAIT = timedelta(days=7)
+#: how long the exit waits for a heartbeat thread inside a store call (the heartbeat's
+#: store client times out after 30 s, so a call never outlasts this)
+HEARTBEAT_JOIN_S = 35.0
 #: store key of a rank declared lost (one run per store: no run prefix), value JSON
 LOST_KEY = "easgd/lost/{rank}"
 
@@ -104,6 +108,7 @@ class Liveness:
         self._reader.add(self._key(self.rank), 1)
         self._thread = threading.Thread(target=self._beat, name="easgd-heartbeat", daemon=True)
         self._thread.start()
+        atexit.register(self.close)
         return self
 
     def _beat(self) -> None:
@@ -115,7 +120,22 @@ class Liveness:
             log.debug("heartbeat stopped", exc_info=True)
 
     def stop(self) -> None:
+        """Stop beating (the thread ends at its next wake-up; :meth:`close` waits for it)."""
         self._stop.set()
+
+    def close(self, timeout_s: float = HEARTBEAT_JOIN_S) -> None:
+        """Stop and wait (up to ``timeout_s``) until the heartbeat thread has ended.
+
+        Runs at interpreter exit (``atexit``, registered by :meth:`start`): a daemon thread
+        that is still inside a store call (C++, the GIL released) when Python finalizes
+        returns into a finalizing interpreter, which ends the thread from inside the C++
+        frame, and the process aborts ("terminate called without an active exception",
+        exit 134; issue 31 section 8, ``async_sgd`` 1 run in 3). ``atexit`` runs before
+        finalization, so the thread ends while Python can still take it back."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            thread.join(timeout_s)
 
     def alive(self, rank: int) -> bool:
         """Whether ``rank`` posted a heartbeat within the last ``dead_after_s`` seconds.
