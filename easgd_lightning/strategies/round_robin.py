@@ -61,7 +61,7 @@ class RoundRobinEASGDStrategy(CenterStrategy):
         if compression is not None:
             raise ValueError(
                 "compression: easgd_round_robin is the uncompressed baseline; "
-                "use compression=none (compress with sync_easgd or async_easgd)"
+                "use compression=none (compressed elastic differences: sync_easgd, async_easgd, async_measgd)"
             )
         super().__init__(**kwargs)
         self._tau = check_positive_int("strategy.tau", tau)

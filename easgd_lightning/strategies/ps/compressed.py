@@ -25,23 +25,26 @@ Nothing is lost in either direction: sum_t c_t + e_i = sum_t g_t on every worker
 sum_t d_t + f_i = w_now - w_start per worker at the server. Floating-point buffers travel
 dense both ways (the server overwrites its copy, as for dense pushes).
 
-Compressed elastic exchanges (``async_easgd``, ``async_measgd``), worker i, exchange t:
+Compressed elastic exchanges (``async_easgd``, ``async_measgd``), worker i, exchange t.
+Both ends keep x~_i, the server's estimate of worker i's variable (x~_i = the start center
+at first); the form is CHOCO-SGD's compressed reference (Koloskova, Stich, Jaggi, ICML 2019)
+under the Async EASGD rule (Zhang, Choromanska, LeCun, NeurIPS 2015):
 
-  worker -> server:  q = x_i - r_i + e_i;  m = C(q);  e_i <- q - C(q)  (parameters; float
-                     buffers travel dense as x_i's own). r_i is worker i's replica of the
-                     center: the center as the server left it after i's previous exchange.
-  server:            x_hat_i = r_i + C(q);  d = alpha (x_hat_i - c);  c <- c + d (the EASGD
-                     rule on the decompressed point, :func:`~.rules.server_elastic_update`).
+  worker -> server:  q = x_i - x~_i;  m = C(q);  x~_i <- x~_i + C(q)  (parameters; float
+                     buffers travel dense, as x_i's own). e_i = q - C(q) = x_i - x~_i is
+                     the error-feedback residual: what earlier pushes left out rides along
+                     in the next q, so x~_i + e_i = x_i after every push.
+  server:            x~_i <- x~_i + C(q);  d = alpha (x~_i - c);  c <- c + d (the EASGD rule
+                     on the server's picture of x_i, :func:`~.rules.server_elastic_update`).
   server -> worker:  the dense d (as uncompressed ``async_easgd``); the worker sets
-                     x_i <- x_i - d. Both ends then set r_i <- x_hat_i + d - d / alpha
-                     (= c + d, the center after this exchange; :func:`~.rules.elastic_replica`)
-                     with the same operations on the same values, so the replicas agree
-                     bitwise without the center ever being sent.
+                     x_i <- x_i - d and both ends x~_i <- x~_i - d, with the same operations
+                     on the same values, so the two copies of x~_i agree bitwise.
 
-  Nothing is lost: x_hat_i + e_i = x_i after every push (with memory), so what compression
-  left out of one exchange is pushed at the next. The reply is not compressed: d is what
-  moves the worker, and compressing it would need a second residual per worker at the
-  server (as two-way SGD pushes keep); ``compression.two_way`` is refused for these rules.
+  The reply is not compressed: d is what moves the worker and the center, and compressing
+  it would need a second residual per worker (as two-way SGD pushes keep), so
+  ``compression.two_way`` is refused for these rules; the compressor's ``memory`` option
+  does not apply (x~_i is the feedback). Nothing is lost: what C leaves out of x_i - x~_i
+  stays in it until a later push carries it.
 
 Wire form (one uint8 message each way): an int32 header listing, per payload tensor, its
 dtype code, number of dimensions and sizes; then the tensors' bytes. ``payload.meta`` stays
@@ -248,67 +251,53 @@ class ServerReplies:
 class ElasticPush:
     """A worker's side of compressed elastic exchanges (``async_easgd``, ``async_measgd``).
 
-    Holds r, this worker's replica of the center as the server left it after this worker's
-    last exchange, and e, the error-feedback residual. :meth:`encode` sends
-    ``C(x - r + e)`` (parameters; floating-point buffers travel dense, as x itself);
-    :meth:`apply` takes the server's dense reply d and moves r as the server moves its copy
-    (:func:`~easgd_lightning.strategies.ps.rules.elastic_replica`), so both stay bitwise equal.
+    Holds x~, the server's estimate of this worker's variable (both ends keep it, updated by
+    the same operations on the same values, so they agree bitwise). :meth:`encode` sends
+    ``C(x - x~)`` (parameters; floating-point buffers travel dense, as x's own) and adds the
+    decompressed message to x~; :meth:`apply` takes the server's dense reply d and moves x~
+    by ``-d``, as the worker moves x. ``x - x~`` is the error-feedback residual: what the
+    pushes so far have left out, which the next push carries.
     """
 
     two_way = False
 
     def __init__(self, compressor: Compressor, sizes: list[int], start: torch.Tensor, alpha: float) -> None:
         self.codec = MessageCodec(compressor, sizes)
-        self.memory = compressor.memory
         self.alpha = float(alpha)
         self.states = [{} for _ in sizes]
-        self._residuals = ResidualMemory()
-        self._residuals.adopt(_PUSH, torch.zeros(self.codec.n_params, dtype=start.dtype))
-        self.replica = start.detach().cpu().clone()
-        self._estimate: torch.Tensor | None = None  # x-hat of the exchange in flight
+        self.estimate = start.detach().cpu().clone()
+        self.residual = torch.zeros(self.codec.n_params, dtype=start.dtype)
         self.last_message_bytes = 0
         self.traffic = {"pushes": 0, "bytes_up": 0, "bytes_down": 0,
                         "dense_bytes_per_direction": start.numel() * start.element_size()}
 
-    @property
-    def residual(self) -> torch.Tensor:
-        """e: what the pushes so far left out of the parameter part (zeros without memory)."""
-        return self._residuals.residual(_PUSH)
-
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """The message of the worker's variable ``x`` (flat: parameters, then buffers):
-        q = x - r + e; send C(q); e <- q - C(q); the server will see x-hat = r + C(q)."""
+        q = x - x~ (e + what moved since the last push); send C(q); x~ += C(q); e = q - C(q)."""
         x = x.detach().cpu()
         n = self.codec.n_params
         q = x.clone()
-        q[:n] = x[:n] - self.replica[:n]
-        if self.memory:
-            p = self._residuals.compensate(_PUSH, q[:n])
-            q[:n] = p
+        q[:n] -= self.estimate[:n]
         message, sent = self.codec.encode(q, self.states)
-        if self.memory:
-            self._residuals.update(_PUSH, p, sent)
-        self._estimate = torch.cat([self.replica[:n] + sent, x[n:]])
+        self.estimate[:n] += sent
+        self.estimate[n:] = x[n:]
+        self.residual = q[:n] - sent
         self.last_message_bytes = int(message.numel())
         self.traffic["pushes"] += 1
         self.traffic["bytes_up"] += self.last_message_bytes
         return message
 
     def apply(self, d: torch.Tensor) -> torch.Tensor:
-        """The server's dense elastic difference d: r <- x-hat + d - d / alpha (the center
-        right after this exchange, as the server computes it); returns d."""
-        from easgd_lightning.strategies.ps.rules import elastic_replica
-
+        """The server's dense elastic difference d: x~ -= d (the worker subtracts d from x); returns d."""
         self.traffic["bytes_down"] += d.numel() * d.element_size()
-        self.replica = elastic_replica(self._estimate, d.detach().cpu(), self.alpha)
-        self._estimate = None
+        self.estimate -= d.detach().cpu()
         return d
 
 
 class ElasticReplies:
-    """The server's side of compressed elastic exchanges: one replica r_i of the center per
-    worker (what worker i's pushes are relative to); :meth:`serve` decodes x-hat_i = r_i +
-    C(q), applies the EASGD rule to the center with it, and returns the dense d."""
+    """The server's side of compressed elastic exchanges: x~_i per worker (its estimate of
+    worker i's variable); :meth:`serve` adds the decompressed push to x~_i, applies the EASGD
+    rule with it, moves x~_i by -d as the worker moves, and returns the dense d."""
 
     two_way = False
 
@@ -317,16 +306,17 @@ class ElasticReplies:
         self.codec = MessageCodec(compressor, sizes)
         self.alpha = float(alpha)
         self.n_total = center.numel()
-        self.replicas = {w: center.detach().cpu().clone() for w in workers}
+        self.estimates = {w: center.detach().cpu().clone() for w in workers}
 
     def serve(self, worker: int, message: torch.Tensor, center: torch.Tensor) -> torch.Tensor:
-        """d = alpha (x-hat - c); c <- c + d (in place); r_worker moved as the worker moves it."""
-        from easgd_lightning.strategies.ps.rules import elastic_replica, server_elastic_update
+        """x~ += C(q); d = alpha (x~ - c); c <- c + d (in place); x~ -= d; returns d."""
+        from easgd_lightning.strategies.ps.rules import server_elastic_update
 
         n = self.codec.n_params
         q = self.codec.decode(message, center.dtype, self.n_total)
-        r = self.replicas[worker]
-        estimate = torch.cat([r[:n] + q[:n], q[n:]])
+        estimate = self.estimates[worker]
+        estimate[:n] += q[:n]
+        estimate[n:] = q[n:]
         d = server_elastic_update(center, estimate.to(center.device), self.alpha)
-        self.replicas[worker] = elastic_replica(estimate, d.detach().cpu(), self.alpha)
+        estimate -= d.detach().cpu()
         return d

@@ -38,7 +38,6 @@ import torch
 
 __all__ = [
     "server_elastic_update",
-    "elastic_replica",
     "nesterov_lookahead",
     "nesterov_velocity_update",
     "sgd_update",
@@ -80,18 +79,6 @@ def server_elastic_update(center: torch.Tensor, x: torch.Tensor, alpha: float) -
     diff = (x - center).mul_(alpha)
     center.add_(diff)
     return diff
-
-
-@torch.no_grad()
-def elastic_replica(estimate: torch.Tensor, d: torch.Tensor, alpha: float) -> torch.Tensor:
-    """The center right after one elastic exchange, from what both of its ends hold.
-
-    The server applied ``d = alpha (x_hat - c); c <- c + d``, so the new center is
-    ``c + d = x_hat - d / alpha + d``. Compressed exchanges keep this as the worker's replica
-    of the center (its next push is relative to it); worker and server compute it with these
-    same operations from the same ``x_hat`` and ``d``, so their replicas agree bitwise.
-    """
-    return estimate - d / alpha + d
 
 
 @torch.no_grad()
