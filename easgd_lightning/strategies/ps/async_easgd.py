@@ -8,7 +8,10 @@ in :mod:`easgd_lightning.strategies.ps.rules`):
   ``d = alpha (x_i - c); c <- c + d`` and returns d; the worker sets
   ``x_i <- opt_step(x_i, g_i) - d``. The request is sent *before* the local step and the
   reply is awaited after it, so the worker computes its gradient while d travels (SC17).
-  Default beta = p * alpha = 0.9 over the p workers, tau = 1.
+  Default beta = p * alpha = 0.9 over the p workers, tau = 1. With ``compression`` the
+  worker pushes C(x_i - x~_i), x~_i the server's estimate of x_i that both ends keep (error
+  feedback: x_i - x~_i carries what compression left out), the server applies the rule to
+  x~_i and replies with the dense d (:mod:`easgd_lightning.strategies.ps.compressed`).
 * ``async_measgd``: the same exchange; the worker's local step is EAMSGD's Nesterov form
   (``v <- delta v; x <- x + v; g = grad(x); x <- x - eta g; v <- v - eta g``) with
   ``momentum`` = delta in [0, 1) (default 0.9). The strategy owns that momentum: the
@@ -23,7 +26,8 @@ in :mod:`easgd_lightning.strategies.ps.rules`):
   ``compression.two_way`` the replies too (:mod:`easgd_lightning.strategies.ps.compressed`).
 * ``async_msgd``: Async SGD with heavy-ball momentum held by the server
   (``b <- mu b + g; w <- w - eta b``, ``momentum`` = mu, default 0.9): SGD's own momentum,
-  so the optimizer must be ``torch.optim.SGD`` with momentum 0 or mu (refused otherwise).
+  so the optimizer must be ``torch.optim.SGD`` with momentum 0 or mu (refused otherwise);
+  over momentum 0 it warns once (rank 0) that it applies mu.
 
 The machinery (dedicated server rank, liveness, stopping, checkpoints) is
 :class:`~easgd_lightning.strategies.ps.strategy.AsyncCenterStrategy`'s.

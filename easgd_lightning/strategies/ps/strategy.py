@@ -43,11 +43,19 @@ Design decisions (and their trade-offs):
   the run with an error.
 * **No collectives after set-up.** Workers run at different speeds, so every Lightning
   collective would re-synchronise them (or hang on a dead worker): after set-up this strategy
-  answers ``barrier``/``broadcast``/``reduce``/``all_gather`` locally, skips Lightning's
-  per-step SIGTERM broadcast (a local check replaces it) and the module-state broadcast of
+  answers Lightning's own ``barrier``/``broadcast``/``reduce`` calls (file-write barriers, a
+  checkpoint path's broadcast, ``sync_dist``'s reduce) locally, and refuses at the call, in
+  one line, every collective the user's code asks for (``self.all_gather``; ``barrier``,
+  ``broadcast``, ``reduce`` called from outside Lightning, torchmetrics and this package): a
+  local answer there would be silently wrong (issue 31). It skips Lightning's per-step SIGTERM
+  broadcast (a local check replaces it) and the module-state broadcast of
   ``trainer.validate``. Validation loaders are not sharded: each rank evaluates the whole
   validation set on the center, so ``val/*`` needs no all-reduce. The training set is
-  sharded over the workers only.
+  sharded over the workers only; ``trainer.test()``/``predict()`` after set-up run once, on
+  rank 0 (the other ranks get no batches).
+* **Refusals** at set-up (an optimizer the rule would not run as given) name the Python
+  API's terms, or the CLI's keys when the CLI built the strategy (it refuses before launch),
+  and are raised on rank 0; the other ranks exit 2 quietly (:class:`RefusedOnRankZero`).
 * **Stopping.** ``stop_policy="first"`` (default): ``trainer.max_epochs``/``max_steps`` count
   for the fastest worker; when the first worker finishes, the server tells every other
   worker to stop at its next exchange. ``"all"``: every worker runs its own epochs.
