@@ -423,14 +423,17 @@ class AsyncCenterStrategy(CenterStrategy):
     @override
     def _validate_world(self, world_size: int) -> None:
         super()._validate_world(world_size)
-        if self.optimizers:  # set-up: refuse an optimizer this strategy would not run as given
-            try:
+        try:
+            if self.optimizers:  # set-up: refuse an optimizer this strategy would not run as given
                 self._check_optimizer(self.optimizers[0], cli=self._from_cli, warn=self.global_rank == 0)
-            except ValueError:
-                if self.global_rank != 0:  # rank 0 says it; the others end quietly
-                    raise RefusedOnRankZero(2) from None
-                raise
-        self.validate_world_size(world_size)
+            self.validate_world_size(world_size)
+        except ValueError as err:
+            if self.global_rank != 0:  # rank 0 says it; the others end quietly
+                raise RefusedOnRankZero(2) from None
+            text = str(err)
+            if not self._from_cli and text.startswith("trainer.devices: "):
+                raise ValueError("Trainer(devices=..., num_nodes=...): " + text[len("trainer.devices: "):]) from None
+            raise
         if self.rule == "elastic":
             self._alpha = elastic.resolve_alpha(
                 world_size=self.num_workers,
