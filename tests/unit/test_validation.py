@@ -165,7 +165,12 @@ BAD += [
     (["strategy=hogwild_sgd", "trainer.num_nodes=2"], "strategy.server", "needs a parameter server"),
     (["strategy=async_easgd", "trainer.devices=2"], "trainer.devices", "it needs at least 3 processes"),
     (["strategy=async_easgd", "trainer.devices=4", "strategy.server=thread"], "strategy.server", "choose 'dedicated'"),
-    (["strategy=async_easgd", "trainer.devices=4", "compression=fp16"], "compression", "use compression=none"),
+    (["strategy=async_easgd", "trainer.devices=4", "compression=fp16"], "compression.name",
+     "compresses its pushes with one of"),
+    (["strategy=hogwild_easgd", "trainer.devices=3", "compression=topk"], "compression",
+     "applies its updates lock-free"),
+    (["strategy=async_easgd", "trainer.devices=4", "compression=topk", "compression.two_way=true"],
+     "compression.two_way", "replies with the dense d"),
     # the user's optimizer is what runs: refused where the strategy would change its rule
     (["strategy=async_measgd", "trainer.devices=4", "optim.optimizer=adamw"], "optim.optimizer",
      "AdamW has momentum of its own"),
