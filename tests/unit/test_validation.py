@@ -408,3 +408,12 @@ def test_threads_beyond_the_cores_warn_naming_the_override(caplog: pytest.LogCap
                                          f"threads_per_process={cores + 1}", "trainer.devices=2"]))
     said = [r.getMessage() for r in caplog.records if "threads_per_process=" in r.getMessage()]
     assert len(said) == 1 and f"on a machine with {cores} cores" in said[0], said
+
+
+@pytest.mark.parametrize("strategy", ["sync_easgd", "async_easgd", "ddp"])
+@pytest.mark.parametrize("compression", ["none", "topk"])
+def test_the_readme_sweep_is_accepted(strategy: str, compression: str) -> None:
+    """README's sweep ``-m strategy=sync_easgd,async_easgd,ddp trainer.devices=3
+    compression=none,topk``: every job passes the check before launch (issue 31: the
+    ``async_easgd`` jobs of the former ``compression=none,dgc`` example were refused)."""
+    _check([f"strategy={strategy}", "trainer.devices=3", f"compression={compression}"])
