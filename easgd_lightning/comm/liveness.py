@@ -38,9 +38,11 @@ __all__ = ["Liveness", "CancellableWait", "SignalWatch", "SIGNAL_GRACE_S", "inte
 
 #: a receive must never time out: that closes the process group
 LONG_WAIT = timedelta(days=7)
-#: how long the exit waits for a heartbeat thread inside a store call (the heartbeat's
-#: store client times out after 30 s, so a call never outlasts this)
-HEARTBEAT_JOIN_S = 35.0
+#: the heartbeat thread's store calls give up after this (then retry at the next beat)
+HEARTBEAT_STORE_TIMEOUT_S = 3.0
+#: how long the exit waits for a heartbeat thread inside a store call (a call never outlasts
+#: HEARTBEAT_STORE_TIMEOUT_S with the default store)
+HEARTBEAT_JOIN_S = HEARTBEAT_STORE_TIMEOUT_S + 2.0
 #: store key of a rank declared lost (one run per store: no run prefix), value JSON
 LOST_KEY = "easgd/lost/{rank}"
 
@@ -96,6 +98,7 @@ class Liveness:
         self.prefix, self.rank = prefix, rank
         self.interval_s, self.dead_after_s = float(interval_s), float(dead_after_s)
         self._factory = store_factory or _default_store
+        self._beat_factory = store_factory or _heartbeat_store
         self._reader = self._factory()
         self._seen: dict[int, tuple[int, float, float]] = {}  # rank -> (value, changed_at, read_at)
         self._stop = threading.Event()
@@ -112,12 +115,19 @@ class Liveness:
         return self
 
     def _beat(self) -> None:
-        try:
-            store = self._factory()
-            while not self._stop.wait(self.interval_s):
+        """Bump this rank's counter every ``interval_s`` until :meth:`stop`. A failed call
+        (a slow or unreachable store: the default client gives up after
+        :data:`HEARTBEAT_STORE_TIMEOUT_S`) is retried on a new connection at the next beat,
+        so no store call outlasts that bound and :meth:`close` can wait for the thread."""
+        store = None
+        while not self._stop.wait(self.interval_s):
+            try:
+                if store is None:
+                    store = self._beat_factory()
                 store.add(self._key(self.rank), 1)
-        except Exception:  # the store went away (rank 0 exited): nothing left to report to
-            log.debug("heartbeat stopped", exc_info=True)
+            except Exception:  # the store is slow or gone (rank 0 exited): try again next beat
+                store = None
+                log.debug("heartbeat failed", exc_info=True)
 
     def stop(self) -> None:
         """Stop beating (the thread ends at its next wake-up; :meth:`close` waits for it)."""
@@ -184,6 +194,15 @@ class Liveness:
 
     def has_left(self, rank: int) -> bool:
         return bool(self._reader.check([self._key(rank, "left")]))
+
+
+def _heartbeat_store():
+    """The heartbeat thread's own store client: as :func:`_default_store`, with calls that
+    give up after :data:`HEARTBEAT_STORE_TIMEOUT_S` (the thread then retries)."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if addr and port:
+        return dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=HEARTBEAT_STORE_TIMEOUT_S))
+    return compat.default_store()
 
 
 def _default_store():
