@@ -415,6 +415,11 @@ class DiLoCoStrategy(CenterStrategy):
             torch.div(x, self.world_size, out=buf)
         else:
             torch.sub(x, self._center[a:b], out=buf)
+        self._start_sum(f, buf)
+
+    def _start_sum(self, f: int, buf: torch.Tensor) -> None:
+        """Start summing fragment f's ``buf`` over the ranks (compressed with the fragment's
+        own residuals when a compressor is set); it is pending until its step."""
         self._pending[f] = start_exchange_sum(
             buf,
             compressor=self._compression,
@@ -469,16 +474,7 @@ class DiLoCoStrategy(CenterStrategy):
             x = self._elastic_flat()
             elastic.apply_elastic_pull(x[a:b], self._scratch[f])
             self._store_elastic(x)
-        self._pending[f] = start_exchange_sum(
-            self._scratch[f],
-            compressor=self._compression,
-            memory=self._memory,
-            state=self._compress_state,
-            kind=self.comm_kind,
-            key=f"fragment{f}",
-            shapes=self._shapes[f],
-            layout=self._comm,
-        )
+        self._start_sum(f, self._scratch[f])
         self._due[f] = step + self.options["fragment_sync_delay"]
         self._synced_at[f] = step
         self._syncs[f] += 1
