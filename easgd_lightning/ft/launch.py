@@ -257,8 +257,11 @@ def ft_summary(outcome: FTOutcome, reports: list[dict | None], min_replicas: int
             key = q.get("quorum_id")
             if key not in changes or q["t"] < changes[key]["t"]:
                 changes[key] = q
+    # members: the workers in the quorum; participants: how many of them contributed (a
+    # worker rejoining in that exchange receives its peer's state and contributes nothing)
     quorum_changes = [{"step": q["step"], "quorum_id": q["quorum_id"], "members": q["members"],
-                       "t_s": round(q["t"] - launch_wall, 3)} for q in sorted(changes.values(), key=lambda q: q["t"])]
+                       "participants": q.get("participants"), "t_s": round(q["t"] - launch_wall, 3)}
+                      for q in sorted(changes.values(), key=lambda q: q["t"])]
     rejoins = []
     for r, rep in enumerate(per_rank):
         rec = (rep or {}).get("recovery")
@@ -280,7 +283,8 @@ def ft_summary(outcome: FTOutcome, reports: list[dict | None], min_replicas: int
         "min_replicas": min_replicas,
         "quorum_changes": quorum_changes,
         "restarts": list(outcome.restarts),
-        "deaths": [{k: v for k, v in d.items() if k not in ("wall", "restarted_wall")} for d in outcome.deaths],
+        "deaths": [{**{k: v for k, v in d.items() if k not in ("wall", "restarted_wall", "t_s")},
+                    "t_s": round(d["wall"] - launch_wall, 3)} for d in outcome.deaths],
         "steps_not_committed": [(rep or {}).get("not_committed") if rep else None for rep in per_rank],
         "rejoins": rejoins,
         "recovery_s": [j["recovery_s"] for j in rejoins],

@@ -68,12 +68,9 @@ class _FTMixin:
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Training: the worker's shard of the configured workers. Validation: the whole set on
         every worker (there is no reduction across workers outside an exchange)."""
-        import os
         from pytorch_lightning.trainer.states import RunningStage
 
         stage = self.lightning_module.trainer.state.stage
-        if os.environ.get("EASGD_FT_DEBUG"):
-            print("sampler kwargs for", stage, flush=True)
         if stage == RunningStage.TRAINING:
             return {"num_replicas": self._ft_ctx.world, "rank": self._ft_ctx.rank}
         return {"num_replicas": 1, "rank": 0}
@@ -202,6 +199,10 @@ class FTLocalSGDStrategy(_FTMixin, LocalSGDStrategy):
     def _ft_apply_exchange(self, total: torch.Tensor, healed: bool) -> None:
         self._center = total.clone()
         self._load_elastic(total)
+        if healed:  # the peer's state was taken inside its _end_round: finish that round here
+            self._rounds += 1
+            self._round_steps = 0
+            self._current_period = None
 
     def summary_extras(self) -> dict:
         return self._ft_extras(super().summary_extras())

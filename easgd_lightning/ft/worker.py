@@ -161,6 +161,7 @@ class FTSession:
         self.served: list[dict] = []  # recoveries this worker sent to joiners
         self._quorum_id: int | None = None
         self._loaded_bytes = 0
+        self._loaded_step: int | None = None
         self._joined = False
 
     # ---------------------------------------------------------------- torchft callbacks
@@ -171,6 +172,7 @@ class FTSession:
 
     def _load(self, state: dict) -> None:
         self._loaded_bytes = tensor_bytes(state)
+        self._loaded_step = self._step_of(state)
         self._load_fn(state)
 
     @staticmethod
@@ -224,7 +226,10 @@ class FTSession:
                 size = b.numel() * b.element_size()
                 get_meter().record(kind, sent=size, recv=size, seconds=seconds / len(bufs))
             if m.should_commit():  # a joiner loads its peer's state in here
-                if healing and self.recovery is None:
+                if healing and self.recovery is None:  # at its peer's step, not its own 0
+                    step = self._loaded_step if self._loaded_step is not None else step
+                    if self.quorum_changes and self.quorum_changes[-1]["quorum_id"] == qid:
+                        self.quorum_changes[-1]["step"] = step
                     self.recovery = {"step": step, "bytes": self._loaded_bytes, "quorum_s": time.time() - t0,
                                      "joined_at": time.time(), "started_at": self.ctx.started}
                 apply(bufs, healing)
