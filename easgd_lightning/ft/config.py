@@ -15,7 +15,7 @@ from typing import Any
 __all__ = ["FT_KEYS", "FT_STRATEGIES", "check_ft", "lighthouse_address"]
 
 #: keys of ``ft=torchft`` (conf/ft/torchft.yaml)
-FT_KEYS = ("name", "lighthouse", "min_replicas", "quorum_timeout_s", "max_restarts",
+FT_KEYS = ("name", "lighthouse", "min_replicas", "quorum_timeout_s", "collective_timeout_s", "max_restarts",
            "heartbeat_timeout_s", "join_timeout_s")
 
 #: strategies whose exchange runs as a torchft quorum step
@@ -106,12 +106,13 @@ def check_ft(cfg: Any, world: int) -> None:
     restarts = ft.get("max_restarts", 3)
     if not _is_int(restarts) or restarts < 0:
         raise ConfigError(f"ft.max_restarts: must be an integer >= 0, got {restarts!r}")
-    for key, default in (("quorum_timeout_s", 30), ("heartbeat_timeout_s", 2), ("join_timeout_s", 10)):
+    for key, default in (("quorum_timeout_s", 60), ("collective_timeout_s", 10), ("heartbeat_timeout_s", 2),
+                         ("join_timeout_s", 10)):
         value = ft.get(key, default)
         if not _is_number(value) or not value > 0:
             raise ConfigError(f"ft.{key}: must be a number of seconds > 0, got {value!r}")
-    if ft.get("heartbeat_timeout_s", 2) >= ft.get("quorum_timeout_s", 30):
-        raise ConfigError(f"ft.heartbeat_timeout_s: must be < ft.quorum_timeout_s ({ft.get('quorum_timeout_s', 30)}), "
+    if ft.get("heartbeat_timeout_s", 2) >= ft.get("quorum_timeout_s", 60):
+        raise ConfigError(f"ft.heartbeat_timeout_s: must be < ft.quorum_timeout_s ({ft.get('quorum_timeout_s', 60)}), "
                           f"got {ft.get('heartbeat_timeout_s')!r}")
     try:
         import torchft  # noqa: F401

@@ -16,8 +16,8 @@ Rules (README "Fault tolerance"), every wait bounded:
   ``ft.quorum_timeout_s`` is killed (the others' quorum has dropped it by then) and restarted.
 * A worker beyond its restarts is lost. The run is ``ok`` when at least ``ft.min_replicas``
   workers finished; the summary names the lost ones.
-* A restarted worker still waiting to rejoin when every other worker has finished is ended
-  (SIGTERM, then SIGKILL): the run is over, there is no peer to recover from.
+* A restarted worker still waiting to rejoin when every other worker has finished is killed
+  (it holds no state of its own yet): the run is over, there is no peer to recover from.
 * The lighthouse dying mid-run ends the run: the error names it, the workers get SIGTERM,
   SIGKILL after the stop grace; nothing started is left running.
 * SIGINT / SIGTERM / SIGHUP to the launcher: as without ft (forwarded; a second one kills).
@@ -86,7 +86,7 @@ def spawn_and_supervise_ft(cfg: Any, cfg_file: Path, out_dir: Path, world: int, 
     restart, end them (module doc). Never raises for a worker's failure: it is in the outcome."""
     ft = cfg.ft
     grace = L.stop_grace_s(timeout_s)
-    quorum_s = float(ft.get("quorum_timeout_s", 30))
+    quorum_s = float(ft.get("quorum_timeout_s", 60))
     max_restarts = int(ft.get("max_restarts", 3))
     outcome = FTOutcome(exit_codes=[None] * world, restarts=[0] * world)
     lh: LighthouseProcess | None = None
@@ -219,11 +219,12 @@ def _supervise_ft(procs, attempts, outcome: FTOutcome, lh, env, cfg_file, out_di
         if outcome.finished_ranks and term_at is None:
             waiting = [r for r in alive if attempts[r] > 0 and not _joined(out_dir, r, attempts[r])]
             if waiting and len(waiting) == len(alive):
-                log.warning("workers %s were restarted but the run ended before they rejoined: ending them", waiting)
+                # they hold no state of their own yet (it comes from a peer): nothing to save
+                log.warning("workers %s were restarted but the run ended before they rejoined: killing them", waiting)
                 outcome.ended_waiting.extend(waiting)
                 for r in waiting:
-                    L._signal_group(procs[r], signal.SIGTERM)
-                    L._signal_group(procs[r], signal.SIGCONT)
+                    outcome.killed_ranks.append(r)
+                    L._signal_group(procs[r], signal.SIGKILL)
                 term_at = now
         if len(signals.received) > forwarded:
             forwarded = len(signals.received)

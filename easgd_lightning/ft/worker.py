@@ -48,7 +48,7 @@ ENV_WORLD = "EASGD_FT_WORLD"
 
 _CURRENT: FTContext | None = None
 
-#: exchanges tried (each bounded by ft.quorum_timeout_s) before a worker gives up
+#: exchanges tried (each bounded by ft.quorum_timeout_s + ft.collective_timeout_s) before a worker gives up
 MAX_TRIES = 8
 
 
@@ -74,7 +74,8 @@ class FTContext:
         self.attempt = int(os.environ.get(ENV_ATTEMPT, "0"))
         self.lighthouse = os.environ[ENV_LIGHTHOUSE]
         self.min_replicas = int(ft.get("min_replicas", 1))
-        self.timeout_s = float(ft.get("quorum_timeout_s", 30))
+        self.timeout_s = float(ft.get("quorum_timeout_s", 60))
+        self.collective_timeout_s = float(ft.get("collective_timeout_s", 10))
         self.run_dir = str(run_dir)
         self.started = time.time()
         self.launch_store = (os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]))
@@ -134,7 +135,7 @@ class FTSession:
 
         self.ctx = ctx
         self._state_fn, self._load_fn = state_fn, load_fn
-        t = timedelta(seconds=ctx.timeout_s)
+        t = timedelta(seconds=ctx.collective_timeout_s)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=t),
             load_state_dict=self._load,
@@ -142,7 +143,7 @@ class FTSession:
             min_replica_size=ctx.min_replicas,
             use_async_quorum=True,  # a joiner does not take part in the exchange it heals in
             timeout=t,
-            quorum_timeout=t,
+            quorum_timeout=timedelta(seconds=ctx.timeout_s),
             connect_timeout=t,
             rank=0,
             world_size=1,
