@@ -16,8 +16,9 @@ Rules (README "Fault tolerance"), every wait bounded:
   ``ft.quorum_timeout_s`` is killed (the others' quorum has dropped it by then) and restarted.
 * A worker beyond its restarts is lost. The run is ``ok`` when at least ``ft.min_replicas``
   workers finished; the summary names the lost ones.
-* A restarted worker still waiting to rejoin when every other worker has finished is killed
-  (it holds no state of its own yet): the run is over, there is no peer to recover from.
+* A restarted worker still waiting to rejoin, or a stopped one, when every other worker has
+  finished is killed (a joiner holds no state of its own yet): the run is over, there is no
+  peer to recover from; the summary counts it as lost.
 * The lighthouse dying mid-run ends the run: the error names it, the workers get SIGTERM,
   SIGKILL after the stop grace; nothing started is left running.
 * SIGINT / SIGTERM / SIGHUP to the launcher: as without ft (forwarded; a second one kills).
@@ -177,6 +178,9 @@ def _supervise_ft(procs, attempts, outcome: FTOutcome, lh, env, cfg_file, out_di
                 done[r] = True
                 outcome.finished_ranks.append(r)
                 continue
+            if stopping or (term_at is not None and r not in outcome.killed_ranks):
+                done[r] = True  # told to stop (a signal, the lighthouse lost): not a death
+                continue
             death = {"rank": r, "attempt": attempts[r], "t_s": round(now - t0, 3), "wall": time.time(),
                      **L.describe_returncode(code)}
             if r in outcome.killed_ranks:
@@ -215,12 +219,15 @@ def _supervise_ft(procs, attempts, outcome: FTOutcome, lh, env, cfg_file, out_di
                 L._signal_group(procs[r], signal.SIGTERM)
                 L._signal_group(procs[r], signal.SIGCONT)
             term_at = term_at or now
-        # every worker that trained has finished: end the restarted ones still waiting to rejoin
+        # the others have finished: end the restarted workers still waiting to rejoin and the
+        # stopped ones (SIGSTOP), which no quorum will take any more
         if outcome.finished_ranks and term_at is None:
-            waiting = [r for r in alive if attempts[r] > 0 and not _joined(out_dir, r, attempts[r])]
+            waiting = [r for r in alive if (attempts[r] > 0 and not _joined(out_dir, r, attempts[r]))
+                       or stopped_since[r] is not None]
             if waiting and len(waiting) == len(alive):
-                # they hold no state of their own yet (it comes from a peer): nothing to save
-                log.warning("workers %s were restarted but the run ended before they rejoined: killing them", waiting)
+                # a joiner holds no state of its own yet (it comes from a peer): nothing to save
+                log.warning("workers %s were restarted but the run ended before they rejoined, or are "
+                            "stopped: killing them", waiting)
                 outcome.ended_waiting.extend(waiting)
                 for r in waiting:
                     outcome.killed_ranks.append(r)
