@@ -113,9 +113,9 @@ def main(argv: list[str] | None = None) -> None:
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: done.set())
-    from torchft._torchft import LighthouseServer
+    from easgd_lightning.compat.torchft import lighthouse_server_class
 
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas, join_timeout_ms=join_ms,
+    server = lighthouse_server_class()(bind="127.0.0.1:0", min_replicas=min_replicas, join_timeout_ms=join_ms,
                               heartbeat_timeout_ms=heartbeat_ms)
     address = server.address().replace(socket.gethostname(), "127.0.0.1")
     tmp = addr_file.with_name(f".{addr_file.name}.{os.getpid()}.tmp")

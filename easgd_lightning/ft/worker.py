@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from easgd_lightning.compat.torchft import quorum_id, quorum_ranks
 from easgd_lightning.utils.atomic import atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -183,8 +184,7 @@ class FTSession:
     # ---------------------------------------------------------------- the exchange
     def members(self) -> list[int]:
         """Worker ranks of the current quorum (torchft's process group keeps them)."""
-        ranks = getattr(getattr(self.manager, "_pg", None), "_global_ranks", None)
-        return sorted(int(r) for r in ranks) if ranks else []
+        return quorum_ranks(self.manager)
 
     def exchange(self, payload: Callable[[int, bool], list[torch.Tensor]],
                  apply: Callable[[list[torch.Tensor], bool], None], *, step: int, kind: str) -> None:
@@ -212,7 +212,7 @@ class FTSession:
                 raise RuntimeError(f"ft=torchft: no quorum from the lighthouse at {self.ctx.lighthouse}: {err}") from err
             healing = not m.is_participating()
             n = m.num_participants()
-            qid = getattr(m, "_quorum_id", None)
+            qid = quorum_id(m)
             if qid != self._quorum_id:
                 self._quorum_id = qid
                 self.quorum_changes.append({"step": step, "quorum_id": qid, "members": self.members(),

@@ -8,6 +8,7 @@ with the next quorum -- the two of them -- and commit the average of the two.
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -34,7 +35,7 @@ def test_failed_exchange_is_not_committed_and_retried(tmp_path: Path) -> None:
     try:
         for r in range(3):
             env = base_env(EASGD_FT_RANK=str(r), EASGD_FT_WORLD="3", EASGD_FT_ATTEMPT="0",
-                           EASGD_FT_LIGHTHOUSE=lighthouse.address(), MASTER_ADDR="127.0.0.1",
+                           EASGD_FT_LIGHTHOUSE=lighthouse.address().replace(socket.gethostname(), "127.0.0.1"), MASTER_ADDR="127.0.0.1",
                            MASTER_PORT=str(store.port), RUST_LOG="warn")
             procs.append(subprocess.Popen(
                 [sys.executable, str(SCRIPT), str(tmp_path / f"r{r}.json"), str(steps), str(victim), str(kill_step)],
