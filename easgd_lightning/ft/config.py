@@ -2,7 +2,7 @@
 one line naming the key and what is allowed).
 
 Rule: ``ft=none`` (the default) changes nothing. ``ft=torchft`` supports what it can keep
-exact: ``strategy=local_sgd`` and ``strategy=sync_easgd`` with ``compression=none`` and a
+exact: ``strategy=local_sgd``, ``sync_easgd`` and ``ddp`` (dense) with ``compression=none`` and a
 flat reduction, started by easgd-train's own launcher; everything else is refused in one
 line rather than run without the tolerance it asked for.
 """
@@ -19,10 +19,9 @@ FT_KEYS = ("name", "lighthouse", "min_replicas", "quorum_timeout_s", "collective
            "heartbeat_timeout_s", "join_timeout_s")
 
 #: strategies whose exchange runs as a torchft quorum step
-FT_STRATEGIES = ("local_sgd", "sync_easgd")
+FT_STRATEGIES = ("local_sgd", "sync_easgd", "ddp")
 
 _WHY_NOT = {
-    "ddp": "its gradient all-reduce runs inside torch DDP's reducer on the default process group, not yet through the Manager",
     "pipeline_3d": "a pipeline stage cannot be replaced by a peer: every stage holds different layers",
     "easgd_round_robin": "its master serves workers in rank order over the default process group",
     "async_easgd": "the parameter-server family tolerates lost workers natively, without torchft",
@@ -80,14 +79,17 @@ def check_ft(cfg: Any, world: int) -> None:
         why = _WHY_NOT.get(strategy, "its exchange does not run through the torchft Manager")
         raise ConfigError(f"ft=torchft: strategy={strategy} cannot survive a lost worker ({why}); "
                           f"use strategy={' or strategy='.join(FT_STRATEGIES)}, or ft=none")
+    comm = cfg.get("comm") or {}
     compression = cfg.compression.get("name", "none")
     if compression != "none":
         raise ConfigError(f"ft=torchft: compression={compression} is not supported under ft=torchft yet "
                           "(its residuals would need recovering too); use compression=none, or ft=none")
+    if strategy == "ddp" and (comm.get("allreduce", "ring") != "ring"):
+        raise ConfigError(f"ft=torchft: comm.allreduce={comm.get('allreduce')} is not supported (the gradients go "
+                          "through the torchft Manager); use comm.allreduce=ring, or ft=none")
     if strategy == "local_sgd" and cfg.strategy.get("cocod", False):
         raise ConfigError("ft=torchft: strategy.cocod=true is not supported (an average in flight across a "
                           "quorum change cannot be committed); use strategy.cocod=false, or ft=none")
-    comm = cfg.get("comm") or {}
     if comm.get("hierarchy", "flat") != "flat":
         raise ConfigError(f"ft=torchft: comm.hierarchy={comm.get('hierarchy')} is not supported (node groups "
                           "do not follow quorum changes); use comm.hierarchy=flat, or ft=none")

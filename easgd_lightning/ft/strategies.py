@@ -40,6 +40,8 @@ from torch.optim import Optimizer
 from easgd_lightning.comm.fusion import fusion_buckets
 from easgd_lightning.ft.worker import FTContext, FTSession
 from easgd_lightning.strategies import elastic
+from easgd_lightning.strategies.base import _then
+from easgd_lightning.strategies.ddp import CompressedDDPStrategy
 from easgd_lightning.strategies.local_sgd import LocalSGDStrategy
 from easgd_lightning.strategies.sync_easgd import SyncEASGDStrategy
 
@@ -256,7 +258,75 @@ class FTSyncEASGDStrategy(_FTMixin, SyncEASGDStrategy):
         return self._ft_extras(extras)
 
 
-_FT_CLASSES = {LocalSGDStrategy: FTLocalSGDStrategy, SyncEASGDStrategy: FTSyncEASGDStrategy}
+class FTDDPStrategy(_FTMixin, CompressedDDPStrategy):
+    """``ddp`` (dense gradients) with every step a quorum step, torchft's own model:
+
+    start_quorum at the step's start (it completes during the forward and backward); each
+    DDP bucket ``g <- sum_{i in Q} g_i / |Q|`` through the Manager (a joiner's bucket is
+    zeroed); ``should_commit`` after the backward, before the update: not committed, the
+    gradients are dropped (the optimizer skips parameters without a gradient) and the batch
+    is lost, as in torchft's DDP. A joiner loads its peer's module, optimizer and counters
+    inside ``should_commit`` of its first step and applies that step's averaged gradient,
+    so it leaves the step equal to its peers. DDP is built with
+    ``find_unused_parameters=True``, which keeps the reducer from rebuilding its buckets after
+    the first step (a joiner's buckets would differ from its peers': torchft's DDP does the
+    same).
+    """
+
+    def _ft_init(self, ctx: FTContext) -> None:
+        super()._ft_init(ctx)
+        self._ddp_kwargs["find_unused_parameters"] = True
+
+    def _register_ddp_hooks(self) -> None:
+        session = self._ft_session()
+
+        def hook(_state, bucket):  # no annotations: DDP checks them against the real types
+            fut = torch.futures.Future()
+            fut.set_result(session.allreduce_mean(bucket.buffer(), "data_parallel"))
+            return fut
+
+        self.model.register_comm_hook(None, hook)
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
+        session = self._ft_session()
+        session.start_step(self._local_steps + 1)
+
+        def after_backward() -> None:
+            if not session.commit_step():
+                for group in optimizer.param_groups:
+                    for p in group["params"]:
+                        p.grad = None
+
+        out = super().optimizer_step(optimizer, _then(closure, after_backward), model, **kwargs)
+        self._ft_stop_when_done()
+        return out
+
+    def _ft_state(self) -> dict:
+        trainer = self.lightning_module.trainer
+        return copy.deepcopy({
+            "module": {k: v.detach().clone() for k, v in self.lightning_module.state_dict().items()},
+            "optimizer": self.optimizers[0].state_dict() if self.optimizers else None,
+            "local_steps": int(self._local_steps),
+            "schedulers": [c.scheduler.state_dict() for c in getattr(trainer, "lr_scheduler_configs", [])],
+        })
+
+    @torch.no_grad()
+    def _ft_load(self, state: dict) -> None:
+        self.lightning_module.load_state_dict(state["module"])
+        if state.get("optimizer") is not None and self.optimizers:
+            self.optimizers[0].load_state_dict(state["optimizer"])
+        self._local_steps = int(state["local_steps"])
+        trainer = self.lightning_module.trainer
+        for config, sd in zip(getattr(trainer, "lr_scheduler_configs", []), state.get("schedulers") or []):
+            config.scheduler.load_state_dict(sd)
+
+    def summary_extras(self) -> dict:
+        base = super().summary_extras() if hasattr(super(), "summary_extras") else {}
+        return self._ft_extras(base)
+
+
+_FT_CLASSES = {LocalSGDStrategy: FTLocalSGDStrategy, SyncEASGDStrategy: FTSyncEASGDStrategy,
+               CompressedDDPStrategy: FTDDPStrategy}
 
 
 def attach(strategy: Any, ctx: FTContext) -> Any:

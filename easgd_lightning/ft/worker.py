@@ -245,6 +245,63 @@ class FTSession:
                         step, m.errored())
         raise RuntimeError(f"ft=torchft: the exchange at step {step} was not committed in {MAX_TRIES} quorums")
 
+    # ---------------------------------------------------------------- a DDP step
+    def start_step(self, step: int) -> None:
+        """Start this step's quorum (it completes while the forward and backward run)."""
+        self._step, self._step_t0, self._step_noted = step, time.time(), False
+        self.manager.start_quorum()
+
+    def _note_step_quorum(self) -> tuple[int, bool]:
+        m = self.manager
+        try:
+            m.wait_quorum()
+        except Exception as err:
+            raise RuntimeError(f"ft=torchft: no quorum from the lighthouse at {self.ctx.lighthouse}: {err}") from err
+        n, healing = m.num_participants(), not m.is_participating()
+        if not self._step_noted:
+            self._step_noted = True
+            qid = quorum_id(m)
+            if qid != self._quorum_id:
+                self._quorum_id = qid
+                self.quorum_changes.append({"step": self._step, "quorum_id": qid, "members": self.members(),
+                                            "participants": n, "t": time.time()})
+        return n, healing
+
+    def allreduce_mean(self, buf: torch.Tensor, kind: str) -> torch.Tensor:
+        """``buf <- sum_{i in Q} buf_i / n`` over this step's quorum (n: its contributing
+        workers; a joiner's ``buf`` is zeroed by the Manager); blocking, metered."""
+        from torch.distributed import ReduceOp
+
+        from easgd_lightning.comm.meter import get_meter
+
+        n, _ = self._note_step_quorum()
+        buf.div_(n)
+        start = time.perf_counter()
+        self.manager.allreduce(buf, reduce_op=ReduceOp.SUM).wait()
+        size = buf.numel() * buf.element_size()
+        get_meter().record(kind, sent=size, recv=size, seconds=time.perf_counter() - start)
+        return buf
+
+    def commit_step(self) -> bool:
+        """``should_commit`` for this step (a joiner loads its peer's state in here)."""
+        _, healing = self._note_step_quorum()
+        if not self.manager.should_commit():
+            self.not_committed.append(self._step)
+            log.warning("ft: step %d was not committed (%s)", self._step, self.manager.errored())
+            return False
+        if healing and self.recovery is None:
+            step = self._loaded_step if self._loaded_step is not None else self._step
+            if self.quorum_changes and self.quorum_changes[-1]["quorum_id"] == self._quorum_id:
+                self.quorum_changes[-1]["step"] = step
+            self.recovery = {"step": step, "bytes": self._loaded_bytes, "quorum_s": time.time() - self._step_t0,
+                             "joined_at": time.time(), "started_at": self.ctx.started}
+        self.exchanges += 1
+        if not self._joined:
+            self._joined = True
+            self.ctx.mark_joined({"joined_at": time.time(), "healed": bool(healing), "step": self._step,
+                                  "recovery_bytes": self._loaded_bytes if healing else 0})
+        return True
+
     def report(self) -> dict:
         return {
             "rank": self.ctx.rank,
