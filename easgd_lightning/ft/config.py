@@ -23,6 +23,7 @@ FT_STRATEGIES = ("local_sgd", "sync_easgd", "ddp")
 
 _WHY_NOT = {
     "pipeline_3d": "a pipeline stage cannot be replaced by a peer: every stage holds different layers",
+    "diloco": "its outer step and fragments do not run through the torchft Manager yet",
     "easgd_round_robin": "its master serves workers in rank order over the default process group",
     "async_easgd": "the parameter-server family tolerates lost workers natively, without torchft",
     "async_measgd": "the parameter-server family tolerates lost workers natively, without torchft",
