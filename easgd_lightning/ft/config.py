@@ -19,11 +19,10 @@ FT_KEYS = ("name", "lighthouse", "min_replicas", "quorum_timeout_s", "collective
            "heartbeat_timeout_s", "join_timeout_s")
 
 #: strategies whose exchange runs as a torchft quorum step
-FT_STRATEGIES = ("local_sgd", "sync_easgd", "ddp")
+FT_STRATEGIES = ("local_sgd", "sync_easgd", "ddp", "diloco")
 
 _WHY_NOT = {
     "pipeline_3d": "a pipeline stage cannot be replaced by a peer: every stage holds different layers",
-    "diloco": "its outer step and fragments do not run through the torchft Manager yet",
     "easgd_round_robin": "its master serves workers in rank order over the default process group",
     "async_easgd": "the parameter-server family tolerates lost workers natively, without torchft",
     "async_measgd": "the parameter-server family tolerates lost workers natively, without torchft",
@@ -88,6 +87,14 @@ def check_ft(cfg: Any, world: int) -> None:
     if strategy == "ddp" and (comm.get("allreduce", "ring") != "ring"):
         raise ConfigError(f"ft=torchft: comm.allreduce={comm.get('allreduce')} is not supported (the gradients go "
                           "through the torchft Manager); use comm.allreduce=ring, or ft=none")
+    if strategy == "diloco":
+        st = cfg.strategy
+        for key, ok, allowed in (("fragments", st.get("fragments", 1) == 1, "1"),
+                                 ("fragment_sync_delay", st.get("fragment_sync_delay", 0) == 0, "0"),
+                                 ("outer", st.get("outer", "nesterov") in ("nesterov", "average"), "nesterov or average")):
+            if not ok:
+                raise ConfigError(f"ft=torchft: strategy.{key}={st.get(key)} is not supported with strategy=diloco "
+                                  f"(an exchange must be one whole quorum step); use strategy.{key}={allowed}, or ft=none")
     if strategy == "local_sgd" and cfg.strategy.get("cocod", False):
         raise ConfigError("ft=torchft: strategy.cocod=true is not supported (an average in flight across a "
                           "quorum change cannot be committed); use strategy.cocod=false, or ft=none")

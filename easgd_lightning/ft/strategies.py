@@ -42,6 +42,12 @@ from easgd_lightning.ft.worker import FTContext, FTSession
 from easgd_lightning.strategies import elastic
 from easgd_lightning.strategies.base import _then
 from easgd_lightning.strategies.ddp import CompressedDDPStrategy
+from easgd_lightning.strategies.diloco import (
+    DiLoCoStrategy,
+    fragment_to_sync,
+    merge_fragment,
+    outer_sgd_step,
+)
 from easgd_lightning.strategies.local_sgd import LocalSGDStrategy
 from easgd_lightning.strategies.sync_easgd import SyncEASGDStrategy
 
@@ -60,6 +66,7 @@ class _FTMixin:
         self._ft_ctx = ctx
         self._ft = None
         self._ft_total: int | None = None
+        self._ft_n = ctx.world
 
     # ------------------------------------------------------------ identity and data
     @property
@@ -101,6 +108,7 @@ class _FTMixin:
         holder: dict = {}
 
         def bufs(n: int, healing: bool) -> list[torch.Tensor]:
+            self._ft_n = n  # the contributing workers of this exchange
             holder["flat"] = payload(n, healing)
             return self._ft_buckets(holder["flat"])
 
@@ -325,7 +333,94 @@ class FTDDPStrategy(_FTMixin, CompressedDDPStrategy):
         return self._ft_extras(base)
 
 
-_FT_CLASSES = {LocalSGDStrategy: FTLocalSGDStrategy, SyncEASGDStrategy: FTSyncEASGDStrategy,
+class FTDiLoCoStrategy(_FTMixin, DiLoCoStrategy):
+    """``diloco`` (one fragment, no delay, outer ``nesterov`` or ``average``) with each outer
+    step a quorum step: ``u_i = x_i - theta`` (or ``x_i / |Q|`` when the outer step is the
+    average) summed over the quorum; ``theta <- OuterOpt(theta, -sum u / |Q|)``, ``x_i <-
+    theta`` -- the mean pseudo-gradient of the workers present. A joiner receives theta, the
+    outer momentum, its peer's worker state and counters, and applies the outer step to
+    them."""
+
+    def _ft_init(self, ctx: FTContext) -> None:
+        super()._ft_init(ctx)
+        self._ft_deferred: tuple[torch.Tensor, int] | None = None
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._ft_stop_when_done()
+        return out
+
+    def _on_center_ready(self) -> None:
+        super()._on_center_ready()
+        if self._ft_deferred is not None:  # a joiner: its peer's outer step, now that theta's buffers exist
+            total, n = self._ft_deferred
+            self._ft_deferred = None
+            self._ft_outer(total, n)
+            self._synced_at[0] = self._local_steps
+            self._syncs[0] += 1
+
+    def _after_inner_step(self, step: int) -> None:
+        if fragment_to_sync(step, self.tau, 1) is not None:
+            self._ft_sync(step)
+
+    def _ft_payload(self, n: int, healing: bool) -> torch.Tensor:
+        x = self._elastic_flat()
+        if self._averages:
+            return x.clone().div_(n)
+        return torch.sub(x, self._center)
+
+    @torch.no_grad()
+    def _ft_sync(self, step: int) -> None:
+        def apply(total: torch.Tensor, healed: bool) -> None:
+            self._ft_outer(total, self._ft_n)
+            self._synced_at[0] = step
+            self._syncs[0] += 1
+
+        self._ft_exchange(self._ft_payload, apply)
+
+    def _ft_apply_exchange(self, total: torch.Tensor, healed: bool) -> None:
+        # only a joiner's set-up exchange comes here, before theta's buffers exist
+        self._ft_deferred = (total.clone(), self._ft_n)
+
+    @torch.no_grad()
+    def _ft_outer(self, total: torch.Tensor, n: int) -> None:
+        o = self.options
+        theta = self._center
+        if self._averages:
+            theta.copy_(total)
+        else:
+            momentum = self._momentum
+            outer_sgd_step(theta, momentum, total / -n, o["outer_lr"], o["outer_momentum"], o["outer_nesterov"])
+        x = self._elastic_flat()
+        merge_fragment(theta, x, o["fragment_update_alpha"])
+        self._store_elastic(x)
+
+    @torch.no_grad()
+    def _finish(self) -> None:
+        if self._synced_at[0] < self._local_steps:
+            self._ft_sync(self._local_steps)
+
+    def _ft_state(self) -> dict:
+        state = super()._ft_state()
+        state["momentum"] = None if self._momentum is None else self._momentum.detach().clone()
+        return state
+
+    def _ft_load(self, state: dict) -> None:
+        super()._ft_load(state)  # theta into _center; synced_at / syncs into _restored
+        self._restored = {**(self._restored or {}), "momentum": state.get("momentum")}
+        if self._outer_buf is not None:  # (not in the set-up exchange) refresh the outer buffers
+            self._outer_buf[0].copy_(self._center)
+            self._center = self._outer_buf[0]
+            if self._momentum is not None and state.get("momentum") is not None:
+                self._momentum.copy_(state["momentum"])
+            self._synced_at = list(self._restored.get("synced_at") or self._synced_at)
+            self._syncs = list(self._restored.get("syncs") or self._syncs)
+
+    def summary_extras(self) -> dict:
+        return self._ft_extras(super().summary_extras())
+
+
+_FT_CLASSES = {DiLoCoStrategy: FTDiLoCoStrategy, LocalSGDStrategy: FTLocalSGDStrategy, SyncEASGDStrategy: FTSyncEASGDStrategy,
                CompressedDDPStrategy: FTDDPStrategy}
 
 
