@@ -14,7 +14,7 @@ launcher and strategies.
   restarts a dead worker (up to ``ft.max_restarts``), writes the ``ft`` part of summary.json.
 * :mod:`.worker` -- one worker as its own replica group (a one-process Lightning world plus a
   torchft ``Manager``) and the quorum exchange.
-* :mod:`.strategies` -- ``local_sgd``, ``sync_easgd`` and ``ddp`` with their exchange as a quorum step.
+* :mod:`.strategies` -- ``local_sgd``, ``sync_easgd``, ``ddp`` and ``diloco`` with their exchange as a quorum step.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 one line naming the key and what is allowed).
 
 Rule: ``ft=none`` (the default) changes nothing. ``ft=torchft`` supports what it can keep
-exact: ``strategy=local_sgd``, ``sync_easgd`` and ``ddp`` (dense) with ``compression=none`` and a
+exact: ``strategy=local_sgd``, ``sync_easgd``, ``ddp`` (dense) and ``diloco`` (one fragment) with ``compression=none`` and a
 flat reduction, started by easgd-train's own launcher; everything else is refused in one
 line rather than run without the tolerance it asked for.
 """

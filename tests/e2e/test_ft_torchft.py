@@ -3,7 +3,7 @@ worker processes, each its own replica group with a torchft Manager (easgd_light
 
 * No fault: ``ft=torchft`` trains bitwise the same centre as ``ft=none`` (float64,
   ``trainer.precision=64-true``; the centre in ``last.ckpt``), for local_sgd and sync_easgd;
-  the same weights up to rounding (1e-14) for ddp.
+  the same weights up to rounding (1e-14) for ddp; bitwise for diloco (one fragment).
 * One worker SIGKILLed from outside mid-run (its pid from ``ranks/launch.json``; or by
   ``faults.kill_rank``): the run finishes ``ok``, the worker was restarted once and rejoined
   (its state received from a peer, bytes counted), the validation accuracy is within 0.02 of
@@ -75,7 +75,7 @@ def _every_pid(run_dir: Path, seen: set[int]) -> set[int]:
 
 
 # -------------------------------------------------------------------------- no fault
-@pytest.mark.parametrize("strategy", ["local_sgd", "sync_easgd", "ddp"])
+@pytest.mark.parametrize("strategy", ["local_sgd", "sync_easgd", "ddp", "diloco"])
 def test_no_fault_is_bitwise_ft_none(tmp_path: Path, strategy: str) -> None:
     """Bitwise for local_sgd and sync_easgd. ddp: equal to rounding only -- under ft=torchft
     DDP's reducer keeps its first bucket layout (find_unused_parameters=True, as torchft's
@@ -83,7 +83,7 @@ def test_no_fault_is_bitwise_ft_none(tmp_path: Path, strategy: str) -> None:
     ones), so the ring sums the elements of a bucket in another order than ft=none's rebuilt
     buckets."""
     over = [f"strategy={strategy}", "trainer.max_epochs=2", "trainer.precision=64-true",
-            *(["strategy.tau=4"] if strategy == "local_sgd" else [])]
+            *(["strategy.tau=4"] if strategy in ("local_sgd", "diloco") else [])]
     runs = {}
     for ft in ("none", "torchft"):
         runs[ft] = tmp_path / ft
@@ -102,7 +102,8 @@ def test_no_fault_is_bitwise_ft_none(tmp_path: Path, strategy: str) -> None:
     # workers) instead of per shard and averaged: equal up to the order of the float64 sums
     assert sb["val_acc"] == pytest.approx(sa["val_acc"], abs=1e-12)
     assert sb["train_loss"] == pytest.approx(sa["train_loss"], rel=1e-12)
-    kind = {"local_sgd": "model_averaging", "sync_easgd": "elastic", "ddp": "data_parallel"}[strategy]
+    kind = {"local_sgd": "model_averaging", "sync_easgd": "elastic", "ddp": "data_parallel",
+            "diloco": "pseudo_gradient"}[strategy]
     assert sb["comm"]["by_kind"][kind]["bytes_sent"] == sa["comm"]["by_kind"][kind]["bytes_sent"] > 0
     ft = sb["ft"]
     assert ft["restarts"] == [0, 0, 0] and ft["rejoins"] == [] and ft["deaths"] == []
@@ -112,27 +113,35 @@ def test_no_fault_is_bitwise_ft_none(tmp_path: Path, strategy: str) -> None:
 
 # -------------------------------------------------------------------------- one SIGKILL
 LONG = ["trainer.max_epochs=40"]  # 600 steps per worker: a kill at step ~100 leaves time to rejoin
+#: the SIGKILL-from-outside runs: 1200 steps, so that a worker killed a moment after the first
+#: exchange is back before the end even on a loaded machine
+LONGER = ["trainer.max_epochs=80"]
 
 
 def _fault_free(tmp_path: Path, strategy: str, extra: list[str]) -> dict:
     run = tmp_path / "fault_free"
-    run_cli([f"hydra.run.dir={run}", *COMMON, f"strategy={strategy}", *LONG, *extra], timeout=400)
+    run_cli([f"hydra.run.dir={run}", *COMMON, f"strategy={strategy}", *LONGER, *extra], timeout=400)
     return _summary(run)
 
 
-@pytest.mark.parametrize("strategy,extra", [("local_sgd", ["strategy.tau=4"]), ("sync_easgd", []), ("ddp", [])])
+@pytest.mark.parametrize("strategy,extra", [
+    ("local_sgd", ["strategy.tau=4"]), ("sync_easgd", []), ("ddp", []),
+    # the outer step without momentum: with the paper's Nesterov 0.9 at lr 0.7 this toy run is
+    # too unstable for a 0.02 criterion (README, Fault tolerance: measured)
+    ("diloco", ["strategy.tau=4", "strategy.outer_momentum=0.0"]),
+])
 def test_sigkill_from_outside_rejoins(tmp_path: Path, strategy: str, extra: list[str]) -> None:
     base = _fault_free(tmp_path, strategy, extra)
     assert base["status"] == "ok"
     run = tmp_path / "killed"
     log = tmp_path / "killed.log"
-    proc = start_cli([f"hydra.run.dir={run}", *COMMON, f"strategy={strategy}", *LONG, *extra], base_env(), log)
+    proc = start_cli([f"hydra.run.dir={run}", *COMMON, f"strategy={strategy}", *LONGER, *extra], base_env(), log)
     pids: set[int] = set()
     try:
         # every worker has committed its first exchange: kill worker 1 a moment later
         _wait(lambda: all((run / "ranks" / "ft" / f"rank{r}.json").exists() for r in range(3)), 120,
               "the three workers' first exchange")
-        time.sleep(1.0)
+        time.sleep(0.5)
         victim = _json(run / "ranks" / "launch.json")["worker_pids"][1]
         _every_pid(run, pids)
         os.kill(victim, signal.SIGKILL)
@@ -149,12 +158,15 @@ def test_sigkill_from_outside_rejoins(tmp_path: Path, strategy: str, extra: list
     assert [d["rank"] for d in ft["deaths"]] == [1] and ft["deaths"][0]["signal"] == "SIGKILL"
     (rejoin,) = ft["rejoins"]
     assert rejoin["rank"] == 1 and rejoin["attempt"] == 1
-    assert 0 < rejoin["at_step"] < 600
+    assert 0 < rejoin["at_step"] < 1200
     assert rejoin["recovery_bytes"] > 0 and ft["recovery_bytes"] == rejoin["recovery_bytes"]
     assert rejoin["recovery_s"] is not None and rejoin["recovery_s"] > 0
     assert ft["finished_ranks"] == [0, 1, 2] and ft["lost_ranks"] == []
     # every worker, the restarted one too, ended at the run's last step
-    assert s["steps_per_rank"] == [600, 600, 600]
+    assert s["steps_per_rank"] == [1200, 1200, 1200]
+    # every worker, the rejoined one too, ends with the same model
+    finals = [_json(run / "ranks" / f"rank{r}.json")["val_acc"] for r in range(3)]
+    assert finals[0] == finals[1] == finals[2], finals
     assert abs(s["val_acc"] - base["val_acc"]) <= 0.02, (s["val_acc"], base["val_acc"])
     assert s["val_acc"] > 0.9
     assert len(pids) >= 5  # three workers, the restarted one, the lighthouse
@@ -212,6 +224,7 @@ REFUSALS = [
     (["ft.lighthouse=nowhere"], "ft.lighthouse: must be null or host:port"),
     (["strategy=pipeline_3d"], "ft=torchft: strategy=pipeline_3d cannot survive a lost worker"),
     (["strategy=easgd_round_robin"], "ft=torchft: strategy=easgd_round_robin cannot survive a lost worker"),
+    (["strategy=diloco", "strategy.fragments=2"], "ft=torchft: strategy.fragments=2 is not supported with strategy=diloco"),
     (["strategy=ddp", "compression=topk"], "ft=torchft: compression=topk is not supported"),
     (["strategy=async_easgd"], "ft=torchft: strategy=async_easgd cannot survive a lost worker"),
     (["strategy=local_sgd", "compression=topk"], "ft=torchft: compression=topk is not supported"),
