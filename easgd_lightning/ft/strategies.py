@@ -1,4 +1,5 @@
-"""``local_sgd`` and ``sync_easgd`` under ``ft=torchft``: the exchange is a torchft quorum step.
+"""``local_sgd``, ``sync_easgd``, ``diloco`` and ``ddp`` under ``ft=torchft``: the exchange is a
+torchft quorum step (``ddp`` and ``diloco``: the classes' own docstrings).
 
 The arithmetic is the strategies' own (strategies/local_sgd.py, strategies/sync_easgd.py;
 Lin et al. / Stich for local SGD, Zhang, Choromanska, LeCun NeurIPS 2015 for EASGD); only
