@@ -333,10 +333,11 @@ def train_local_ft(cfg: Any, resolved: dict, cfg_yaml: str, out_dir: Path, world
     elif not ft["enough_replicas"]:
         status, error = "failed", (f"only workers {ft['finished_ranks']} finished, fewer than ft.min_replicas="
                                    f"{min_replicas}" + (f"; {L.failure_message(first, outcome.exit_codes)}" if first else ""))
-    # under ft a lost worker is not a failed run: only the finished workers' reports count
+    # under ft a lost worker is not a failed run (role "lost", as the parameter server's)
     finished = set(ft["finished_ranks"])
+    lost = [r for r in range(world) if r not in finished] if status == "ok" else []
     summary = build_summary(resolved, [rep if r in finished else None for r, rep in enumerate(reports)]
-                            if status == "ok" else reports, status=status, error=error)
+                            if status == "ok" else reports, status=status, error=error, lost=lost)
     summary["status"] = status
     if status == "ok":
         summary["error"] = None
