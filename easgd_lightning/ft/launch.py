@@ -270,21 +270,14 @@ def ft_summary(outcome: FTOutcome, reports: list[dict | None], min_replicas: int
     quorum_changes = [{"step": q["step"], "quorum_id": q["quorum_id"], "members": q["members"],
                        "participants": q.get("participants"), "t_s": round(q["t"] - launch_wall, 3)}
                       for q in sorted(changes.values(), key=lambda q: q["t"])]
-    rejoins = []
+    rejoins, catch_ups = [], []
     for r, rep in enumerate(per_rank):
-        rec = (rep or {}).get("recovery")
-        if not rec:
-            continue
-        died = [d for d in outcome.deaths if d["rank"] == r and d["attempt"] == rep["attempt"] - 1]
-        died_wall = died[-1]["wall"] if died else None
-        rejoins.append({
-            "rank": r, "attempt": rep["attempt"], "at_step": rec["step"], "recovery_bytes": rec["bytes"],
-            "died_t_s": round(died_wall - launch_wall, 3) if died_wall else None,
-            "rejoined_t_s": round(rec["joined_at"] - launch_wall, 3),
-            # death (as the launcher saw it) to the first committed exchange of the new start
-            "recovery_s": round(rec["joined_at"] - died_wall, 3) if died_wall else None,
-            "restart_to_rejoin_s": round(rec["joined_at"] - rec["started_at"], 3),
-        })
+        for i, rec in enumerate((rep or {}).get("recoveries") or []):
+            if i > 0 or rep["attempt"] == 0:  # a live worker that fell one commit behind
+                catch_ups.append({"rank": r, "attempt": rep["attempt"], "at_step": rec["step"],
+                                  "recovery_bytes": rec["bytes"], "t_s": round(rec["joined_at"] - launch_wall, 3)})
+                continue
+            rejoins.append(_rejoin(r, rep, rec, outcome, launch_wall))
     finished = sorted(set(outcome.finished_ranks))
     return {
         "lighthouse": outcome.lighthouse,
@@ -295,13 +288,28 @@ def ft_summary(outcome: FTOutcome, reports: list[dict | None], min_replicas: int
                     "t_s": round(d["wall"] - launch_wall, 3)} for d in outcome.deaths],
         "steps_not_committed": [(rep or {}).get("not_committed") if rep else None for rep in per_rank],
         "rejoins": rejoins,
+        "catch_ups": catch_ups,
         "recovery_s": [j["recovery_s"] for j in rejoins],
-        "recovery_bytes": sum(j["recovery_bytes"] for j in rejoins),
+        "recovery_bytes": sum(j["recovery_bytes"] for j in rejoins + catch_ups),
         "finished_ranks": finished,
         "lost_ranks": sorted(set(outcome.lost_ranks) | set(outcome.ended_waiting)),
         "ended_before_rejoin": sorted(set(outcome.ended_waiting)),
         "lighthouse_lost": outcome.lighthouse_lost,
         "enough_replicas": len(finished) >= min_replicas,
+    }
+
+
+def _rejoin(r: int, rep: dict, rec: dict, outcome: FTOutcome, launch_wall: float) -> dict:
+    """A restarted worker's rejoin: its recovery, timed from its death as the launcher saw it."""
+    died = [d for d in outcome.deaths if d["rank"] == r and d["attempt"] == rep["attempt"] - 1]
+    died_wall = died[-1]["wall"] if died else None
+    return {
+        "rank": r, "attempt": rep["attempt"], "at_step": rec["step"], "recovery_bytes": rec["bytes"],
+        "died_t_s": round(died_wall - launch_wall, 3) if died_wall else None,
+        "rejoined_t_s": round(rec["joined_at"] - launch_wall, 3),
+        # death (as the launcher saw it) to the first committed exchange of the new start
+        "recovery_s": round(rec["joined_at"] - died_wall, 3) if died_wall else None,
+        "restart_to_rejoin_s": round(rec["joined_at"] - rec["started_at"], 3),
     }
 
 

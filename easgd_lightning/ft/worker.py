@@ -159,7 +159,10 @@ class FTSession:
         self.exchanges = 0
         self.quorum_changes: list[dict] = []
         self.not_committed: list[int] = []
-        self.recovery: dict | None = None  # this start's own recovery from a peer
+        # this process's recoveries from a peer: its rejoin after a restart, and any catch-up of
+        # a live worker whose commit failed where a peer's succeeded (torchft's commit vote is
+        # per replica group: the one left behind receives the peer's state at the next quorum)
+        self.recoveries: list[dict] = []
         self.served: list[dict] = []  # recoveries this worker sent to joiners
         self._quorum_id: int | None = None
         self._loaded_bytes = 0
@@ -227,12 +230,12 @@ class FTSession:
                 size = b.numel() * b.element_size()
                 get_meter().record(kind, sent=size, recv=size, seconds=seconds / len(bufs))
             if m.should_commit():  # a joiner loads its peer's state in here
-                if healing and self.recovery is None:  # at its peer's step, not its own 0
+                if healing:  # at its peer's step, not its own
                     step = self._loaded_step if self._loaded_step is not None else step
                     if self.quorum_changes and self.quorum_changes[-1]["quorum_id"] == qid:
                         self.quorum_changes[-1]["step"] = step
-                    self.recovery = {"step": step, "bytes": self._loaded_bytes, "quorum_s": time.time() - t0,
-                                     "joined_at": time.time(), "started_at": self.ctx.started}
+                    self.recoveries.append({"step": step, "bytes": self._loaded_bytes, "quorum_s": time.time() - t0,
+                                            "joined_at": time.time(), "started_at": self.ctx.started})
                 apply(bufs, healing)
                 self.exchanges += 1
                 if not self._joined:
@@ -289,12 +292,13 @@ class FTSession:
             self.not_committed.append(self._step)
             log.warning("ft: step %d was not committed (%s)", self._step, self.manager.errored())
             return False
-        if healing and self.recovery is None:
+        if healing:
             step = self._loaded_step if self._loaded_step is not None else self._step
             if self.quorum_changes and self.quorum_changes[-1]["quorum_id"] == self._quorum_id:
                 self.quorum_changes[-1]["step"] = step
-            self.recovery = {"step": step, "bytes": self._loaded_bytes, "quorum_s": time.time() - self._step_t0,
-                             "joined_at": time.time(), "started_at": self.ctx.started}
+            self.recoveries.append({"step": step, "bytes": self._loaded_bytes,
+                                    "quorum_s": time.time() - self._step_t0, "joined_at": time.time(),
+                                    "started_at": self.ctx.started})
         self.exchanges += 1
         if not self._joined:
             self._joined = True
@@ -309,7 +313,7 @@ class FTSession:
             "exchanges": self.exchanges,
             "quorum_changes": self.quorum_changes,
             "not_committed": self.not_committed,
-            "recovery": self.recovery,
+            "recoveries": self.recoveries,
             "served": self.served,
             "manager_step": self.manager.current_step(),
         }

@@ -159,7 +159,12 @@ def test_sigkill_from_outside_rejoins(tmp_path: Path, strategy: str, extra: list
     (rejoin,) = ft["rejoins"]
     assert rejoin["rank"] == 1 and rejoin["attempt"] == 1
     assert 0 < rejoin["at_step"] < 1200
-    assert rejoin["recovery_bytes"] > 0 and ft["recovery_bytes"] == rejoin["recovery_bytes"]
+    # a kill inside an exchange may leave a live worker one commit behind a peer (torchft's
+    # commit vote is per replica group): it catches up from that peer at the next quorum
+    assert all(c["rank"] != 1 and c["attempt"] == 0 for c in ft["catch_ups"]), ft["catch_ups"]
+    assert len(ft["catch_ups"]) <= sum(len(n) for n in ft["steps_not_committed"])
+    total = rejoin["recovery_bytes"] + sum(c["recovery_bytes"] for c in ft["catch_ups"])
+    assert rejoin["recovery_bytes"] > 0 and ft["recovery_bytes"] == total
     assert rejoin["recovery_s"] is not None and rejoin["recovery_s"] > 0
     assert ft["finished_ranks"] == [0, 1, 2] and ft["lost_ranks"] == []
     # every worker, the restarted one too, ended at the run's last step
