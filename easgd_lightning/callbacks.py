@@ -5,6 +5,7 @@ SIGTERM / SIGINT."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Any
 
@@ -130,11 +131,17 @@ class TrainClockCallback(pl.Callback):
 
 
 class FaultInjectionCallback(pl.Callback):
-    """``faults.slow_rank``/``slow_ms``: sleep before every step; ``crash_rank``/``crash_at_step``: die."""
+    """``faults.slow_rank``/``slow_ms``: sleep before every step; ``crash_rank``/``crash_at_step``: die
+    (``os._exit(17)``); ``kill_rank``/``kill_at_step``: SIGKILL itself."""
 
-    def __init__(self, slow_rank=None, slow_ms=0, crash_rank=None, crash_at_step=None, **_: Any):
+    def __init__(self, slow_rank=None, slow_ms=0, crash_rank=None, crash_at_step=None, kill_rank=None,
+                 kill_at_step=None, **_: Any):
         self.slow_rank, self.slow_ms = slow_rank, float(slow_ms or 0)
         self.crash_rank, self.crash_at_step = crash_rank, crash_at_step
+        # faults.kill_rank / kill_at_step: SIGKILL, on the worker's first start only (a worker
+        # restarted under ft=torchft, EASGD_FT_ATTEMPT > 0, is not killed again)
+        first_start = os.environ.get("EASGD_FT_ATTEMPT", "0") == "0"
+        self.kill_rank, self.kill_at_step = (kill_rank, kill_at_step) if first_start else (None, None)
         self.steps = 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -143,6 +150,9 @@ class FaultInjectionCallback(pl.Callback):
         if self.crash_rank is not None and rank == self.crash_rank and self.steps >= self.crash_at_step:
             print(f"[faults] rank {rank} crashing at step {self.steps}", flush=True)
             os._exit(17)
+        if self.kill_rank is not None and rank == self.kill_rank and self.steps >= self.kill_at_step:
+            print(f"[faults] rank {rank} SIGKILLs itself at step {self.steps}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         if self.slow_rank is not None and rank == self.slow_rank and self.slow_ms > 0:
             time.sleep(self.slow_ms / 1000.0)
 

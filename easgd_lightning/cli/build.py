@@ -901,7 +901,7 @@ def validate_config(cfg: Any, *, hardware: bool = True) -> dict[str, Any]:
         raise ConfigError(str(err)) from None
     _check_fault_values(cfg)
     faults = cfg.get("faults", {}) or {}
-    for key in ("slow_rank", "crash_rank", "nan_rank"):
+    for key in ("slow_rank", "crash_rank", "nan_rank", "kill_rank"):
         r = faults.get(key)
         if r is not None and not (isinstance(r, int) and 0 <= r < world):
             raise ConfigError(f"faults.{key} must be a rank in [0, {world - 1}], got {r!r}")
@@ -909,6 +909,13 @@ def validate_config(cfg: Any, *, hardware: bool = True) -> dict[str, Any]:
         isinstance(faults.get("crash_at_step"), int) and faults.get("crash_at_step") >= 1
     ):
         raise ConfigError("faults.crash_at_step must be a step >= 1 when faults.crash_rank is set")
+    if faults.get("kill_rank") is not None and not (
+        isinstance(faults.get("kill_at_step"), int) and faults.get("kill_at_step") >= 1
+    ):
+        raise ConfigError("faults.kill_at_step must be a step >= 1 when faults.kill_rank is set")
+    from easgd_lightning.ft.config import check_ft
+
+    check_ft(cfg, world)  # the ft group (ft=none: nothing to check)
     if (faults.get("slow_ms") or 0) < 0:
         raise ConfigError(f"faults.slow_ms must be >= 0, got {faults.get('slow_ms')}")
     validate_values(cfg)

@@ -30,6 +30,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from easgd_lightning import ft
 from easgd_lightning.cli import forkserver, launch
 from easgd_lightning.cli.build import ConfigError, validate_config
 from easgd_lightning.cli.resolvers import register_resolvers
@@ -231,6 +232,11 @@ def _train_local(cfg: DictConfig, out_dir: Path, run_id: str, signals: launch.La
             "killed_ranks": []}
     else:
         cfg_yaml = OmegaConf.to_yaml(OmegaConf.create(resolved))
+        if ft.enabled(cfg):  # restarts, a lighthouse, the ft summary: easgd_lightning/ft/launch.py
+            from easgd_lightning.ft.launch import train_local_ft
+
+            return train_local_ft(cfg, resolved, cfg_yaml, out_dir, world, timeout_s, run_id, signals,
+                                  launch.resolve_start_method(cfg), launch.preload_modules(cfg))
         status, error, fields = _launch_local(cfg_yaml, out_dir, world, timeout_s, run_id, signals,
                                               launch.resolve_start_method(cfg), launch.preload_modules(cfg))
     reports = read_rank_reports(out_dir, world, run_id)
@@ -258,6 +264,9 @@ def _train_as_rank(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     (:func:`launch.first_failure_of_reports`); a failed rank re-raises its error after that.
     """
     notes = validate_config(cfg) or {}
+    if ft.enabled(cfg):
+        raise ConfigError("ft=torchft: runs under easgd-train's own launcher only (it restarts lost workers); "
+                          "under torchrun / SLURM use ft=none")
     resolved = OmegaConf.to_container(cfg, resolve=True)
     timeout_s = float(cfg.get("timeout_s", 300))
     rank, world = _external_rank_world()

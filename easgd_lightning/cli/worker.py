@@ -174,6 +174,13 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
     quiet_third_party()
 
     out_dir = Path(out_dir)
+    from easgd_lightning import ft
+
+    ft_ctx = None
+    if ft.enabled(cfg):  # this worker is its own replica group (easgd_lightning/ft/worker.py)
+        from easgd_lightning.ft.worker import prepare
+
+        ft_ctx = prepare(cfg, str(out_dir))
     rank = int(os.environ.get("RANK", "0"))
     threads = cfg.get("threads_per_process") or int(os.environ.get("OMP_NUM_THREADS", "1") or 1)
     os.environ["OMP_NUM_THREADS"] = str(threads)  # for processes this rank starts (loaders)
@@ -182,6 +189,10 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     module, dm = build_model_and_data(cfg)
     strategy = build_strategy(cfg)
+    if ft_ctx is not None:
+        from easgd_lightning.ft.strategies import attach
+
+        strategy = attach(strategy, ft_ctx)
     val_history = ValHistoryCallback()
     train_clock = TrainClockCallback()
     stopper = SignalStop(str(out_dir / "checkpoints") if cfg.checkpoint.enabled else None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -47,12 +48,13 @@ def test_quorum_allreduce_and_one_replica_killed(tmp_path):
 
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=2000,
                                   heartbeat_timeout_ms=1000)
+    address = lighthouse.address().replace(socket.gethostname(), "127.0.0.1")  # it is bound there
     procs = []
     try:
         outs = [tmp_path / f"r{i}.jsonl" for i in range(2)]
         for i in range(2):
             procs.append(subprocess.Popen(
-                [sys.executable, str(SCRIPT), lighthouse.address(), str(i), "400", str(outs[i])],
+                [sys.executable, str(SCRIPT), address, str(i), "400", str(outs[i])],
                 env=base_env(), stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"r{i}.err", "w"),
                 start_new_session=True))
         # both in one quorum: 1 + 2 = 3, committed

@@ -1,0 +1,131 @@
+"""The ``ft`` config group, checked before any process starts (``easgd-train`` exits 2 with
+one line naming the key and what is allowed).
+
+Rule: ``ft=none`` (the default) changes nothing. ``ft=torchft`` supports what it can keep
+exact: ``strategy=local_sgd``, ``sync_easgd``, ``ddp`` (dense) and ``diloco`` (one fragment) with ``compression=none`` and a
+flat reduction, started by easgd-train's own launcher; everything else is refused in one
+line rather than run without the tolerance it asked for.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+__all__ = ["FT_KEYS", "FT_STRATEGIES", "check_ft", "lighthouse_address"]
+
+#: keys of ``ft=torchft`` (conf/ft/torchft.yaml)
+FT_KEYS = ("name", "lighthouse", "min_replicas", "quorum_timeout_s", "collective_timeout_s", "max_restarts",
+           "heartbeat_timeout_s", "join_timeout_s")
+
+#: strategies whose exchange runs as a torchft quorum step
+FT_STRATEGIES = ("local_sgd", "sync_easgd", "ddp", "diloco")
+
+_WHY_NOT = {
+    "pipeline_3d": "a pipeline stage cannot be replaced by a peer: every stage holds different layers",
+    "easgd_round_robin": "its master serves workers in rank order over the default process group",
+    "async_easgd": "the parameter-server family tolerates lost workers natively, without torchft",
+    "async_measgd": "the parameter-server family tolerates lost workers natively, without torchft",
+    "async_sgd": "the parameter-server family tolerates lost workers natively, without torchft",
+    "async_msgd": "the parameter-server family tolerates lost workers natively, without torchft",
+    "hogwild_easgd": "Hogwild workers share one process's memory: there is no replica to lose and restart",
+    "hogwild_sgd": "Hogwild workers share one process's memory: there is no replica to lose and restart",
+}
+
+_ADDRESS = re.compile(r"^(?:http://)?(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
+
+
+def lighthouse_address(value: str) -> str:
+    """``http://host:port`` from ``host:port`` or ``http://host:port``.
+
+    Raises:
+        ValueError: not of that form.
+    """
+    m = _ADDRESS.match(str(value).strip())
+    if not m or not 0 < int(m.group(2)) < 65536:
+        raise ValueError(f"ft.lighthouse: must be null or host:port (or http://host:port), got {value!r}")
+    return f"http://{m.group(1)}:{m.group(2)}"
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_ft(cfg: Any, world: int) -> None:
+    """Check ``cfg.ft`` for a run of ``world`` workers.
+
+    Raises:
+        ConfigError: one line naming the ``ft.`` key (or the option ``ft=torchft`` cannot
+            serve) and what is allowed.
+    """
+    from easgd_lightning.cli.build import ConfigError
+    from easgd_lightning.ft import FT_NAMES
+
+    ft = cfg.get("ft") or {}
+    name = ft.get("name", "none")
+    if name not in FT_NAMES:
+        raise ConfigError(f"ft.name: {name!r} is unknown; choose one of {', '.join(FT_NAMES)}")
+    if name == "none":
+        return
+    unknown = sorted(set(ft.keys()) - set(FT_KEYS))
+    if unknown:
+        raise ConfigError(f"ft.{unknown[0]}: unknown key of ft=torchft; its keys are {', '.join(FT_KEYS[1:])}")
+    strategy = cfg.strategy.get("name")
+    if strategy not in FT_STRATEGIES:
+        why = _WHY_NOT.get(strategy, "its exchange does not run through the torchft Manager")
+        raise ConfigError(f"ft=torchft: strategy={strategy} cannot survive a lost worker ({why}); "
+                          f"use strategy={' or strategy='.join(FT_STRATEGIES)}, or ft=none")
+    comm = cfg.get("comm") or {}
+    compression = cfg.compression.get("name", "none")
+    if compression != "none":
+        raise ConfigError(f"ft=torchft: compression={compression} is not supported under ft=torchft yet "
+                          "(its residuals would need recovering too); use compression=none, or ft=none")
+    if strategy == "ddp" and (comm.get("allreduce", "ring") != "ring"):
+        raise ConfigError(f"ft=torchft: comm.allreduce={comm.get('allreduce')} is not supported (the gradients go "
+                          "through the torchft Manager); use comm.allreduce=ring, or ft=none")
+    if strategy == "diloco":
+        st = cfg.strategy
+        for key, ok, allowed in (("fragments", st.get("fragments", 1) == 1, "1"),
+                                 ("fragment_sync_delay", st.get("fragment_sync_delay", 0) == 0, "0"),
+                                 ("outer", st.get("outer", "nesterov") in ("nesterov", "average"), "nesterov or average")):
+            if not ok:
+                raise ConfigError(f"ft=torchft: strategy.{key}={st.get(key)} is not supported with strategy=diloco "
+                                  f"(an exchange must be one whole quorum step); use strategy.{key}={allowed}, or ft=none")
+    if strategy == "local_sgd" and cfg.strategy.get("cocod", False):
+        raise ConfigError("ft=torchft: strategy.cocod=true is not supported (an average in flight across a "
+                          "quorum change cannot be committed); use strategy.cocod=false, or ft=none")
+    if comm.get("hierarchy", "flat") != "flat":
+        raise ConfigError(f"ft=torchft: comm.hierarchy={comm.get('hierarchy')} is not supported (node groups "
+                          "do not follow quorum changes); use comm.hierarchy=flat, or ft=none")
+    if (cfg.get("checkpoint") or {}).get("resume"):
+        raise ConfigError("ft=torchft: checkpoint.resume is not supported (a worker recovers from a live peer, "
+                          "not from disk); drop checkpoint.resume, or use ft=none")
+    lighthouse = ft.get("lighthouse")
+    if lighthouse is not None:
+        try:
+            lighthouse_address(lighthouse)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+    mr = ft.get("min_replicas", 1)
+    if not _is_int(mr) or not 1 <= mr <= world:
+        raise ConfigError(f"ft.min_replicas: must be an integer in [1, {world}] (the workers), got {mr!r}")
+    restarts = ft.get("max_restarts", 3)
+    if not _is_int(restarts) or restarts < 0:
+        raise ConfigError(f"ft.max_restarts: must be an integer >= 0, got {restarts!r}")
+    for key, default in (("quorum_timeout_s", 60), ("collective_timeout_s", 10), ("heartbeat_timeout_s", 2),
+                         ("join_timeout_s", 10)):
+        value = ft.get(key, default)
+        if not _is_number(value) or not value > 0:
+            raise ConfigError(f"ft.{key}: must be a number of seconds > 0, got {value!r}")
+    if ft.get("heartbeat_timeout_s", 2) >= ft.get("quorum_timeout_s", 60):
+        raise ConfigError(f"ft.heartbeat_timeout_s: must be < ft.quorum_timeout_s ({ft.get('quorum_timeout_s', 60)}), "
+                          f"got {ft.get('heartbeat_timeout_s')!r}")
+    try:
+        import torchft  # noqa: F401
+    except ImportError as err:
+        raise ConfigError(f"ft=torchft needs the torchft package ({err}); install it with "
+                          "pip install 'easgd-lightning[ft]' (make venv does)") from None

@@ -1,0 +1,358 @@
+"""The local launcher under ``ft=torchft``: a lighthouse, workers that are restarted, a summary
+that says who was lost and how the run recovered.
+
+Rules (README "Fault tolerance"), every wait bounded:
+
+* ``ft.lighthouse=null``: a lighthouse process (:mod:`easgd_lightning.ft.lighthouse`) is
+  started first and waited for until it answers; it is stopped at the end, whatever
+  happened. ``ft.lighthouse=host:port``: that one must answer before any worker starts.
+* Each worker is started as by ``cli/launch.py`` (fork server or spawn, its own session,
+  SIGTERM when the launcher dies), plus ``EASGD_FT_*`` variables (its rank among the workers,
+  their number, which start this is, the lighthouse).
+* A worker that exits non-zero or by a signal while the run goes on is restarted, up to
+  ``ft.max_restarts`` times per worker; it rejoins through torchft (live state from a peer).
+  No restart once a worker has finished (there is nothing left to rejoin), once the launcher
+  was signalled, or once the lighthouse is gone. A worker found stopped (SIGSTOP) for
+  ``ft.quorum_timeout_s`` is killed (the others' quorum has dropped it by then) and restarted.
+* A worker beyond its restarts is lost. The run is ``ok`` when at least ``ft.min_replicas``
+  workers finished; the summary names the lost ones.
+* A restarted worker still waiting to rejoin, or a stopped one, when every other worker has
+  finished is killed (a joiner holds no state of its own yet): the run is over, there is no
+  peer to recover from; the summary counts it as lost.
+* The lighthouse dying mid-run ends the run: the error names it, the workers get SIGTERM,
+  SIGKILL after the stop grace; nothing started is left running.
+* SIGINT / SIGTERM / SIGHUP to the launcher: as without ft (forwarded; a second one kills).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from easgd_lightning.cli import forkserver
+from easgd_lightning.cli import launch as L
+from easgd_lightning.ft.config import lighthouse_address
+from easgd_lightning.ft.lighthouse import LighthouseProcess, answers
+from easgd_lightning.ft.worker import ENV_ATTEMPT, ENV_LIGHTHOUSE
+from easgd_lightning.utils.atomic import atomic_write_json
+
+log = logging.getLogger("easgd_lightning")
+
+__all__ = ["FTOutcome", "spawn_and_supervise_ft", "ft_summary"]
+
+
+@dataclass
+class FTOutcome(L.LaunchOutcome):
+    """What the supervisor saw, plus the fault-tolerance record."""
+
+    restarts: list[int] = field(default_factory=list)
+    deaths: list[dict] = field(default_factory=list)  # every worker death it saw
+    lost_ranks: list[int] = field(default_factory=list)
+    finished_ranks: list[int] = field(default_factory=list)
+    ended_waiting: list[int] = field(default_factory=list)  # restarted, ended before rejoining
+    lighthouse: str | None = None
+    lighthouse_pid: int | None = None
+    lighthouse_lost: bool = False
+    error: str | None = None
+
+
+def _start_worker(rank: int, attempt: int, env: dict, cfg_file: Path, out_dir: Path, server, preload):
+    rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), ENV_ATTEMPT: str(attempt)}
+    if server is not None:
+        return server.start([L._WORKER_FILE, str(cfg_file), str(out_dir)], rank_env, os.getcwd(), list(preload or ()))
+    return subprocess.Popen([sys.executable, "-m", "easgd_lightning.cli.worker", str(cfg_file), str(out_dir)],
+                            env=rank_env, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _joined(out_dir: Path, rank: int, attempt: int) -> bool:
+    try:
+        info = json.loads((out_dir / "ranks" / "ft" / f"rank{rank}.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return info.get("attempt") == attempt
+
+
+def spawn_and_supervise_ft(cfg: Any, cfg_file: Path, out_dir: Path, world: int, timeout_s: float, run_id: str,
+                           signals: L.LauncherSignals, start_method: str = "spawn",
+                           preload: list[str] | None = None) -> FTOutcome:
+    """Start the lighthouse (unless ``ft.lighthouse`` names one) and ``world`` workers; watch,
+    restart, end them (module doc). Never raises for a worker's failure: it is in the outcome."""
+    ft = cfg.ft
+    grace = L.stop_grace_s(timeout_s)
+    quorum_s = float(ft.get("quorum_timeout_s", 60))
+    max_restarts = int(ft.get("max_restarts", 3))
+    outcome = FTOutcome(exit_codes=[None] * world, restarts=[0] * world)
+    lh: LighthouseProcess | None = None
+    if ft.get("lighthouse") is None:
+        lh = LighthouseProcess(out_dir, int(ft.get("min_replicas", 1)), float(ft.get("join_timeout_s", 10)),
+                               float(ft.get("heartbeat_timeout_s", 2)))
+        try:
+            outcome.lighthouse = lh.start(timeout_s=min(60.0, timeout_s))
+        except RuntimeError as err:
+            outcome.error = str(err)
+            return outcome
+        outcome.lighthouse_pid = lh.pid
+    else:
+        outcome.lighthouse = lighthouse_address(ft.lighthouse)
+        if not answers(outcome.lighthouse, timeout=5.0):
+            outcome.error = f"ft.lighthouse={ft.lighthouse}: nothing answers there"
+            return outcome
+    server = forkserver.current_server() if start_method == "fork" else None
+    store = L._rendezvous_store(timeout_s)  # the initial workers' barrier (ft/worker.py)
+    store_port = store.port
+    env = dict(os.environ)
+    env.pop("EASGD_PARENT_PID", None)
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store_port), TORCHELASTIC_USE_AGENT_STORE="True",
+               WORLD_SIZE=str(world), NODE_RANK="0", EASGD_RUN_ID=run_id, EASGD_LAUNCHER_PID=str(os.getpid()),
+               EASGD_STOP_GRACE_S=str(grace), **{ENV_LIGHTHOUSE: outcome.lighthouse})
+    env.setdefault("RUST_LOG", "warn")
+    procs: list = []
+    attempts = [0] * world
+    t0 = time.monotonic()
+
+    def write_launch() -> None:
+        atomic_write_json(out_dir / "ranks" / "launch.json", {
+            "run_id": run_id, "launcher_pid": os.getpid(), "worker_pids": [p.pid for p in procs],
+            "attempts": list(attempts), "rendezvous_port": store_port,
+            "start_method": "fork" if server is not None else "spawn",
+            "fork_server_pid": server.pid if server is not None else None,
+            "ft": {"lighthouse": outcome.lighthouse, "lighthouse_pid": outcome.lighthouse_pid},
+        })
+
+    try:
+        for rank in range(world):
+            procs.append(_start_worker(rank, 0, env, cfg_file, out_dir, server, preload))
+        write_launch()
+        _supervise_ft(procs, attempts, outcome, lh, env, cfg_file, out_dir, server, preload, signals,
+                      max_restarts, quorum_s, grace, t0, write_launch)
+    finally:
+        for p in procs:  # nothing we started outlives the launcher
+            if p.poll() is None:
+                L._signal_group(p, signal.SIGKILL)
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not refusable
+                    log.error("worker pid %d did not die after SIGKILL", p.pid)
+        if lh is not None:
+            lh.stop()
+        store = None  # noqa: F841 -- the barrier's store closes with its last reference
+    return outcome
+
+
+def _supervise_ft(procs, attempts, outcome: FTOutcome, lh, env, cfg_file, out_dir, server, preload, signals,
+                  max_restarts: int, quorum_s: float, grace: float, t0: float, write_launch) -> None:
+    world = len(procs)
+    done = [False] * world
+    stopped_since: list[float | None] = [None] * world
+    term_at: float | None = None
+    kill_at: float | None = None
+    forwarded = 0
+    while True:
+        now = time.monotonic()
+        stopping = bool(signals.received) or outcome.lighthouse_lost
+        for r, p in enumerate(procs):
+            if done[r]:
+                continue
+            code = p.poll()
+            if code is None:
+                if L._proc_state(p.pid) in ("T", "t"):  # stopped: the quorum drops it after quorum_s
+                    stopped_since[r] = stopped_since[r] or now
+                    if now - stopped_since[r] >= quorum_s and r not in outcome.killed_ranks:
+                        log.error("worker %d has been stopped for %.0fs (ft.quorum_timeout_s): killing it", r,
+                                  now - stopped_since[r])
+                        outcome.killed_ranks.append(r)
+                        L._signal_group(p, signal.SIGKILL)
+                else:
+                    stopped_since[r] = None
+                continue
+            outcome.exit_codes[r] = code
+            if code == 0:
+                done[r] = True
+                outcome.finished_ranks.append(r)
+                continue
+            if stopping or (term_at is not None and r not in outcome.killed_ranks):
+                done[r] = True  # told to stop (a signal, the lighthouse lost): not a death
+                continue
+            death = {"rank": r, "attempt": attempts[r], "t_s": round(now - t0, 3), "wall": time.time(),
+                     **L.describe_returncode(code)}
+            if r in outcome.killed_ranks:
+                death["stopped"] = True
+                outcome.killed_ranks.remove(r)
+            outcome.deaths.append(death)
+            stopped_since[r] = None
+            can_restart = (not stopping and not outcome.finished_ranks and outcome.restarts[r] < max_restarts
+                           and term_at is None and (lh is None or lh.alive()))
+            if can_restart:
+                attempts[r] += 1
+                outcome.restarts[r] += 1
+                procs[r] = _start_worker(r, attempts[r], env, cfg_file, out_dir, server, preload)
+                death["restarted_wall"] = time.time()
+                log.warning("worker %d died (%s): restart %d of %d (ft.max_restarts)", r,
+                            L.describe_returncode(code), outcome.restarts[r], max_restarts)
+                write_launch()
+                continue
+            done[r] = True
+            if r in outcome.ended_waiting:
+                continue
+            outcome.lost_ranks.append(r)
+            if not stopping and term_at is None:
+                outcome.failures.append({"rank": r, "t_s": death["t_s"], **L.describe_returncode(code),
+                                         "error": "lost: no restart left (ft.max_restarts)" if not outcome.finished_ranks
+                                         else "died after other workers had finished", "consequence": False})
+        alive = [r for r in range(world) if not done[r]]
+        if not alive:
+            break
+        if lh is not None and not lh.alive() and not outcome.lighthouse_lost:
+            outcome.lighthouse_lost = True
+            outcome.error = (f"the torchft lighthouse (pid {lh.pid}, {outcome.lighthouse}) died "
+                             f"(exit {lh.proc.returncode}): no quorum is possible; stopping the workers")
+            log.error(outcome.error)
+            for r in alive:
+                L._signal_group(procs[r], signal.SIGTERM)
+                L._signal_group(procs[r], signal.SIGCONT)
+            term_at = term_at or now
+        # the others have finished: end the restarted workers still waiting to rejoin and the
+        # stopped ones (SIGSTOP), which no quorum will take any more
+        if outcome.finished_ranks and term_at is None:
+            waiting = [r for r in alive if (attempts[r] > 0 and not _joined(out_dir, r, attempts[r]))
+                       or stopped_since[r] is not None]
+            if waiting and len(waiting) == len(alive):
+                # a joiner holds no state of its own yet (it comes from a peer): nothing to save
+                log.warning("workers %s were restarted but the run ended before they rejoined, or are "
+                            "stopped: killing them", waiting)
+                outcome.ended_waiting.extend(waiting)
+                for r in waiting:
+                    outcome.killed_ranks.append(r)
+                    L._signal_group(procs[r], signal.SIGKILL)
+                term_at = now
+        if len(signals.received) > forwarded:
+            forwarded = len(signals.received)
+            if forwarded == 1:
+                sig = signals.received[0]
+                log.warning("received %s: stopping the workers (up to %.0fs)", signal.Signals(sig).name, grace)
+                for r in alive:
+                    L._signal_group(procs[r], sig)
+                    L._signal_group(procs[r], signal.SIGCONT)
+                term_at = term_at or now
+            elif kill_at is None:
+                kill_at = now
+        if term_at is not None and kill_at is None and now - term_at >= grace:
+            kill_at = now
+        if kill_at is not None:
+            for r in alive:
+                if r not in outcome.killed_ranks:
+                    log.error("worker %d did not stop: SIGKILL", r)
+                    outcome.killed_ranks.append(r)
+                    L._signal_group(procs[r], signal.SIGKILL)
+        time.sleep(L._POLL_S)
+    outcome.interrupted_by = signals.first
+
+
+def ft_summary(outcome: FTOutcome, reports: list[dict | None], min_replicas: int, launch_wall: float) -> dict:
+    """The ``ft`` part of summary.json from the launcher's record and the workers' reports."""
+    per_rank = [((r or {}).get("extras") or {}).get("ft") if r and r.get("status") == "ok" else None for r in reports]
+    changes: dict[Any, dict] = {}
+    for rep in per_rank:
+        for q in (rep or {}).get("quorum_changes", []):
+            key = q.get("quorum_id")
+            if key not in changes or q["t"] < changes[key]["t"]:
+                changes[key] = q
+    # members: the workers in the quorum; participants: how many of them contributed (a
+    # worker rejoining in that exchange receives its peer's state and contributes nothing)
+    quorum_changes = [{"step": q["step"], "quorum_id": q["quorum_id"], "members": q["members"],
+                       "participants": q.get("participants"), "t_s": round(q["t"] - launch_wall, 3)}
+                      for q in sorted(changes.values(), key=lambda q: q["t"])]
+    rejoins, catch_ups = [], []
+    for r, rep in enumerate(per_rank):
+        for i, rec in enumerate((rep or {}).get("recoveries") or []):
+            if i > 0 or rep["attempt"] == 0:  # a live worker that fell one commit behind
+                catch_ups.append({"rank": r, "attempt": rep["attempt"], "at_step": rec["step"],
+                                  "recovery_bytes": rec["bytes"], "t_s": round(rec["joined_at"] - launch_wall, 3)})
+                continue
+            rejoins.append(_rejoin(r, rep, rec, outcome, launch_wall))
+    finished = sorted(set(outcome.finished_ranks))
+    return {
+        "lighthouse": outcome.lighthouse,
+        "min_replicas": min_replicas,
+        "quorum_changes": quorum_changes,
+        "restarts": list(outcome.restarts),
+        "deaths": [{**{k: v for k, v in d.items() if k not in ("wall", "restarted_wall", "t_s")},
+                    "t_s": round(d["wall"] - launch_wall, 3)} for d in outcome.deaths],
+        "steps_not_committed": [(rep or {}).get("not_committed") if rep else None for rep in per_rank],
+        "rejoins": rejoins,
+        "catch_ups": catch_ups,
+        "recovery_s": [j["recovery_s"] for j in rejoins],
+        "recovery_bytes": sum(j["recovery_bytes"] for j in rejoins + catch_ups),
+        "finished_ranks": finished,
+        "lost_ranks": sorted(set(outcome.lost_ranks) | set(outcome.ended_waiting)),
+        "ended_before_rejoin": sorted(set(outcome.ended_waiting)),
+        "lighthouse_lost": outcome.lighthouse_lost,
+        "enough_replicas": len(finished) >= min_replicas,
+    }
+
+
+def _rejoin(r: int, rep: dict, rec: dict, outcome: FTOutcome, launch_wall: float) -> dict:
+    """A restarted worker's rejoin: its recovery, timed from its death as the launcher saw it."""
+    died = [d for d in outcome.deaths if d["rank"] == r and d["attempt"] == rep["attempt"] - 1]
+    died_wall = died[-1]["wall"] if died else None
+    return {
+        "rank": r, "attempt": rep["attempt"], "at_step": rec["step"], "recovery_bytes": rec["bytes"],
+        "died_t_s": round(died_wall - launch_wall, 3) if died_wall else None,
+        "rejoined_t_s": round(rec["joined_at"] - launch_wall, 3),
+        # death (as the launcher saw it) to the first committed exchange of the new start
+        "recovery_s": round(rec["joined_at"] - died_wall, 3) if died_wall else None,
+        "restart_to_rejoin_s": round(rec["joined_at"] - rec["started_at"], 3),
+    }
+
+
+def train_local_ft(cfg: Any, resolved: dict, cfg_yaml: str, out_dir: Path, world: int, timeout_s: float,
+                   run_id: str, signals: L.LauncherSignals, start_method: str, preload: list[str]) -> dict:
+    """``easgd-train``'s local run under ``ft=torchft``: launch, merge the reports, write
+    summary.json (its ``ft`` part: :func:`ft_summary`); returns the summary."""
+    from easgd_lightning.cli.summary import build_summary, write_summary
+    from easgd_lightning.cli.worker import read_rank_reports
+    from easgd_lightning.utils.atomic import atomic_write_text
+
+    cfg_file = out_dir / "ranks" / "config.yaml"
+    atomic_write_text(cfg_file, cfg_yaml)
+    launch_wall = time.time()
+    log.info("launching %d workers under ft=torchft -> %s (run id %s)", world, out_dir, run_id)
+    outcome = spawn_and_supervise_ft(cfg, cfg_file, out_dir, world, timeout_s, run_id, signals,
+                                     start_method=start_method, preload=preload)
+    for path in L.remove_stray_temp_files(out_dir):
+        log.warning("removed %s, left by an interrupted write", path)
+    reports = read_rank_reports(out_dir, world, run_id)
+    min_replicas = int(cfg.ft.get("min_replicas", 1))
+    ft = ft_summary(outcome, reports, min_replicas, launch_wall)
+    first = outcome.first_failure
+    status, error = "ok", None
+    if outcome.interrupted_by is not None:
+        status, error = "failed", f"interrupted by {signal.Signals(outcome.interrupted_by).name}"
+    elif outcome.error is not None:
+        status, error = "failed", outcome.error
+    elif not ft["enough_replicas"]:
+        status, error = "failed", (f"only workers {ft['finished_ranks']} finished, fewer than ft.min_replicas="
+                                   f"{min_replicas}" + (f"; {L.failure_message(first, outcome.exit_codes)}" if first else ""))
+    # under ft a lost worker is not a failed run (role "lost", as the parameter server's)
+    finished = set(ft["finished_ranks"])
+    lost = [r for r in range(world) if r not in finished] if status == "ok" else []
+    summary = build_summary(resolved, [rep if r in finished else None for r, rep in enumerate(reports)]
+                            if status == "ok" else reports, status=status, error=error, lost=lost)
+    summary["status"] = status
+    if status == "ok":
+        summary["error"] = None
+    summary.update(run_id=run_id, exit_codes=outcome.exit_codes, first_failure=first,
+                   killed_ranks=outcome.killed_ranks,
+                   interrupted_by=signal.Signals(outcome.interrupted_by).name if outcome.interrupted_by else None,
+                   ft=ft)
+    path = write_summary(out_dir, summary)
+    log.info("summary: %s (val_acc=%s, wall=%.1fs)", path, summary["val_acc"], summary["wall_time_s"])
+    return summary

@@ -1,0 +1,325 @@
+"""One worker under ``ft=torchft``: its own replica group, and the quorum exchange.
+
+Rule (torchft's model, ALGORITHMS.md section 9): every worker is a replica group of one
+process. Lightning sees a world of one (a private one-rank gloo group on a private TCPStore,
+which is also the replica group's store), so nothing Lightning does -- barriers, logging
+reductions, validation -- ever waits for another worker. All traffic between workers goes
+through the worker's torchft ``Manager`` and its reconfigurable ``ProcessGroupGloo``.
+
+One exchange (:meth:`FTSession.exchange`), tried until committed::
+
+    start_quorum(); wait_quorum()          the lighthouse's quorum of the workers present
+    n = num_participants()                 the workers at the newest step (a joiner is not one)
+    b = payload(n)                         e.g. x / n (local SGD), d = alpha (x - c) (EASGD)
+    allreduce(b, SUM)                      through the Manager: a joiner's b is zeroed
+    if should_commit(): apply(b)           a joiner loads its peer's state first, here
+    else: retry (nothing was applied)      the next quorum leaves the dead worker out
+
+A worker restarted by the launcher (``EASGD_FT_ATTEMPT`` > 0) joins at its first exchange:
+its Manager's step (0) is behind, so torchft sends it the live state of a healthy peer
+(HTTP checkpoint transport: centre, worker variable, optimizer, counters, learning-rate
+schedulers) and it contributes nothing to that exchange. The first exchange of a fresh run
+has every worker at step 0: it is the set-up broadcast (replica rank 0 contributes its
+variable, the others zeros), so all start equal.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from easgd_lightning.compat.torchft import quorum_id, quorum_ranks
+from easgd_lightning.utils.atomic import atomic_write_json
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FTContext", "FTSession", "prepare", "current", "tensor_bytes"]
+
+#: the launcher sets these for every worker under ft=torchft
+ENV_ATTEMPT = "EASGD_FT_ATTEMPT"
+ENV_LIGHTHOUSE = "EASGD_FT_LIGHTHOUSE"
+ENV_RANK = "EASGD_FT_RANK"
+ENV_WORLD = "EASGD_FT_WORLD"
+
+_CURRENT: FTContext | None = None
+
+#: exchanges tried (each bounded by ft.quorum_timeout_s + ft.collective_timeout_s) before a worker gives up
+MAX_TRIES = 8
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor in a nested dict / list / tuple."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+class FTContext:
+    """What a worker under ``ft=torchft`` knows: its rank among the workers, their number,
+    which start this is, the lighthouse, its replica group's store, the ``ft`` options."""
+
+    def __init__(self, cfg: Any, run_dir: str) -> None:
+        ft = cfg.ft
+        self.rank = int(os.environ[ENV_RANK])
+        self.world = int(os.environ[ENV_WORLD])
+        self.attempt = int(os.environ.get(ENV_ATTEMPT, "0"))
+        self.lighthouse = os.environ[ENV_LIGHTHOUSE]
+        self.min_replicas = int(ft.get("min_replicas", 1))
+        self.timeout_s = float(ft.get("quorum_timeout_s", 60))
+        self.collective_timeout_s = float(ft.get("collective_timeout_s", 10))
+        self.run_dir = str(run_dir)
+        self.started = time.time()
+        self.launch_store = (os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]))
+        from torch.distributed import TCPStore
+
+        # the replica group's store (torchft's Manager and Lightning's one-rank group use it)
+        self.store = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=self.timeout_s), wait_for_workers=False)
+
+    def barrier_initial_workers(self) -> None:
+        """First start only: wait (bounded) until every initial worker has its Manager
+        heartbeating, so the first quorum holds them all instead of whoever came first."""
+        if self.attempt > 0:
+            return
+        from torch.distributed import TCPStore
+
+        store = TCPStore(self.launch_store[0], self.launch_store[1], None, False,
+                         timedelta(seconds=self.timeout_s), wait_for_workers=False)
+        store.add("ft/ready", 1)
+        deadline = time.monotonic() + self.timeout_s
+        while store.add("ft/ready", 0) < self.world and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def mark_joined(self, info: dict) -> None:
+        """Tell the launcher this start has committed its first exchange."""
+        path = os.path.join(self.run_dir, "ranks", "ft", f"rank{self.rank}.json")
+        atomic_write_json(path, {"rank": self.rank, "attempt": self.attempt, **info})
+
+
+def prepare(cfg: Any, run_dir: str) -> FTContext:
+    """Turn this process into a one-process Lightning world under ``ft=torchft``: keep the
+    worker's rank and the number of workers, give Lightning a world of one on a private
+    store, a logger on worker 0 only (checkpoints too: only worker 0 is Lightning's global
+    zero; they hold the centre, as without ft, and are not what a lost worker recovers from)."""
+    global _CURRENT
+    os.environ[ENV_RANK] = os.environ.get("RANK", "0")
+    os.environ[ENV_WORLD] = os.environ.get("WORLD_SIZE", "1")
+    ctx = FTContext(cfg, run_dir)
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", NODE_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(ctx.store.port), TORCHELASTIC_USE_AGENT_STORE="True")
+    cfg.trainer.devices = 1
+    if ctx.rank != 0:
+        cfg.logger.name = "none"
+    _CURRENT = ctx
+    return ctx
+
+
+def current() -> FTContext | None:
+    """This worker's context (None unless :func:`prepare` ran in this process)."""
+    return _CURRENT
+
+
+class FTSession:
+    """A worker's torchft ``Manager`` and the record of what it saw (for summary.json)."""
+
+    def __init__(self, ctx: FTContext, state_fn: Callable[[], dict], load_fn: Callable[[dict], None]) -> None:
+        from torchft import Manager, ProcessGroupGloo
+
+        self.ctx = ctx
+        self._state_fn, self._load_fn = state_fn, load_fn
+        t = timedelta(seconds=ctx.collective_timeout_s)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=t),
+            load_state_dict=self._load,
+            state_dict=self._state,
+            min_replica_size=ctx.min_replicas,
+            use_async_quorum=True,  # a joiner does not take part in the exchange it heals in
+            timeout=t,
+            quorum_timeout=timedelta(seconds=ctx.timeout_s),
+            connect_timeout=t,
+            rank=0,
+            world_size=1,
+            store_addr="127.0.0.1",
+            store_port=ctx.store.port,
+            lighthouse_addr=ctx.lighthouse,
+            replica_id=f"r{ctx.rank:05d}",  # sorted by the lighthouse: replica rank = worker rank
+            hostname="127.0.0.1",
+            init_sync=False,  # our first exchange is the set-up broadcast
+        )
+        ctx.barrier_initial_workers()
+        self.exchanges = 0
+        self.quorum_changes: list[dict] = []
+        self.not_committed: list[int] = []
+        # this process's recoveries from a peer: its rejoin after a restart, and any catch-up of
+        # a live worker whose commit failed where a peer's succeeded (torchft's commit vote is
+        # per replica group: the one left behind receives the peer's state at the next quorum)
+        self.recoveries: list[dict] = []
+        self.served: list[dict] = []  # recoveries this worker sent to joiners
+        self._quorum_id: int | None = None
+        self._loaded_bytes = 0
+        self._loaded_step: int | None = None
+        self._joined = False
+
+    # ---------------------------------------------------------------- torchft callbacks
+    def _state(self) -> dict:
+        state = self._state_fn()  # copies: the transport serves CPU tensors by reference
+        self.served.append({"step": self._step_of(state), "bytes": tensor_bytes(state), "t": time.time()})
+        return state
+
+    def _load(self, state: dict) -> None:
+        self._loaded_bytes = tensor_bytes(state)
+        self._loaded_step = self._step_of(state)
+        self._load_fn(state)
+
+    @staticmethod
+    def _step_of(state: dict) -> int | None:
+        return state.get("local_steps") if isinstance(state, dict) else None
+
+    # ---------------------------------------------------------------- the exchange
+    def members(self) -> list[int]:
+        """Worker ranks of the current quorum (torchft's process group keeps them)."""
+        return quorum_ranks(self.manager)
+
+    def exchange(self, payload: Callable[[int, bool], list[torch.Tensor]],
+                 apply: Callable[[list[torch.Tensor], bool], None], *, step: int, kind: str) -> None:
+        """One exchange as a quorum step (module doc), retried until committed.
+
+        ``payload(n, healing)``: this worker's buffers (summed over the quorum), given the
+        number of contributing workers ``n``; ``apply(sums, healed)`` once committed,
+        ``healed`` True when this worker received a peer's state in this exchange.
+
+        Raises:
+            RuntimeError: no commit in :data:`MAX_TRIES` quorums, or the quorum itself
+                failed (e.g. the lighthouse is gone).
+        """
+        from torch.distributed import ReduceOp
+
+        from easgd_lightning.comm.meter import get_meter
+
+        m = self.manager
+        for _ in range(MAX_TRIES):
+            t0 = time.time()
+            m.start_quorum()
+            try:
+                m.wait_quorum()
+            except Exception as err:
+                raise RuntimeError(f"ft=torchft: no quorum from the lighthouse at {self.ctx.lighthouse}: {err}") from err
+            healing = not m.is_participating()
+            n = m.num_participants()
+            qid = quorum_id(m)
+            if qid != self._quorum_id:
+                self._quorum_id = qid
+                self.quorum_changes.append({"step": step, "quorum_id": qid, "members": self.members(),
+                                            "participants": n, "t": time.time()})
+            bufs = payload(n, healing)
+            start = time.perf_counter()
+            works = [m.allreduce(b, reduce_op=ReduceOp.SUM) for b in bufs]
+            for w in works:
+                w.wait()
+            seconds = time.perf_counter() - start
+            for b in bufs:  # metered as ops.all_reduce does: one message per buffer
+                size = b.numel() * b.element_size()
+                get_meter().record(kind, sent=size, recv=size, seconds=seconds / len(bufs))
+            if m.should_commit():  # a joiner loads its peer's state in here
+                if healing:  # at its peer's step, not its own
+                    step = self._loaded_step if self._loaded_step is not None else step
+                    if self.quorum_changes and self.quorum_changes[-1]["quorum_id"] == qid:
+                        self.quorum_changes[-1]["step"] = step
+                    self.recoveries.append({"step": step, "bytes": self._loaded_bytes, "quorum_s": time.time() - t0,
+                                            "joined_at": time.time(), "started_at": self.ctx.started})
+                apply(bufs, healing)
+                self.exchanges += 1
+                if not self._joined:
+                    self._joined = True
+                    self.ctx.mark_joined({"joined_at": time.time(), "healed": bool(healing),
+                                          "step": step, "recovery_bytes": self._loaded_bytes if healing else 0})
+                return
+            self.not_committed.append(step)
+            log.warning("ft: the exchange at step %d was not committed (%s); retrying with a new quorum",
+                        step, m.errored())
+        raise RuntimeError(f"ft=torchft: the exchange at step {step} was not committed in {MAX_TRIES} quorums")
+
+    # ---------------------------------------------------------------- a DDP step
+    def start_step(self, step: int) -> None:
+        """Start this step's quorum (it completes while the forward and backward run)."""
+        self._step, self._step_t0, self._step_noted = step, time.time(), False
+        self.manager.start_quorum()
+
+    def _note_step_quorum(self) -> tuple[int, bool]:
+        m = self.manager
+        try:
+            m.wait_quorum()
+        except Exception as err:
+            raise RuntimeError(f"ft=torchft: no quorum from the lighthouse at {self.ctx.lighthouse}: {err}") from err
+        n, healing = m.num_participants(), not m.is_participating()
+        if not self._step_noted:
+            self._step_noted = True
+            qid = quorum_id(m)
+            if qid != self._quorum_id:
+                self._quorum_id = qid
+                self.quorum_changes.append({"step": self._step, "quorum_id": qid, "members": self.members(),
+                                            "participants": n, "t": time.time()})
+        return n, healing
+
+    def allreduce_mean(self, buf: torch.Tensor, kind: str) -> torch.Tensor:
+        """``buf <- sum_{i in Q} buf_i / n`` over this step's quorum (n: its contributing
+        workers; a joiner's ``buf`` is zeroed by the Manager); blocking, metered."""
+        from torch.distributed import ReduceOp
+
+        from easgd_lightning.comm.meter import get_meter
+
+        n, _ = self._note_step_quorum()
+        buf.div_(n)
+        start = time.perf_counter()
+        self.manager.allreduce(buf, reduce_op=ReduceOp.SUM).wait()
+        size = buf.numel() * buf.element_size()
+        get_meter().record(kind, sent=size, recv=size, seconds=time.perf_counter() - start)
+        return buf
+
+    def commit_step(self) -> bool:
+        """``should_commit`` for this step (a joiner loads its peer's state in here)."""
+        _, healing = self._note_step_quorum()
+        if not self.manager.should_commit():
+            self.not_committed.append(self._step)
+            log.warning("ft: step %d was not committed (%s)", self._step, self.manager.errored())
+            return False
+        if healing:
+            step = self._loaded_step if self._loaded_step is not None else self._step
+            if self.quorum_changes and self.quorum_changes[-1]["quorum_id"] == self._quorum_id:
+                self.quorum_changes[-1]["step"] = step
+            self.recoveries.append({"step": step, "bytes": self._loaded_bytes,
+                                    "quorum_s": time.time() - self._step_t0, "joined_at": time.time(),
+                                    "started_at": self.ctx.started})
+        self.exchanges += 1
+        if not self._joined:
+            self._joined = True
+            self.ctx.mark_joined({"joined_at": time.time(), "healed": bool(healing), "step": self._step,
+                                  "recovery_bytes": self._loaded_bytes if healing else 0})
+        return True
+
+    def report(self) -> dict:
+        return {
+            "rank": self.ctx.rank,
+            "attempt": self.ctx.attempt,
+            "exchanges": self.exchanges,
+            "quorum_changes": self.quorum_changes,
+            "not_committed": self.not_committed,
+            "recoveries": self.recoveries,
+            "served": self.served,
+            "manager_step": self.manager.current_step(),
+        }
+
+    def shutdown(self) -> None:
+        try:
+            self.manager.shutdown(wait=False)
+        except Exception:  # pragma: no cover - shutting down must not fail a finished run
+            log.debug("torchft manager shutdown failed", exc_info=True)

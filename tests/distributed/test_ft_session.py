@@ -1,0 +1,68 @@
+"""The quorum exchange of ``ft=torchft`` (easgd_lightning/ft/worker.py, ``FTSession``) with
+real processes and a real lighthouse: three workers, one SIGKILLed inside an exchange after
+the quorum formed and before its all-reduce. The survivors' collective of that step fails;
+they do not commit it (torchft's ``should_commit`` is False, nothing is applied), retry it
+with the next quorum -- the two of them -- and commit the average of the two.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, base_env
+
+pytest.importorskip("torchft")
+
+SCRIPT = REPO / "tests" / "distributed" / "scripts" / "ft_session_run.py"
+
+
+def test_failed_exchange_is_not_committed_and_retried(tmp_path: Path) -> None:
+    from torch.distributed import TCPStore
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=5000,
+                                  heartbeat_timeout_ms=1000)
+    store = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+    steps, victim, kill_step = 6, 2, 3
+    procs = []
+    try:
+        for r in range(3):
+            env = base_env(EASGD_FT_RANK=str(r), EASGD_FT_WORLD="3", EASGD_FT_ATTEMPT="0",
+                           EASGD_FT_LIGHTHOUSE=lighthouse.address().replace(socket.gethostname(), "127.0.0.1"), MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(store.port), RUST_LOG="warn")
+            procs.append(subprocess.Popen(
+                [sys.executable, str(SCRIPT), str(tmp_path / f"r{r}.json"), str(steps), str(victim), str(kill_step)],
+                env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"r{r}.err", "w"), start_new_session=True))
+        codes = [p.wait(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+        lighthouse.shutdown()
+    assert codes[victim] == -9, codes
+    assert codes[0] == codes[1] == 0, [(tmp_path / f"r{r}.err").read_text()[-2000:] for r in range(2)]
+    res = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2)]
+    # the reference: x_i += i + 1, then the mean over the quorum that committed
+    x = [1.0, 2.0, 3.0]
+    for step in range(1, steps + 1):
+        x = [v + r + 1 for r, v in enumerate(x)]
+        members = [0, 1, 2] if step < kill_step else [0, 1]
+        mean = sum(x[r] for r in members) / len(members)
+        x = [mean] * 3
+        for r in range(2):
+            assert res[r]["history"][step - 1]["x"] == pytest.approx(mean, rel=1e-12), (r, step)
+            assert res[r]["history"][step - 1]["members"] == members, (r, step)
+    for r in range(2):
+        rep = res[r]["report"]
+        assert rep["not_committed"] == [kill_step], rep  # tried once with the dead worker, not committed
+        assert rep["exchanges"] == steps  # and then committed with the two
+        assert [q["members"] for q in rep["quorum_changes"]] == [[0, 1, 2], [0, 1]], rep["quorum_changes"]
+        assert rep["quorum_changes"][1]["step"] == kill_step

@@ -1,0 +1,304 @@
+"""``ft=torchft`` through the real CLI: a real lighthouse (started by the launcher), three real
+worker processes, each its own replica group with a torchft Manager (easgd_lightning/ft/).
+
+* No fault: ``ft=torchft`` trains bitwise the same centre as ``ft=none`` (float64,
+  ``trainer.precision=64-true``; the centre in ``last.ckpt``), for local_sgd and sync_easgd;
+  the same weights up to rounding (1e-14) for ddp; bitwise for diloco (one fragment).
+* One worker SIGKILLed from outside mid-run (its pid from ``ranks/launch.json``; or by
+  ``faults.kill_rank``): the run finishes ``ok``, the worker was restarted once and rejoined
+  (its state received from a peer, bytes counted), the validation accuracy is within 0.02 of
+  the same run without the fault, and no process of the run is left.
+* The lighthouse SIGKILLed mid-run: exit 1 within a bounded time, the error names the
+  lighthouse, no process of the run is left.
+* Refusals before launch (exit 2, one line naming the key).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import base_env, one_error_line, run_cli, start_cli
+
+pytest.importorskip("torchft")
+pytestmark = pytest.mark.slow
+
+COMMON = ["logger=none", "trainer.enable_progress_bar=false", "data.num_workers=0", "trainer.devices=3",
+          "ft=torchft"]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _centre(run_dir: Path) -> dict:
+    return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+
+
+def _summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def _json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _wait(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def _every_pid(run_dir: Path, seen: set[int]) -> set[int]:
+    """The run's worker and lighthouse pids named in launch.json now, added to ``seen``."""
+    info = _json(run_dir / "ranks" / "launch.json") or {}
+    seen.update(int(p) for p in info.get("worker_pids", []))
+    if (info.get("ft") or {}).get("lighthouse_pid"):
+        seen.add(int(info["ft"]["lighthouse_pid"]))
+    return seen
+
+
+# -------------------------------------------------------------------------- no fault
+@pytest.mark.parametrize("strategy", ["local_sgd", "sync_easgd", "ddp", "diloco"])
+def test_no_fault_is_bitwise_ft_none(tmp_path: Path, strategy: str) -> None:
+    """Bitwise for local_sgd and sync_easgd. ddp: equal to rounding only -- under ft=torchft
+    DDP's reducer keeps its first bucket layout (find_unused_parameters=True, as torchft's
+    DDP: a joiner's first step would otherwise pair its buckets with differently ordered
+    ones), so the ring sums the elements of a bucket in another order than ft=none's rebuilt
+    buckets."""
+    over = [f"strategy={strategy}", "trainer.max_epochs=2", "trainer.precision=64-true",
+            *(["strategy.tau=4"] if strategy in ("local_sgd", "diloco") else [])]
+    runs = {}
+    for ft in ("none", "torchft"):
+        runs[ft] = tmp_path / ft
+        common = [c for c in COMMON if not c.startswith("ft=")]
+        run_cli([f"hydra.run.dir={runs[ft]}", *common, f"ft={ft}", *over], timeout=300)
+    a, b = _centre(runs["none"]), _centre(runs["torchft"])
+    assert a.keys() == b.keys()
+    for key in a:
+        if strategy == "ddp":
+            assert torch.allclose(a[key], b[key], rtol=0, atol=1e-14), (key, (a[key] - b[key]).abs().max())
+        else:
+            assert torch.equal(a[key], b[key]), (key, (a[key] - b[key]).abs().max())
+    sa, sb = _summary(runs["none"]), _summary(runs["torchft"])
+    assert sb["status"] == "ok" and sb["steps_per_rank"] == sa["steps_per_rank"] == [30, 30, 30]
+    # the same centre, evaluated once on the whole validation set under ft (no reduction across
+    # workers) instead of per shard and averaged: equal up to the order of the float64 sums
+    assert sb["val_acc"] == pytest.approx(sa["val_acc"], abs=1e-12)
+    assert sb["train_loss"] == pytest.approx(sa["train_loss"], rel=1e-12)
+    kind = {"local_sgd": "model_averaging", "sync_easgd": "elastic", "ddp": "data_parallel",
+            "diloco": "pseudo_gradient"}[strategy]
+    assert sb["comm"]["by_kind"][kind]["bytes_sent"] == sa["comm"]["by_kind"][kind]["bytes_sent"] > 0
+    ft = sb["ft"]
+    assert ft["restarts"] == [0, 0, 0] and ft["rejoins"] == [] and ft["deaths"] == []
+    assert [q["members"] for q in ft["quorum_changes"]] == [[0, 1, 2]]
+    assert ft["steps_not_committed"] == [[], [], []]
+
+
+# -------------------------------------------------------------------------- one SIGKILL
+LONG = ["trainer.max_epochs=40"]  # 600 steps per worker: a kill at step ~100 leaves time to rejoin
+#: the SIGKILL-from-outside runs: 1200 steps, so that a worker killed a moment after the first
+#: exchange is back before the end even on a loaded machine
+LONGER = ["trainer.max_epochs=80"]
+
+
+def _fault_free(tmp_path: Path, strategy: str, extra: list[str]) -> dict:
+    run = tmp_path / "fault_free"
+    run_cli([f"hydra.run.dir={run}", *COMMON, f"strategy={strategy}", *LONGER, *extra], timeout=400)
+    return _summary(run)
+
+
+@pytest.mark.parametrize("strategy,extra", [
+    ("local_sgd", ["strategy.tau=4"]), ("sync_easgd", []), ("ddp", []),
+    # the outer step without momentum: with the paper's Nesterov 0.9 at lr 0.7 this toy run is
+    # too unstable for a 0.02 criterion (README, Fault tolerance: measured)
+    ("diloco", ["strategy.tau=4", "strategy.outer_momentum=0.0"]),
+])
+def test_sigkill_from_outside_rejoins(tmp_path: Path, strategy: str, extra: list[str]) -> None:
+    base = _fault_free(tmp_path, strategy, extra)
+    assert base["status"] == "ok"
+    run = tmp_path / "killed"
+    log = tmp_path / "killed.log"
+    proc = start_cli([f"hydra.run.dir={run}", *COMMON, f"strategy={strategy}", *LONGER, *extra], base_env(), log)
+    pids: set[int] = set()
+    try:
+        # every worker has committed its first exchange: kill worker 1 a moment later
+        _wait(lambda: all((run / "ranks" / "ft" / f"rank{r}.json").exists() for r in range(3)), 120,
+              "the three workers' first exchange")
+        time.sleep(0.5)
+        victim = _json(run / "ranks" / "launch.json")["worker_pids"][1]
+        _every_pid(run, pids)
+        os.kill(victim, signal.SIGKILL)
+        code = proc.wait(timeout=300)
+        _every_pid(run, pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    s = _summary(run)
+    assert code == 0, log.read_text()[-3000:]
+    assert s["status"] == "ok", s["error"]
+    ft = s["ft"]
+    assert ft["restarts"] == [0, 1, 0]
+    assert [d["rank"] for d in ft["deaths"]] == [1] and ft["deaths"][0]["signal"] == "SIGKILL"
+    (rejoin,) = ft["rejoins"]
+    assert rejoin["rank"] == 1 and rejoin["attempt"] == 1
+    assert 0 < rejoin["at_step"] < 1200
+    # a kill inside an exchange may leave a live worker one commit behind a peer (torchft's
+    # commit vote is per replica group): it catches up from that peer at the next quorum
+    assert all(c["rank"] != 1 and c["attempt"] == 0 for c in ft["catch_ups"]), ft["catch_ups"]
+    assert len(ft["catch_ups"]) <= sum(len(n) for n in ft["steps_not_committed"])
+    total = rejoin["recovery_bytes"] + sum(c["recovery_bytes"] for c in ft["catch_ups"])
+    assert rejoin["recovery_bytes"] > 0 and ft["recovery_bytes"] == total
+    assert rejoin["recovery_s"] is not None and rejoin["recovery_s"] > 0
+    assert ft["finished_ranks"] == [0, 1, 2] and ft["lost_ranks"] == []
+    # every worker, the restarted one too, ended at the run's last step
+    assert s["steps_per_rank"] == [1200, 1200, 1200]
+    # every worker, the rejoined one too, ends with the same model
+    finals = [_json(run / "ranks" / f"rank{r}.json")["val_acc"] for r in range(3)]
+    assert finals[0] == finals[1] == finals[2], finals
+    assert abs(s["val_acc"] - base["val_acc"]) <= 0.02, (s["val_acc"], base["val_acc"])
+    assert s["val_acc"] > 0.9
+    assert len(pids) >= 5  # three workers, the restarted one, the lighthouse
+    assert not [p for p in pids if pid_alive(p)], "processes of the run are left"
+
+
+def test_faults_kill_rank_restarts_it(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run_cli([f"hydra.run.dir={run}", *COMMON, "strategy=local_sgd", "strategy.tau=4", *LONG,
+             "faults.kill_rank=2", "faults.kill_at_step=100"], timeout=400)
+    s = _summary(run)
+    assert s["status"] == "ok"
+    assert s["ft"]["restarts"] == [0, 0, 1]
+    assert s["ft"]["deaths"][0]["signal"] == "SIGKILL"
+    assert [j["rank"] for j in s["ft"]["rejoins"]] == [2]
+    assert s["steps_per_rank"] == [600, 600, 600]
+    rounds = [e["rounds"] for e in s["extras"]]
+    assert rounds == [150, 150, 150], rounds  # the rejoined worker is in step with the others
+
+
+# -------------------------------------------------------------------------- the lighthouse lost
+def test_lighthouse_killed_ends_the_run_cleanly(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    log = tmp_path / "run.log"
+    proc = start_cli([f"hydra.run.dir={run}", *COMMON, "strategy=sync_easgd", "trainer.max_epochs=400"],
+                     base_env(), log)
+    pids: set[int] = set()
+    try:
+        _wait(lambda: all((run / "ranks" / "ft" / f"rank{r}.json").exists() for r in range(3)), 120,
+              "the three workers' first exchange")
+        lighthouse = _json(run / "ranks" / "launch.json")["ft"]["lighthouse_pid"]
+        _every_pid(run, pids)
+        killed = time.monotonic()
+        os.kill(lighthouse, signal.SIGKILL)
+        code = proc.wait(timeout=120)
+        took = time.monotonic() - killed
+        _every_pid(run, pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 1, log.read_text()[-3000:]
+    s = _summary(run)
+    assert s["status"] == "failed"
+    assert "lighthouse" in s["error"] and "died" in s["error"], s["error"]
+    assert s["ft"]["lighthouse_lost"] is True
+    assert s["ft"]["restarts"] == [0, 0, 0]  # no restart without a lighthouse
+    assert took < 60, took  # the stop grace (30 s at most) plus the exits
+    assert not [p for p in pids if pid_alive(p)], "processes of the run are left"
+
+
+# -------------------------------------------------------------------------- refusals
+REFUSALS = [
+    (["ft.min_replicas=0"], "ft.min_replicas: must be an integer in [1, 3]"),
+    (["ft.max_restarts=-1"], "ft.max_restarts: must be an integer >= 0"),
+    (["ft.lighthouse=nowhere"], "ft.lighthouse: must be null or host:port"),
+    (["strategy=pipeline_3d"], "ft=torchft: strategy=pipeline_3d cannot survive a lost worker"),
+    (["strategy=easgd_round_robin"], "ft=torchft: strategy=easgd_round_robin cannot survive a lost worker"),
+    (["strategy=diloco", "strategy.fragments=2"], "ft=torchft: strategy.fragments=2 is not supported with strategy=diloco"),
+    (["strategy=ddp", "compression=topk"], "ft=torchft: compression=topk is not supported"),
+    (["strategy=async_easgd"], "ft=torchft: strategy=async_easgd cannot survive a lost worker"),
+    (["strategy=local_sgd", "compression=topk"], "ft=torchft: compression=topk is not supported"),
+]
+
+
+@pytest.mark.parametrize("overrides,expected", REFUSALS, ids=[" ".join(o) for o, _ in REFUSALS])
+def test_refused_before_launch(tmp_path: Path, overrides: list[str], expected: str) -> None:
+    run = tmp_path / "run"
+    over = overrides if any(o.startswith("strategy=") for o in overrides) else ["strategy=local_sgd", *overrides]
+    proc = run_cli([f"hydra.run.dir={run}", *COMMON, *over], check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert expected in one_error_line(proc.stderr)
+    assert not (run / "ranks").exists()
+
+
+# -------------------------------------------------------------------------- SIGSTOP, SIGTERM
+def _start_and_wait_joined(run: Path, log: Path, overrides: list[str]):
+    proc = start_cli([f"hydra.run.dir={run}", *COMMON, *overrides], base_env(), log)
+    _wait(lambda: all((run / "ranks" / "ft" / f"rank{r}.json").exists() for r in range(3)), 120,
+          "the three workers' first exchange")
+    time.sleep(1.0)
+    return proc
+
+
+def test_sigstopped_worker_is_dropped_killed_and_rejoins(tmp_path: Path) -> None:
+    run, log = tmp_path / "run", tmp_path / "run.log"
+    proc = _start_and_wait_joined(run, log, ["strategy=sync_easgd", "trainer.max_epochs=150", "ft.quorum_timeout_s=10",
+                                             "ft.collective_timeout_s=5"])
+    pids: set[int] = set()
+    try:
+        _every_pid(run, pids)
+        os.kill(_json(run / "ranks" / "launch.json")["worker_pids"][1], signal.SIGSTOP)
+        code = proc.wait(timeout=300)
+        _every_pid(run, pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 0, log.read_text()[-3000:]
+    s = _summary(run)
+    ft = s["ft"]
+    assert s["status"] == "ok"
+    (death,) = ft["deaths"]
+    assert death["rank"] == 1 and death["stopped"] is True and death["signal"] == "SIGKILL"
+    # the quorum went on without it (members [0, 2]) before the launcher killed it
+    assert [0, 2] in [q["members"] for q in ft["quorum_changes"]], ft["quorum_changes"]
+    # killed after ft.quorum_timeout_s stopped, restarted, rejoined (on a slow machine the run
+    # may end first: then it is killed at the end and named as lost)
+    rejoined = ft["restarts"] == [0, 1, 0] and [j["rank"] for j in ft["rejoins"]] == [1]
+    assert rejoined or (ft["restarts"] == [0, 0, 0] and ft["lost_ranks"] == [1]), ft
+    if rejoined:
+        assert s["steps_per_rank"] == [2250, 2250, 2250]
+    assert not [p for p in pids if pid_alive(p)], "processes of the run are left"
+
+
+def test_sigterm_to_the_launcher_ends_as_without_ft(tmp_path: Path) -> None:
+    run, log = tmp_path / "run", tmp_path / "run.log"
+    proc = _start_and_wait_joined(run, log, ["strategy=local_sgd", "trainer.max_epochs=400"])
+    pids: set[int] = set()
+    try:
+        _every_pid(run, pids)
+        os.kill(proc.pid, signal.SIGTERM)
+        code = proc.wait(timeout=120)
+        _every_pid(run, pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 143, log.read_text()[-3000:]
+    s = _summary(run)
+    assert s["status"] == "failed" and s["error"] == "interrupted by SIGTERM"
+    assert s["ft"]["restarts"] == [0, 0, 0] and s["ft"]["deaths"] == []  # a stop, not a death
+    assert not [p for p in pids if pid_alive(p)], "processes of the run are left"
