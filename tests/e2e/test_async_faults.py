@@ -64,9 +64,11 @@ def _outside_fault(tmp_path: Path, name: str, sig: signal.Signals, overrides: li
     return run, code, run.summary()
 
 
-def _assert_went_on_without_rank_1(run: Run, code: int, s: dict, why: str, workers: int) -> dict:
+def _assert_went_on_without_rank_1(run: Run, code: int, s: dict, why: str, workers: int,
+                                   epochs_after: int = 5) -> dict:
     """Exit 0, ``status: ok``, rank 1 recorded lost (and nothing else failed), the others
-    trained on to the end with a center as good as a fault-free run's, no process left."""
+    trained on to the end with a center as good as a fault-free run's (the server applied at
+    least ``epochs_after`` epochs of updates after it declared the loss), no process left."""
     assert code == 0, run.output()
     assert s["status"] == "ok" and s["error"] is None and s["first_failure"] is None, s["error"]
     (lost,) = s["ft"]["lost_ranks"]
@@ -79,7 +81,7 @@ def _assert_went_on_without_rank_1(run: Run, code: int, s: dict, why: str, worke
     # the others went on: after the loss the server applied many more updates, and a
     # survivor did all its epochs
     per_epoch = STEPS_PER_EPOCH[workers]
-    assert server["updates"] >= record["updates"] + 5 * per_epoch, (server["updates"], record)
+    assert server["updates"] >= record["updates"] + epochs_after * per_epoch, (server["updates"], record)
     survivors = [r for r in range(workers) if r != 1]
     assert max(s["steps_per_rank"][r] for r in survivors) == EPOCHS * per_epoch
     assert sorted(server["done_workers"]) == survivors
@@ -109,7 +111,10 @@ def test_a_worker_stopped_from_outside_is_dropped_after_its_timeout_and_killed_a
     held up by it, and the launcher kills it once the run is over."""
     run, code, s = _outside_fault(tmp_path, "sigstop-async_easgd", signal.SIGSTOP,
                                   ["strategy=async_easgd", "trainer.devices=4", "strategy.worker_timeout_s=3"])
-    lost = _assert_went_on_without_rank_1(run, code, s, "stopped", 3)
+    # a frozen worker is declared lost only after worker_timeout_s of silence, by which time
+    # the others (a few ms a step) may be near their end: what shows they went on without it
+    # is that they finished every epoch while it stayed frozen (the launcher killed it then)
+    lost = _assert_went_on_without_rank_1(run, code, s, "stopped", 3, epochs_after=0)
     assert lost["detected"] == "heartbeat stopped" and lost["exit"] == {"signal": "SIGKILL"}, lost
     assert s["killed_ranks"] == [1] and s["exit_codes"][1] == -9
 
