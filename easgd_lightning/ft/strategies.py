@@ -237,11 +237,7 @@ class FTSyncEASGDStrategy(_FTMixin, SyncEASGDStrategy):
     def _exchange_step(self, take_step: Callable[..., Any], optimizer: Optimizer) -> Any:
         if not elastic.is_exchange_step(self._local_steps, self._tau):
             return take_step()
-        self._diff_formed = False
-        out = take_step(after_closure=self._form_difference)
-        if not self._diff_formed:
-            raise RuntimeError("sync_easgd: the optimizer stepped without calling its closure, so the "
-                               "elastic difference could not be formed at the gradient's point")
+        out = self._step_forming_difference(take_step)
         diff = self._diff
 
         def payload(n: int, healing: bool) -> torch.Tensor:

@@ -122,13 +122,7 @@ class SyncEASGDStrategy(CenterStrategy):
     def _exchange_step(self, take_step: Callable[..., Any], optimizer: Optimizer) -> Any:
         if not elastic.is_exchange_step(self._local_steps, self._tau):
             return take_step()
-        self._diff_formed = False
-        out = take_step(after_closure=self._form_difference)
-        if not self._diff_formed:
-            raise RuntimeError(
-                "sync_easgd: the optimizer stepped without calling its closure, so the "
-                "elastic difference could not be formed at the gradient's point"
-            )
+        out = self._step_forming_difference(take_step)
         with torch.no_grad():
             x = self._elastic_flat()
             elastic.apply_elastic_pull(x, self._diff)
@@ -144,6 +138,18 @@ class SyncEASGDStrategy(CenterStrategy):
         )
         if not self._overlap:
             self._complete_exchange()
+        return out
+
+    def _step_forming_difference(self, take_step: Callable[..., Any]) -> Any:
+        """The optimizer's step, with d = alpha (x - c) formed after its forward and backward
+        (:meth:`_form_difference`); returns the step's output."""
+        self._diff_formed = False
+        out = take_step(after_closure=self._form_difference)
+        if not self._diff_formed:
+            raise RuntimeError(
+                "sync_easgd: the optimizer stepped without calling its closure, so the "
+                "elastic difference could not be formed at the gradient's point"
+            )
         return out
 
     @torch.no_grad()
