@@ -53,6 +53,15 @@ def test_the_strategy_and_its_options_matter(ranks: list[dict]) -> None:
     assert ranks[0]["diloco"]["fabric"]["extras"]["outer_syncs"] == [3, 3]  # steps 2, 6, 10 / 4, 8 and finish()
 
 
+def test_holding_center_swaps_the_center_in_and_the_worker_back(ranks: list[dict]) -> None:
+    """sync_easgd: inside holding_center() the module holds the center finish() ends on (the
+    exchange in flight completed); after it, each rank's own worker, which is elsewhere."""
+    for r in ranks:
+        run = r["sync_easgd_topk"]["fabric"]
+        assert all(torch.equal(a, b) for a, b in zip(run["held"], run["final"]))
+        assert not all(torch.equal(a, b) for a, b in zip(run["worker"], run["final"]))
+
+
 @pytest.mark.parametrize(
     "name,why",
     [("async_easgd", "parameter server"), ("hogwild_sgd", "shared center"), ("pipeline_3d", "pipeline engine")],

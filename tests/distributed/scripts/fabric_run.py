@@ -6,7 +6,8 @@ trained once by ``pl.Trainer`` (``precision="64-true"``) and once by a hand-writ
 Fabric loop (``fabric.backward(loss); optimizer.step()``, ``fabric.strategy.finish()`` at
 the end), in the same process group. Saves per case both final parameter lists, the
 initial ones, each path's step count and (sync_easgd) the exchanges still in flight when
-the next difference was formed, and the Fabric strategy's summary extras.
+the next difference was formed, the Fabric strategy's summary extras, and (the center
+strategies) the parameters inside ``holding_center()`` and after it, before ``finish()``.
 """
 
 import os
@@ -114,9 +115,15 @@ def fabric_fit(strategy, x, y, world: int) -> dict:
             opt.step()
     finally:
         torch.set_default_dtype(torch.float32)
+    held = worker = None
+    if hasattr(fabric.strategy, "holding_center"):  # the center strategies
+        with fabric.strategy.holding_center():
+            held = params(model)
+        worker = params(model)
     fabric.strategy.finish()
     used = getattr(fabric.strategy, "exchange", fabric.strategy)
-    return {"final": params(model), "steps": used.local_steps, "extras": used.summary_extras(),
+    return {"final": params(model), "held": held, "worker": worker,
+            "steps": used.local_steps, "extras": used.summary_extras(),
             "overlapped": getattr(used, "exchanges_overlapped", None), "strategy": used.strategy_name}
 
 
