@@ -20,7 +20,13 @@ What the base provides:
 * checkpoints: the module weights saved are the center; ``checkpoint["easgd"]`` holds the
   center, the step counter and every worker's parameters and optimizer state, so resuming
   restores each rank exactly;
-* per-rank step counting for ``summary.json``.
+* per-rank step counting for ``summary.json``;
+* the exchange without the Trainer (Lightning Fabric, :mod:`easgd_lightning.fabric`), the
+  seams the Trainer's hooks call too: :meth:`CenterStrategy.attach_host` (ranks, devices,
+  ``comm`` sub-groups), :meth:`CenterStrategy.start_exchange` (its ``setup``),
+  :meth:`CenterStrategy.exchange_step` (its ``optimizer_step``),
+  :meth:`CenterStrategy.finish_exchange` (its ``on_train_end``),
+  :meth:`CenterStrategy.holding_center` and :meth:`CenterStrategy.release_exchange`.
 """
 
 from __future__ import annotations
@@ -182,7 +188,6 @@ class CenterStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         open_comm(self._comm)
-
 
     @override
     def configure_ddp(self) -> None:
