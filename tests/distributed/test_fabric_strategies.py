@@ -62,6 +62,7 @@ def test_holding_center_swaps_the_center_in_and_the_worker_back(ranks: list[dict
         assert not all(torch.equal(a, b) for a, b in zip(run["worker"], run["final"]))
 
 
+@pytest.mark.filterwarnings("ignore:The `srun` command is available")  # Fabric's SLURM probe
 @pytest.mark.parametrize(
     "name,why",
     [("async_easgd", "parameter server"), ("hogwild_sgd", "shared center"), ("pipeline_3d", "pipeline engine")],
