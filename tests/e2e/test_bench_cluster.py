@@ -573,11 +573,13 @@ def test_shaped_10mbit_four_rank_compressed_sync_easgd_repeated(netns_ok: None, 
     It hung in 2 of 3 runs (every rank blocked in a collective until gloo's timeout): five
     runs catch that with probability 1 - (1/3)**5 = 0.996, as the issue asks. The
     collective timeout is cut to 60 s so that a hang fails the run in a minute; each run
-    crosses an epoch end (12 steps per epoch: validation with its metric all-reduce).
+    crosses an epoch end (12 steps per epoch: validation with its metric all-reduce). The
+    ranks are forked from each host's fork server (the imports once, not five times): the
+    hang was in the collectives, which do not depend on how a rank was started.
     """
     link = cluster.LinkSpec(10.0, 0.1)
     config = cluster.BenchConfig("sync_easgd", "topk")
-    with cluster.EmulatedCluster(4, link) as c:
+    with cluster.EmulatedCluster(4, link, fork_ranks=True) as c:
         for rep in range(5):
             res = cluster.run_config(
                 c, config, steps=14, warmup_steps=0, workload=["model.hidden=2048"],
