@@ -13,8 +13,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _netem import EmulatedCluster, LinkSpec, package_util
-from _scenarios import (
+from bench._netem import EmulatedCluster, LinkSpec
+from bench._scenarios import (
     LIMIT,
     LIMIT_RUN,
     REPO,
@@ -22,22 +22,19 @@ from _scenarios import (
     SC17_FIRST_PROBE_MBIT,
     BenchConfig,
 )
-from _tables import (
+from bench._tables import (
     FIGURES,
-    _fmt,
-    _mean,
-    _totals,
     comm_share_of,
+    fmt_figure,
+    mean_or_none,
     row_from_summary,
+    run_totals,
     steady_figures,
     time_to_target,
     train_clock,
 )
-
-if str(REPO) not in sys.path:  # the checkout's package, also when not installed
-    sys.path.insert(0, str(REPO))
-clean_env = package_util("rank_env").clean_env  # without importing Lightning here (_netem)
-rank_env = package_util("rank_env").rank_env
+from easgd_lightning.conf import CONF_DIR
+from easgd_lightning.utils.rank_env import clean_env, rank_env
 
 # Defaults of every benchmark run (each can be replaced through --extra KEY=VALUE): no
 # logger, no checkpoint files, no progress bar, and as many epochs as --steps needs.
@@ -89,7 +86,7 @@ class RunResult:
     figures: dict = field(default_factory=dict)
 
 
-def _rank_env(cluster: EmulatedCluster, rank: int, port: int) -> dict[str, str]:
+def host_rank_env(cluster: EmulatedCluster, rank: int, port: int) -> dict[str, str]:
     """One rank: its host is its node (``procs_per_host`` ranks each, torchrun's
     ``LOCAL_RANK`` / ``NODE_RANK`` / ``LOCAL_WORLD_SIZE``), rendezvous at host 0, gloo on
     the emulated link, the checkout this script belongs to first on ``PYTHONPATH``."""
@@ -104,7 +101,7 @@ def _rank_env(cluster: EmulatedCluster, rank: int, port: int) -> dict[str, str]:
     return out
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> tuple[list[int | None], bool]:
+def wait_all(procs: list[subprocess.Popen], timeout_s: float) -> tuple[list[int | None], bool]:
     """Wait for all; stop early if one fails. Returns (return codes, timed_out)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -118,7 +115,7 @@ def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> tuple[list[int
     return [p.poll() for p in procs], True
 
 
-def _log_tail(path: Path, n: int = 15) -> str:
+def log_tail(path: Path, n: int = 15) -> str:
     try:
         lines = path.read_text(errors="replace").splitlines()
     except OSError:
@@ -272,8 +269,8 @@ def _launch(
     for rank in range(cluster.world_size):
         log = run_dir / "logs" / f"rank{rank}.log"
         logs.append(log)
-        procs.append(cluster.spawn(cluster.host_of(rank), cmd, _rank_env(cluster, rank, port), log))
-    codes, timed_out = _wait_all(procs, timeout_s)
+        procs.append(cluster.spawn(cluster.host_of(rank), cmd, host_rank_env(cluster, rank, port), log))
+    codes, timed_out = wait_all(procs, timeout_s)
     cluster.kill_procs()
     summary_path = run_dir / "summary.json"
     status = "ok"
@@ -289,7 +286,7 @@ def _launch(
         if reason:
             status += f": {reason}"
         print(
-            f"[cluster] {label}: {status}; rank {bad} log {logs[bad]}:\n{_log_tail(logs[bad])}",
+            f"[cluster] {label}: {status}; rank {bad} log {logs[bad]}:\n{log_tail(logs[bad])}",
             file=sys.stderr,
             flush=True,
         )
@@ -353,13 +350,13 @@ def run_config(
     return result
 
 
-def _bytes_to_target(whole: dict, hit: dict | None) -> float | None:
+def bytes_to_target(whole: dict, hit: dict | None) -> float | None:
     """Bytes one worker sent until the validation that reached the target (None: never)."""
     per_step = whole.get("bytes_per_step_per_worker")
     return per_step * hit["step"] if hit and per_step is not None and hit.get("step") else None
 
 
-def _peak_exchange(summary: dict) -> int | None:
+def peak_exchange(summary: dict) -> int | None:
     """The largest single exchange's dense bytes, where the strategy reports it (diloco)."""
     extras = summary.get("extras") or [{}]
     first = extras[0] if isinstance(extras, list) and extras else {}
@@ -402,11 +399,11 @@ def run_tta_config(
         "target_step": hit["step"] if hit else None,
         "target_epoch": hit["epoch"] if hit else None,
         "best_val_acc": max(accs) if accs else None,
-        "bytes_to_target": _bytes_to_target(whole, hit),
-        "peak_exchange_bytes": _peak_exchange(summary),
+        "bytes_to_target": bytes_to_target(whole, hit),
+        "peak_exchange_bytes": peak_exchange(summary),
         "val_acc": summary.get("val_acc"),
         "train_time_s": clock,
-        "step_time_s": clock / _mean(steps) if clock and steps else whole["step_time_s"],
+        "step_time_s": clock / mean_or_none(steps) if clock and steps else whole["step_time_s"],
         "bytes_per_step_per_worker": whole["bytes_per_step_per_worker"],
         "comm_share": whole["comm_share"],
         "comm_share_source": whole["comm_share_source"],
@@ -453,7 +450,7 @@ def calibrate_sc17_rate(
         cluster, BenchConfig(*LIMIT), run_dir=out_dir / "limit", port=port, **common
     )
     limit_step = _clock_step(summary) if summary else None
-    print(f"[cluster] sc17 calibration: limit step {_fmt(limit_step, 's')} s ({status})", flush=True)
+    print(f"[cluster] sc17 calibration: limit step {fmt_figure(limit_step, 's')} s ({status})", flush=True)
     rate = SC17_FIRST_PROBE_MBIT
     probes: list[dict] = []
     chosen = None
@@ -471,8 +468,8 @@ def calibrate_sc17_rate(
         })
         print(
             f"[cluster] sc17 calibration: easgd_round_robin at {rate:g} Mbit/s: step "
-            f"{_fmt(step, 's')} s, 1 - limit/step = {_fmt(share, 'pct')} (metered "
-            f"{_fmt(probes[-1]['metered_share'], 'pct')}) ({status})",
+            f"{fmt_figure(step, 's')} s, 1 - limit/step = {fmt_figure(share, 'pct')} (metered "
+            f"{fmt_figure(probes[-1]['metered_share'], 'pct')}) ({status})",
             flush=True,
         )
         if share is None:
@@ -496,15 +493,15 @@ def _clock_step(summary: dict) -> float | None:
     """Seconds per step of one run over its training clock (wall time where it has none)."""
     steps = [int(s) for s in summary.get("steps_per_rank") or [] if s]
     clock = train_clock(summary) or summary.get("wall_time_s")
-    return clock / _mean(steps) if clock and steps else None
+    return clock / mean_or_none(steps) if clock and steps else None
 
 
 def _run_share(summary: dict) -> float | None:
     """Metered comm share of one run over its training clock (exposed where recorded)."""
-    totals = _totals(summary, "train" if train_clock(summary) is not None else "wall")
+    totals = run_totals(summary, "train" if train_clock(summary) is not None else "wall")
     if not totals["time"] or not totals["comm_time"]:
         return comm_share_of(summary)[0]
-    return _mean(t / totals["time"] for t in totals["comm_time"])
+    return mean_or_none(t / totals["time"] for t in totals["comm_time"])
 
 
 def run_smoke(
@@ -519,12 +516,12 @@ def run_smoke(
     res_dir = out_dir / f"smoke_{cluster.link.rate_mbit:g}mbit_{port}"
     if res_dir.exists():
         shutil.rmtree(res_dir)
-    script = Path(__file__).resolve().parent / "netns_smoke.py"
     procs = []
     for rank in range(cluster.workers):
         cmd = [
             sys.executable,
-            str(script),
+            "-m",
+            "bench.netns_smoke",
             "--mbytes",
             str(mbytes),
             "--repeats",
@@ -534,12 +531,12 @@ def run_smoke(
             "--timeout-s",
             str(timeout_s),
         ]
-        env = _rank_env(cluster, rank, port)
+        env = host_rank_env(cluster, rank, port)
         procs.append(cluster.spawn(rank, cmd, env, res_dir / f"rank{rank}.log"))
-    codes, timed_out = _wait_all(procs, timeout_s)
+    codes, timed_out = wait_all(procs, timeout_s)
     cluster.kill_procs()
     if timed_out or any(c != 0 for c in codes):
-        tail = _log_tail(res_dir / "rank0.log")
+        tail = log_tail(res_dir / "rank0.log")
         raise RuntimeError(f"smoke all-reduce failed (rc={codes}, timeout={timed_out}):\n{tail}")
     ranks = [json.loads((res_dir / f"rank{r}.json").read_text()) for r in range(cluster.workers)]
     median = max(r["median_s"] for r in ranks)
@@ -559,9 +556,9 @@ def run_smoke(
     }
 
 
-def _missing_configs(selections: Iterable[str]) -> list[str]:
+def missing_configs(selections: Iterable[str]) -> list[str]:
     """Files of the Hydra tree that ``group=name`` selections need but that do not exist."""
-    conf = REPO / "easgd_lightning" / "conf"
+    conf = Path(CONF_DIR)
     missing = []
     if not (conf / "train.yaml").exists():
         missing.append("conf/train.yaml")
@@ -573,6 +570,6 @@ def _missing_configs(selections: Iterable[str]) -> list[str]:
     return sorted(set(missing))
 
 
-def _config_missing(config: BenchConfig) -> list[str]:
+def config_missing(config: BenchConfig) -> list[str]:
     strategy, compression, overrides = run_spec(config)
-    return _missing_configs([f"strategy={strategy}", f"compression={compression}", *overrides])
+    return missing_configs([f"strategy={strategy}", f"compression={compression}", *overrides])

@@ -26,16 +26,16 @@ its time) and ``tta`` (time to a validation accuracy); each prints its targets a
 
 Usage (as root)::
 
-    .venv/bin/python bench/cluster.py --quick
-    .venv/bin/python bench/cluster.py                       # the default scenario
-    .venv/bin/python bench/cluster.py --scenario quick,default,sc17,tta
-    .venv/bin/python bench/cluster.py --workers 4 --rate-mbit 100 --latency-ms 1 \\
+    .venv/bin/python -m bench.cluster --quick
+    .venv/bin/python -m bench.cluster                       # the default scenario
+    .venv/bin/python -m bench.cluster --scenario quick,default,sc17,tta
+    .venv/bin/python -m bench.cluster --workers 4 --rate-mbit 100 --latency-ms 1 \\
         --configs "ddp/none,ddp/powersgd,ddp/dgc;optim.momentum=0" --steps 50 \
         --extra "optim.lr=0.01"
-    .venv/bin/python bench/cluster.py --workers 4 --rate-mbit 1000 --configs ddp/none \\
+    .venv/bin/python -m bench.cluster --workers 4 --rate-mbit 1000 --configs ddp/none \\
         --aggregator switch                                  # NetReduce emulated vs ring
-    .venv/bin/python bench/cluster.py --smoke               # network check, no training
-    .venv/bin/python bench/cluster.py --cleanup-stale       # after a SIGKILLed run
+    .venv/bin/python -m bench.cluster --smoke               # network check, no training
+    .venv/bin/python -m bench.cluster --cleanup-stale       # after a SIGKILLed run
 
 Exit codes: 0 all configurations ran; 1 some configuration failed, timed out or was
 skipped (its config file is missing); 2 the emulated network cannot be built here (no
@@ -51,6 +51,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -58,28 +59,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-# the modules beside this script (also when it is loaded from its path, as the tests do)
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _netem import (  # noqa: E402,F401
+from bench._netem import (  # noqa: F401
     PREFIX,
     ClusterUnavailable,
     EmulatedCluster,
+    Interrupted,
     LinkSpec,
-    _cleanup_all,
-    _Interrupted,
     check_privileges,
+    cleanup_all,
     cleanup_stale,
     install_signal_handlers,
     tbf_params,
 )
-from _runs import (  # noqa: E402,F401
+from bench._runs import (  # noqa: F401
     BENCH_OVERRIDES,
     RunResult,
-    _config_missing,
-    _missing_configs,
     calibrate_sc17_rate,
+    config_missing,
     merge_overrides,
+    missing_configs,
     place_switch_aggregator,
     run_config,
     run_smoke,
@@ -88,7 +86,7 @@ from _runs import (  # noqa: E402,F401
     sc17_next_rate,
     train_command,
 )
-from _scenarios import (  # noqa: E402,F401
+from bench._scenarios import (  # noqa: F401
     BASELINE,
     DEFAULT_WORKLOAD,
     DGC_ROW,
@@ -107,15 +105,15 @@ from _scenarios import (  # noqa: E402,F401
     Target,
     parse_configs,
 )
-from _tables import (  # noqa: E402,F401
+from bench._tables import (  # noqa: F401
     FIGURES,
-    _fmt,
     add_efficiency,
     add_tta_speedup,
     build_table,
     comm_share_of,
     evaluate_targets,
     finish_table,
+    fmt_figure,
     render_markdown,
     render_tta_markdown,
     row_from_summary,
@@ -361,19 +359,17 @@ def _loadavg() -> str | None:
 
 
 def _torch_version() -> str | None:
-    """``torch.__version__`` (with its local part, e.g. ``+cpu``) from ``torch/version.py``
-    alone: importing torch would cost this process seconds for one string."""
+    """``torch.__version__`` (with its local part, e.g. ``+cpu``), read from the text of
+    ``torch/version.py``: importing torch would cost this process seconds for one string."""
     if "torch" in sys.modules:
         return sys.modules["torch"].__version__
     try:
-        spec = importlib.util.find_spec("torch")
-        path = Path(spec.submodule_search_locations[0]) / "version.py"
-        version = importlib.util.spec_from_file_location("_bench_torch_version", path)
-        module = importlib.util.module_from_spec(version)
-        version.loader.exec_module(module)
-        return module.__version__
+        where = importlib.util.find_spec("torch").submodule_search_locations[0]
+        text = (Path(where) / "version.py").read_text()
     except (AttributeError, ImportError, OSError, TypeError):  # pragma: no cover - torch is a dependency
         return None
+    found = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", text, re.MULTILINE)
+    return found.group(1) if found else None
 
 
 def _scenario(
@@ -435,17 +431,17 @@ def _print_row(row: dict, kind: str) -> None:
     if kind == "tta":
         t = row.get("time_to_target_s")
         print(
-            f"[cluster]   time to target {_fmt(t, 's') if t is not None else 'never'} s, best val_acc "
-            f"{_fmt(row.get('best_val_acc'), 'num')}, step {_fmt(row.get('step_time_s'), 's')} s",
+            f"[cluster]   time to target {fmt_figure(t, 's') if t is not None else 'never'} s, best val_acc "
+            f"{fmt_figure(row.get('best_val_acc'), 'num')}, step {fmt_figure(row.get('step_time_s'), 's')} s",
             flush=True,
         )
         return
     print(
-        f"[cluster]   step {_fmt(row['step_time_s'], 's')} s, "
-        f"{_fmt(row['samples_per_s'], 'num')} samples/s, "
-        f"{_fmt(row['bytes_per_step_per_worker'], 'bytes')}/step/worker, "
-        f"comm {_fmt(row['comm_share'], 'pct')}, "
-        f"loss {_fmt(row['final_loss'], 'num')}",
+        f"[cluster]   step {fmt_figure(row['step_time_s'], 's')} s, "
+        f"{fmt_figure(row['samples_per_s'], 'num')} samples/s, "
+        f"{fmt_figure(row['bytes_per_step_per_worker'], 'bytes')}/step/worker, "
+        f"comm {fmt_figure(row['comm_share'], 'pct')}, "
+        f"loss {fmt_figure(row['final_loss'], 'num')}",
         flush=True,
     )
 
@@ -453,7 +449,7 @@ def _print_row(row: dict, kind: str) -> None:
 def run_scenario(args: argparse.Namespace, settings: Settings, argv: Sequence[str]) -> tuple[int, str]:
     """Build the cluster, run every row of one scenario, write its table; (exit code, md)."""
     preset = settings.preset
-    problems = _missing_configs([*settings.workload, *settings.extra]) + _config_missing(
+    problems = missing_configs([*settings.workload, *settings.extra]) + config_missing(
         settings.configs[0]
     )
     if problems:
@@ -505,7 +501,7 @@ def run_scenario(args: argparse.Namespace, settings: Settings, argv: Sequence[st
                 "overrides": list(config.overrides),
             }
             rows.append(row)
-            missing = _config_missing(config)
+            missing = config_missing(config)
             if missing:
                 row["status"] = f"skipped ({', '.join(missing)} not found)"
                 print(
@@ -652,11 +648,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"bench/cluster.py: {exc}", file=sys.stderr)
         return 2
-    except _Interrupted as exc:
+    except Interrupted as exc:
         print(f"bench/cluster.py: {exc}; cleaned up", file=sys.stderr)
         return 128 + exc.signum
     finally:
-        _cleanup_all()
+        cleanup_all()
 
 
 if __name__ == "__main__":

@@ -22,9 +22,9 @@ Prints a table and the load average, and writes ``bench/results/compressors.json
 
 Usage::
 
-    .venv/bin/python bench/compressors.py            # make bench-compressors
-    .venv/bin/python bench/compressors.py --quick
-    .venv/bin/python bench/compressors.py --sizes 100000 --repeats 2 --names topk,dgc
+    .venv/bin/python -m bench.compressors            # make bench-compressors
+    .venv/bin/python -m bench.compressors --quick
+    .venv/bin/python -m bench.compressors --sizes 100000 --repeats 2 --names topk,dgc
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import math
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -45,18 +44,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
+from bench._scenarios import REPO  # noqa: E402
+from easgd_lightning.conf import CONF_DIR  # noqa: E402
 from easgd_lightning.hooks.compressors import (  # noqa: E402
-    _native,  # noqa: E402
     build_compressor,
     compressor_names,
+    native_kernels_available,
 )
 from easgd_lightning.hooks.compressors.base import Payload, with_out  # noqa: E402
 from easgd_lightning.hooks.memory import make_memory  # noqa: E402
 
-CONF = REPO / "easgd_lightning" / "conf" / "compression"
+CONF = Path(CONF_DIR) / "compression"
 DEFAULT_SIZES = (1_000_000, 25_000_000, 60_000_000)
 #: compressors held to ``x copy <= MAX_X_COPY`` (issue #11)
 COPY_TARGETS = ("topk", "dgc", "redsync", "sidco", "randomk", "adaptive", "qsgd", "signsgd")
@@ -240,7 +238,7 @@ def run(args: argparse.Namespace) -> dict:
         "host": platform.node(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "native_kernels": _native.available(),
+        "native_kernels": native_kernels_available(),
         "loadavg_before": load_before,
         "loadavg_after": load_average(),
         "warmup": args.warmup,

@@ -358,7 +358,7 @@ def emulated_burst_bytes(rate_mbit: float) -> float:
     """The token-bucket burst B of the emulated cluster's links at ``rate_mbit``
     (``bench/_netem.py``'s ``tbf_params``, on both the host egress and the bridge port: a
     transfer after an idle gap passes B bytes through both at line rate)."""
-    from _netem import tbf_params
+    from bench._netem import tbf_params
 
     return float(tbf_params(rate_mbit)["burst_bytes"])
 
@@ -1383,8 +1383,8 @@ def run_probe(cluster, out: Path, rates: Sequence[float], port: int, timeout_s: 
     between phases); one sample per (op, bytes, rate): the slowest rank's median. With
     ``loops``, also the probe's training-shaped loops (ops ``loop_*``; with ``ps_bytes``
     the busy server's loop at that message too, marked ``"at": "workload"``)."""
-    from _netem import LinkSpec
-    from _runs import _log_tail, _rank_env, _wait_all
+    from bench._netem import LinkSpec
+    from bench._runs import host_rank_env, log_tail, wait_all
 
     res = out / f"probe_p{cluster.workers}"
     if res.exists():
@@ -1399,21 +1399,21 @@ def run_probe(cluster, out: Path, rates: Sequence[float], port: int, timeout_s: 
            "--between-matmuls", str(between_matmuls), "--ps-bytes", str(ps_bytes),
            *(["--loops"] if loops else [])]
     cluster.shape(LinkSpec(rates[0], latency_ms))
-    procs = [cluster.spawn(r, cmd, _rank_env(cluster, r, port), res / f"rank{r}.log")
+    procs = [cluster.spawn(r, cmd, host_rank_env(cluster, r, port), res / f"rank{r}.log")
              for r in range(cluster.workers)]
     deadline = time.monotonic() + timeout_s
     for k, rate in enumerate(rates):
         while not (res / f"phase{k}.ready").exists():
             if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
                 cluster.kill_procs()
-                raise RuntimeError(f"probe failed:\n{_log_tail(res / 'rank0.log')}")
+                raise RuntimeError(f"probe failed:\n{log_tail(res / 'rank0.log')}")
             time.sleep(0.05)
         cluster.shape(LinkSpec(rate, latency_ms))
         (res / f"phase{k}.go").write_text("go")
-    codes, timed_out = _wait_all(procs, max(1.0, deadline - time.monotonic()))
+    codes, timed_out = wait_all(procs, max(1.0, deadline - time.monotonic()))
     cluster.kill_procs()
     if timed_out or any(c != 0 for c in codes):
-        raise RuntimeError(f"probe failed (rc={codes}):\n{_log_tail(res / 'rank0.log')}")
+        raise RuntimeError(f"probe failed (rc={codes}):\n{log_tail(res / 'rank0.log')}")
     ranks = [json.loads((res / f"rank{r}.json").read_text())["records"] for r in range(cluster.workers)]
     samples = []
     for recs in zip(*ranks):
@@ -1427,8 +1427,8 @@ def run_probe(cluster, out: Path, rates: Sequence[float], port: int, timeout_s: 
 def measure_codecs(names: Sequence[str], numel: int, repeats: int = 5) -> dict:
     """Codec round trip (``bench/compressors.py``'s) on one tensor of the model's size."""
     import torch
-    from compressors import bench_one, load_config, matrix_shape
 
+    from bench.compressors import bench_one, load_config, matrix_shape
     from easgd_lightning.hooks.compressors import build_compressor
 
     torch.set_num_threads(1)
@@ -1551,8 +1551,8 @@ def _row_compressor(name: str, overrides: Sequence[str]):
     """The row's compressor (its yaml plus the row's ``compression.*`` overrides) and its
     error-feedback memory."""
     import yaml
-    from compressors import load_config
 
+    from bench.compressors import load_config
     from easgd_lightning.hooks.compressors import build_compressor
     from easgd_lightning.hooks.memory import make_memory
 
@@ -1567,8 +1567,8 @@ def _row_compressor(name: str, overrides: Sequence[str]):
 
 def measure(args: argparse.Namespace) -> dict:
     """The whole measurement: the probe at each rank count, the rows, the codecs."""
-    from _netem import EmulatedCluster, LinkSpec, check_privileges, install_signal_handlers
-    from _scenarios import WIDE_MLP_WORKLOAD, parse_configs
+    from bench._netem import EmulatedCluster, LinkSpec, check_privileges, install_signal_handlers
+    from bench._scenarios import WIDE_MLP_WORKLOAD, parse_configs
 
     check_privileges()
     install_signal_handlers()
@@ -1688,8 +1688,8 @@ def _run_row(cluster, config, k: int, args: argparse.Namespace, workers: int, wh
     ``where="local"`` all on one host): its step time and meter, from the median of
     ``--repeats`` runs (on this 2-core VM a lone run's steady step time moved by up to 2x:
     the limit row read 3.3-6.3 ms in four runs back to back); every repeat's is kept."""
-    from _runs import run_config
-    from _scenarios import WIDE_MLP_WORKLOAD
+    from bench._runs import run_config
+    from bench._scenarios import WIDE_MLP_WORKLOAD
 
     print(f"[costmodel] row {config.label} {' '.join(config.overrides)} on {workers} ranks"
           + (" of one host" if where == "local" else ""), flush=True)
@@ -1764,7 +1764,7 @@ def _row_meter(run_dir: Path, warmup_steps: int) -> dict | None:
     the hooks' codec time (``codec_s``, where the strategy reports it), messages per step,
     and the step time minus the exposed communication (``rest_s``: compute, codec and
     every other local cost)."""
-    from _tables import steady_figures
+    from bench._tables import steady_figures
 
     try:
         long = json.loads((Path(run_dir) / "summary.json").read_text())
@@ -1805,7 +1805,7 @@ def _bytes_per_exchange(row: dict, dense: float) -> float:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from _scenarios import REPO
+    from bench._scenarios import REPO
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = p.add_mutually_exclusive_group(required=True)
@@ -1869,7 +1869,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.fit is not None:
         inputs = json.loads(args.fit.read_text())
     else:
-        from _netem import ClusterUnavailable, _cleanup_all
+        from bench._netem import ClusterUnavailable, cleanup_all
 
         try:
             inputs = measure(args)
@@ -1877,7 +1877,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench/costmodel.py: cannot build the emulated cluster: {exc}", file=sys.stderr)
             return 2
         finally:
-            _cleanup_all()
+            cleanup_all()
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "costmodel_inputs.json").write_text(json.dumps(inputs, indent=2))
     result = analyse(inputs, args.out, layouts)

@@ -26,10 +26,10 @@ Nothing is asserted about time: it is a measurement.
 
 Usage::
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/local_sgd_overlap.py
-    OMP_NUM_THREADS=1 .venv/bin/python bench/local_sgd_overlap.py --rate-mbit 100 --payload-mb 4
-    OMP_NUM_THREADS=1 .venv/bin/python bench/local_sgd_overlap.py --payload-mb 0      # no slowing
-    OMP_NUM_THREADS=1 .venv/bin/python bench/local_sgd_overlap.py --sleep-ms 40 --hidden 64
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.local_sgd_overlap
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.local_sgd_overlap --rate-mbit 100 --payload-mb 4
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.local_sgd_overlap --payload-mb 0      # no slowing
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.local_sgd_overlap --sleep-ms 40 --hidden 64
 
 Exit codes: 0 measured; 1 a rank failed; 2 the emulated network cannot be built here.
 """
@@ -46,11 +46,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from easgd_lightning.utils.rank_env import clean_env, free_port, rank_env  # noqa: E402
+from bench._scenarios import REPO
+from easgd_lightning.utils.rank_env import clean_env, free_port, rank_env
 
 __all__ = ["main", "parse_args", "summarise"]
 
@@ -192,7 +189,7 @@ def _rank_main(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------------- launch
 def _rank_cmd(argv: list[str], out: Path) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), *argv, "--as-rank", str(out)]
+    return [sys.executable, "-m", "bench.local_sgd_overlap", *argv, "--as-rank", str(out)]
 
 
 def _wait(procs: list[subprocess.Popen]) -> list[int]:
@@ -228,8 +225,7 @@ def _run_local(args: argparse.Namespace, argv: list[str], out: Path) -> list[int
 
 
 def _run_shaped(args: argparse.Namespace, argv: list[str], out: Path) -> list[int]:
-    sys.path.insert(0, str(REPO / "bench"))
-    from cluster import EmulatedCluster, LinkSpec, check_privileges, install_signal_handlers
+    from bench._netem import EmulatedCluster, LinkSpec, check_privileges, install_signal_handlers
 
     check_privileges()
     install_signal_handlers()
