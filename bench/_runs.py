@@ -36,6 +36,14 @@ from bench._tables import (
 from easgd_lightning.conf import CONF_DIR
 from easgd_lightning.utils.rank_env import clean_env, rank_env
 
+def loadavg() -> str | None:
+    """The machine's load average (1, 5, 15 min) as /proc/loadavg has it; None elsewhere."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return None
+
+
 # Defaults of every benchmark run (each can be replaced through --extra KEY=VALUE): no
 # logger, no checkpoint files, no progress bar, and as many epochs as --steps needs.
 BENCH_OVERRIDES = (

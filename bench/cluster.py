@@ -76,6 +76,7 @@ from bench._runs import (  # noqa: F401
     RunResult,
     calibrate_sc17_rate,
     config_missing,
+    loadavg,
     merge_overrides,
     missing_configs,
     place_switch_aggregator,
@@ -351,13 +352,6 @@ def resolve_settings(args: argparse.Namespace, preset: Scenario) -> Settings:
     return settings
 
 
-def _loadavg() -> str | None:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return None
-
-
 def _torch_version() -> str | None:
     """``torch.__version__`` (with its local part, e.g. ``+cpu``), read from the text of
     ``torch/version.py``: importing torch would cost this process seconds for one string."""
@@ -407,7 +401,7 @@ def _scenario(
         "quick": preset.name == "quick",
         "command": " ".join(["bench/cluster.py", *argv]),
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
-        "loadavg": _loadavg(),
+        "loadavg": loadavg(),
         "machine": {
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
@@ -532,7 +526,7 @@ def run_scenario(args: argparse.Namespace, settings: Settings, argv: Sequence[st
                 )
             row.update(status=res.status, run_dir=res.run_dir, **res.figures)
             _print_row(row, preset.kind)
-        scenario["loadavg_after"] = _loadavg()
+        scenario["loadavg_after"] = loadavg()
         md = finish_table(rows, scenario, preset.targets)
         _write(out, "cluster", {"scenario": scenario, "rows": rows}, md)
         print()

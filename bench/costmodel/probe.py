@@ -1,8 +1,9 @@
-"""One rank of the cost model's collective probe (``bench/costmodel.py --measure``).
+"""One rank of the cost model's collective probe (``python -m bench.costmodel --measure``).
 
-``bench/costmodel.py`` starts this script once per network namespace of the emulated
-cluster (rendezvous in the environment: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
-``MASTER_PORT``, ``GLOO_SOCKET_IFNAME``) and times, through :mod:`easgd_lightning.comm.ops`
+:func:`bench.costmodel.measure.run_probe` starts this module (``python -m
+bench.costmodel.probe``) once per network namespace of the emulated cluster (rendezvous
+in the environment: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
+``GLOO_SOCKET_IFNAME``) and times, through :mod:`easgd_lightning.comm.ops`
 (the wrappers every strategy uses), each collective the strategies use at several message
 sizes:
 
