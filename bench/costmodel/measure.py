@@ -128,7 +128,9 @@ def run_probe(cluster, out: Path, rates: Sequence[float], port: int, timeout_s: 
 
 
 def measure(args: argparse.Namespace) -> dict:
-    """The whole measurement: the probe at each rank count, the rows, the codecs."""
+    """The whole measurement, in this order: a limit row (its compute sizes the probe
+    loops' kernel), the local runs, the codecs, the probe at each rank count, the rows;
+    ``costmodel_inputs.partial.json`` holds what is done after the probe and each row."""
     check_privileges()
     install_signal_handlers()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -146,28 +148,8 @@ def measure(args: argparse.Namespace) -> dict:
         raise ValueError("--rows needs the limit row (limit/none): it measures the compute")
     link = LinkSpec(args.rows_rate, args.latency_ms)
     rows_workers = parse_workers(args.rows_workers)
-    # a limit row first: its compute sizes the probe loops' kernel; the predictions take
-    # the limit measured again beside the rows (batch K's first one read 7.2 ms per step,
-    # twice the 3.4-3.7 ms of H-J and of the rows' own compute, right after the lock)
-    with EmulatedCluster(rows_workers[0], link, subnet=args.subnet, fork_ranks=args.fork_ranks) as cluster:
-        limit_row = _run_row(cluster, configs[limit_k], 60 + limit_k, args, rows_workers[0], where="kernel")
-    inputs["kernel_limit_row"] = limit_row
-    matmuls, mm_s = 32, None
-    if limit_row["status"] == "ok" and limit_row["step_time_s"]:
-        t_c1 = limit_row["step_time_s"] / cpu_share(rows_workers[0], inputs["cpus"])
-        matmuls, mm_s = kernel_matmuls(t_c1)
-    # the configurations of the all-reduce / all-gather family and the limit on one host
-    # (loopback, no shaped link), at most one rank per core (local_cost; more ranks than
-    # cores would measure again the waits that the loops' s and the network model charge)
-    inputs["local_rows"] = []
-    if args.local_runs and any(c.strategy in LOCAL_STRATEGIES for c in configs):
-        for j, workers in enumerate(sorted({min(w, inputs["cpus"]) for w in rows_workers})):
-            with EmulatedCluster(1, link, subnet=args.subnet, procs_per_host=workers,
-                                 fork_ranks=args.fork_ranks) as cluster:
-                for k, config in enumerate(configs):
-                    if config.strategy == "limit" or config.strategy in LOCAL_STRATEGIES:
-                        inputs["local_rows"].append(
-                            _run_row(cluster, config, 40 + 10 * j + k, args, workers, where="local"))
+    matmuls, mm_s = _kernel_limit_row(args, configs[limit_k], 60 + limit_k, link, rows_workers, inputs)
+    inputs["local_rows"] = _local_rows(args, configs, link, rows_workers, inputs["cpus"])
     inputs["probe_kernel"] = {"matmuls": matmuls, "matmul_s": mm_s,
                               "what": "256x256 float32 products per loop iteration, sized "
                               "to the limit row's compute per step (one worker per core)"}
@@ -177,10 +159,62 @@ def measure(args: argparse.Namespace) -> dict:
     inputs["model_shapes"] = shapes
     inputs["codec"] = measure_codecs(sorted({c.compression for c in configs}),
                                      sum(math.prod(s) for s in shapes))
-    inputs["codec_exchange"] = {}
+    inputs["codec_exchange"] = _codec_exchanges(configs, rows_workers, shapes)
+    inputs["timings_s"]["codec"] = time.monotonic() - t2
+    inputs["probe_kernel"]["between_matmuls"] = _between_matmuls(inputs["codec_exchange"], mm_s)
+    _probe_every_rank_count(args, inputs, shapes)
+    inputs["timings_s"]["probe"] = time.monotonic() - t0
+    partial.write_text(json.dumps(inputs, indent=2))
+    t1 = time.monotonic()
+    _training_rows(args, configs, link, rows_workers, inputs, t0, partial)
+    inputs["timings_s"]["rows"] = time.monotonic() - t1
+    inputs["dense_bytes"] = dense_bytes(inputs)  # float32 parameters of the model
+    for row in inputs["rows"]:
+        row["bytes_per_exchange"] = _bytes_per_exchange(row, inputs["dense_bytes"])
+    inputs["loadavg_after"] = loadavg()
+    return inputs
+
+
+def _kernel_limit_row(args: argparse.Namespace, limit, k: int, link: LinkSpec, rows_workers: list[int],
+                      inputs: dict) -> tuple[int, float | None]:
+    """The limit row ``limit`` first (``k``: its port offset), on the rows' first rank
+    count (``inputs["kernel_limit_row"]``): the probe loops' kernel, (matmuls, seconds of
+    one), computes what it computes per step; (32, None) where it failed. The predictions take the limit measured again
+    beside the rows (batch K's first one read 7.2 ms per step, twice the 3.4-3.7 ms of
+    H-J and of the rows' own compute, right after the lock)."""
+    with EmulatedCluster(rows_workers[0], link, subnet=args.subnet, fork_ranks=args.fork_ranks) as cluster:
+        limit_row = _run_row(cluster, limit, k, args, rows_workers[0], where="kernel")
+    inputs["kernel_limit_row"] = limit_row
+    if limit_row["status"] == "ok" and limit_row["step_time_s"]:
+        return kernel_matmuls(limit_row["step_time_s"] / cpu_share(rows_workers[0], inputs["cpus"]))
+    return 32, None
+
+
+def _local_rows(args: argparse.Namespace, configs: list, link: LinkSpec, rows_workers: list[int],
+                cpus: int) -> list[dict]:
+    """The configurations of the all-reduce / all-gather family and the limit on one host
+    (loopback, no shaped link), at most one rank per core (:func:`~bench.costmodel.predict.local_cost`;
+    more ranks than cores would measure again the waits that the loops' s and the network
+    model charge); none with ``--no-local-runs``."""
+    runs: list[dict] = []
+    if not args.local_runs or not any(c.strategy in LOCAL_STRATEGIES for c in configs):
+        return runs
+    for j, workers in enumerate(sorted({min(w, cpus) for w in rows_workers})):
+        with EmulatedCluster(1, link, subnet=args.subnet, procs_per_host=workers,
+                             fork_ranks=args.fork_ranks) as cluster:
+            for k, config in enumerate(configs):
+                if config.strategy == "limit" or config.strategy in LOCAL_STRATEGIES:
+                    runs.append(_run_row(cluster, config, 40 + 10 * j + k, args, workers, where="local"))
+    return runs
+
+
+def _codec_exchanges(configs: list, rows_workers: list[int], shapes: list[tuple]) -> dict[str, dict]:
+    """Per compressor of the rows: the codec seconds of one exchange at each world size
+    (1 and the rows'), and the messages and bytes of one exchange."""
+    out: dict[str, dict] = {}
     for config in configs:
-        if config.compression != "none" and config.compression not in inputs["codec_exchange"]:
-            inputs["codec_exchange"][config.compression] = {
+        if config.compression != "none" and config.compression not in out:
+            out[config.compression] = {
                 "overrides": [o for o in config.overrides if o.startswith("compression.")],
                 "seconds_by_world": {
                     str(w): measure_exchange_codec(config.compression, config.overrides, shapes, w)
@@ -188,58 +222,69 @@ def measure(args: argparse.Namespace) -> dict:
                 },
                 **count_exchange_messages(config.compression, config.overrides, shapes),
             }
-    inputs["timings_s"]["codec"] = time.monotonic() - t2
-    # the codec between a multi-round exchange's blocking rounds sizes the probe's
-    # loop_serial_ring_codec: (k - 1)/k of the exchange's codec at one rank, k its messages
+    return out
+
+
+def _between_matmuls(exchanges: dict[str, dict], mm_s: float | None) -> int:
+    """The kernel between two blocking rounds of the probe's ``loop_serial_ring_codec``:
+    (k - 1)/k of a multi-round exchange's codec at one rank (k its messages), the largest
+    over the compressors, in kernel products; 0 without one or without a kernel size."""
     between = 0
     if mm_s:
-        for exchange in inputs["codec_exchange"].values():
+        for exchange in exchanges.values():
             k_msgs = exchange.get("messages", 1)
             if k_msgs > 1:
                 t_between = exchange["seconds_by_world"]["1"] * (k_msgs - 1) / k_msgs
                 between = max(between, max(1, round(t_between / mm_s)))
-    inputs["probe_kernel"]["between_matmuls"] = between
+    return between
+
+
+def _probe_every_rank_count(args: argparse.Namespace, inputs: dict, shapes: list[tuple]) -> None:
+    """The probe on a cluster of each ``--probe-workers`` count, at every ``--probe-rates``:
+    the collectives into ``inputs["probe"]``, the loops into ``inputs["probe_loops"]``."""
     rates = [float(r) for r in args.probe_rates.split(",")]
+    kernel = inputs["probe_kernel"]
     for k, p in enumerate(int(w) for w in args.probe_workers.split(",")):
         with EmulatedCluster(p, LinkSpec(rates[0], args.latency_ms), subnet=args.subnet) as cluster:
             print(f"[costmodel] probe: {p} ranks at {rates} Mbit/s", flush=True)
             samples = run_probe(
                 cluster, args.out, rates, args.port + 10 * k, args.timeout_s,
                 repeats=args.probe_repeats, latency_ms=args.latency_ms, top_ms=args.probe_top_ms,
-                loops=args.probe_loops, kernel_matmuls=matmuls, between_matmuls=between,
+                loops=args.probe_loops, kernel_matmuls=kernel["matmuls"],
+                between_matmuls=kernel["between_matmuls"],
                 ps_bytes=int(4 * sum(math.prod(s) for s in shapes)),
             )
             inputs["probe"] += [s for s in samples if not s["op"].startswith("loop_")]
             inputs["probe_loops"] += [s for s in samples if s["op"].startswith("loop_")]
-    inputs["timings_s"]["probe"] = time.monotonic() - t0
-    partial.write_text(json.dumps(inputs, indent=2))
-    t1 = time.monotonic()
+
+
+def _training_rows(args: argparse.Namespace, configs: list, link: LinkSpec, rows_workers: list[int],
+                   inputs: dict, t0: float, partial: Path) -> None:
+    """Every row at each of its rank counts into ``inputs["rows"]`` (``partial`` rewritten
+    after each); skipped: the server strategies below 3 ranks, and with ``--budget-s`` a
+    row that would end past the budget (judged by the longest row so far)."""
     longest = 0.0
     for j, workers in enumerate(rows_workers):
         with EmulatedCluster(workers, link, subnet=args.subnet, fork_ranks=args.fork_ranks) as cluster:
             for k, config in enumerate(configs):
                 started = time.monotonic()
                 if config.strategy.startswith("async_") and workers < 3:
-                    inputs["rows"].append({"strategy": config.strategy, "compression": config.compression,
-                                           "overrides": list(config.overrides), "workers": workers,
-                                           "status": "skipped (a server and two workers need 3 ranks)"})
+                    inputs["rows"].append(_skipped(config, workers, "a server and two workers need 3 ranks"))
                     continue
                 if args.budget_s and started - t0 + longest > args.budget_s:
                     print(f"[costmodel] row {config.label} on {workers} ranks: skipped "
                           f"(--budget-s {args.budget_s:g})", flush=True)
-                    inputs["rows"].append({"strategy": config.strategy, "compression": config.compression,
-                                           "overrides": list(config.overrides), "workers": workers,
-                                           "status": "skipped (budget)"})
+                    inputs["rows"].append(_skipped(config, workers, "budget"))
                     continue
                 inputs["rows"].append(_run_row(cluster, config, k + 20 * j, args, workers))
                 longest = max(longest, time.monotonic() - started)
                 partial.write_text(json.dumps(inputs, indent=2))
-    inputs["timings_s"]["rows"] = time.monotonic() - t1
-    inputs["dense_bytes"] = dense_bytes(inputs)  # float32 parameters of the model
-    for row in inputs["rows"]:
-        row["bytes_per_exchange"] = _bytes_per_exchange(row, inputs["dense_bytes"])
-    inputs["loadavg_after"] = loadavg()
-    return inputs
+
+
+def _skipped(config, workers: int, why: str) -> dict:
+    """The record of a row that did not run."""
+    return {"strategy": config.strategy, "compression": config.compression,
+            "overrides": list(config.overrides), "workers": workers, "status": f"skipped ({why})"}
 
 
 def _run_row(cluster, config, k: int, args: argparse.Namespace, workers: int, where: str = "p") -> dict:

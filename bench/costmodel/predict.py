@@ -81,6 +81,49 @@ def loop_shape(row: dict, aggregation: str) -> str | None:
     return None
 
 
+#: strategies whose exchange is a collective of the row's payload every tau steps
+_COLLECTIVE_EXCHANGE = ("ddp", "ddp_compressed", "sync_easgd")
+
+
+def _collective_step(p: int, m: float, t_compute: float, t_codec: float,
+                     net: Callable[[str, int, float], float], aggregation: str, calls: float,
+                     tau: int, sync_cost: float, hidden: float | None) -> dict:
+    """:func:`step_time` of :data:`_COLLECTIVE_EXCHANGE`: ``calls`` all-reduces (or
+    all-gathers) of m / calls bytes per exchange, every ``tau`` steps, plus the loop's
+    synchronisation cost; ``hidden`` (sync_easgd's overlap; None: blocking): the exchange
+    runs behind the next step's compute, h of min(t_c, C) hidden."""
+    op = "allgather" if aggregation == "allgather" else "ring"
+    comm = calls * net(op, p, m / calls)
+    form = f"{op}(p, m)" if calls == 1 else f"{calls:g} x {op}(p, m/{calls:g})"
+    comm /= tau
+    sync = sync_cost / tau
+    extra = " + s" if sync_cost else ""
+    if hidden is not None:
+        step = t_compute + comm - hidden * min(t_compute, comm) + t_codec + sync
+        if hidden == 1.0:
+            return {"step_s": step, "comm_s": comm, "formula": f"max(t_c, {form}/tau) + t_k{extra}"}
+        return {"step_s": step, "comm_s": comm,
+                "formula": f"t_c + {form}/tau - {hidden:.2f} min(t_c, C) + t_k{extra}"}
+    return {"step_s": t_compute + t_codec + comm + sync, "comm_s": comm,
+            "formula": f"t_c + t_k + {form}" + ("/tau" if tau > 1 else "") + extra}
+
+
+def _server_step(p: int, n: float, t_compute: float, net: Callable[[str, int, float], float],
+                 tau: int, overlap: bool) -> dict:
+    """:func:`step_time` of the parameter-server family: a worker's period of tau steps is
+    its own exchange W (behind its compute with overlap) or the server's round S of the
+    p-1 workers' requests, whichever is longer."""
+    server, worker = net("ps_server", p, n), net("ps_worker", p, n)
+    if overlap:
+        own = (tau - 1) * t_compute + max(t_compute, worker)
+        form = "max((tau-1) t_c + max(t_c, W), S)/tau" if tau > 1 else "max(t_c, W, S)"
+    else:
+        own = tau * t_compute + worker
+        form = "max(tau t_c + W, S)/tau"
+    step = max(own, server) / tau
+    return {"step_s": step, "comm_s": max(worker, server) / tau, "formula": form}
+
+
 def step_time(
     strategy: str,
     p: int,
@@ -121,21 +164,9 @@ def step_time(
     """
     if strategy == "limit":
         return {"step_s": t_compute, "comm_s": 0.0, "formula": "t_c"}
-    if strategy in ("ddp", "ddp_compressed", "sync_easgd"):
-        op = "allgather" if aggregation == "allgather" else "ring"
-        comm = calls * net(op, p, m / calls)
-        form = f"{op}(p, m)" if calls == 1 else f"{calls:g} x {op}(p, m/{calls:g})"
-        comm /= tau
-        sync = sync_cost / tau
-        extra = " + s" if sync_cost else ""
-        if strategy == "sync_easgd" and overlap:
-            step = t_compute + comm - hidden * min(t_compute, comm) + t_codec + sync
-            if hidden == 1.0:
-                return {"step_s": step, "comm_s": comm, "formula": f"max(t_c, {form}/tau) + t_k{extra}"}
-            return {"step_s": step, "comm_s": comm,
-                    "formula": f"t_c + {form}/tau - {hidden:.2f} min(t_c, C) + t_k{extra}"}
-        return {"step_s": t_compute + t_codec + comm + sync, "comm_s": comm,
-                "formula": f"t_c + t_k + {form}" + ("/tau" if tau > 1 else "") + extra}
+    if strategy in _COLLECTIVE_EXCHANGE:
+        return _collective_step(p, m, t_compute, t_codec, net, aggregation, calls, tau, sync_cost,
+                                hidden if strategy == "sync_easgd" and overlap else None)
     if strategy == "local_sgd":
         comm = net("ring", p, n) / tau
         return {"step_s": t_compute + comm + sync_cost / tau, "comm_s": comm,
@@ -144,17 +175,7 @@ def step_time(
         comm = net("round_robin", p, n) / tau
         return {"step_s": t_compute + comm, "comm_s": comm, "formula": "t_c + rr(p, n)/tau"}
     if strategy.startswith("async_"):
-        # a worker's period of tau steps: its own exchange W (behind its compute with
-        # overlap), or the server's round S of the p-1 workers' requests, whichever is longer
-        server, worker = net("ps_server", p, n), net("ps_worker", p, n)
-        if overlap:
-            own = (tau - 1) * t_compute + max(t_compute, worker)
-            form = "max((tau-1) t_c + max(t_c, W), S)/tau" if tau > 1 else "max(t_c, W, S)"
-        else:
-            own = tau * t_compute + worker
-            form = "max(tau t_c + W, S)/tau"
-        step = max(own, server) / tau
-        return {"step_s": step, "comm_s": max(worker, server) / tau, "formula": form}
+        return _server_step(p, n, t_compute, net, tau, overlap)
     raise ValueError(f"no cost formula for strategy {strategy!r}")
 
 

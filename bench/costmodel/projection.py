@@ -127,6 +127,47 @@ def layouts_with(overrides: Sequence[str]) -> dict[str, dict]:
     return layouts
 
 
+def _projected_rows(inputs: dict) -> list[tuple[str, dict, str | None]]:
+    """(label, row, all-reduce) of each curve: one per measured configuration, the one
+    measured on the fewest ranks (one per core where that is this machine's count: the
+    projection's one worker per core), plus the dense Sync EASGD row with SC17's tree and
+    with hierarchical reduction in place of the ring (None: the row's own collectives)."""
+    rows = [r for r in inputs["rows"] if r.get("status") == "ok" and r["strategy"] != "limit"]
+    fewest = min((r.get("workers", 0) for r in rows), default=0)
+    rows = [r for r in rows if r.get("workers", 0) == fewest]
+    specs: list[tuple[str, dict, str | None]] = [(row_label(r), r, None) for r in rows]
+    dense = next((r for r in rows if r["strategy"] == "sync_easgd" and r["compression"] == "none"), None)
+    if dense is not None:
+        specs += [("sync_easgd/none (SC17 tree)", dense, "tree"),
+                  ("sync_easgd/none (hierarchical)", dense, "hierarchical")]
+    return specs
+
+
+def _efficiencies(row: dict, collective: str | None, inputs: dict, layout: dict,
+                  net: Callable[[str, int, float], float], workers: Sequence[int]) -> list[float]:
+    """t_c / T(P) of one row on one layout at each worker count (1 at one worker);
+    ``collective``: the all-reduce done another way (:func:`_projected_rows`)."""
+    x = row_inputs(row, inputs)
+    opts = row_options(row)
+    t_c = x["t_compute_1"] * layout["compute_factor"]
+    row_net = net
+    if collective is not None:
+        def row_net(name, p, nb, _c=collective, _net=net):  # all-reduce another way
+            return _net(_c if name == "ring" else name, p, nb)
+    effs = []
+    for p in workers:
+        if p == 1:
+            effs.append(1.0)
+            continue
+        t_k = x["t_codec_1"](p) * layout["compute_factor"]
+        pred = step_time(
+            row["strategy"], p, n=x["n"], m=x["m"], t_compute=t_c, t_codec=t_k,
+            net=row_net, aggregation=x["aggregation"], calls=x["calls"], **opts,
+        )
+        effs.append(t_c / pred["step_s"])
+    return effs
+
+
 def project(
     model: dict[str, dict],
     inputs: dict,
@@ -137,41 +178,12 @@ def project(
     SC17's tree and with hierarchical reduction, on each layout (default :data:`LAYOUTS`)."""
     workers = list(workers or _workers_axis())
     layouts = layouts or LAYOUTS
+    specs = _projected_rows(inputs)
     curves: dict[str, dict[str, list]] = {}
-    rows = [r for r in inputs["rows"] if r.get("status") == "ok" and r["strategy"] != "limit"]
-    # one row per configuration: the one measured on the fewest ranks (one per core where
-    # that is this machine's count: the projection's one worker per core)
-    fewest = min((r.get("workers", 0) for r in rows), default=0)
-    rows = [r for r in rows if r.get("workers", 0) == fewest]
     for lname, layout in layouts.items():
         net = layout_net(model, layout)
-        lay: dict[str, list] = {}
-        specs = [(row_label(r), r, None) for r in rows]
-        dense = next((r for r in rows if r["strategy"] == "sync_easgd" and r["compression"] == "none"), None)
-        if dense is not None:
-            specs += [("sync_easgd/none (SC17 tree)", dense, "tree"),
-                      ("sync_easgd/none (hierarchical)", dense, "hierarchical")]
-        for label, row, collective in specs:
-            x = row_inputs(row, inputs)
-            opts = row_options(row)
-            t_c = x["t_compute_1"] * layout["compute_factor"]
-            row_net = net
-            if collective is not None:
-                def row_net(name, p, nb, _c=collective, _net=net):  # all-reduce another way
-                    return _net(_c if name == "ring" else name, p, nb)
-            effs = []
-            for p in workers:
-                if p == 1:
-                    effs.append(1.0)
-                    continue
-                t_k = x["t_codec_1"](p) * layout["compute_factor"]
-                pred = step_time(
-                    row["strategy"], p, n=x["n"], m=x["m"], t_compute=t_c, t_codec=t_k,
-                    net=row_net, aggregation=x["aggregation"], calls=x["calls"], **opts,
-                )
-                effs.append(t_c / pred["step_s"])
-            lay[label] = effs
-        curves[lname] = lay
+        curves[lname] = {label: _efficiencies(row, collective, inputs, layout, net, workers)
+                         for label, row, collective in specs}
     table = {
         lname: {
             label: {str(p): effs[workers.index(p)] for p in PROJECTION_WORKERS if p in workers}

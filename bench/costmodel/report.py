@@ -16,6 +16,16 @@ __all__ = ["analyse", "markdown", "projection_markdown"]
 
 def markdown(result: dict) -> str:
     """The fit, the predictions and the projection as markdown."""
+    lines = _fit_md(result) + _loops_md(result.get("loops") or {}) + _predictions_md(result["predictions"])
+    lines += _meters_md(result["predictions"]) + _ablation_md(result.get("ablation") or [])
+    lines += _held_out_md(result["predictions"])
+    lines += ["", projection_markdown(result["projection"])]
+    return "\n".join(lines) + "\n"
+
+
+def _fit_md(result: dict) -> list[str]:
+    """What the fit used, and each collective's alpha and eta with the fit's errors; phi of
+    the server's replies, of a busy server, and the token bucket where charged."""
     inputs = result["inputs_summary"]
     lines = [
         "# Cost model (alpha-beta), fitted on the emulated cluster",
@@ -49,48 +59,59 @@ def markdown(result: dict) -> str:
     if any(par.get("burst") for par in fitted.values()):
         lines.append("- token bucket: the first B bytes of each transfer after an idle link pass at "
                      "line rate (B = 2 ms of the link, `bench/_netem.py`); B = 0 in the projection")
-    loops = result.get("loops") or {}
-    if loops.get("sync_s"):
-        ps = sorted({int(q) for v in loops["sync_s"].values() for q in v})
-        lines += [
-            "",
-            "Probe loops (compute + collective, the slowest rank per iteration): the "
-            "synchronisation cost s, what a loop took beyond the kernel alone (F) plus the "
-            "idle collective C (serial) or beyond F + C - h min(F, C) (overlapped; h: the "
-            "share the overlap hid), ms per iteration; the median over rates at the smallest "
-            "message, which the rows use (in brackets: at each message size, ascending).",
-            "",
-            "| shape | " + " | ".join(f"p={q}" for q in ps) + " |",
-            "|---|" + "---:|" * len(ps),
-            "| F: kernel alone | " + " | ".join(
-                f"{1e3 * loops['free_s'].get(str(q), float('nan')):.1f}" for q in ps) + " |",
-        ]
-        for shape, by_p in loops["sync_s"].items():
-            cells = []
-            for q in ps:
-                if str(q) not in by_p:
-                    cells.append("")
-                    continue
-                sizes = loops["by_size"][shape][str(q)]
-                per = " / ".join(f"{1e3 * v:.1f}" for v in sizes.values())
-                h = (loops.get("hidden", {}).get(shape) or {}).get(str(q))
-                cells.append(f"{1e3 * by_p[str(q)]:.1f} ({per})" + ("" if h is None else f", h={h:.2f}"))
-            lines.append(f"| {shape} | " + " | ".join(cells) + " |")
-        if loops.get("per_round_s"):
-            lines.append("| each further blocking all-reduce (s_r) | " + " | ".join(
-                f"{1e3 * loops['per_round_s'][str(q)]:.1f} (r: " + " / ".join(
-                    f"{r}={1e3 * v:.1f}" for r, v in loops["by_rounds"][str(q)].items()) + ")"
-                if str(q) in loops["per_round_s"] else "" for q in ps) + " |")
-        if loops.get("codec_round_s"):
-            lines.append("| each further blocking all-reduce with the codec between (s_c; used) | " + " | ".join(
-                f"{1e3 * loops['codec_round_s'][str(q)]:.1f}" if str(q) in loops["codec_round_s"] else ""
-                for q in ps) + " |")
-    lines += [
+    return lines
+
+
+def _loops_md(loops: dict) -> list[str]:
+    """The probe loops' table: F, each shape's s (and h) per p, the per-round costs."""
+    if not loops.get("sync_s"):
+        return []
+    ps = sorted({int(q) for v in loops["sync_s"].values() for q in v})
+    lines = [
+        "",
+        "Probe loops (compute + collective, the slowest rank per iteration): the "
+        "synchronisation cost s, what a loop took beyond the kernel alone (F) plus the "
+        "idle collective C (serial) or beyond F + C - h min(F, C) (overlapped; h: the "
+        "share the overlap hid), ms per iteration; the median over rates at the smallest "
+        "message, which the rows use (in brackets: at each message size, ascending).",
+        "",
+        "| shape | " + " | ".join(f"p={q}" for q in ps) + " |",
+        "|---|" + "---:|" * len(ps),
+        "| F: kernel alone | " + " | ".join(
+            f"{1e3 * loops['free_s'].get(str(q), float('nan')):.1f}" for q in ps) + " |",
+    ]
+    for shape, by_p in loops["sync_s"].items():
+        lines.append(f"| {shape} | " + " | ".join(_loop_cell(loops, shape, by_p, q) for q in ps) + " |")
+    if loops.get("per_round_s"):
+        lines.append("| each further blocking all-reduce (s_r) | " + " | ".join(
+            f"{1e3 * loops['per_round_s'][str(q)]:.1f} (r: " + " / ".join(
+                f"{r}={1e3 * v:.1f}" for r, v in loops["by_rounds"][str(q)].items()) + ")"
+            if str(q) in loops["per_round_s"] else "" for q in ps) + " |")
+    if loops.get("codec_round_s"):
+        lines.append("| each further blocking all-reduce with the codec between (s_c; used) | " + " | ".join(
+            f"{1e3 * loops['codec_round_s'][str(q)]:.1f}" if str(q) in loops["codec_round_s"] else ""
+            for q in ps) + " |")
+    return lines
+
+
+def _loop_cell(loops: dict, shape: str, by_p: dict, q: int) -> str:
+    """One shape's s at p = q in ms, its value at each message size and its h."""
+    if str(q) not in by_p:
+        return ""
+    sizes = loops["by_size"][shape][str(q)]
+    per = " / ".join(f"{1e3 * v:.1f}" for v in sizes.values())
+    h = (loops.get("hidden", {}).get(shape) or {}).get(str(q))
+    return f"{1e3 * by_p[str(q)]:.1f} ({per})" + ("" if h is None else f", h={h:.2f}")
+
+
+def _predictions_md(predictions: list[dict]) -> list[str]:
+    """Every row's measured and predicted step time, with the prediction's parts."""
+    lines = [
         "",
         "| row | ranks | Mbit/s | measured s/step | spread | predicted | error | t_c | t_k | comm | msgs | s | formula | held out |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
-    for r in result["predictions"]:
+    for r in predictions:
         lines.append(
             f"| {r['row']} | {r['workers']} | {r['rate_mbit']:g} | {r['measured_s']:.4f} | "
             f"{_percent(r.get('spread'))} | {r['predicted_s']:.4f} | {100 * r['rel_err']:+.1f}% | {r['t_compute_s']:.4f} | "
@@ -98,43 +119,61 @@ def markdown(result: dict) -> str:
             f"{r.get('sync_s', 0.0):.4f} | {r['formula']} | "
             f"{'no (fit)' if r['in_fit'] else 'yes'} |"
         )
-    metered = [r for r in result["predictions"] if r.get("meter")]
-    if metered:
-        lines += [
-            "",
-            "What each row's own meter saw per steady-state step (diagnosis only: no figure "
-            "of a row enters its prediction); rest = step - exposed communication:",
-            "",
-            "| row | step | comm (meter) | exposed | rest | codec (hook) | msgs/step | "
-            "model: comm | model: t_c + t_k + s |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for r in metered:
-            m = r["meter"]
-            msgs = m.get("messages_per_step")
-            lines.append(
-                f"| {r['row']} (p={r['workers']}) | {m['step_s']:.4f} | {m['comm_s']:.4f} | {m['exposed_s']:.4f} | "
-                f"{m['rest_s']:.4f} | {m['codec_s']:.4f} | "
-                f"{'' if msgs is None else format(msgs, '.2f')} | {r['comm_s']:.4f} | "
-                f"{r['t_compute_s'] + r['t_codec_s'] + r.get('sync_s', 0.0):.4f} |"
-            )
-    if result.get("ablation"):
-        lines += [
-            "",
-            "The error as the model's parts are added in turn (idle: the idle probe's "
-            "collectives, the codec round trip on one tensor, the compressor's nominal "
-            "collectives and the row's metered payload; + exchange: codec, messages and bytes "
-            "of the whole exchange on the model's tensors; + loops: the synchronisation cost "
-            "and the overlap's hidden share; + local runs: the rows' cost beyond the limit "
-            "with all ranks on one host, codec and the strategy's machinery, where measured):",
-            "",
-            "| row | idle | + exchange | + loops | + local runs |",
-            "|---|---:|---:|---:|---:|",
-        ]
-        for a in result["ablation"]:
-            lines.append(f"| {a['row']} | {100 * a['idle']:+.1f}% | {100 * a['+ exchange']:+.1f}% | "
-                         f"{100 * a['+ loops']:+.1f}% | {100 * a.get('+ local runs', a['+ loops']):+.1f}% |")
-    held = [r for r in result["predictions"] if not r["in_fit"]]
+    return lines
+
+
+def _meters_md(predictions: list[dict]) -> list[str]:
+    """What each row's own meter saw per step, beside the model's comm and local time."""
+    metered = [r for r in predictions if r.get("meter")]
+    if not metered:
+        return []
+    lines = [
+        "",
+        "What each row's own meter saw per steady-state step (diagnosis only: no figure "
+        "of a row enters its prediction); rest = step - exposed communication:",
+        "",
+        "| row | step | comm (meter) | exposed | rest | codec (hook) | msgs/step | "
+        "model: comm | model: t_c + t_k + s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in metered:
+        m = r["meter"]
+        msgs = m.get("messages_per_step")
+        lines.append(
+            f"| {r['row']} (p={r['workers']}) | {m['step_s']:.4f} | {m['comm_s']:.4f} | {m['exposed_s']:.4f} | "
+            f"{m['rest_s']:.4f} | {m['codec_s']:.4f} | "
+            f"{'' if msgs is None else format(msgs, '.2f')} | {r['comm_s']:.4f} | "
+            f"{r['t_compute_s'] + r['t_codec_s'] + r.get('sync_s', 0.0):.4f} |"
+        )
+    return lines
+
+
+def _ablation_md(ablation_rows: list[dict]) -> list[str]:
+    """Each held-out row's error as the model's parts are added in turn."""
+    if not ablation_rows:
+        return []
+    lines = [
+        "",
+        "The error as the model's parts are added in turn (idle: the idle probe's "
+        "collectives, the codec round trip on one tensor, the compressor's nominal "
+        "collectives and the row's metered payload; + exchange: codec, messages and bytes "
+        "of the whole exchange on the model's tensors; + loops: the synchronisation cost "
+        "and the overlap's hidden share; + local runs: the rows' cost beyond the limit "
+        "with all ranks on one host, codec and the strategy's machinery, where measured):",
+        "",
+        "| row | idle | + exchange | + loops | + local runs |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for a in ablation_rows:
+        lines.append(f"| {a['row']} | {100 * a['idle']:+.1f}% | {100 * a['+ exchange']:+.1f}% | "
+                     f"{100 * a['+ loops']:+.1f}% | {100 * a.get('+ local runs', a['+ loops']):+.1f}% |")
+    return lines
+
+
+def _held_out_md(predictions: list[dict]) -> list[str]:
+    """How many held-out rows came within 15%, per rank count, beside the repeats' spread."""
+    lines: list[str] = []
+    held = [r for r in predictions if not r["in_fit"]]
     for q in sorted({r["workers"] for r in held}):
         at_q = [r for r in held if r["workers"] == q]
         within = sum(abs(r["rel_err"]) <= 0.15 for r in at_q)
@@ -142,8 +181,7 @@ def markdown(result: dict) -> str:
         lines += ["", f"Held-out rows within 15% on {q} ranks: {within} of {len(at_q)}" + (
             f" (the measurements' own spread between repeats: median {_percent(spreads[len(spreads) // 2])}, "
             f"largest {_percent(spreads[-1])})." if spreads else ".")]
-    lines += ["", projection_markdown(result["projection"])]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def projection_markdown(projection: dict) -> str:
