@@ -489,7 +489,7 @@ class EmulatedCluster:
             if left:
                 print(
                     f"[cluster] WARNING: could not delete namespaces {left}; "
-                    "run `bench/cluster.py --cleanup-stale` after this process exits",
+                    "run `python -m bench.cluster --cleanup-stale` after this process exits",
                     file=sys.stderr,
                 )
             self._namespaces = []

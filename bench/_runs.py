@@ -36,6 +36,7 @@ from bench._tables import (
 from easgd_lightning.conf import CONF_DIR
 from easgd_lightning.utils.rank_env import clean_env, rank_env
 
+
 def loadavg() -> str | None:
     """The machine's load average (1, 5, 15 min) as /proc/loadavg has it; None elsewhere."""
     try:
@@ -271,7 +272,7 @@ def _launch(
     )
     procs, logs = [], []
     switch = switch_row(cluster, [*extra, *overrides])
-    if switch:  # NetReduce emulated: the aggregator at the switch (bench/cluster.py --aggregator switch)
+    if switch:  # NetReduce emulated: the aggregator at the switch (python -m bench.cluster --aggregator switch)
         cmd = [*cmd, "comm.aggregator=external"]
         start_switch_aggregator(cluster, port, run_dir / "logs" / "switch.log", timeout_s)
     for rank in range(cluster.world_size):

@@ -1,5 +1,5 @@
 """The emulated-cluster benchmark's vocabulary: rows (``BenchConfig``), targets and the
-scenario presets (``SCENARIOS``) that ``bench/cluster.py --scenario`` runs."""
+scenario presets (``SCENARIOS``) that ``python -m bench.cluster --scenario`` runs."""
 
 from __future__ import annotations
 
