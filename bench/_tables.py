@@ -496,7 +496,24 @@ def render_markdown(rows: list[dict], scenario: dict) -> str:
     targets = scenario.get("targets") or []
     by_row = _targets_by_row(targets)
     share = _share_label(rows)
-    lines = _header(scenario) + [
+    lines = _header(scenario) + _throughput_legend(scenario, share) + [
+        "",
+        (
+            "| strategy/compression | step time (s) | x | efficiency | samples/s | x "
+            f"| bytes/step/worker | x | msgs/step | {share} | final loss | targets | status |"
+        ),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    lines += [_throughput_row(r, by_row, scenario, mixed=share == "comm share") for r in rows]
+    bound = sc17_bound(rows, scenario) if scenario.get("name") == "sc17" else None
+    if bound:
+        lines += ["", _sc17_bound_md(bound, scenario)]
+    return "\n".join(lines + _targets_md(targets)) + "\n"
+
+
+def _throughput_legend(scenario: dict, share: str) -> list[str]:
+    """The steps the figures cover, what x and efficiency are, and which comm share."""
+    return [
         f"- steps: {scenario['steps']}; "
         + (
             f"figures per step over steps {scenario['warmup_steps'] + 1}..{scenario['steps']}"
@@ -518,57 +535,44 @@ def render_markdown(rows: list[dict], scenario: dict) -> str:
             if share == "comm share (total)"
             else "exposed where the summary has it, else total (marked *)"
         ),
-        "",
-        (
-            "| strategy/compression | step time (s) | x | efficiency | samples/s | x "
-            f"| bytes/step/worker | x | msgs/step | {share} | final loss | targets | status |"
-        ),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
-    mixed = share == "comm share"
-    for r in rows:
-        q = r.get("ratio", {})
-        star = "*" if mixed and r.get("comm_share_source") == "total" else ""
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    _row_label(r),
-                    fmt_figure(r.get("step_time_s"), "s"),
-                    fmt_figure(q.get("step_time_s"), "ratio"),
-                    fmt_figure(r.get("efficiency"), "eff"),
-                    fmt_figure(r.get("samples_per_s"), "num"),
-                    fmt_figure(q.get("samples_per_s"), "ratio"),
-                    fmt_figure(r.get("bytes_per_step_per_worker"), "bytes"),
-                    fmt_figure(q.get("bytes_per_step_per_worker"), "ratio"),
-                    fmt_figure(r.get("messages_per_step"), "num"),
-                    fmt_figure(r.get("comm_share"), "pct") + star,
-                    fmt_figure(r.get("final_loss"), "num"),
-                    _target_cell(r, by_row),
-                    r.get("status", "?")
-                    + (
-                        " (whole run)"
-                        if scenario.get("warmup_steps") and r.get("measured") == "whole run"
-                        else ""
-                    ),
-                ]
-            )
-            + " |"
-        )
-    bound = sc17_bound(rows, scenario) if scenario.get("name") == "sc17" else None
-    if bound:
-        lines += [
-            "",
-            f"Bandwidth bound: the ring all-reduce of sync_easgd's difference moves 2(p-1)/p of "
-            f"it over each link, {1e3 * bound['wire_s']:.1f} ms at {scenario['link']['rate_mbit']:g} "
-            f"Mbit/s; with the limit step ({fmt_figure(bound['limit_step_s'], 's')} s) "
-            f"hidden perfectly, no sync_easgd step is shorter than {fmt_figure(bound['best_step_s'], 's')} s: "
-            f"speedup over this round-robin <= {bound['max_speedup']:.2f}x (exposed share "
-            f"{100 * bound['min_exposed_share']:.0f}% at that step). At least "
-            f"{1e3 * bound['min_exposed_s']:.1f} ms of every step waits on the wire, so an exposed "
-            f"share <= 14% needs a speedup <= {max_speedup_at_share(bound, 0.14):.2f}x.",
-        ]
-    return "\n".join(lines + _targets_md(targets)) + "\n"
+
+
+def _throughput_row(r: dict, by_row: dict[str, list[dict]], scenario: dict, *, mixed: bool) -> str:
+    """One row of the throughput table (``mixed``: total comm shares marked *)."""
+    q = r.get("ratio", {})
+    star = "*" if mixed and r.get("comm_share_source") == "total" else ""
+    whole = " (whole run)" if scenario.get("warmup_steps") and r.get("measured") == "whole run" else ""
+    cells = [
+        _row_label(r),
+        fmt_figure(r.get("step_time_s"), "s"),
+        fmt_figure(q.get("step_time_s"), "ratio"),
+        fmt_figure(r.get("efficiency"), "eff"),
+        fmt_figure(r.get("samples_per_s"), "num"),
+        fmt_figure(q.get("samples_per_s"), "ratio"),
+        fmt_figure(r.get("bytes_per_step_per_worker"), "bytes"),
+        fmt_figure(q.get("bytes_per_step_per_worker"), "ratio"),
+        fmt_figure(r.get("messages_per_step"), "num"),
+        fmt_figure(r.get("comm_share"), "pct") + star,
+        fmt_figure(r.get("final_loss"), "num"),
+        _target_cell(r, by_row),
+        r.get("status", "?") + whole,
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def _sc17_bound_md(bound: dict, scenario: dict) -> str:
+    """The sc17 scenario's bandwidth bound on Sync EASGD's speedup (:func:`sc17_bound`)."""
+    return (
+        f"Bandwidth bound: the ring all-reduce of sync_easgd's difference moves 2(p-1)/p of "
+        f"it over each link, {1e3 * bound['wire_s']:.1f} ms at {scenario['link']['rate_mbit']:g} "
+        f"Mbit/s; with the limit step ({fmt_figure(bound['limit_step_s'], 's')} s) "
+        f"hidden perfectly, no sync_easgd step is shorter than {fmt_figure(bound['best_step_s'], 's')} s: "
+        f"speedup over this round-robin <= {bound['max_speedup']:.2f}x (exposed share "
+        f"{100 * bound['min_exposed_share']:.0f}% at that step). At least "
+        f"{1e3 * bound['min_exposed_s']:.1f} ms of every step waits on the wire, so an exposed "
+        f"share <= 14% needs a speedup <= {max_speedup_at_share(bound, 0.14):.2f}x."
+    )
 
 
 def render_tta_markdown(rows: list[dict], scenario: dict) -> str:

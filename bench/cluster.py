@@ -162,6 +162,15 @@ def _parser() -> argparse.ArgumentParser:
         description="Emulated cluster benchmark: N network namespaces behind a shaped bridge.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    _scenario_options(p)
+    _run_options(p)
+    _harness_options(p)
+    _other_modes(p)
+    return p
+
+
+def _scenario_options(p: argparse.ArgumentParser) -> None:
+    """The preset and what replaces its cluster shape and rows."""
     p.add_argument(
         "--scenario",
         default=None,
@@ -208,6 +217,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--epochs", type=int, default=None, help="tta: epochs per run")
     p.add_argument("--target-acc", type=float, default=None, help="tta: val accuracy to reach")
+
+
+def _run_options(p: argparse.ArgumentParser) -> None:
+    """What every run of a row gets: workload, extra overrides, output, time limit."""
     p.add_argument(
         "--workload",
         default=None,
@@ -232,6 +245,10 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="per run (default: the preset's, 300-1200 s)",
     )
+
+
+def _harness_options(p: argparse.ArgumentParser) -> None:
+    """How the harness runs the ranks: the switch aggregator, forked ranks, ports, subnet."""
     p.add_argument(
         "--aggregator",
         choices=("none", "switch"),
@@ -250,6 +267,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--port", type=int, default=29500, help="first rendezvous port")
     p.add_argument("--subnet", default="10.77.0", help="private /24 prefix behind the bridge")
+
+
+def _other_modes(p: argparse.ArgumentParser) -> None:
+    """The modes that train nothing: the network smoke test, re-rendering, clean-up."""
     p.add_argument(
         "--smoke",
         action="store_true",
@@ -275,7 +296,6 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="delete namespaces left by killed runs of this script, then exit",
     )
-    return p
 
 
 @dataclass
@@ -463,69 +483,8 @@ def run_scenario(args: argparse.Namespace, settings: Settings, argv: Sequence[st
         procs_per_host=settings.procs_per_host,
         fork_ranks=getattr(args, "fork_ranks", False),
     ) as cluster:
-        if getattr(args, "aggregator", "none") == "switch":
-            addr = place_switch_aggregator(cluster)
-            print(f"[cluster] switch aggregator at {addr} (bridge namespace, unshaped)", flush=True)
-        print(
-            f"[cluster] scenario {preset.name} ({cluster.run_id}): {cluster.workers} hosts "
-            f"x {cluster.procs_per_host} processes on "
-            f"{args.subnet}.0/24, {link.latency_ms} ms",
-            flush=True,
-        )
-        calibration = None
-        if settings.rate_mbit is None:
-            calibration = calibrate_sc17_rate(
-                cluster,
-                latency_ms=args.latency_ms,
-                steps=settings.steps,
-                workload=settings.workload,
-                extra=settings.extra,
-                out_dir=out / "calibration",
-                port=args.port + 500,
-                timeout_s=settings.timeout_s,
-            )
-        scenario = _scenario(args, cluster, settings, argv)
-        scenario["calibration"] = calibration
-        rows: list[dict] = []
-        configs = settings.configs
-        for k, config in enumerate(configs):
-            row = {
-                "strategy": config.strategy,
-                "compression": config.compression,
-                "overrides": list(config.overrides),
-            }
-            rows.append(row)
-            missing = config_missing(config)
-            if missing:
-                row["status"] = f"skipped ({', '.join(missing)} not found)"
-                print(
-                    f"[cluster] ({k + 1}/{len(configs)}) {config.label}: {row['status']}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                continue
-            print(
-                f"[cluster] ({k + 1}/{len(configs)}) {config.label} "
-                f"{' '.join(config.overrides)}...",
-                flush=True,
-            )
-            common = dict(
-                workload=settings.workload,
-                extra=settings.extra,
-                out_dir=out / "runs",
-                port=args.port + k,
-                timeout_s=settings.timeout_s,
-            )
-            if preset.kind == "tta":
-                res = run_tta_config(
-                    cluster, config, epochs=settings.epochs, target_acc=settings.target_acc, **common
-                )
-            else:
-                res = run_config(
-                    cluster, config, steps=settings.steps, warmup_steps=settings.warmup_steps, **common
-                )
-            row.update(status=res.status, run_dir=res.run_dir, **res.figures)
-            _print_row(row, preset.kind)
+        scenario = _start_scenario(args, cluster, settings, argv, out)
+        rows = [_run_row(args, cluster, settings, k, out) for k in range(len(settings.configs))]
         scenario["loadavg_after"] = loadavg()
         md = finish_table(rows, scenario, preset.targets)
         _write(out, "cluster", {"scenario": scenario, "rows": rows}, md)
@@ -533,6 +492,80 @@ def run_scenario(args: argparse.Namespace, settings: Settings, argv: Sequence[st
         print(md)
         print(f"[cluster] wrote {out / 'cluster.json'} and {out / 'cluster.md'}")
         return (0 if all(r["status"] == "ok" for r in rows) else 1), md
+
+
+def _start_scenario(args: argparse.Namespace, cluster: EmulatedCluster, settings: Settings,
+                    argv: Sequence[str], out: Path) -> dict:
+    """On the built cluster: the switch's aggregator where asked, the sc17 link-rate
+    calibration where the preset has no rate; the scenario's record."""
+    if getattr(args, "aggregator", "none") == "switch":
+        addr = place_switch_aggregator(cluster)
+        print(f"[cluster] switch aggregator at {addr} (bridge namespace, unshaped)", flush=True)
+    print(
+        f"[cluster] scenario {settings.preset.name} ({cluster.run_id}): {cluster.workers} hosts "
+        f"x {cluster.procs_per_host} processes on "
+        f"{args.subnet}.0/24, {cluster.link.latency_ms} ms",
+        flush=True,
+    )
+    calibration = None
+    if settings.rate_mbit is None:
+        calibration = calibrate_sc17_rate(
+            cluster,
+            latency_ms=args.latency_ms,
+            steps=settings.steps,
+            workload=settings.workload,
+            extra=settings.extra,
+            out_dir=out / "calibration",
+            port=args.port + 500,
+            timeout_s=settings.timeout_s,
+        )
+    scenario = _scenario(args, cluster, settings, argv)
+    scenario["calibration"] = calibration
+    return scenario
+
+
+def _run_row(args: argparse.Namespace, cluster: EmulatedCluster, settings: Settings, k: int,
+             out: Path) -> dict:
+    """Row ``k`` of the scenario: skipped (its config files missing), or its run's figures."""
+    configs = settings.configs
+    config = configs[k]
+    row = {
+        "strategy": config.strategy,
+        "compression": config.compression,
+        "overrides": list(config.overrides),
+    }
+    missing = config_missing(config)
+    if missing:
+        row["status"] = f"skipped ({', '.join(missing)} not found)"
+        print(
+            f"[cluster] ({k + 1}/{len(configs)}) {config.label}: {row['status']}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return row
+    print(
+        f"[cluster] ({k + 1}/{len(configs)}) {config.label} "
+        f"{' '.join(config.overrides)}...",
+        flush=True,
+    )
+    common = dict(
+        workload=settings.workload,
+        extra=settings.extra,
+        out_dir=out / "runs",
+        port=args.port + k,
+        timeout_s=settings.timeout_s,
+    )
+    if settings.preset.kind == "tta":
+        res = run_tta_config(
+            cluster, config, epochs=settings.epochs, target_acc=settings.target_acc, **common
+        )
+    else:
+        res = run_config(
+            cluster, config, steps=settings.steps, warmup_steps=settings.warmup_steps, **common
+        )
+    row.update(status=res.status, run_dir=res.run_dir, **res.figures)
+    _print_row(row, settings.preset.kind)
+    return row
 
 
 def _main(argv: list[str]) -> int:
