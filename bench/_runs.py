@@ -281,6 +281,14 @@ def _launch(
         procs.append(cluster.spawn(cluster.host_of(rank), cmd, host_rank_env(cluster, rank, port), log))
     codes, timed_out = wait_all(procs, timeout_s)
     cluster.kill_procs()
+    return _outcome(label, run_dir, logs, codes, timed_out, timeout_s)
+
+
+def _outcome(label: str, run_dir: Path, logs: list[Path], codes: list[int | None], timed_out: bool,
+             timeout_s: float) -> tuple[str, dict | None]:
+    """(status, summary or None) of a finished run: a timeout, a rank's exit status, a
+    missing summary.json or a summary that is not ``ok`` is a failure, said on stderr with
+    the first failed rank's last lines."""
     summary_path = run_dir / "summary.json"
     status = "ok"
     if timed_out:
@@ -465,22 +473,9 @@ def calibrate_sc17_rate(
     chosen = None
     for k in range(max_probes if limit_step else 0):
         cluster.shape(LinkSpec(rate, latency_ms))
-        status, summary = _launch(
-            cluster, BenchConfig("easgd_round_robin", "none"),
-            run_dir=out_dir / f"rr_{rate:g}mbit", port=port + 1 + k, **common,
-        )
-        step = _clock_step(summary) if summary else None
-        share = 1.0 - limit_step / step if step else None
-        probes.append({
-            "rate_mbit": rate, "step_s": step, "comm_share": share,
-            "metered_share": _run_share(summary) if summary else None, "status": status,
-        })
-        print(
-            f"[cluster] sc17 calibration: easgd_round_robin at {rate:g} Mbit/s: step "
-            f"{fmt_figure(step, 's')} s, 1 - limit/step = {fmt_figure(share, 'pct')} (metered "
-            f"{fmt_figure(probes[-1]['metered_share'], 'pct')}) ({status})",
-            flush=True,
-        )
+        probes.append(_round_robin_probe(cluster, rate, limit_step, out_dir / f"rr_{rate:g}mbit",
+                                         port + 1 + k, common))
+        share = probes[-1]["comm_share"]
         if share is None:
             break
         chosen = rate
@@ -496,6 +491,24 @@ def calibrate_sc17_rate(
         "rate_mbit": final, "wanted": wanted, "reached": reached,
         "limit_step_s": limit_step, "probes": probes,
     }
+
+
+def _round_robin_probe(cluster: EmulatedCluster, rate: float, limit_step: float, run_dir: Path,
+                       port: int, common: dict) -> dict:
+    """One ``easgd_round_robin`` run of :func:`calibrate_sc17_rate` at ``rate`` (the links
+    shaped already): its step, its share 1 - limit / step, and its metered share."""
+    status, summary = _launch(cluster, BenchConfig("easgd_round_robin", "none"), run_dir=run_dir,
+                              port=port, **common)
+    step = _clock_step(summary) if summary else None
+    share = 1.0 - limit_step / step if step else None
+    metered = _run_share(summary) if summary else None
+    print(
+        f"[cluster] sc17 calibration: easgd_round_robin at {rate:g} Mbit/s: step "
+        f"{fmt_figure(step, 's')} s, 1 - limit/step = {fmt_figure(share, 'pct')} (metered "
+        f"{fmt_figure(metered, 'pct')}) ({status})",
+        flush=True,
+    )
+    return {"rate_mbit": rate, "step_s": step, "comm_share": share, "metered_share": metered, "status": status}
 
 
 def _clock_step(summary: dict) -> float | None:

@@ -184,6 +184,46 @@ def bench_one(
     }
 
 
+def _row(name: str, x: torch.Tensor, size: int, device: torch.device, args: argparse.Namespace,
+         copy, topk_cache: dict[int, float]) -> dict:
+    """One compressor on one tensor: its round trip against the copy and against exact
+    ``torch.topk`` of its density (timed once per k, ``topk_cache``), and the verdict."""
+    res = bench_one(name, x, args.warmup, args.repeats, args.settle, copy=copy)
+    copy_s = res["copy_seconds"]
+    k = max(1, math.ceil(res["density"] * size))
+    if k not in topk_cache:
+        topk_cache[k] = median_time(
+            lambda x=x, k=k: torch.topk(x.reshape(-1).abs(), k, sorted=False),
+            device,
+            args.warmup,
+            args.repeats,
+        )
+    row = {
+        "device": device.type,
+        "numel": size,
+        "compressor": name,
+        "memory": res["memory"],
+        "k": k,
+        "seconds": res["seconds"],
+        "first_call_seconds": res["first_call_seconds"],
+        "topk_seconds": topk_cache[k],
+        "copy_seconds": copy_s,
+        "x_topk": res["seconds"] / topk_cache[k],
+        "x_copy": res["seconds"] / copy_s,
+        "payload_bytes": res["payload_bytes"],
+        "compression": res["dense_bytes"] / max(1, res["payload_bytes"]),
+    }
+    row["target"] = verdict(name, row["x_copy"], row["x_topk"])
+    print(
+        f"{device.type:4s} {size:>11,d} {name:9s} {row['seconds'] * 1e3:9.2f} ms "
+        f"x copy {row['x_copy']:7.2f}  x topk {row['x_topk']:7.3f}  {row['target']:4s} "
+        f"first call {row['first_call_seconds']:6.2f} s  "
+        f"compression {row['compression']:8.1f}",
+        flush=True,
+    )
+    return row
+
+
 def run(args: argparse.Namespace) -> dict:
     devices = [torch.device("cpu")]
     if torch.cuda.is_available() and not args.cpu_only:
@@ -199,40 +239,7 @@ def run(args: argparse.Namespace) -> dict:
             copy = lambda x=x, dst=dst: dst.copy_(x)  # noqa: E731
             topk_cache: dict[int, float] = {}
             for name in names:
-                res = bench_one(name, x, args.warmup, args.repeats, args.settle, copy=copy)
-                copy_s = res["copy_seconds"]
-                k = max(1, math.ceil(res["density"] * size))
-                if k not in topk_cache:
-                    topk_cache[k] = median_time(
-                        lambda x=x, k=k: torch.topk(x.reshape(-1).abs(), k, sorted=False),
-                        device,
-                        args.warmup,
-                        args.repeats,
-                    )
-                row = {
-                    "device": device.type,
-                    "numel": size,
-                    "compressor": name,
-                    "memory": res["memory"],
-                    "k": k,
-                    "seconds": res["seconds"],
-                    "first_call_seconds": res["first_call_seconds"],
-                    "topk_seconds": topk_cache[k],
-                    "copy_seconds": copy_s,
-                    "x_topk": res["seconds"] / topk_cache[k],
-                    "x_copy": res["seconds"] / copy_s,
-                    "payload_bytes": res["payload_bytes"],
-                    "compression": res["dense_bytes"] / max(1, res["payload_bytes"]),
-                }
-                row["target"] = verdict(name, row["x_copy"], row["x_topk"])
-                rows.append(row)
-                print(
-                    f"{device.type:4s} {size:>11,d} {name:9s} {row['seconds'] * 1e3:9.2f} ms "
-                    f"x copy {row['x_copy']:7.2f}  x topk {row['x_topk']:7.3f}  {row['target']:4s} "
-                    f"first call {row['first_call_seconds']:6.2f} s  "
-                    f"compression {row['compression']:8.1f}",
-                    flush=True,
-                )
+                rows.append(_row(name, x, size, device, args, copy, topk_cache))
     return {
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "host": platform.node(),
