@@ -539,6 +539,13 @@ def _check_fault_values(cfg: Any) -> None:
             f"faults.crash_at_step: set faults.crash_rank too (the rank that crashes at step "
             f"{faults.get('crash_at_step')}); without it nothing crashes"
         )
+    every = faults.get("kill_every_s")
+    if every is not None:
+        _need_number("faults.kill_every_s", every, low=0.0, low_open=True)
+        if str((cfg.get("ft") or {}).get("name", "none")) != "torchft":
+            raise ConfigError("faults.kill_every_s: needs ft=torchft (the launcher restarts the killed workers); "
+                              "without it the first kill ends the run")
+    _need_int("faults.kill_seed", faults.get("kill_seed"), 0, allowed=(None,))
     if faults.get("nan_rank") is not None and faults.get("nan_at_step") is None:
         raise ConfigError("faults.nan_rank: set faults.nan_at_step too (the step before which its parameter "
                           "becomes NaN); without it nothing is injected")

@@ -43,6 +43,9 @@ And, not about asynchrony:
   (:data:`CHECKPOINT_TOPK_STEP`, :data:`CHECKPOINT_LAST_STEP`): the two writes of a
   checkpoint, epoch file first; ``LastFirstCheckpoint`` overrides both to write
   ``last.ckpt`` first.
+* ``lightning_fabric``'s ``Strategy._backward_sync_control``: what
+  ``fabric.no_backward_sync(model)`` uses to skip the gradient all-reduce; the Fabric
+  strategies without one set it to None (:func:`drop_backward_sync_control`).
 * ``WandbLogger._wandb_init`` (its ``"anonymous"`` key): Lightning always passes
   ``anonymous=None`` to ``wandb.init``, and wandb warns at every run that the setting has
   no effect (:func:`drop_wandb_anonymous`).
@@ -66,6 +69,7 @@ from pytorch_lightning.trainer.connectors.signal_connector import (
 
 __all__ = [
     "PATH",
+    "drop_backward_sync_control",
     "drop_wandb_anonymous",
     "DDP_HOOKS_STEP",
     "CHECKPOINT_TOPK_STEP",
@@ -107,6 +111,14 @@ PRIVATE_OVERRIDES: tuple[tuple[type, str], ...] = (
     (ModelCheckpoint, CHECKPOINT_TOPK_STEP),
     (ModelCheckpoint, CHECKPOINT_LAST_STEP),
 )
+
+
+def drop_backward_sync_control(strategy: Any) -> None:
+    """Set a Fabric strategy's ``_backward_sync_control`` to None: it has no gradient
+    all-reduce to skip. Fabric's ``DDPStrategy`` sets DDP's ``no_sync`` there, a TypeError
+    on a module DDP does not wrap; with None, ``fabric.no_backward_sync(model)`` warns that
+    the strategy skips nothing and runs the block as it is."""
+    strategy._backward_sync_control = None
 
 
 # ------------------------------------------------------------------ configure_optimizers

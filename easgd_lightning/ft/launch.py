@@ -22,6 +22,8 @@ Rules (README "Fault tolerance"), every wait bounded:
 * The lighthouse dying mid-run ends the run: the error names it, the workers get SIGTERM,
   SIGKILL after the stop grace; nothing started is left running.
 * SIGINT / SIGTERM / SIGHUP to the launcher: as without ft (forwarded; a second one kills).
+* ``faults.kill_every_s``: seeded random SIGKILLs of one worker at a time (:mod:`.punisher`),
+  recorded in the summary's ``injected_kills`` and marked ``injected`` among the deaths.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from easgd_lightning.cli import forkserver
 from easgd_lightning.cli import launch as L
 from easgd_lightning.ft.config import lighthouse_address
 from easgd_lightning.ft.lighthouse import LighthouseProcess, answers
+from easgd_lightning.ft.punisher import Punisher
 from easgd_lightning.ft.worker import ENV_ATTEMPT, ENV_LIGHTHOUSE
 from easgd_lightning.utils.atomic import atomic_write_json
 
@@ -62,6 +65,7 @@ class FTOutcome(L.LaunchOutcome):
     lighthouse_pid: int | None = None
     lighthouse_lost: bool = False
     error: str | None = None
+    injected_kills: list[dict] = field(default_factory=list)  # faults.kill_every_s: {rank, attempt, t_s}
 
 
 def _start_worker(rank: int, attempt: int, env: dict, cfg_file: Path, out_dir: Path, server, preload):
@@ -78,6 +82,17 @@ def _joined(out_dir: Path, rank: int, attempt: int) -> bool:
     except (OSError, ValueError):
         return False
     return info.get("attempt") == attempt
+
+
+def _punisher(cfg: Any) -> Punisher | None:
+    """``faults.kill_every_s`` (null: no injected kills); the draw is seeded with
+    ``faults.kill_seed``, else the run's ``seed``."""
+    faults = cfg.get("faults") or {}
+    every = faults.get("kill_every_s")
+    if every is None:
+        return None
+    seed = faults.get("kill_seed")
+    return Punisher(float(every), int(cfg.get("seed", 0) if seed is None else seed))
 
 
 def spawn_and_supervise_ft(cfg: Any, cfg_file: Path, out_dir: Path, world: int, timeout_s: float, run_id: str,
@@ -132,7 +147,7 @@ def spawn_and_supervise_ft(cfg: Any, cfg_file: Path, out_dir: Path, world: int, 
             procs.append(_start_worker(rank, 0, env, cfg_file, out_dir, server, preload))
         write_launch()
         _supervise_ft(procs, attempts, outcome, lh, env, cfg_file, out_dir, server, preload, signals,
-                      max_restarts, quorum_s, grace, t0, write_launch)
+                      max_restarts, quorum_s, grace, t0, write_launch, _punisher(cfg))
     finally:
         for p in procs:  # nothing we started outlives the launcher
             if p.poll() is None:
@@ -148,7 +163,8 @@ def spawn_and_supervise_ft(cfg: Any, cfg_file: Path, out_dir: Path, world: int, 
 
 
 def _supervise_ft(procs, attempts, outcome: FTOutcome, lh, env, cfg_file, out_dir, server, preload, signals,
-                  max_restarts: int, quorum_s: float, grace: float, t0: float, write_launch) -> None:
+                  max_restarts: int, quorum_s: float, grace: float, t0: float, write_launch,
+                  punisher: Punisher | None = None) -> None:
     world = len(procs)
     done = [False] * world
     stopped_since: list[float | None] = [None] * world
@@ -186,6 +202,8 @@ def _supervise_ft(procs, attempts, outcome: FTOutcome, lh, env, cfg_file, out_di
             if r in outcome.killed_ranks:
                 death["stopped"] = True
                 outcome.killed_ranks.remove(r)
+            if any(k["rank"] == r and k["attempt"] == attempts[r] for k in outcome.injected_kills):
+                death["injected"] = "faults.kill_every_s"
             outcome.deaths.append(death)
             stopped_since[r] = None
             can_restart = (not stopping and not outcome.finished_ranks and outcome.restarts[r] < max_restarts
@@ -210,6 +228,8 @@ def _supervise_ft(procs, attempts, outcome: FTOutcome, lh, env, cfg_file, out_di
         alive = [r for r in range(world) if not done[r]]
         if not alive:
             break
+        if punisher is not None and term_at is None and not stopping and not outcome.finished_ranks:
+            _punish(punisher, procs, attempts, alive, stopped_since, outcome, out_dir, max_restarts, now, t0)
         if lh is not None and not lh.alive() and not outcome.lighthouse_lost:
             outcome.lighthouse_lost = True
             outcome.error = (f"the torchft lighthouse (pid {lh.pid}, {outcome.lighthouse}) died "
@@ -256,8 +276,27 @@ def _supervise_ft(procs, attempts, outcome: FTOutcome, lh, env, cfg_file, out_di
     outcome.interrupted_by = signals.first
 
 
-def ft_summary(outcome: FTOutcome, reports: list[dict | None], min_replicas: int, launch_wall: float) -> dict:
-    """The ``ft`` part of summary.json from the launcher's record and the workers' reports."""
+def _punish(punisher: Punisher, procs, attempts, alive, stopped_since, outcome: FTOutcome, out_dir: Path,
+            max_restarts: int, now: float, t0: float) -> None:
+    """One step of ``faults.kill_every_s``: arm the clock once every worker has joined, then
+    SIGKILL the drawn worker when a kill is due and every unfinished worker is up."""
+    up = [r for r in alive if stopped_since[r] is None and _joined(out_dir, r, attempts[r])]
+    all_up = len(up) == len(alive)
+    if all_up:
+        punisher.arm(now)
+    victim = punisher.pick(now, [r for r in up if outcome.restarts[r] < max_restarts], all_up)
+    if victim is None:
+        return
+    log.warning("faults.kill_every_s: SIGKILL to worker %d (pid %d)", victim, procs[victim].pid)
+    outcome.injected_kills.append({"rank": victim, "attempt": attempts[victim], "t_s": round(now - t0, 3)})
+    L._signal_group(procs[victim], signal.SIGKILL)
+
+
+def ft_summary(outcome: FTOutcome, reports: list[dict | None], min_replicas: int, launch_wall: float,
+               out_dir: Path | None = None) -> dict:
+    """The ``ft`` part of summary.json from the launcher's record, the workers' reports (their
+    last start's) and, under ``out_dir``, each start's join record (the rejoins of starts that
+    were killed again before the end)."""
     per_rank = [((r or {}).get("extras") or {}).get("ft") if r and r.get("status") == "ok" else None for r in reports]
     changes: dict[Any, dict] = {}
     for rep in per_rank:
@@ -278,6 +317,8 @@ def ft_summary(outcome: FTOutcome, reports: list[dict | None], min_replicas: int
                                   "recovery_bytes": rec["bytes"], "t_s": round(rec["joined_at"] - launch_wall, 3)})
                 continue
             rejoins.append(_rejoin(r, rep, rec, outcome, launch_wall))
+    rejoins += _earlier_rejoins(outcome, per_rank, out_dir, launch_wall) if out_dir is not None else []
+    rejoins.sort(key=lambda j: j["rejoined_t_s"])
     finished = sorted(set(outcome.finished_ranks))
     return {
         "lighthouse": outcome.lighthouse,
@@ -295,8 +336,28 @@ def ft_summary(outcome: FTOutcome, reports: list[dict | None], min_replicas: int
         "lost_ranks": sorted(set(outcome.lost_ranks) | set(outcome.ended_waiting)),
         "ended_before_rejoin": sorted(set(outcome.ended_waiting)),
         "lighthouse_lost": outcome.lighthouse_lost,
+        "injected_kills": list(outcome.injected_kills),
         "enough_replicas": len(finished) >= min_replicas,
     }
+
+
+def _earlier_rejoins(outcome: FTOutcome, per_rank: list, out_dir: Path, launch_wall: float) -> list[dict]:
+    """Rejoins of restarted starts whose report is not the rank's last (they died again): from
+    the join record each start writes at its first committed exchange (ft/worker.py)."""
+    out = []
+    for r, rep in enumerate(per_rank):
+        last = (rep or {}).get("attempt")
+        for path in sorted((out_dir / "ranks" / "ft").glob(f"rank{r}.attempt*.json")):
+            try:
+                info = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if info.get("attempt", 0) == 0 or info.get("attempt") == last or not info.get("healed"):
+                continue
+            rec = {"step": info.get("step"), "bytes": info.get("recovery_bytes", 0),
+                   "joined_at": info["joined_at"], "started_at": info.get("started_at", info["joined_at"])}
+            out.append(_rejoin(r, {"attempt": info["attempt"]}, rec, outcome, launch_wall))
+    return out
 
 
 def _rejoin(r: int, rep: dict, rec: dict, outcome: FTOutcome, launch_wall: float) -> dict:
@@ -331,7 +392,7 @@ def train_local_ft(cfg: Any, resolved: dict, cfg_yaml: str, out_dir: Path, world
         log.warning("removed %s, left by an interrupted write", path)
     reports = read_rank_reports(out_dir, world, run_id)
     min_replicas = int(cfg.ft.get("min_replicas", 1))
-    ft = ft_summary(outcome, reports, min_replicas, launch_wall)
+    ft = ft_summary(outcome, reports, min_replicas, launch_wall, out_dir)
     first = outcome.first_failure
     status, error = "ok", None
     if outcome.interrupted_by is not None:

@@ -62,6 +62,11 @@ class _FTMixin:
 
     _ft_ctx: FTContext
     _ft: FTSession | None
+    #: why ``easgd_lightning.fabric`` refuses it
+    fabric_refusal = (
+        "torchft's live recovery loads the Trainer's state (module, optimizer, schedulers, "
+        "steps) into a joining replica and stops the Trainer's fit loop"
+    )
 
     def _ft_init(self, ctx: FTContext) -> None:
         self._ft_ctx = ctx

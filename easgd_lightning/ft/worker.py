@@ -101,8 +101,11 @@ class FTContext:
 
     def mark_joined(self, info: dict) -> None:
         """Tell the launcher this start has committed its first exchange."""
-        path = os.path.join(self.run_dir, "ranks", "ft", f"rank{self.rank}.json")
-        atomic_write_json(path, {"rank": self.rank, "attempt": self.attempt, **info})
+        record = {"rank": self.rank, "attempt": self.attempt, "started_at": self.started, **info}
+        folder = os.path.join(self.run_dir, "ranks", "ft")
+        # one file per start (every rejoin is in the summary, also of a start killed again later)
+        atomic_write_json(os.path.join(folder, f"rank{self.rank}.attempt{self.attempt}.json"), record)
+        atomic_write_json(os.path.join(folder, f"rank{self.rank}.json"), record)
 
 
 def prepare(cfg: Any, run_dir: str) -> FTContext:

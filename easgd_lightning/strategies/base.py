@@ -20,13 +20,20 @@ What the base provides:
 * checkpoints: the module weights saved are the center; ``checkpoint["easgd"]`` holds the
   center, the step counter and every worker's parameters and optimizer state, so resuming
   restores each rank exactly;
-* per-rank step counting for ``summary.json``.
+* per-rank step counting for ``summary.json``;
+* the exchange without the Trainer (Lightning Fabric, :mod:`easgd_lightning.fabric`), the
+  seams the Trainer's hooks call too: :meth:`CenterStrategy.attach_host` (ranks, devices,
+  ``comm`` sub-groups), :meth:`CenterStrategy.start_exchange` (its ``setup``),
+  :meth:`CenterStrategy.exchange_step` (its ``optimizer_step``),
+  :meth:`CenterStrategy.finish_exchange` (its ``on_train_end``),
+  :meth:`CenterStrategy.holding_center` and :meth:`CenterStrategy.release_exchange`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -54,6 +61,7 @@ __all__ = [
     "check_positive_int",
     "check_one_optimizer",
     "comm_layout_for",
+    "open_comm",
 ]
 
 
@@ -119,6 +127,12 @@ def comm_layout_for(strategy: Any, comm: Any, compression: Any) -> CommLayout:
                       allreduce=layout.allreduce, aggregator=layout.aggregator)
 
 
+def open_comm(layout: CommLayout) -> None:
+    """Once the process group is up: close it at exit, make the ``comm`` sub-groups."""
+    ops.close_process_group_at_exit()
+    layout.setup()
+
+
 def check_one_optimizer(strategy: Any, count: int) -> None:
     """Refuse anything but one optimizer, in one line saying what is allowed."""
     if count != 1:
@@ -149,6 +163,9 @@ class CenterStrategy(DDPStrategy):
     #: manual optimization (``automatic_optimization = False``) is honoured: the exchange
     #: runs inside ``optimizer.step()``, which the user's ``training_step`` calls
     supports_manual_optimization = True
+    #: why ``easgd_lightning.fabric`` refuses the strategy, in one clause (None: it runs
+    #: under Lightning Fabric, its exchange driven by a hand-written loop's optimizer step)
+    fabric_refusal: str | None = None
 
     def __init__(self, *, compression: Any = None, comm: Any = None, **kwargs: Any) -> None:
         reject_unknown_kwargs(self, kwargs, DDPStrategy)  # no DDP wrapper would read them
@@ -170,8 +187,7 @@ class CenterStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        ops.close_process_group_at_exit()
-        self._comm.setup()
+        open_comm(self._comm)
 
     @override
     def configure_ddp(self) -> None:
@@ -183,10 +199,30 @@ class CenterStrategy(DDPStrategy):
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
+        self.start_exchange()
+
+    def start_exchange(self) -> None:
+        """Start the exchange once the module and its one optimizer are set (the Trainer's
+        ``setup`` when fitting; :mod:`easgd_lightning.fabric` at ``fabric.setup``): the
+        options that depend on the world size, then workers and center made equal.
+
+        Raises:
+            ValueError: anything but one optimizer, or options the world size rules out.
+        """
         check_one_optimizer(self, len(self.optimizers))
         self._validate_world(self.world_size)
         self._init_center()
         self._on_center_ready()
+
+    def attach_host(self, cluster_environment: Any, parallel_devices: list[torch.device]) -> None:
+        """Run this strategy's exchange in a loop the Trainer does not drive (Lightning
+        Fabric's, :mod:`easgd_lightning.fabric`) whose process group is up: take the host's
+        ranks and devices, then make what ``setup_environment`` makes after the process
+        group. Next the host gives the module (``connect(module)``) and its optimizer
+        (``optimizers = [opt]``), then calls :meth:`start_exchange`."""
+        self.cluster_environment = cluster_environment
+        self.parallel_devices = parallel_devices
+        open_comm(self._comm)
 
     def _init_center(self) -> None:
         """Start workers and center equal: the resident elastic variable broadcast from rank 0,
@@ -224,8 +260,12 @@ class CenterStrategy(DDPStrategy):
         from easgd_lightning.strategies.ddp import optimizer_steps_per_epoch  # (ddp imports base)
 
         super().on_train_start()
-        steps = optimizer_steps_per_epoch(self.lightning_module.trainer)
-        for note in bind_exchange_compressor(self._compression, steps, lambda: self._local_steps - 1):
+        self.bind_compressor(optimizer_steps_per_epoch(self.lightning_module.trainer))
+
+    def bind_compressor(self, steps_per_epoch: int | None) -> None:
+        """Tell the compressor it serves an elastic exchange of ``steps_per_epoch`` optimizer
+        steps an epoch (None: unknown), counting its steps in this rank's; warns what it says."""
+        for note in bind_exchange_compressor(self._compression, steps_per_epoch, lambda: self._local_steps - 1):
             rank_zero_warn(note)
 
     def _set_moving_rate_options(self, alpha: float | None, beta: float | None, rho: float | None) -> None:
@@ -365,12 +405,31 @@ class CenterStrategy(DDPStrategy):
         model=None,
         **kwargs: Any,
     ) -> Any:
-        self._local_steps += 1
         step = super().optimizer_step
+        return self.exchange_step(optimizer, lambda c: step(optimizer, c, model, **kwargs), closure)
+
+    def exchange_step(
+        self, optimizer: Optimizer, step: Callable[[Callable[[], Any] | None], Any], closure: Callable[[], Any] | None
+    ) -> Any:
+        """One optimizer step with the strategy's exchange around it (:meth:`_exchange_step`).
+
+        Args:
+            optimizer: the optimizer stepping.
+            step: ``step(closure)`` runs the optimizer's own step with ``closure`` (the
+                Trainer's: through its precision plugin; Fabric's: ``optimizer.step``).
+            closure: the forward and backward (the Trainer's), or None where the gradient is
+                already computed when the step is called (a Fabric loop's
+                ``fabric.backward(loss)``; then what must follow the backward runs first).
+        """
+        self._local_steps += 1
 
         def take_step(after_closure: Callable[[], None] | None = None) -> Any:
-            step_closure = closure if after_closure is None else _then(closure, after_closure)
-            return step(optimizer, step_closure, model, **kwargs)
+            if after_closure is None:
+                return step(closure)
+            if closure is None:  # the backward has run: the parameters are at the gradient's point
+                after_closure()
+                return step(None)
+            return step(_then(closure, after_closure))
 
         return self._exchange_step(take_step, optimizer)
 
@@ -402,6 +461,20 @@ class CenterStrategy(DDPStrategy):
         self._load_elastic(self._stash)
         self._stash = None
 
+    @contextmanager
+    def holding_center(self) -> Iterator[None]:
+        """Inside, the module holds the center (the worker's own variable is stashed and put
+        back after): evaluate or save the consensus model mid-training. Every rank enters
+        it together (a strategy may fetch the center with a collective)."""
+        swapped = self._stash is not None
+        if not swapped:
+            self._swap_in()
+        try:
+            yield
+        finally:
+            if not swapped:
+                self._swap_out()
+
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
@@ -418,6 +491,11 @@ class CenterStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         """The deliverable: the user's module holds the center on every rank."""
         super().on_train_end()
+        self.finish_exchange()
+
+    def finish_exchange(self) -> None:
+        """End of training (every rank): finish what is in flight and load the center into
+        the module (subclasses first take their last partial round)."""
         if self._center is not None:
             self._complete_exchange()
             self._swap_out()
@@ -537,8 +615,13 @@ class CenterStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        self._drop_exchange()  # after a failure; on_train_end finished it on success
+        self.release_exchange()
+        super().teardown()
+
+    def release_exchange(self) -> None:
+        """Drop the exchange's state and sub-groups (after a failure too: on success
+        :meth:`finish_exchange` has finished what was in flight)."""
+        self._drop_exchange()
         self._stash = None
         self._flat, self._flat_ptrs = None, []
         self._comm.close()
-        super().teardown()

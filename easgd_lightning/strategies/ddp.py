@@ -28,13 +28,13 @@ from typing_extensions import override
 from easgd_lightning.comm import ops
 from easgd_lightning.compat.lightning import PATH, process_group_timeout
 from easgd_lightning.hooks.ddp import check_allreduce, register_compression_hook
-from easgd_lightning.strategies.base import comm_layout_for
+from easgd_lightning.strategies.base import comm_layout_for, open_comm
 from easgd_lightning.strategies.registry import register_strategy, reject_unknown_kwargs
 from easgd_lightning.utils.checkpoint import check_saved_world_size
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CompressedDDPStrategy"]
+__all__ = ["CompressedDDPStrategy", "CompressedDDPMixin", "optimizer_steps_per_epoch"]
 
 
 def optimizer_steps_per_epoch(trainer) -> int | None:
@@ -45,8 +45,68 @@ def optimizer_steps_per_epoch(trainer) -> int | None:
     return math.ceil(int(batches) / max(1, int(getattr(trainer, "accumulate_grad_batches", 1))))
 
 
+class CompressedDDPMixin:
+    """What ``ddp_compressed`` adds to a DDP strategy, the Trainer's
+    (:class:`CompressedDDPStrategy`) and Lightning Fabric's
+    (:class:`easgd_lightning.fabric.CompressedDDPFabricStrategy`) alike: the options, the
+    compression hook on the ``DistributedDataParallel`` module, the compressor bound to the
+    training run, the step count and the summary."""
+
+    hierarchical = True
+    switch_allreduce = True  # comm.allreduce=switch: the dense hook sums through comm.switch
+
+    def _take_options(
+        self, compression: Any, hook_options: dict | None, comm: Any, kwargs: dict, ddp_base: type
+    ) -> None:
+        """Check and store the options (before ``ddp_base.__init__(**kwargs)``): refuse keys
+        neither ``ddp_base`` nor ``DistributedDataParallel`` reads; ``comm.fusion_mb``
+        becomes DDP's ``bucket_cap_mb`` unless given."""
+        reject_unknown_kwargs(self, kwargs, ddp_base, DistributedDataParallel)
+        self._comm = comm_layout_for(self, comm, compression)
+        check_allreduce(self._comm.allreduce, self._comm.aggregator, compression)
+        kwargs.setdefault("bucket_cap_mb", self._comm.fusion_mb)
+        self._compression = compression
+        self._hook_options = dict(hook_options or {})
+        self.hook_state: Any = None
+        self._local_steps = 0
+
+    def _register_hook(self, ddp_model: DistributedDataParallel, plan_dir: str | None) -> None:
+        """Register the compression hook on ``ddp_model`` (:attr:`hook_state` its state);
+        the SeCoPa planner writes its plan under ``plan_dir``."""
+        self.hook_state = register_compression_hook(
+            ddp_model,
+            self._compression,
+            layout=self._comm,
+            allreduce=self._comm.allreduce,
+            aggregator=self._comm.aggregator,
+            plan_dir=plan_dir,
+            timeout_s=process_group_timeout(self),
+            **self._hook_options,
+        )
+
+    def _bind_compressor(self, optimizers: list, steps_per_epoch: int | None) -> None:
+        """DGC, sparse_gc: warm-up epochs become steps, and the compressor owns the momentum."""
+        bind = getattr(self._compression, "bind_training", None)
+        if callable(bind):
+            for note in bind(optimizers, steps_per_epoch):
+                rank_zero_warn(note)
+
+    @property
+    def local_steps(self) -> int:
+        """Optimizer steps this rank has taken."""
+        return self._local_steps
+
+    def summary_extras(self) -> dict:
+        stats = getattr(self.hook_state, "compression_stats", None)
+        return {
+            "hook": type(self.hook_state).__name__,
+            "comm": self._comm.as_dict(),
+            **({"compression_stats": stats()} if callable(stats) else {}),
+        }
+
+
 @register_strategy("ddp_compressed", options=())
-class CompressedDDPStrategy(DDPStrategy):
+class CompressedDDPStrategy(CompressedDDPMixin, DDPStrategy):
     """DDP whose gradient buckets go through our (optionally compressing) comm hook.
 
     Args:
@@ -63,21 +123,12 @@ class CompressedDDPStrategy(DDPStrategy):
 
     strategy_name = "ddp_compressed"
     min_world_size = 1
-    hierarchical = True
-    switch_allreduce = True  # comm.allreduce=switch: the dense hook sums through comm.switch
 
     def __init__(
         self, compression: Any = None, hook_options: dict | None = None, comm: Any = None, **kwargs: Any
     ):
-        reject_unknown_kwargs(self, kwargs, DDPStrategy, DistributedDataParallel)
-        self._comm = comm_layout_for(self, comm, compression)
-        check_allreduce(self._comm.allreduce, self._comm.aggregator, compression)
-        kwargs.setdefault("bucket_cap_mb", self._comm.fusion_mb)
+        self._take_options(compression, hook_options, comm, kwargs, DDPStrategy)
         super().__init__(**kwargs)
-        self._compression = compression
-        self._hook_options = dict(hook_options or {})
-        self.hook_state: Any = None
-        self._local_steps = 0
         self._resume_rank_state: dict | None = None
 
     def validate_world_size(self, world_size: int) -> None:
@@ -88,8 +139,7 @@ class CompressedDDPStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        ops.close_process_group_at_exit()
-        self._comm.setup()
+        open_comm(self._comm)
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -98,16 +148,7 @@ class CompressedDDPStrategy(DDPStrategy):
         :data:`~easgd_lightning.compat.lightning.DDP_HOOKS_STEP`, checked by
         ``tests/unit/test_compat_lightning.py``."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        self.hook_state = register_compression_hook(
-            self.model,
-            self._compression,
-            layout=self._comm,
-            allreduce=self._comm.allreduce,
-            aggregator=self._comm.aggregator,
-            plan_dir=getattr(trainer, "default_root_dir", None),
-            timeout_s=process_group_timeout(self),
-            **self._hook_options,
-        )
+        self._register_hook(self.model, getattr(trainer, "default_root_dir", None))
         if self._resume_rank_state is not None:
             self._restore_rank_state(self._resume_rank_state)
             self._resume_rank_state = None
@@ -115,10 +156,7 @@ class CompressedDDPStrategy(DDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        bind = getattr(self._compression, "bind_training", None)
-        if callable(bind):  # DGC: warm-up epochs -> steps, and it owns the momentum
-            for note in bind(self.optimizers, optimizer_steps_per_epoch(self.lightning_module.trainer)):
-                rank_zero_warn(note)
+        self._bind_compressor(self.optimizers, optimizer_steps_per_epoch(self.lightning_module.trainer))
 
     # ------------------------------------------------------------------ checkpoints
     @property
@@ -175,19 +213,7 @@ class CompressedDDPStrategy(DDPStrategy):
         self._local_steps += 1
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
-    @property
-    def local_steps(self) -> int:
-        return self._local_steps
-
     @override
     def teardown(self) -> None:
         self._comm.close()
         super().teardown()
-
-    def summary_extras(self) -> dict:
-        stats = getattr(self.hook_state, "compression_stats", None)
-        return {
-            "hook": type(self.hook_state).__name__,
-            "comm": self._comm.as_dict(),
-            **({"compression_stats": stats()} if callable(stats) else {}),
-        }

@@ -68,7 +68,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from pytorch_lightning.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -514,13 +513,12 @@ class DiLoCoStrategy(CenterStrategy):
 
     # ------------------------------------------------------------------ end of fit
     @override
-    def on_train_end(self) -> None:
-        trainer = self.lightning_module.trainer
-        if self._center is not None and trainer.state.fn == TrainerFn.FITTING:
+    def finish_exchange(self) -> None:
+        if self._center is not None:
             self._swap_out()
             if dist.is_available() and dist.is_initialized() and self.outer != "elastic":
                 self._finish()
-        super().on_train_end()
+        super().finish_exchange()
 
     @torch.no_grad()
     def _finish(self) -> None:
@@ -583,7 +581,7 @@ class DiLoCoStrategy(CenterStrategy):
         }
 
     @override
-    def teardown(self) -> None:
+    def release_exchange(self) -> None:
         self._pending.clear()
         self._scratch.clear()
-        super().teardown()
+        super().release_exchange()

@@ -68,7 +68,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from pytorch_lightning.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -470,13 +469,12 @@ class LocalSGDStrategy(CenterStrategy):
         self._complete_pending()
 
     @override
-    def on_train_end(self) -> None:
-        trainer = self.lightning_module.trainer
-        if self._center is not None and trainer.state.fn == TrainerFn.FITTING:
+    def finish_exchange(self) -> None:
+        if self._center is not None:
             self._swap_out()
             if dist.is_available() and dist.is_initialized():
                 self._finish()
-        super().on_train_end()
+        super().finish_exchange()
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -519,7 +517,7 @@ class LocalSGDStrategy(CenterStrategy):
         }
 
     @override
-    def teardown(self) -> None:
+    def release_exchange(self) -> None:
         if self._pending is not None:
             try:
                 self._pending.wait()
@@ -527,5 +525,5 @@ class LocalSGDStrategy(CenterStrategy):
                 log.debug("pending average failed at teardown", exc_info=True)
             self._pending = self._inflight = None
         self._spare = None
-        super().teardown()
+        super().release_exchange()
 

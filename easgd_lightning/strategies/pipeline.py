@@ -148,6 +148,12 @@ class Pipeline3DStrategy(DDPStrategy):
     strategy_name = "pipeline_3d"
     min_world_size = 1
     supports_final_validate = True
+    #: why ``easgd_lightning.fabric`` refuses it
+    fabric_refusal = (
+        "DeepSpeed's pipeline engine runs each batch's forward and backward itself (the "
+        "micro-batch schedule across stages), so a hand-written loop has no forward, backward "
+        "and step of its own to hook"
+    )
 
     def __init__(
         self,

@@ -192,6 +192,37 @@ def test_faults_kill_rank_restarts_it(tmp_path: Path) -> None:
     assert rounds == [150, 150, 150], rounds  # the rejoined worker is in step with the others
 
 
+def test_faults_kill_every_s_kills_seeded_victims_and_each_rejoins(tmp_path: Path) -> None:
+    import random
+
+    run = tmp_path / "run"
+    run_cli([f"hydra.run.dir={run}", *COMMON, "strategy=local_sgd", "strategy.tau=4", "trainer.max_epochs=80",
+             "faults.kill_every_s=5", "faults.kill_seed=3", "ft.max_restarts=10"], timeout=400)
+    s = _summary(run)
+    assert s["status"] == "ok", s["error"]
+    ft = s["ft"]
+    kills = ft["injected_kills"]
+    assert len(kills) >= 1, ft
+    # every worker was up and had restarts left at each kill: the draw is the seeded one over all three
+    ref = random.Random(3)
+    assert [k["rank"] for k in kills] == [ref.choice([0, 1, 2]) for _ in kills]
+    assert all(b["t_s"] - a["t_s"] >= 5.0 for a, b in zip(kills, kills[1:]))
+    injected = [d for d in ft["deaths"] if d.get("injected") == "faults.kill_every_s"]
+    assert [(d["rank"], d["attempt"], d["signal"]) for d in injected] == [
+        (k["rank"], k["attempt"], "SIGKILL") for k in kills]
+    assert sum(ft["restarts"]) == len(kills)
+    # every restarted start rejoined (each start's own record), unless the others finished first
+    late = ft["ended_before_rejoin"]
+    assert len(ft["rejoins"]) == len(kills) - len(late), (ft["rejoins"], kills, late)
+    never_rejoined = {(r, ft["restarts"][r]) for r in late}  # a late rank's last start
+    assert sorted((j["rank"], j["attempt"]) for j in ft["rejoins"]) == sorted(
+        {(k["rank"], k["attempt"] + 1) for k in kills} - never_rejoined)
+    assert all(j["recovery_bytes"] > 0 and j["recovery_s"] > 0 for j in ft["rejoins"])
+    assert ft["lost_ranks"] == late
+    if not late:
+        assert s["steps_per_rank"] == [1200] * 3
+
+
 # -------------------------------------------------------------------------- the lighthouse lost
 def test_lighthouse_killed_ends_the_run_cleanly(tmp_path: Path) -> None:
     run = tmp_path / "run"

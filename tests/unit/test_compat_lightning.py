@@ -173,6 +173,19 @@ def test_path_is_lightnings_checkpoint_path_type() -> None:
     assert inspect.signature(DDPStrategy.save_checkpoint).parameters["filepath"].annotation in (_PATH, "_PATH")
 
 
+def test_dropped_backward_sync_control_makes_fabric_no_backward_sync_a_warned_no_op() -> None:
+    from lightning_fabric import Fabric
+    from lightning_fabric.strategies import DDPStrategy as FabricDDPStrategy
+
+    strategy = FabricDDPStrategy()
+    assert strategy._backward_sync_control is not None  # Fabric's DDP: DDP's no_sync
+    compat.drop_backward_sync_control(strategy)
+    assert strategy._backward_sync_control is None
+    source = inspect.getsource(Fabric.no_backward_sync)
+    none_case = source.index("_backward_sync_control is None")
+    assert "rank_zero_warn" in source[none_case:] and "return nullcontext()" in source[none_case:]
+
+
 def test_ddp_hooks_step_is_called_by_configure_ddp_after_wrapping() -> None:
     method = getattr(DDPStrategy, compat.DDP_HOOKS_STEP)
     assert list(inspect.signature(method).parameters) == ["self"]

@@ -223,6 +223,11 @@ BAD += [
     (["model._target_=nonexistent.mod.fn"], "model._target_", "cannot import 'nonexistent.mod.fn'"),
     (["trainer.gradient_clip_algorithm=foo"], "trainer.gradient_clip_algorithm", "choose one of norm, value"),
     (["loss_explosion_factor=1"], "loss_explosion_factor", "a number > 1"),
+    # issue 27: seeded random kills need the launcher that restarts them
+    (["faults.kill_every_s=20"], "faults.kill_every_s", "needs ft=torchft"),
+    (["ft=torchft", "strategy=local_sgd", "faults.kill_every_s=0"], "faults.kill_every_s", "a number > 0, got 0"),
+    (["ft=torchft", "strategy=local_sgd", "faults.kill_every_s=20", "faults.kill_seed=-1"], "faults.kill_seed",
+     "an integer >= 0 or null, got -1"),
 ]
 
 

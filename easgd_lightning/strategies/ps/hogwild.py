@@ -61,6 +61,10 @@ class _HogwildMixin:
 
     lockfree = True
     min_world_size = 2
+    fabric_refusal = (
+        "its workers update a shared center without collectives and stop by stop_policy / "
+        "max_time_s, the end of fit waiting for every worker done or dead: the Trainer's fit loop"
+    )
 
     def _init_hogwild(self, shm_dir: str | None) -> None:
         self._shm_dir = shm_dir

@@ -216,6 +216,11 @@ class AsyncCenterStrategy(CenterStrategy):
     #: lock-free application of updates (Hogwild)
     lockfree = False
     supports_final_validate = True
+    #: why ``easgd_lightning.fabric`` refuses it (None: it runs under Lightning Fabric)
+    fabric_refusal = (
+        "its last rank is a parameter server that serves the workers instead of running the "
+        "training loop, and the workers stop on its word (stop_policy), inside the Trainer's fit loop"
+    )
 
     def __init__(
         self,
