@@ -35,10 +35,10 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 bench-cluster: $(STAMP)
-	$(PY) bench/cluster.py
+	$(PY) -m bench.cluster
 
 bench-compressors: $(STAMP)
-	$(PY) bench/compressors.py
+	$(PY) -m bench.compressors
 
 clean:
 	rm -rf outputs multirun runs wandb lightning_logs .pytest_cache site

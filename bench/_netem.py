@@ -5,7 +5,6 @@ everything it creates (``finally``, signal handlers, ``atexit``, ``--cleanup-sta
 from __future__ import annotations
 
 import atexit
-import importlib.util
 import os
 import platform
 import re
@@ -17,34 +16,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Self
 
-from _scenarios import REPO
-
-
-def package_util(name: str) -> ModuleType:
-    """``easgd_lightning.utils.NAME``, a module of the standard library only, without the
-    package's ``__init__``: that imports Lightning (~5 s of one core here, at every start of
-    the harness), which the harness never uses itself -- its ranks do. The package's own
-    module when this process has imported it already."""
-    module = sys.modules.get(f"easgd_lightning.utils.{name}")
-    if module is None:
-        spec = importlib.util.spec_from_file_location(
-            f"_bench_easgd_{name}", REPO / "easgd_lightning" / "utils" / f"{name}.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return module
-
-
-pid_alive = package_util("procs").pid_alive
-stop_signals_held = package_util("procs").stop_signals_held
+from bench._scenarios import REPO
+from easgd_lightning.utils.procs import pid_alive, stop_signals_held
+from easgd_lightning.utils.rank_env import clean_env
 
 PREFIX = "easgd-bench"
 
 #: the entry of a rank forked with ``fork_ranks`` (bench/_forked_rank.py)
-FORKED_RANK_ENTRY = "_forked_rank:main"
+FORKED_RANK_ENTRY = "bench._forked_rank:main"
 
 
 _CAP_SYS_ADMIN = 21
@@ -127,7 +108,7 @@ def check_privileges() -> None:
     if not (caps >> _CAP_NET_ADMIN & 1 and caps >> _CAP_SYS_ADMIN & 1):
         raise ClusterUnavailable(
             "needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN) to create network namespaces; "
-            "run it as root, e.g. `sudo .venv/bin/python bench/cluster.py ...`"
+            "run it as root, e.g. `sudo .venv/bin/python -m bench.cluster ...`"
         )
 
 
@@ -184,12 +165,12 @@ def _kill_netns_pids(ns: str) -> None:
 _LIVE: list[EmulatedCluster] = []
 
 
-def _cleanup_all() -> None:
+def cleanup_all() -> None:
     for cluster in list(_LIVE):  # noqa: PERF101 - down() removes from _LIVE
         cluster.down()
 
 
-class _Interrupted(BaseException):
+class Interrupted(BaseException):
     """Raised from a signal handler so ``finally`` blocks run."""
 
     def __init__(self, signum: int) -> None:
@@ -201,14 +182,14 @@ def _on_signal(signum: int, _frame: object) -> None:
     # Ignore repeats while cleaning up; the first one unwinds the stack.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    raise _Interrupted(signum)
+    raise Interrupted(signum)
 
 
 def install_signal_handlers() -> None:
     """Route SIGINT/SIGTERM/SIGHUP through ``finally`` blocks; clean up at exit too."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _on_signal)
-    atexit.register(_cleanup_all)
+    atexit.register(cleanup_all)
 
 
 class EmulatedCluster:
@@ -422,8 +403,7 @@ class EmulatedCluster:
         so it is this process's child; it ends when this process closes its pipe or dies).
         All are started before this process imports the client side (the package, hence
         Lightning: seconds), so the imports run side by side."""
-        env = package_util("rank_env").clean_env(repo=REPO)  # the checkout first; bench/ (the entry) last
-        env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(REPO / "bench")])
+        env = clean_env(repo=REPO)  # the checkout first: its package and bench (the ranks' entry)
         pipes = []
         for ns in self.hosts:
             req_r, req_w = os.pipe()
@@ -509,7 +489,7 @@ class EmulatedCluster:
             if left:
                 print(
                     f"[cluster] WARNING: could not delete namespaces {left}; "
-                    "run `bench/cluster.py --cleanup-stale` after this process exits",
+                    "run `python -m bench.cluster --cleanup-stale` after this process exits",
                     file=sys.stderr,
                 )
             self._namespaces = []

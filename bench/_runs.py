@@ -13,8 +13,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _netem import EmulatedCluster, LinkSpec, package_util
-from _scenarios import (
+from bench._netem import EmulatedCluster, LinkSpec
+from bench._scenarios import (
     LIMIT,
     LIMIT_RUN,
     REPO,
@@ -22,22 +22,28 @@ from _scenarios import (
     SC17_FIRST_PROBE_MBIT,
     BenchConfig,
 )
-from _tables import (
+from bench._tables import (
     FIGURES,
-    _fmt,
-    _mean,
-    _totals,
     comm_share_of,
+    fmt_figure,
+    mean_or_none,
     row_from_summary,
+    run_totals,
     steady_figures,
     time_to_target,
     train_clock,
 )
+from easgd_lightning.conf import CONF_DIR
+from easgd_lightning.utils.rank_env import clean_env, rank_env
 
-if str(REPO) not in sys.path:  # the checkout's package, also when not installed
-    sys.path.insert(0, str(REPO))
-clean_env = package_util("rank_env").clean_env  # without importing Lightning here (_netem)
-rank_env = package_util("rank_env").rank_env
+
+def loadavg() -> str | None:
+    """The machine's load average (1, 5, 15 min) as /proc/loadavg has it; None elsewhere."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return None
+
 
 # Defaults of every benchmark run (each can be replaced through --extra KEY=VALUE): no
 # logger, no checkpoint files, no progress bar, and as many epochs as --steps needs.
@@ -89,7 +95,7 @@ class RunResult:
     figures: dict = field(default_factory=dict)
 
 
-def _rank_env(cluster: EmulatedCluster, rank: int, port: int) -> dict[str, str]:
+def host_rank_env(cluster: EmulatedCluster, rank: int, port: int) -> dict[str, str]:
     """One rank: its host is its node (``procs_per_host`` ranks each, torchrun's
     ``LOCAL_RANK`` / ``NODE_RANK`` / ``LOCAL_WORLD_SIZE``), rendezvous at host 0, gloo on
     the emulated link, the checkout this script belongs to first on ``PYTHONPATH``."""
@@ -104,7 +110,7 @@ def _rank_env(cluster: EmulatedCluster, rank: int, port: int) -> dict[str, str]:
     return out
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> tuple[list[int | None], bool]:
+def wait_all(procs: list[subprocess.Popen], timeout_s: float) -> tuple[list[int | None], bool]:
     """Wait for all; stop early if one fails. Returns (return codes, timed_out)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -118,7 +124,7 @@ def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> tuple[list[int
     return [p.poll() for p in procs], True
 
 
-def _log_tail(path: Path, n: int = 15) -> str:
+def log_tail(path: Path, n: int = 15) -> str:
     try:
         lines = path.read_text(errors="replace").splitlines()
     except OSError:
@@ -266,15 +272,23 @@ def _launch(
     )
     procs, logs = [], []
     switch = switch_row(cluster, [*extra, *overrides])
-    if switch:  # NetReduce emulated: the aggregator at the switch (bench/cluster.py --aggregator switch)
+    if switch:  # NetReduce emulated: the aggregator at the switch (python -m bench.cluster --aggregator switch)
         cmd = [*cmd, "comm.aggregator=external"]
         start_switch_aggregator(cluster, port, run_dir / "logs" / "switch.log", timeout_s)
     for rank in range(cluster.world_size):
         log = run_dir / "logs" / f"rank{rank}.log"
         logs.append(log)
-        procs.append(cluster.spawn(cluster.host_of(rank), cmd, _rank_env(cluster, rank, port), log))
-    codes, timed_out = _wait_all(procs, timeout_s)
+        procs.append(cluster.spawn(cluster.host_of(rank), cmd, host_rank_env(cluster, rank, port), log))
+    codes, timed_out = wait_all(procs, timeout_s)
     cluster.kill_procs()
+    return _outcome(label, run_dir, logs, codes, timed_out, timeout_s)
+
+
+def _outcome(label: str, run_dir: Path, logs: list[Path], codes: list[int | None], timed_out: bool,
+             timeout_s: float) -> tuple[str, dict | None]:
+    """(status, summary or None) of a finished run: a timeout, a rank's exit status, a
+    missing summary.json or a summary that is not ``ok`` is a failure, said on stderr with
+    the first failed rank's last lines."""
     summary_path = run_dir / "summary.json"
     status = "ok"
     if timed_out:
@@ -289,7 +303,7 @@ def _launch(
         if reason:
             status += f": {reason}"
         print(
-            f"[cluster] {label}: {status}; rank {bad} log {logs[bad]}:\n{_log_tail(logs[bad])}",
+            f"[cluster] {label}: {status}; rank {bad} log {logs[bad]}:\n{log_tail(logs[bad])}",
             file=sys.stderr,
             flush=True,
         )
@@ -353,13 +367,13 @@ def run_config(
     return result
 
 
-def _bytes_to_target(whole: dict, hit: dict | None) -> float | None:
+def bytes_to_target(whole: dict, hit: dict | None) -> float | None:
     """Bytes one worker sent until the validation that reached the target (None: never)."""
     per_step = whole.get("bytes_per_step_per_worker")
     return per_step * hit["step"] if hit and per_step is not None and hit.get("step") else None
 
 
-def _peak_exchange(summary: dict) -> int | None:
+def peak_exchange(summary: dict) -> int | None:
     """The largest single exchange's dense bytes, where the strategy reports it (diloco)."""
     extras = summary.get("extras") or [{}]
     first = extras[0] if isinstance(extras, list) and extras else {}
@@ -402,11 +416,11 @@ def run_tta_config(
         "target_step": hit["step"] if hit else None,
         "target_epoch": hit["epoch"] if hit else None,
         "best_val_acc": max(accs) if accs else None,
-        "bytes_to_target": _bytes_to_target(whole, hit),
-        "peak_exchange_bytes": _peak_exchange(summary),
+        "bytes_to_target": bytes_to_target(whole, hit),
+        "peak_exchange_bytes": peak_exchange(summary),
         "val_acc": summary.get("val_acc"),
         "train_time_s": clock,
-        "step_time_s": clock / _mean(steps) if clock and steps else whole["step_time_s"],
+        "step_time_s": clock / mean_or_none(steps) if clock and steps else whole["step_time_s"],
         "bytes_per_step_per_worker": whole["bytes_per_step_per_worker"],
         "comm_share": whole["comm_share"],
         "comm_share_source": whole["comm_share_source"],
@@ -453,28 +467,15 @@ def calibrate_sc17_rate(
         cluster, BenchConfig(*LIMIT), run_dir=out_dir / "limit", port=port, **common
     )
     limit_step = _clock_step(summary) if summary else None
-    print(f"[cluster] sc17 calibration: limit step {_fmt(limit_step, 's')} s ({status})", flush=True)
+    print(f"[cluster] sc17 calibration: limit step {fmt_figure(limit_step, 's')} s ({status})", flush=True)
     rate = SC17_FIRST_PROBE_MBIT
     probes: list[dict] = []
     chosen = None
     for k in range(max_probes if limit_step else 0):
         cluster.shape(LinkSpec(rate, latency_ms))
-        status, summary = _launch(
-            cluster, BenchConfig("easgd_round_robin", "none"),
-            run_dir=out_dir / f"rr_{rate:g}mbit", port=port + 1 + k, **common,
-        )
-        step = _clock_step(summary) if summary else None
-        share = 1.0 - limit_step / step if step else None
-        probes.append({
-            "rate_mbit": rate, "step_s": step, "comm_share": share,
-            "metered_share": _run_share(summary) if summary else None, "status": status,
-        })
-        print(
-            f"[cluster] sc17 calibration: easgd_round_robin at {rate:g} Mbit/s: step "
-            f"{_fmt(step, 's')} s, 1 - limit/step = {_fmt(share, 'pct')} (metered "
-            f"{_fmt(probes[-1]['metered_share'], 'pct')}) ({status})",
-            flush=True,
-        )
+        probes.append(_round_robin_probe(cluster, rate, limit_step, out_dir / f"rr_{rate:g}mbit",
+                                         port + 1 + k, common))
+        share = probes[-1]["comm_share"]
         if share is None:
             break
         chosen = rate
@@ -492,19 +493,37 @@ def calibrate_sc17_rate(
     }
 
 
+def _round_robin_probe(cluster: EmulatedCluster, rate: float, limit_step: float, run_dir: Path,
+                       port: int, common: dict) -> dict:
+    """One ``easgd_round_robin`` run of :func:`calibrate_sc17_rate` at ``rate`` (the links
+    shaped already): its step, its share 1 - limit / step, and its metered share."""
+    status, summary = _launch(cluster, BenchConfig("easgd_round_robin", "none"), run_dir=run_dir,
+                              port=port, **common)
+    step = _clock_step(summary) if summary else None
+    share = 1.0 - limit_step / step if step else None
+    metered = _run_share(summary) if summary else None
+    print(
+        f"[cluster] sc17 calibration: easgd_round_robin at {rate:g} Mbit/s: step "
+        f"{fmt_figure(step, 's')} s, 1 - limit/step = {fmt_figure(share, 'pct')} (metered "
+        f"{fmt_figure(metered, 'pct')}) ({status})",
+        flush=True,
+    )
+    return {"rate_mbit": rate, "step_s": step, "comm_share": share, "metered_share": metered, "status": status}
+
+
 def _clock_step(summary: dict) -> float | None:
     """Seconds per step of one run over its training clock (wall time where it has none)."""
     steps = [int(s) for s in summary.get("steps_per_rank") or [] if s]
     clock = train_clock(summary) or summary.get("wall_time_s")
-    return clock / _mean(steps) if clock and steps else None
+    return clock / mean_or_none(steps) if clock and steps else None
 
 
 def _run_share(summary: dict) -> float | None:
     """Metered comm share of one run over its training clock (exposed where recorded)."""
-    totals = _totals(summary, "train" if train_clock(summary) is not None else "wall")
+    totals = run_totals(summary, "train" if train_clock(summary) is not None else "wall")
     if not totals["time"] or not totals["comm_time"]:
         return comm_share_of(summary)[0]
-    return _mean(t / totals["time"] for t in totals["comm_time"])
+    return mean_or_none(t / totals["time"] for t in totals["comm_time"])
 
 
 def run_smoke(
@@ -519,12 +538,12 @@ def run_smoke(
     res_dir = out_dir / f"smoke_{cluster.link.rate_mbit:g}mbit_{port}"
     if res_dir.exists():
         shutil.rmtree(res_dir)
-    script = Path(__file__).resolve().parent / "netns_smoke.py"
     procs = []
     for rank in range(cluster.workers):
         cmd = [
             sys.executable,
-            str(script),
+            "-m",
+            "bench.netns_smoke",
             "--mbytes",
             str(mbytes),
             "--repeats",
@@ -534,12 +553,12 @@ def run_smoke(
             "--timeout-s",
             str(timeout_s),
         ]
-        env = _rank_env(cluster, rank, port)
+        env = host_rank_env(cluster, rank, port)
         procs.append(cluster.spawn(rank, cmd, env, res_dir / f"rank{rank}.log"))
-    codes, timed_out = _wait_all(procs, timeout_s)
+    codes, timed_out = wait_all(procs, timeout_s)
     cluster.kill_procs()
     if timed_out or any(c != 0 for c in codes):
-        tail = _log_tail(res_dir / "rank0.log")
+        tail = log_tail(res_dir / "rank0.log")
         raise RuntimeError(f"smoke all-reduce failed (rc={codes}, timeout={timed_out}):\n{tail}")
     ranks = [json.loads((res_dir / f"rank{r}.json").read_text()) for r in range(cluster.workers)]
     median = max(r["median_s"] for r in ranks)
@@ -559,9 +578,9 @@ def run_smoke(
     }
 
 
-def _missing_configs(selections: Iterable[str]) -> list[str]:
+def missing_configs(selections: Iterable[str]) -> list[str]:
     """Files of the Hydra tree that ``group=name`` selections need but that do not exist."""
-    conf = REPO / "easgd_lightning" / "conf"
+    conf = Path(CONF_DIR)
     missing = []
     if not (conf / "train.yaml").exists():
         missing.append("conf/train.yaml")
@@ -573,6 +592,6 @@ def _missing_configs(selections: Iterable[str]) -> list[str]:
     return sorted(set(missing))
 
 
-def _config_missing(config: BenchConfig) -> list[str]:
+def config_missing(config: BenchConfig) -> list[str]:
     strategy, compression, overrides = run_spec(config)
-    return _missing_configs([f"strategy={strategy}", f"compression={compression}", *overrides])
+    return missing_configs([f"strategy={strategy}", f"compression={compression}", *overrides])

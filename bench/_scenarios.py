@@ -1,5 +1,5 @@
 """The emulated-cluster benchmark's vocabulary: rows (``BenchConfig``), targets and the
-scenario presets (``SCENARIOS``) that ``bench/cluster.py --scenario`` runs."""
+scenario presets (``SCENARIOS``) that ``python -m bench.cluster --scenario`` runs."""
 
 from __future__ import annotations
 
@@ -114,13 +114,13 @@ def parse_configs(text: str) -> list[BenchConfig]:
     return configs
 
 
-def _spec(text: str) -> BenchConfig:
+def one_config(text: str) -> BenchConfig:
     """One ``strategy/compression[;key=value...]`` item as a :class:`BenchConfig`."""
     (config,) = parse_configs(text)
     return config
 
 
-_SHARES = ("comm_share", "comm_bound")
+SHARE_KINDS = ("comm_share", "comm_bound")
 
 #: how a ``speedup`` target reads for each figure (the ratio is always ref / row)
 _FIGURE_WORDS = {
@@ -155,18 +155,18 @@ class Target:
             "comm_bound": "share of the step spent on communication (1 - efficiency)",
             "speedup": f"{_FIGURE_WORDS.get(self.figure, 'per-step speedup over')} {self.ref}",
         }[self.kind]
-        bound = f"{100 * self.bound:.0f}%" if self.kind in _SHARES else f"{self.bound:g}"
+        bound = f"{100 * self.bound:.0f}%" if self.kind in SHARE_KINDS else f"{self.bound:g}"
         if self.kind == "speedup":
             bound += "x"
         return f"{self.row}: {what} {self.op} {bound}" + (f" ({self.note})" if self.note else "")
 
     def short(self) -> str:
-        bound = f"{100 * self.bound:.0f}%" if self.kind in _SHARES else f"{self.bound:g}"
+        bound = f"{100 * self.bound:.0f}%" if self.kind in SHARE_KINDS else f"{self.bound:g}"
         name = {"efficiency": "eff", "comm_share": "comm", "comm_bound": "1-eff", "speedup": "x"}[
             self.kind
         ]
         if self.kind == "speedup":
-            ref = _spec(self.ref or "").label
+            ref = one_config(self.ref or "").label
             return f"{bound}x vs {ref}"
         return f"{name} {self.op} {bound}"
 

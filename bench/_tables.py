@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable, Sequence
 
-from _scenarios import _SHARES, BASELINE, LIMIT, Target, _spec
+from bench._scenarios import BASELINE, LIMIT, SHARE_KINDS, Target, one_config
 
 
 def _row_key(row: dict) -> tuple:
@@ -15,7 +15,7 @@ def _row_key(row: dict) -> tuple:
 
 
 def _find_row(rows: list[dict], spec: str) -> dict | None:
-    config = _spec(spec)
+    config = one_config(spec)
     key = (config.strategy, config.compression, config.overrides)
     return next((r for r in rows if _row_key(r) == key), None)
 
@@ -165,7 +165,7 @@ def time_to_target(history: list[dict], target: float) -> dict | None:
     return None
 
 
-def _mean(values: Iterable[float]) -> float | None:
+def mean_or_none(values: Iterable[float]) -> float | None:
     vals = [float(v) for v in values]
     return statistics.fmean(vals) if vals else None
 
@@ -211,13 +211,13 @@ def row_from_summary(summary: dict) -> dict:
     comm = summary.get("comm") or {}
     sent = comm.get("bytes_sent")
     sent_list = [int(b) for b in sent] if isinstance(sent, list) else []
-    mean_steps = _mean(stepping)
+    mean_steps = mean_or_none(stepping)
     step_time = wall / mean_steps if (wall is not None and mean_steps) else None
     bytes_per_step = sum(sent_list) / sum(stepping) if (sent_list and stepping) else None
     share, source = comm_share_of(summary)
     per_step = [m for m in comm.get("messages_per_step") or [] if m is not None]
     return {
-        "messages_per_step": _mean(per_step),
+        "messages_per_step": mean_or_none(per_step),
         "step_time_s": step_time,
         "samples_per_s": summary.get("samples_per_s"),
         "bytes_per_step_per_worker": bytes_per_step,
@@ -250,7 +250,7 @@ def train_clock(summary: dict) -> float | None:
     return float(hist[-1]["time_s"])
 
 
-def _totals(summary: dict, clock: str) -> dict:
+def run_totals(summary: dict, clock: str) -> dict:
     """Whole-run totals of one summary, the quantities :func:`steady_figures` subtracts."""
     steps = [int(s) if s is not None else 0 for s in summary.get("steps_per_rank") or []]
     comm = summary.get("comm") or {}
@@ -290,13 +290,13 @@ def steady_figures(long: dict, short: dict) -> dict | None:
         positive (then use the whole-run figures).
     """
     clock = "train" if train_clock(long) is not None and train_clock(short) is not None else "wall"
-    a, b = _totals(long, clock), _totals(short, clock)
+    a, b = run_totals(long, clock), run_totals(short, clock)
     if len(a["steps"]) != len(b["steps"]):
         return None
     d_time = a["time"] - b["time"]
     d_steps = [x - y for x, y in zip(a["steps"], b["steps"])]
     stepping = [d for x, d in zip(a["steps"], d_steps) if x > 0]
-    mean_steps = _mean(stepping)
+    mean_steps = mean_or_none(stepping)
     if d_time <= 0 or not mean_steps or mean_steps <= 0 or sum(stepping) <= 0:
         return None
     d_sent = sum(a["sent"]) - sum(b["sent"])
@@ -308,14 +308,14 @@ def steady_figures(long: dict, short: dict) -> dict | None:
     d_messages = [x - y for x, y in zip(a["messages"], b["messages"])]
     msg_rates = [m / d for m, d in zip(d_messages, d_steps) if d > 0]
     return {
-        "messages_per_step": _mean(msg_rates) if msg_rates else None,
+        "messages_per_step": mean_or_none(msg_rates) if msg_rates else None,
         "step_time_s": d_time / mean_steps,
         "samples_per_s": (a["samples"] - b["samples"]) / d_time,
         "bytes_per_step_per_worker": d_sent / sum(stepping),
         # Not clipped: asynchronous collectives in flight at once (DDP's buckets during the
         # backward pass) each count their own launch-to-completion time, so a total share
         # can exceed the wall time; above 100% means communication overlapped itself.
-        "comm_share": _mean(fractions) if fractions else None,
+        "comm_share": mean_or_none(fractions) if fractions else None,
         "comm_share_source": a["comm_source"],
         "final_loss": long.get("train_loss"),
         "clock": clock,
@@ -366,7 +366,7 @@ def build_table(rows: list[dict], baseline: tuple[str, str] = BASELINE) -> list[
     return rows
 
 
-def _fmt(value: float | None, kind: str) -> str:
+def fmt_figure(value: float | None, kind: str) -> str:
     if value is None:
         return "-"
     if kind == "bytes":
@@ -429,7 +429,7 @@ def _format_measured(t: dict) -> str:
     value = t.get("measured")
     if value is None:
         return "-"
-    return f"{100 * value:.1f}%" if t.get("kind") in _SHARES else f"{value:.2f}"
+    return f"{100 * value:.1f}%" if t.get("kind") in SHARE_KINDS else f"{value:.2f}"
 
 
 def _targets_md(targets: list[dict]) -> list[str]:
@@ -464,12 +464,12 @@ def _header(scenario: dict) -> list[str]:
     calib = scenario.get("calibration")
     if calib:
         probes = ", ".join(
-            f"{p['rate_mbit']:g} Mbit/s -> {_fmt(p.get('comm_share'), 'pct')}" for p in calib["probes"]
+            f"{p['rate_mbit']:g} Mbit/s -> {fmt_figure(p.get('comm_share'), 'pct')}" for p in calib["probes"]
         )
         lines.append(
             f"- link rate {link['rate_mbit']:g} Mbit/s chosen by measurement: the fastest probed "
             f"rate at which easgd_round_robin spent >= {100 * calib['wanted']:.0f}% of its step "
-            f"on communication, i.e. 1 - (limit step {_fmt(calib.get('limit_step_s'), 's')} s) / "
+            f"on communication, i.e. 1 - (limit step {fmt_figure(calib.get('limit_step_s'), 's')} s) / "
             f"(its step) (probes: {probes})"
             + ("" if calib.get("reached") else "; NOT reached within the probes")
         )
@@ -496,7 +496,24 @@ def render_markdown(rows: list[dict], scenario: dict) -> str:
     targets = scenario.get("targets") or []
     by_row = _targets_by_row(targets)
     share = _share_label(rows)
-    lines = _header(scenario) + [
+    lines = _header(scenario) + _throughput_legend(scenario, share) + [
+        "",
+        (
+            "| strategy/compression | step time (s) | x | efficiency | samples/s | x "
+            f"| bytes/step/worker | x | msgs/step | {share} | final loss | targets | status |"
+        ),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    lines += [_throughput_row(r, by_row, scenario, mixed=share == "comm share") for r in rows]
+    bound = sc17_bound(rows, scenario) if scenario.get("name") == "sc17" else None
+    if bound:
+        lines += ["", _sc17_bound_md(bound, scenario)]
+    return "\n".join(lines + _targets_md(targets)) + "\n"
+
+
+def _throughput_legend(scenario: dict, share: str) -> list[str]:
+    """The steps the figures cover, what x and efficiency are, and which comm share."""
+    return [
         f"- steps: {scenario['steps']}; "
         + (
             f"figures per step over steps {scenario['warmup_steps'] + 1}..{scenario['steps']}"
@@ -518,57 +535,44 @@ def render_markdown(rows: list[dict], scenario: dict) -> str:
             if share == "comm share (total)"
             else "exposed where the summary has it, else total (marked *)"
         ),
-        "",
-        (
-            "| strategy/compression | step time (s) | x | efficiency | samples/s | x "
-            f"| bytes/step/worker | x | msgs/step | {share} | final loss | targets | status |"
-        ),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
-    mixed = share == "comm share"
-    for r in rows:
-        q = r.get("ratio", {})
-        star = "*" if mixed and r.get("comm_share_source") == "total" else ""
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    _row_label(r),
-                    _fmt(r.get("step_time_s"), "s"),
-                    _fmt(q.get("step_time_s"), "ratio"),
-                    _fmt(r.get("efficiency"), "eff"),
-                    _fmt(r.get("samples_per_s"), "num"),
-                    _fmt(q.get("samples_per_s"), "ratio"),
-                    _fmt(r.get("bytes_per_step_per_worker"), "bytes"),
-                    _fmt(q.get("bytes_per_step_per_worker"), "ratio"),
-                    _fmt(r.get("messages_per_step"), "num"),
-                    _fmt(r.get("comm_share"), "pct") + star,
-                    _fmt(r.get("final_loss"), "num"),
-                    _target_cell(r, by_row),
-                    r.get("status", "?")
-                    + (
-                        " (whole run)"
-                        if scenario.get("warmup_steps") and r.get("measured") == "whole run"
-                        else ""
-                    ),
-                ]
-            )
-            + " |"
-        )
-    bound = sc17_bound(rows, scenario) if scenario.get("name") == "sc17" else None
-    if bound:
-        lines += [
-            "",
-            f"Bandwidth bound: the ring all-reduce of sync_easgd's difference moves 2(p-1)/p of "
-            f"it over each link, {1e3 * bound['wire_s']:.1f} ms at {scenario['link']['rate_mbit']:g} "
-            f"Mbit/s; with the limit step ({_fmt(bound['limit_step_s'], 's')} s) "
-            f"hidden perfectly, no sync_easgd step is shorter than {_fmt(bound['best_step_s'], 's')} s: "
-            f"speedup over this round-robin <= {bound['max_speedup']:.2f}x (exposed share "
-            f"{100 * bound['min_exposed_share']:.0f}% at that step). At least "
-            f"{1e3 * bound['min_exposed_s']:.1f} ms of every step waits on the wire, so an exposed "
-            f"share <= 14% needs a speedup <= {max_speedup_at_share(bound, 0.14):.2f}x.",
-        ]
-    return "\n".join(lines + _targets_md(targets)) + "\n"
+
+
+def _throughput_row(r: dict, by_row: dict[str, list[dict]], scenario: dict, *, mixed: bool) -> str:
+    """One row of the throughput table (``mixed``: total comm shares marked *)."""
+    q = r.get("ratio", {})
+    star = "*" if mixed and r.get("comm_share_source") == "total" else ""
+    whole = " (whole run)" if scenario.get("warmup_steps") and r.get("measured") == "whole run" else ""
+    cells = [
+        _row_label(r),
+        fmt_figure(r.get("step_time_s"), "s"),
+        fmt_figure(q.get("step_time_s"), "ratio"),
+        fmt_figure(r.get("efficiency"), "eff"),
+        fmt_figure(r.get("samples_per_s"), "num"),
+        fmt_figure(q.get("samples_per_s"), "ratio"),
+        fmt_figure(r.get("bytes_per_step_per_worker"), "bytes"),
+        fmt_figure(q.get("bytes_per_step_per_worker"), "ratio"),
+        fmt_figure(r.get("messages_per_step"), "num"),
+        fmt_figure(r.get("comm_share"), "pct") + star,
+        fmt_figure(r.get("final_loss"), "num"),
+        _target_cell(r, by_row),
+        r.get("status", "?") + whole,
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def _sc17_bound_md(bound: dict, scenario: dict) -> str:
+    """The sc17 scenario's bandwidth bound on Sync EASGD's speedup (:func:`sc17_bound`)."""
+    return (
+        f"Bandwidth bound: the ring all-reduce of sync_easgd's difference moves 2(p-1)/p of "
+        f"it over each link, {1e3 * bound['wire_s']:.1f} ms at {scenario['link']['rate_mbit']:g} "
+        f"Mbit/s; with the limit step ({fmt_figure(bound['limit_step_s'], 's')} s) "
+        f"hidden perfectly, no sync_easgd step is shorter than {fmt_figure(bound['best_step_s'], 's')} s: "
+        f"speedup over this round-robin <= {bound['max_speedup']:.2f}x (exposed share "
+        f"{100 * bound['min_exposed_share']:.0f}% at that step). At least "
+        f"{1e3 * bound['min_exposed_s']:.1f} ms of every step waits on the wire, so an exposed "
+        f"share <= 14% needs a speedup <= {max_speedup_at_share(bound, 0.14):.2f}x."
+    )
 
 
 def render_tta_markdown(rows: list[dict], scenario: dict) -> str:
@@ -597,16 +601,16 @@ def render_tta_markdown(rows: list[dict], scenario: dict) -> str:
             + " | ".join(
                 [
                     _row_label(r),
-                    _fmt(r.get("time_to_target_s"), "s")
+                    fmt_figure(r.get("time_to_target_s"), "s")
                     if reached
                     else ("never" if r.get("status") == "ok" else "-"),
-                    _fmt(r.get("speedup"), "ratio"),
+                    fmt_figure(r.get("speedup"), "ratio"),
                     str(r["target_epoch"] + 1) if reached and r.get("target_epoch") is not None else "-",
                     str(r.get("target_step")) if reached else "-",
-                    _fmt(r.get("best_val_acc"), "num"),
-                    _fmt(r.get("bytes_per_step_per_worker"), "bytes"),
-                    _fmt(r.get("comm_share"), "pct"),
-                    _fmt(r.get("step_time_s"), "s"),
+                    fmt_figure(r.get("best_val_acc"), "num"),
+                    fmt_figure(r.get("bytes_per_step_per_worker"), "bytes"),
+                    fmt_figure(r.get("comm_share"), "pct"),
+                    fmt_figure(r.get("step_time_s"), "s"),
                     _target_cell(r, by_row),
                     r.get("status", "?"),
                 ]

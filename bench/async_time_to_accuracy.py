@@ -14,9 +14,9 @@ measurement, on whatever machine runs it.
 
 Usage::
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/async_time_to_accuracy.py
-    OMP_NUM_THREADS=1 .venv/bin/python bench/async_time_to_accuracy.py --repeats 3 --slow-ms 50
-    OMP_NUM_THREADS=1 .venv/bin/python bench/async_time_to_accuracy.py --strategies async_easgd,sync_easgd
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.async_time_to_accuracy
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.async_time_to_accuracy --repeats 3 --slow-ms 50
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.async_time_to_accuracy --strategies async_easgd,sync_easgd
 """
 
 from __future__ import annotations

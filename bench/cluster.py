@@ -26,16 +26,16 @@ its time) and ``tta`` (time to a validation accuracy); each prints its targets a
 
 Usage (as root)::
 
-    .venv/bin/python bench/cluster.py --quick
-    .venv/bin/python bench/cluster.py                       # the default scenario
-    .venv/bin/python bench/cluster.py --scenario quick,default,sc17,tta
-    .venv/bin/python bench/cluster.py --workers 4 --rate-mbit 100 --latency-ms 1 \\
+    .venv/bin/python -m bench.cluster --quick
+    .venv/bin/python -m bench.cluster                       # the default scenario
+    .venv/bin/python -m bench.cluster --scenario quick,default,sc17,tta
+    .venv/bin/python -m bench.cluster --workers 4 --rate-mbit 100 --latency-ms 1 \\
         --configs "ddp/none,ddp/powersgd,ddp/dgc;optim.momentum=0" --steps 50 \
         --extra "optim.lr=0.01"
-    .venv/bin/python bench/cluster.py --workers 4 --rate-mbit 1000 --configs ddp/none \\
+    .venv/bin/python -m bench.cluster --workers 4 --rate-mbit 1000 --configs ddp/none \\
         --aggregator switch                                  # NetReduce emulated vs ring
-    .venv/bin/python bench/cluster.py --smoke               # network check, no training
-    .venv/bin/python bench/cluster.py --cleanup-stale       # after a SIGKILLed run
+    .venv/bin/python -m bench.cluster --smoke               # network check, no training
+    .venv/bin/python -m bench.cluster --cleanup-stale       # after a SIGKILLed run
 
 Exit codes: 0 all configurations ran; 1 some configuration failed, timed out or was
 skipped (its config file is missing); 2 the emulated network cannot be built here (no
@@ -51,6 +51,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -58,28 +59,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-# the modules beside this script (also when it is loaded from its path, as the tests do)
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _netem import (  # noqa: E402,F401
+from bench._netem import (  # noqa: F401
     PREFIX,
     ClusterUnavailable,
     EmulatedCluster,
+    Interrupted,
     LinkSpec,
-    _cleanup_all,
-    _Interrupted,
     check_privileges,
+    cleanup_all,
     cleanup_stale,
     install_signal_handlers,
     tbf_params,
 )
-from _runs import (  # noqa: E402,F401
+from bench._runs import (  # noqa: F401
     BENCH_OVERRIDES,
     RunResult,
-    _config_missing,
-    _missing_configs,
     calibrate_sc17_rate,
+    config_missing,
+    loadavg,
     merge_overrides,
+    missing_configs,
     place_switch_aggregator,
     run_config,
     run_smoke,
@@ -88,7 +87,7 @@ from _runs import (  # noqa: E402,F401
     sc17_next_rate,
     train_command,
 )
-from _scenarios import (  # noqa: E402,F401
+from bench._scenarios import (  # noqa: F401
     BASELINE,
     DEFAULT_WORKLOAD,
     DGC_ROW,
@@ -107,15 +106,15 @@ from _scenarios import (  # noqa: E402,F401
     Target,
     parse_configs,
 )
-from _tables import (  # noqa: E402,F401
+from bench._tables import (  # noqa: F401
     FIGURES,
-    _fmt,
     add_efficiency,
     add_tta_speedup,
     build_table,
     comm_share_of,
     evaluate_targets,
     finish_table,
+    fmt_figure,
     render_markdown,
     render_tta_markdown,
     row_from_summary,
@@ -163,6 +162,15 @@ def _parser() -> argparse.ArgumentParser:
         description="Emulated cluster benchmark: N network namespaces behind a shaped bridge.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    _scenario_options(p)
+    _run_options(p)
+    _harness_options(p)
+    _other_modes(p)
+    return p
+
+
+def _scenario_options(p: argparse.ArgumentParser) -> None:
+    """The preset and what replaces its cluster shape and rows."""
     p.add_argument(
         "--scenario",
         default=None,
@@ -209,6 +217,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--epochs", type=int, default=None, help="tta: epochs per run")
     p.add_argument("--target-acc", type=float, default=None, help="tta: val accuracy to reach")
+
+
+def _run_options(p: argparse.ArgumentParser) -> None:
+    """What every run of a row gets: workload, extra overrides, output, time limit."""
     p.add_argument(
         "--workload",
         default=None,
@@ -233,6 +245,10 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="per run (default: the preset's, 300-1200 s)",
     )
+
+
+def _harness_options(p: argparse.ArgumentParser) -> None:
+    """How the harness runs the ranks: the switch aggregator, forked ranks, ports, subnet."""
     p.add_argument(
         "--aggregator",
         choices=("none", "switch"),
@@ -251,6 +267,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--port", type=int, default=29500, help="first rendezvous port")
     p.add_argument("--subnet", default="10.77.0", help="private /24 prefix behind the bridge")
+
+
+def _other_modes(p: argparse.ArgumentParser) -> None:
+    """The modes that train nothing: the network smoke test, re-rendering, clean-up."""
     p.add_argument(
         "--smoke",
         action="store_true",
@@ -276,7 +296,6 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="delete namespaces left by killed runs of this script, then exit",
     )
-    return p
 
 
 @dataclass
@@ -353,27 +372,18 @@ def resolve_settings(args: argparse.Namespace, preset: Scenario) -> Settings:
     return settings
 
 
-def _loadavg() -> str | None:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return None
-
-
 def _torch_version() -> str | None:
-    """``torch.__version__`` (with its local part, e.g. ``+cpu``) from ``torch/version.py``
-    alone: importing torch would cost this process seconds for one string."""
+    """``torch.__version__`` (with its local part, e.g. ``+cpu``), read from the text of
+    ``torch/version.py``: importing torch would cost this process seconds for one string."""
     if "torch" in sys.modules:
         return sys.modules["torch"].__version__
     try:
-        spec = importlib.util.find_spec("torch")
-        path = Path(spec.submodule_search_locations[0]) / "version.py"
-        version = importlib.util.spec_from_file_location("_bench_torch_version", path)
-        module = importlib.util.module_from_spec(version)
-        version.loader.exec_module(module)
-        return module.__version__
+        where = importlib.util.find_spec("torch").submodule_search_locations[0]
+        text = (Path(where) / "version.py").read_text()
     except (AttributeError, ImportError, OSError, TypeError):  # pragma: no cover - torch is a dependency
         return None
+    found = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", text, re.MULTILINE)
+    return found.group(1) if found else None
 
 
 def _scenario(
@@ -411,7 +421,7 @@ def _scenario(
         "quick": preset.name == "quick",
         "command": " ".join(["bench/cluster.py", *argv]),
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
-        "loadavg": _loadavg(),
+        "loadavg": loadavg(),
         "machine": {
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
@@ -435,17 +445,17 @@ def _print_row(row: dict, kind: str) -> None:
     if kind == "tta":
         t = row.get("time_to_target_s")
         print(
-            f"[cluster]   time to target {_fmt(t, 's') if t is not None else 'never'} s, best val_acc "
-            f"{_fmt(row.get('best_val_acc'), 'num')}, step {_fmt(row.get('step_time_s'), 's')} s",
+            f"[cluster]   time to target {fmt_figure(t, 's') if t is not None else 'never'} s, best val_acc "
+            f"{fmt_figure(row.get('best_val_acc'), 'num')}, step {fmt_figure(row.get('step_time_s'), 's')} s",
             flush=True,
         )
         return
     print(
-        f"[cluster]   step {_fmt(row['step_time_s'], 's')} s, "
-        f"{_fmt(row['samples_per_s'], 'num')} samples/s, "
-        f"{_fmt(row['bytes_per_step_per_worker'], 'bytes')}/step/worker, "
-        f"comm {_fmt(row['comm_share'], 'pct')}, "
-        f"loss {_fmt(row['final_loss'], 'num')}",
+        f"[cluster]   step {fmt_figure(row['step_time_s'], 's')} s, "
+        f"{fmt_figure(row['samples_per_s'], 'num')} samples/s, "
+        f"{fmt_figure(row['bytes_per_step_per_worker'], 'bytes')}/step/worker, "
+        f"comm {fmt_figure(row['comm_share'], 'pct')}, "
+        f"loss {fmt_figure(row['final_loss'], 'num')}",
         flush=True,
     )
 
@@ -453,7 +463,7 @@ def _print_row(row: dict, kind: str) -> None:
 def run_scenario(args: argparse.Namespace, settings: Settings, argv: Sequence[str]) -> tuple[int, str]:
     """Build the cluster, run every row of one scenario, write its table; (exit code, md)."""
     preset = settings.preset
-    problems = _missing_configs([*settings.workload, *settings.extra]) + _config_missing(
+    problems = missing_configs([*settings.workload, *settings.extra]) + config_missing(
         settings.configs[0]
     )
     if problems:
@@ -473,76 +483,89 @@ def run_scenario(args: argparse.Namespace, settings: Settings, argv: Sequence[st
         procs_per_host=settings.procs_per_host,
         fork_ranks=getattr(args, "fork_ranks", False),
     ) as cluster:
-        if getattr(args, "aggregator", "none") == "switch":
-            addr = place_switch_aggregator(cluster)
-            print(f"[cluster] switch aggregator at {addr} (bridge namespace, unshaped)", flush=True)
-        print(
-            f"[cluster] scenario {preset.name} ({cluster.run_id}): {cluster.workers} hosts "
-            f"x {cluster.procs_per_host} processes on "
-            f"{args.subnet}.0/24, {link.latency_ms} ms",
-            flush=True,
-        )
-        calibration = None
-        if settings.rate_mbit is None:
-            calibration = calibrate_sc17_rate(
-                cluster,
-                latency_ms=args.latency_ms,
-                steps=settings.steps,
-                workload=settings.workload,
-                extra=settings.extra,
-                out_dir=out / "calibration",
-                port=args.port + 500,
-                timeout_s=settings.timeout_s,
-            )
-        scenario = _scenario(args, cluster, settings, argv)
-        scenario["calibration"] = calibration
-        rows: list[dict] = []
-        configs = settings.configs
-        for k, config in enumerate(configs):
-            row = {
-                "strategy": config.strategy,
-                "compression": config.compression,
-                "overrides": list(config.overrides),
-            }
-            rows.append(row)
-            missing = _config_missing(config)
-            if missing:
-                row["status"] = f"skipped ({', '.join(missing)} not found)"
-                print(
-                    f"[cluster] ({k + 1}/{len(configs)}) {config.label}: {row['status']}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                continue
-            print(
-                f"[cluster] ({k + 1}/{len(configs)}) {config.label} "
-                f"{' '.join(config.overrides)}...",
-                flush=True,
-            )
-            common = dict(
-                workload=settings.workload,
-                extra=settings.extra,
-                out_dir=out / "runs",
-                port=args.port + k,
-                timeout_s=settings.timeout_s,
-            )
-            if preset.kind == "tta":
-                res = run_tta_config(
-                    cluster, config, epochs=settings.epochs, target_acc=settings.target_acc, **common
-                )
-            else:
-                res = run_config(
-                    cluster, config, steps=settings.steps, warmup_steps=settings.warmup_steps, **common
-                )
-            row.update(status=res.status, run_dir=res.run_dir, **res.figures)
-            _print_row(row, preset.kind)
-        scenario["loadavg_after"] = _loadavg()
+        scenario = _start_scenario(args, cluster, settings, argv, out)
+        rows = [_run_row(args, cluster, settings, k, out) for k in range(len(settings.configs))]
+        scenario["loadavg_after"] = loadavg()
         md = finish_table(rows, scenario, preset.targets)
         _write(out, "cluster", {"scenario": scenario, "rows": rows}, md)
         print()
         print(md)
         print(f"[cluster] wrote {out / 'cluster.json'} and {out / 'cluster.md'}")
         return (0 if all(r["status"] == "ok" for r in rows) else 1), md
+
+
+def _start_scenario(args: argparse.Namespace, cluster: EmulatedCluster, settings: Settings,
+                    argv: Sequence[str], out: Path) -> dict:
+    """On the built cluster: the switch's aggregator where asked, the sc17 link-rate
+    calibration where the preset has no rate; the scenario's record."""
+    if getattr(args, "aggregator", "none") == "switch":
+        addr = place_switch_aggregator(cluster)
+        print(f"[cluster] switch aggregator at {addr} (bridge namespace, unshaped)", flush=True)
+    print(
+        f"[cluster] scenario {settings.preset.name} ({cluster.run_id}): {cluster.workers} hosts "
+        f"x {cluster.procs_per_host} processes on "
+        f"{args.subnet}.0/24, {cluster.link.latency_ms} ms",
+        flush=True,
+    )
+    calibration = None
+    if settings.rate_mbit is None:
+        calibration = calibrate_sc17_rate(
+            cluster,
+            latency_ms=args.latency_ms,
+            steps=settings.steps,
+            workload=settings.workload,
+            extra=settings.extra,
+            out_dir=out / "calibration",
+            port=args.port + 500,
+            timeout_s=settings.timeout_s,
+        )
+    scenario = _scenario(args, cluster, settings, argv)
+    scenario["calibration"] = calibration
+    return scenario
+
+
+def _run_row(args: argparse.Namespace, cluster: EmulatedCluster, settings: Settings, k: int,
+             out: Path) -> dict:
+    """Row ``k`` of the scenario: skipped (its config files missing), or its run's figures."""
+    configs = settings.configs
+    config = configs[k]
+    row = {
+        "strategy": config.strategy,
+        "compression": config.compression,
+        "overrides": list(config.overrides),
+    }
+    missing = config_missing(config)
+    if missing:
+        row["status"] = f"skipped ({', '.join(missing)} not found)"
+        print(
+            f"[cluster] ({k + 1}/{len(configs)}) {config.label}: {row['status']}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return row
+    print(
+        f"[cluster] ({k + 1}/{len(configs)}) {config.label} "
+        f"{' '.join(config.overrides)}...",
+        flush=True,
+    )
+    common = dict(
+        workload=settings.workload,
+        extra=settings.extra,
+        out_dir=out / "runs",
+        port=args.port + k,
+        timeout_s=settings.timeout_s,
+    )
+    if settings.preset.kind == "tta":
+        res = run_tta_config(
+            cluster, config, epochs=settings.epochs, target_acc=settings.target_acc, **common
+        )
+    else:
+        res = run_config(
+            cluster, config, steps=settings.steps, warmup_steps=settings.warmup_steps, **common
+        )
+    row.update(status=res.status, run_dir=res.run_dir, **res.figures)
+    _print_row(row, settings.preset.kind)
+    return row
 
 
 def _main(argv: list[str]) -> int:
@@ -652,11 +675,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"bench/cluster.py: {exc}", file=sys.stderr)
         return 2
-    except _Interrupted as exc:
+    except Interrupted as exc:
         print(f"bench/cluster.py: {exc}; cleaned up", file=sys.stderr)
         return 128 + exc.signum
     finally:
-        _cleanup_all()
+        cleanup_all()
 
 
 if __name__ == "__main__":

@@ -21,10 +21,10 @@ measured and shows 0).
 
 Usage::
 
-    .venv/bin/python bench/compression_digits.py                 # all compressors
-    .venv/bin/python bench/compression_digits.py --names none,dgc --epochs 5
-    .venv/bin/python bench/compression_digits.py --epochs 5 --batch-size 32 --variants
-    .venv/bin/python bench/compression_digits.py --names none --adam-ratios 0.001,0.0001
+    .venv/bin/python -m bench.compression_digits                 # all compressors
+    .venv/bin/python -m bench.compression_digits --names none,dgc --epochs 5
+    .venv/bin/python -m bench.compression_digits --epochs 5 --batch-size 32 --variants
+    .venv/bin/python -m bench.compression_digits --names none --adam-ratios 0.001,0.0001
 
 Writes bench/results/compression_digits.{json,md}.
 """
@@ -39,13 +39,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-
-from _tables import comm_share_of  # noqa: E402
-
-from easgd_lightning.hooks.compressors import compressor_names  # noqa: E402
+from bench._scenarios import REPO
+from bench._tables import comm_share_of
+from easgd_lightning.hooks.compressors import compressor_names
 
 EXTRA = {
     # DGC's momentum correction replaces the optimizer's momentum: it sets optim.momentum to

@@ -22,9 +22,9 @@ Prints a table and the load average, and writes ``bench/results/compressors.json
 
 Usage::
 
-    .venv/bin/python bench/compressors.py            # make bench-compressors
-    .venv/bin/python bench/compressors.py --quick
-    .venv/bin/python bench/compressors.py --sizes 100000 --repeats 2 --names topk,dgc
+    .venv/bin/python -m bench.compressors            # make bench-compressors
+    .venv/bin/python -m bench.compressors --quick
+    .venv/bin/python -m bench.compressors --sizes 100000 --repeats 2 --names topk,dgc
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import math
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -45,18 +44,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
+from bench._scenarios import REPO  # noqa: E402
+from easgd_lightning.conf import CONF_DIR  # noqa: E402
 from easgd_lightning.hooks.compressors import (  # noqa: E402
-    _native,  # noqa: E402
     build_compressor,
     compressor_names,
+    native_kernels_available,
 )
 from easgd_lightning.hooks.compressors.base import Payload, with_out  # noqa: E402
 from easgd_lightning.hooks.memory import make_memory  # noqa: E402
 
-CONF = REPO / "easgd_lightning" / "conf" / "compression"
+CONF = Path(CONF_DIR) / "compression"
 DEFAULT_SIZES = (1_000_000, 25_000_000, 60_000_000)
 #: compressors held to ``x copy <= MAX_X_COPY`` (issue #11)
 COPY_TARGETS = ("topk", "dgc", "redsync", "sidco", "randomk", "adaptive", "qsgd", "signsgd")
@@ -186,6 +184,46 @@ def bench_one(
     }
 
 
+def _row(name: str, x: torch.Tensor, size: int, device: torch.device, args: argparse.Namespace,
+         copy, topk_cache: dict[int, float]) -> dict:
+    """One compressor on one tensor: its round trip against the copy and against exact
+    ``torch.topk`` of its density (timed once per k, ``topk_cache``), and the verdict."""
+    res = bench_one(name, x, args.warmup, args.repeats, args.settle, copy=copy)
+    copy_s = res["copy_seconds"]
+    k = max(1, math.ceil(res["density"] * size))
+    if k not in topk_cache:
+        topk_cache[k] = median_time(
+            lambda x=x, k=k: torch.topk(x.reshape(-1).abs(), k, sorted=False),
+            device,
+            args.warmup,
+            args.repeats,
+        )
+    row = {
+        "device": device.type,
+        "numel": size,
+        "compressor": name,
+        "memory": res["memory"],
+        "k": k,
+        "seconds": res["seconds"],
+        "first_call_seconds": res["first_call_seconds"],
+        "topk_seconds": topk_cache[k],
+        "copy_seconds": copy_s,
+        "x_topk": res["seconds"] / topk_cache[k],
+        "x_copy": res["seconds"] / copy_s,
+        "payload_bytes": res["payload_bytes"],
+        "compression": res["dense_bytes"] / max(1, res["payload_bytes"]),
+    }
+    row["target"] = verdict(name, row["x_copy"], row["x_topk"])
+    print(
+        f"{device.type:4s} {size:>11,d} {name:9s} {row['seconds'] * 1e3:9.2f} ms "
+        f"x copy {row['x_copy']:7.2f}  x topk {row['x_topk']:7.3f}  {row['target']:4s} "
+        f"first call {row['first_call_seconds']:6.2f} s  "
+        f"compression {row['compression']:8.1f}",
+        flush=True,
+    )
+    return row
+
+
 def run(args: argparse.Namespace) -> dict:
     devices = [torch.device("cpu")]
     if torch.cuda.is_available() and not args.cpu_only:
@@ -201,46 +239,13 @@ def run(args: argparse.Namespace) -> dict:
             copy = lambda x=x, dst=dst: dst.copy_(x)  # noqa: E731
             topk_cache: dict[int, float] = {}
             for name in names:
-                res = bench_one(name, x, args.warmup, args.repeats, args.settle, copy=copy)
-                copy_s = res["copy_seconds"]
-                k = max(1, math.ceil(res["density"] * size))
-                if k not in topk_cache:
-                    topk_cache[k] = median_time(
-                        lambda x=x, k=k: torch.topk(x.reshape(-1).abs(), k, sorted=False),
-                        device,
-                        args.warmup,
-                        args.repeats,
-                    )
-                row = {
-                    "device": device.type,
-                    "numel": size,
-                    "compressor": name,
-                    "memory": res["memory"],
-                    "k": k,
-                    "seconds": res["seconds"],
-                    "first_call_seconds": res["first_call_seconds"],
-                    "topk_seconds": topk_cache[k],
-                    "copy_seconds": copy_s,
-                    "x_topk": res["seconds"] / topk_cache[k],
-                    "x_copy": res["seconds"] / copy_s,
-                    "payload_bytes": res["payload_bytes"],
-                    "compression": res["dense_bytes"] / max(1, res["payload_bytes"]),
-                }
-                row["target"] = verdict(name, row["x_copy"], row["x_topk"])
-                rows.append(row)
-                print(
-                    f"{device.type:4s} {size:>11,d} {name:9s} {row['seconds'] * 1e3:9.2f} ms "
-                    f"x copy {row['x_copy']:7.2f}  x topk {row['x_topk']:7.3f}  {row['target']:4s} "
-                    f"first call {row['first_call_seconds']:6.2f} s  "
-                    f"compression {row['compression']:8.1f}",
-                    flush=True,
-                )
+                rows.append(_row(name, x, size, device, args, copy, topk_cache))
     return {
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "host": platform.node(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "native_kernels": _native.available(),
+        "native_kernels": native_kernels_available(),
         "loadavg_before": load_before,
         "loadavg_after": load_average(),
         "warmup": args.warmup,

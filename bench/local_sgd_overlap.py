@@ -26,10 +26,10 @@ Nothing is asserted about time: it is a measurement.
 
 Usage::
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/local_sgd_overlap.py
-    OMP_NUM_THREADS=1 .venv/bin/python bench/local_sgd_overlap.py --rate-mbit 100 --payload-mb 4
-    OMP_NUM_THREADS=1 .venv/bin/python bench/local_sgd_overlap.py --payload-mb 0      # no slowing
-    OMP_NUM_THREADS=1 .venv/bin/python bench/local_sgd_overlap.py --sleep-ms 40 --hidden 64
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.local_sgd_overlap
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.local_sgd_overlap --rate-mbit 100 --payload-mb 4
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.local_sgd_overlap --payload-mb 0      # no slowing
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.local_sgd_overlap --sleep-ms 40 --hidden 64
 
 Exit codes: 0 measured; 1 a rank failed; 2 the emulated network cannot be built here.
 """
@@ -46,11 +46,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from easgd_lightning.utils.rank_env import clean_env, free_port, rank_env  # noqa: E402
+from bench._scenarios import REPO
+from easgd_lightning.utils.rank_env import clean_env, free_port, rank_env
 
 __all__ = ["main", "parse_args", "summarise"]
 
@@ -108,18 +105,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---------------------------------------------------------------------- one rank
 def _rank_main(args: argparse.Namespace) -> None:
     """One rank: RANK / WORLD_SIZE / MASTER_* come from the environment."""
-    import pytorch_lightning as pl
     import torch
-    from torch import nn
-    from torch.nn import functional as F
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from easgd_lightning.comm import reset_meter
-    from easgd_lightning.strategies.local_sgd import LocalSGDStrategy
+    from torch.utils.data import TensorDataset
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     env = dict(os.environ)
     torch.set_num_threads(1)
+    net, timer = _module_and_timer(args)
+    g = torch.Generator().manual_seed(rank)
+    n = args.batch * args.steps
+    data = TensorDataset(torch.randn(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g))
+    results = [_timed_fit(args, net, timer, overlap, data, world, env) for overlap in [False, True] * args.repeats]
+    (args.as_rank / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def _module_and_timer(args: argparse.Namespace) -> tuple[type, type]:
+    """The rank's LightningModule (an MLP of ``--hidden`` units, ``--payload-mb`` of an
+    averaged buffer, ``--sleep-ms`` per step) and a callback that records each step's end."""
+    import pytorch_lightning as pl
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
 
     class Net(pl.LightningModule):
         def __init__(self) -> None:
@@ -150,49 +156,54 @@ def _rank_main(args: argparse.Namespace) -> None:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.ends.append(time.perf_counter())
 
-    g = torch.Generator().manual_seed(rank)
-    n = args.batch * args.steps
-    data = TensorDataset(torch.randn(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g))
-    results = []
-    for overlap in [False, True] * args.repeats:
-        os.environ.clear()
-        os.environ.update(env)  # Lightning's environment teardown removes WORLD_SIZE
-        pl.seed_everything(0, verbose=False)
-        meter = reset_meter()
-        timer = StepTimer()
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=1,
-            num_nodes=world,
-            strategy=LocalSGDStrategy(tau=args.period, cocod=overlap),
-            max_steps=args.steps,
-            logger=False,
-            callbacks=[timer],
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-            limit_val_batches=0,
-            use_distributed_sampler=False,
-        )
-        trainer.fit(Net(), train_dataloaders=DataLoader(data, batch_size=args.batch))
-        ends = timer.ends[args.period - 1 :]  # from the end of the first round on
-        kinds = meter.snapshot()["by_kind"].get("model_averaging", {})
-        results.append(
-            {
-                "overlap": overlap,
-                "step_s": (ends[-1] - ends[0]) / (len(ends) - 1),
-                "comm_time_s": kinds.get("time_s", 0.0),
-                "bytes_sent": kinds.get("bytes_sent", 0),
-                "rounds": trainer.strategy.summary_extras()["rounds"],
-            }
-        )
-    (args.as_rank / f"rank{rank}.json").write_text(json.dumps(results))
+    return Net, StepTimer
+
+
+def _timed_fit(args: argparse.Namespace, net: type, timer_cls: type, overlap: bool, data, world: int,
+               env: dict[str, str]) -> dict:
+    """One fit of local SGD with or without CoCoD's overlap: its step time from the end of
+    the first round on, and what the meter saw of the averaging."""
+    import pytorch_lightning as pl
+    from torch.utils.data import DataLoader
+
+    from easgd_lightning.comm import reset_meter
+    from easgd_lightning.strategies.local_sgd import LocalSGDStrategy
+
+    os.environ.clear()
+    os.environ.update(env)  # Lightning's environment teardown removes WORLD_SIZE
+    pl.seed_everything(0, verbose=False)
+    meter = reset_meter()
+    timer = timer_cls()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        num_nodes=world,
+        strategy=LocalSGDStrategy(tau=args.period, cocod=overlap),
+        max_steps=args.steps,
+        logger=False,
+        callbacks=[timer],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(net(), train_dataloaders=DataLoader(data, batch_size=args.batch))
+    ends = timer.ends[args.period - 1 :]  # from the end of the first round on
+    kinds = meter.snapshot()["by_kind"].get("model_averaging", {})
+    return {
+        "overlap": overlap,
+        "step_s": (ends[-1] - ends[0]) / (len(ends) - 1),
+        "comm_time_s": kinds.get("time_s", 0.0),
+        "bytes_sent": kinds.get("bytes_sent", 0),
+        "rounds": trainer.strategy.summary_extras()["rounds"],
+    }
 
 
 # ---------------------------------------------------------------------- launch
 def _rank_cmd(argv: list[str], out: Path) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), *argv, "--as-rank", str(out)]
+    return [sys.executable, "-m", "bench.local_sgd_overlap", *argv, "--as-rank", str(out)]
 
 
 def _wait(procs: list[subprocess.Popen]) -> list[int]:
@@ -228,8 +239,7 @@ def _run_local(args: argparse.Namespace, argv: list[str], out: Path) -> list[int
 
 
 def _run_shaped(args: argparse.Namespace, argv: list[str], out: Path) -> list[int]:
-    sys.path.insert(0, str(REPO / "bench"))
-    from cluster import EmulatedCluster, LinkSpec, check_privileges, install_signal_handlers
+    from bench._netem import EmulatedCluster, LinkSpec, check_privileges, install_signal_handlers
 
     check_privileges()
     install_signal_handlers()

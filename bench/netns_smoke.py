@@ -1,6 +1,6 @@
 """One rank of the emulated-network smoke test: a timed all-reduce over gloo.
 
-``bench/cluster.py --smoke`` starts this script once per network namespace, with the
+``python -m bench.cluster --smoke`` starts this script once per network namespace, with the
 rendezvous in the environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
 ``GLOO_SOCKET_IFNAME``), to prove that the namespaces, the bridge and the ``tc`` shaping
 carry real gloo traffic at the configured rate. Each rank all-reduces a float32 tensor of

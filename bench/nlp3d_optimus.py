@@ -6,8 +6,8 @@ prints one markdown table: throughput as a ratio to the uncompressed baseline me
 the same run, and bytes per optimizer step (summed over the four ranks) for each traffic
 kind. Timings on a shared 2-core machine are noisy; the byte counts are exact.
 
-    python bench/nlp3d_optimus.py                # 4 processes, 30 steps per variant
-    python bench/nlp3d_optimus.py --steps 60 --out bench/results/nlp3d_optimus.md
+    python -m bench.nlp3d_optimus                # 4 processes, 30 steps per variant
+    python -m bench.nlp3d_optimus --steps 60 --out bench/results/nlp3d_optimus.md
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> list[dict]:
     procs = []
     for rank in range(world):
         env = rank_env(clean_env(repo=REPO, DS_ACCELERATOR="cpu"), rank, world, port)
-        procs.append(subprocess.Popen([sys.executable, __file__, *argv, "--rank-worker"], env=env,
+        procs.append(subprocess.Popen([sys.executable, "-m", "bench.nlp3d_optimus", *argv, "--rank-worker"], env=env,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     for p in procs:
         _, err = p.communicate(timeout=1800)

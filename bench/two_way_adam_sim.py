@@ -22,7 +22,7 @@ again: about 4k (p - 1)/p. So one-way at density 2d/p costs two-way's bytes at d
 
 Usage::
 
-    .venv/bin/python bench/two_way_adam_sim.py    # 4 and 8 workers, lr 0.003 / 0.01,
+    .venv/bin/python -m bench.two_way_adam_sim    # 4 and 8 workers, lr 0.003 / 0.01,
                                                   # d 1% / 0.1%, 20 epochs, batch 8, seeds 0, 1
 
 Prints one markdown table: final validation accuracy per (workers, lr, d), the mean over

@@ -34,10 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-from _netem import ClusterUnavailable, EmulatedCluster, LinkSpec, check_privileges  # noqa: E402
-from _runs import _wait_all  # noqa: E402
-
+sys.path.insert(0, str(REPO))  # a script: the checkout's bench package (the emulated hosts)
+from bench._netem import ClusterUnavailable, EmulatedCluster, LinkSpec, check_privileges  # noqa: E402
+from bench._runs import wait_all  # noqa: E402
 from easgd_lightning.utils.rank_env import clean_env  # noqa: E402
 
 __all__ = ["FAMILIES", "HostRun", "run_on_hosts", "run_deepspeed_on_hosts", "run_on_one_host", "compare", "main"]
@@ -93,7 +92,7 @@ def host_env(cluster: EmulatedCluster) -> dict[str, str]:
 
 def _wait(procs: list[subprocess.Popen], timeout_s: float) -> list[int | None]:
     """Every host's launcher ends, one fails (the others get 2 s), or ``timeout_s`` passes."""
-    return _wait_all(procs, timeout_s)[0]
+    return wait_all(procs, timeout_s)[0]
 
 
 def torchrun_cmd(cluster: EmulatedCluster, host: int, nnodes: int, nproc: int, port: int, run_id: str) -> list[str]:
@@ -208,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown families {unknown}; valid: {', '.join(FAMILIES)}")
     try:
         check_privileges()
-        from _netem import install_signal_handlers
+        from bench._netem import install_signal_handlers
 
         install_signal_handlers()
         rows, failed = [], 0

@@ -6,7 +6,7 @@ communication share per run. The communication share is the *exposed* fraction o
 time (``comm.exposed_fraction``: the time the training loop waited on communication;
 overlapped communication is not counted), falling back to ``comm.time_fraction`` for
 summaries written before it existed. When DIR holds a ``costmodel.json`` written by
-``bench/costmodel.py`` (the fitted alpha-beta cost model), the report adds its
+``python -m bench.costmodel`` (the fitted alpha-beta cost model), the report adds its
 weak-scaling projection: a table of parallel efficiency at 64 / 512 / 4096 workers per
 strategy and layout, and the plot ``costmodel_projection.png`` (model projections, not
 measurements; SC17's 91.5% marked). Works on a sweep directory, a single run directory, and on
@@ -294,7 +294,7 @@ def plot_projection(projection: dict, path: Path) -> Path:
 
 
 def _costmodel(root: Path, out: Path) -> list[str]:
-    """The projection section when ``root`` holds a ``costmodel.json`` (bench/costmodel.py)."""
+    """The projection section when ``root`` holds a ``costmodel.json`` (``python -m bench.costmodel``)."""
     found = sorted(root.rglob("costmodel.json"))
     if not found:
         return []

@@ -43,6 +43,7 @@ from easgd_lightning.cli.worker import (
 )
 from easgd_lightning.comm.ops import close_process_group
 from easgd_lightning.conf import CONF_DIR, CONF_PACKAGE
+from easgd_lightning.utils.procs import freeze_at_exit
 from easgd_lightning.utils.renames import apply_renames
 
 __all__ = ["main", "train", "CONF_DIR"]
@@ -526,6 +527,7 @@ def main() -> None:
     :func:`before_hydra` (a sweep's every job, the run directory and its lock)."""
     from easgd_lightning.cli.overrides import check_command_line
 
+    freeze_at_exit()  # the launcher's (or an external rank's) exit: no shutdown collection
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     composed: list = []

@@ -28,6 +28,7 @@ from typing import Any
 
 from easgd_lightning.utils import stop
 from easgd_lightning.utils.atomic import atomic_write_json
+from easgd_lightning.utils.procs import freeze_at_exit
 
 __all__ = [
     "run_worker", "worker_main", "rank_file", "read_rank_reports", "run_identity", "current_run_id",
@@ -168,7 +169,7 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
     from easgd_lightning.cli.trainer_config import build_trainer
     from easgd_lightning.comm import reset_meter
     from easgd_lightning.guards import NaNFaultInjection, NonFiniteLossGuard
-    from easgd_lightning.utils.checkpoint import VerifiedCheckpointIO
+    from easgd_lightning.utils.checkpoint_io import VerifiedCheckpointIO
     from easgd_lightning.utils.quiet import quiet_third_party
 
     quiet_third_party()
@@ -391,6 +392,7 @@ def worker_main(argv: list[str] | None = None) -> None:
     """Entry of a rank started by the local launcher: ``CONFIG.yaml RUN_DIR`` (rank and
     rendezvous in the environment). Signals only set the stop flag from the first line on."""
     stop.install_stop_handlers(stop.grace_s())
+    freeze_at_exit()  # a rank's exit: no shutdown collection of torch's and Lightning's objects
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
         sys.exit("usage: python -m easgd_lightning.cli.worker CONFIG.yaml RUN_DIR")

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from easgd_lightning.comm.meter import get_meter
+from easgd_lightning.utils.procs import freeze_at_exit
 
 __all__ = [
     "nbytes",
@@ -393,12 +394,15 @@ _close_registered = False
 
 
 def close_process_group_at_exit() -> None:
-    """Make :func:`close_process_group` run at interpreter exit (once per process).
+    """Make :func:`close_process_group` run at interpreter exit (once per process), then
+    the quick exit of :func:`~easgd_lightning.utils.procs.freeze_at_exit`.
 
     Our strategies call this when they set up the environment, so a user's own script that
     never destroys the process group does not abort at exit the way
-    :func:`close_process_group` describes (seen in 2- and 3-rank ``sync_easgd`` runs)."""
+    :func:`close_process_group` describes (seen in 2- and 3-rank ``sync_easgd`` runs), and
+    its interpreter does not spend seconds collecting torch's and Lightning's objects."""
     global _close_registered
+    freeze_at_exit()  # registered first: runs after the close (exit handlers run last-in, first-out)
     if not _close_registered:
         atexit.register(close_process_group)
         _close_registered = True

@@ -3,9 +3,11 @@
 * :func:`build_compressor` -- a compressor by config name (``conf/compression/<name>.yaml``).
 * :mod:`.memory` -- :class:`ResidualMemory` / :class:`NoMemory` (error feedback).
 * :func:`register_compression_hook` -- the DDP communication hook (every backend).
-* :func:`exchange_sum` -- the (compressed) elastic-difference exchange.
+* :func:`exchange_sum` -- the (compressed) elastic-difference exchange;
+  :func:`exchange_tensors` -- the exchange of a list of tensors through a collective.
 """
 
+from easgd_lightning.hooks._exchange import exchange_tensors
 from easgd_lightning.hooks.compressors import (
     COMPRESSORS,
     DEFAULT_MIN_NUMEL,
@@ -40,6 +42,7 @@ __all__ = [
     "compressor_names",
     "dense_allreduce_hook",
     "exchange_sum",
+    "exchange_tensors",
     "make_memory",
     "register_compression_hook",
     "register_compressor",

@@ -3,11 +3,14 @@
 Every class registers itself in :mod:`easgd_lightning.strategies.registry` (name, options,
 fewest processes) when its module is imported, which this package does.
 ``register_strategies(registry)`` adds every name to Lightning's ``StrategyRegistry``;
-``import easgd_lightning`` calls it (idempotently). Lightning's own ``"ddp"`` stays
-Lightning's; our metered, compression-capable DDP is ``"ddp_compressed"``.
+this package calls it when it loads (idempotently), and ``import easgd_lightning`` loads
+it as soon as Lightning is imported. Lightning's own ``"ddp"`` stays Lightning's; our
+metered, compression-capable DDP is ``"ddp_compressed"``.
 """
 
 from __future__ import annotations
+
+from pytorch_lightning.strategies import StrategyRegistry
 
 from easgd_lightning.strategies.ddp import CompressedDDPStrategy
 from easgd_lightning.strategies.diloco import DiLoCoStrategy
@@ -54,3 +57,5 @@ __all__ = [
 
 #: registry name -> class (a view of the registry, for scripts that pick a class by name).
 STRATEGY_CLASSES: dict[str, type] = {name: spec.cls for name, spec in strategy_specs().items()}
+
+register_strategies(StrategyRegistry)  # pl.Trainer(strategy="sync_easgd") finds the names

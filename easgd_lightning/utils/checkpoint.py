@@ -13,7 +13,9 @@
   :data:`CHECKSUM_KEY` and writes atomically; :func:`load_checkpoint_file` loads with
   ``weights_only=True`` and recomputes it, so a file whose bytes changed after it was
   written is refused with :class:`CheckpointError` naming the file.
-* :class:`VerifiedCheckpointIO`: Lightning's ``CheckpointIO`` doing both.
+* Lightning's ``CheckpointIO`` doing both is :class:`~easgd_lightning.utils.checkpoint_io.VerifiedCheckpointIO`
+  (its own module: this one imports no Lightning, so the hooks that keep their state
+  through it do not either).
 * :func:`verify_checkpoint_dir`: the same check over a checkpoint directory (pipeline_3d
   writes one file per stage and per replica, each stamped like a single-file checkpoint).
 """
@@ -26,9 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning_fabric.plugins import TorchCheckpointIO
 
-from easgd_lightning.compat.lightning import PATH
 from easgd_lightning.utils.atomic import atomic_torch_save
 
 __all__ = [
@@ -43,7 +43,6 @@ __all__ = [
     "verify_checkpoint_dir",
     "checkpoint_identity",
     "check_saved_world_size",
-    "VerifiedCheckpointIO",
 ]
 
 #: per-tensor compressor state key for working buffers; never checkpointed
@@ -235,16 +234,6 @@ def checkpoint_identity(checkpoint: dict) -> tuple[str | None, int | None]:
             world = entry.get("world_size")
             return entry.get("strategy") or None, int(world) if isinstance(world, int) else None
     return None, None
-
-
-class VerifiedCheckpointIO(TorchCheckpointIO):
-    """Lightning ``CheckpointIO``: atomic writes with a checksum; verified weights-only loads."""
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: PATH, storage_options: Any | None = None) -> None:
-        save_checkpoint_file(checkpoint, path)
-
-    def load_checkpoint(self, path: PATH, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
-        return load_checkpoint_file(path, map_location=map_location if map_location is not None else "cpu")
 
 
 def check_saved_world_size(saved: dict, world_size: int) -> None:

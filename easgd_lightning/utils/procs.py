@@ -1,14 +1,19 @@
 """Process helpers shared by the launcher's fork server, the emulated cluster and the local
-SLURM script: whether a PID is alive, and a block during which stop signals wait."""
+SLURM script: whether a PID is alive, a block during which stop signals wait, and a quick
+interpreter exit for the processes that train."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import os
 import signal
 from collections.abc import Iterator
 
-__all__ = ["pid_alive", "stop_signals_held"]
+__all__ = ["freeze_at_exit", "pid_alive", "stop_signals_held"]
+
+_freeze_registered = False
 
 
 def pid_alive(pid: int) -> bool:
@@ -32,3 +37,20 @@ def stop_signals_held() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+def freeze_at_exit() -> None:
+    """Make this process's interpreter exit quick (once per process; never on import).
+
+    At exit, after the exit handlers registered later than this call have run, every
+    object is frozen (``gc.freeze``), so the garbage collections of the interpreter's
+    shutdown do not walk the millions of objects torch and Lightning create (1.5-3 s per
+    process on 2 busy cores, 0.3 s frozen; each rank and the launcher pay it). Reference
+    cycles still alive at exit are then not finalized, which Python never promises
+    anyway; whatever a run writes (checkpoints, reports, summaries) is closed before.
+    Called by the processes that train: the ``easgd-train`` launcher and its ranks, and
+    the strategies' ``setup_environment`` (a user's own script that trains with one)."""
+    global _freeze_registered
+    if not _freeze_registered:
+        atexit.register(gc.freeze)
+        _freeze_registered = True

@@ -1,4 +1,4 @@
-"""End-to-end: ``bench/cluster.py --quick`` on an emulated two-host network.
+"""End-to-end: ``python -m bench.cluster --quick`` on an emulated two-host network.
 
 Runs the real harness in a subprocess (network namespaces, a bridge, ``tc``-shaped links,
 two ``easgd-train`` processes over gloo), then checks the table it wrote and that nothing
@@ -8,7 +8,6 @@ permits network namespaces; skipped, with the reason, elsewhere.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -22,19 +21,11 @@ from pathlib import Path
 
 import pytest
 
+from bench import cluster
+
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "bench" / "cluster.py"
-
-
-def _load_cluster_module():
-    spec = importlib.util.spec_from_file_location("bench_cluster", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_cluster"] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
-
-
-cluster = _load_cluster_module()
+#: the harness, as the README runs it (from the repository root)
+CLUSTER = [sys.executable, "-m", "bench.cluster"]
 
 
 def _netns_names() -> set[str]:
@@ -76,7 +67,7 @@ def netns_ok() -> None:
 
 
 def run_cluster_bench(tmp_path: Path, scenario: str, args: list[str]) -> dict:
-    """``bench/cluster.py --scenario SCENARIO ARGS --fork-ranks --out tmp_path``, bounded
+    """``python -m bench.cluster --scenario SCENARIO ARGS --fork-ranks --out tmp_path``, bounded
     (SIGTERM on timeout: the harness removes its namespaces then); its ``cluster.json``, parsed.
 
     ``--fork-ranks``: each row's ``easgd-train`` ranks are forked from a fork server per host,
@@ -86,7 +77,7 @@ def run_cluster_bench(tmp_path: Path, scenario: str, args: list[str]) -> dict:
     exit on the emulated cluster are exercised by the 10 Mbit/s soak (``run_config``) and the
     interrupt tests, which do not pass it."""
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, str(SCRIPT), "--scenario", scenario, *args, "--fork-ranks", "--out", str(tmp_path)]
+    cmd = [*CLUSTER, "--scenario", scenario, *args, "--fork-ranks", "--out", str(tmp_path)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
     try:
         # Generous: the machine may be shared; each scenario here takes a minute or two alone.
@@ -94,10 +85,10 @@ def run_cluster_bench(tmp_path: Path, scenario: str, args: list[str]) -> dict:
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=120)
-        pytest.fail(f"bench/cluster.py --scenario {scenario} timed out:\n{stderr[-4000:]}")
+        pytest.fail(f"bench.cluster --scenario {scenario} timed out:\n{stderr[-4000:]}")
     print(stdout[-4000:])
     print(stderr[-4000:], file=sys.stderr)
-    assert proc.returncode == 0, f"bench/cluster.py --scenario {scenario} exited {proc.returncode}"
+    assert proc.returncode == 0, f"bench.cluster --scenario {scenario} exited {proc.returncode}"
     return json.loads((tmp_path / scenario / "cluster.json").read_text())
 
 
@@ -176,7 +167,7 @@ def test_interrupt_mid_run_removes_everything(
     """Ctrl-C or SIGTERM while the ranks train: exit 128+N, no namespace or process left."""
     before_veth = _root_veths()
     proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--quick", "--steps", "100000", "--out", str(tmp_path)],
+        [*CLUSTER, "--quick", "--steps", "100000", "--out", str(tmp_path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -222,7 +213,7 @@ def test_interrupt_mid_run_removes_everything(
 
 def test_refuses_without_privileges_exit_2(tmp_path: Path) -> None:
     """Without CAP_NET_ADMIN the harness stops with exit code 2 and says why."""
-    cmd = [sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path)]
+    cmd = [*CLUSTER, "--quick", "--out", str(tmp_path)]
     if os.geteuid() == 0:
         if shutil.which("setpriv") is None:
             pytest.skip("root without setpriv: cannot drop capabilities to test the refusal")

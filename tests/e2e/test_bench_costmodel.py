@@ -1,4 +1,4 @@
-"""End-to-end: ``bench/costmodel.py --measure`` on a two-host emulated network, short.
+"""End-to-end: ``python -m bench.costmodel --measure`` on a two-host emulated network, short.
 
 The probe (every collective and the compute loops at two link rates), the limit row
 (compute) and one held-out row (``ddp/none``) at a third, slower rate; the fit, the
@@ -33,7 +33,7 @@ def test_costmodel_predicts_a_held_out_row(tmp_path: Path) -> None:
         print(f"skipping the cost-model run: {reason}")
         pytest.skip(reason)
     cmd = [
-        sys.executable, str(REPO / "bench" / "costmodel.py"), "--measure",
+        sys.executable, "-m", "bench.costmodel", "--measure",
         "--probe-workers", "2", "--probe-rates", "100,1000", "--probe-repeats", "1",
         "--rows", "ddp/none,limit/none", "--rows-workers", "2",
         "--rows-rate", "50", "--steps", "16", "--limit-steps", "16", "--warmup-steps", "4", "--repeats", "2",
@@ -46,7 +46,7 @@ def test_costmodel_predicts_a_held_out_row(tmp_path: Path) -> None:
             stdout, stderr = proc.communicate(timeout=600)
         except subprocess.TimeoutExpired:
             proc.terminate()  # SIGTERM: the harness removes its namespaces, then exits
-            pytest.fail(f"bench/costmodel.py --measure timed out:\n{proc.communicate(timeout=120)[1][-4000:]}")
+            pytest.fail(f"bench.costmodel --measure timed out:\n{proc.communicate(timeout=120)[1][-4000:]}")
     print(stdout[-3000:])
     assert proc.returncode == 0, stderr[-4000:]
 

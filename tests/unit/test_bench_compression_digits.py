@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "compression_digits.py"
 
 
 @pytest.fixture(scope="module")
 def digits():
-    spec = importlib.util.spec_from_file_location("compression_digits", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from bench import compression_digits
+
+    return compression_digits
 
 
 def _row(name: str, share: float, source: str) -> dict:
@@ -25,7 +20,7 @@ def _row(name: str, share: float, source: str) -> dict:
 
 
 def test_comm_share_is_the_exposed_fraction_and_the_header_says_so(digits):
-    from _tables import comm_share_of  # bench/ is on the path once the script is loaded
+    from bench._tables import comm_share_of
 
     assert comm_share_of({"comm": {"exposed_fraction": 0.2, "time_fraction": 1.09}}) == (0.2, "exposed")
     assert comm_share_of({"comm": {"time_fraction": 1.09}}) == (1.09, "total")

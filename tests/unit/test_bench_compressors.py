@@ -14,9 +14,9 @@ REPO = Path(__file__).resolve().parents[2]
 def test_bench_compressors_quick_runs(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "compressors.py"), "--quick", "--sizes", "20000",
+        [sys.executable, "-m", "bench.compressors", "--quick", "--sizes", "20000",
          "--repeats", "1", "--warmup", "1", "--settle", "2", "--cpu-only", "--out", str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=120,
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "compressors.json").read_text())

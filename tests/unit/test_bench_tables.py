@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-from _tables import add_efficiency  # noqa: E402
+from bench._tables import add_efficiency
 
 
 def _row(strategy, step, measured="steps 5..36", status="ok"):
@@ -35,7 +30,7 @@ def test_a_row_measured_over_another_window_than_the_limit_gets_no_efficiency():
 
 
 def test_ring_bound_of_the_sc17_comparison():
-    from _tables import max_speedup_at_share, ring_bound, sc17_bound
+    from bench._tables import max_speedup_at_share, ring_bound, sc17_bound
 
     # 4 workers, 614400 bytes, 270 Mbit/s: 1.5 x 614400 x 8 / 270e6 = 27.3 ms on the wire
     b = ring_bound(4, 614_400, 270.0, 0.007, 0.090)
@@ -62,14 +57,14 @@ def test_ring_bound_of_the_sc17_comparison():
 def test_lowband_targets_read_bytes_to_target_and_the_largest_exchange():
     """The lowband presets judge DiLoCo by the bytes a worker sent until the target and by
     its largest exchange, each as ref / row."""
-    from _runs import _bytes_to_target, _peak_exchange
-    from _scenarios import LOWBAND_4BIT, LOWBAND_DILOCO, LOWBAND_STREAMING, SCENARIOS
-    from _tables import evaluate_targets
+    from bench._runs import bytes_to_target, peak_exchange
+    from bench._scenarios import LOWBAND_4BIT, LOWBAND_DILOCO, LOWBAND_STREAMING, SCENARIOS
+    from bench._tables import evaluate_targets
 
-    assert _bytes_to_target({"bytes_per_step_per_worker": 1000.0}, {"step": 30}) == 30000.0
-    assert _bytes_to_target({"bytes_per_step_per_worker": 1000.0}, None) is None
-    assert _peak_exchange({"extras": [{"peak_exchange_dense_bytes": 328704}, {}]}) == 328704
-    assert _peak_exchange({"extras": [{}]}) is None
+    assert bytes_to_target({"bytes_per_step_per_worker": 1000.0}, {"step": 30}) == 30000.0
+    assert bytes_to_target({"bytes_per_step_per_worker": 1000.0}, None) is None
+    assert peak_exchange({"extras": [{"peak_exchange_dense_bytes": 328704}, {}]}) == 328704
+    assert peak_exchange({"extras": [{}]}) is None
 
     def row(spec, **figures):
         strategy, rest = spec.split("/", 1)

@@ -1,32 +1,17 @@
-"""bench/costmodel.py: the alpha-beta fit (exact recovery on synthetic measurements), the
+"""bench/costmodel (the package): the alpha-beta fit (exact recovery on synthetic measurements), the
 collective formulas against hand-computed values, step-time predictions, the projection,
 and ``easgd-report`` adding the projection when a sweep directory holds costmodel.json."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
+from bench import costmodel as cm
 from easgd_lightning.cli import report
 from tests.helpers import assert_valid_png
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_costmodel", REPO / "bench" / "costmodel.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_costmodel"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-cm = _load()
 
 ALPHA = 2.5e-4  # s per message
 ETA = 0.875  # share of the nominal rate
@@ -309,7 +294,7 @@ def _synthetic_inputs(model: dict[str, dict]) -> dict:
         row.update(workers=4, rate_mbit=100.0, status="ok")
         row.setdefault("bytes_per_exchange", n)
     for row in rows[1:]:
-        x = cm._row_inputs(row, inputs)
+        x = cm.row_inputs(row, inputs)
         row["step_time_s"] = cm.step_time(
             row["strategy"], 4, n=x["n"], m=x["m"], t_compute=x["t_compute"], t_codec=x["t_codec"],
             net=cm.fitted_net(model, 100.0), aggregation=x["aggregation"], calls=x["calls"],
@@ -368,7 +353,7 @@ def test_rows_on_two_rank_counts_each_use_their_own_limit_row(tmp_path):
     two[0]["step_time_s"] = 0.0075
     inputs["rows"] += two
     for row in two[1:]:
-        x = cm._row_inputs(row, inputs)
+        x = cm.row_inputs(row, inputs)
         assert x["t_compute"] == pytest.approx(0.0075)  # one rank per core: no sharing
         row["step_time_s"] = 1.25 * cm.step_time(
             row["strategy"], 2, n=x["n"], m=x["m"], t_compute=x["t_compute"], t_codec=x["t_codec"],
@@ -399,7 +384,7 @@ def test_local_runs_replace_the_codec_alone_with_the_rows_own_cost_beyond_the_li
     dgc = next(r for r in inputs["rows"] if r["compression"] == "dgc")
     ddp = next(r for r in inputs["rows"] if r["strategy"] == "ddp" and r["compression"] == "none")
     sync = next(r for r in inputs["rows"] if r["strategy"] == "sync_easgd")
-    before = cm._row_inputs(dgc, inputs)
+    before = cm.row_inputs(dgc, inputs)
     assert before["t_codec_1"](4) == pytest.approx(0.002)  # the codec timed alone
     run = lambda strategy, compression, overrides, workers, t: {  # noqa: E731
         "strategy": strategy, "compression": compression, "overrides": overrides,
@@ -411,23 +396,23 @@ def test_local_runs_replace_the_codec_alone_with_the_rows_own_cost_beyond_the_li
                             run("limit", "none", [], 8, 0.020), run("ddp", "none", [], 8, 0.090)]
     # 6 ms beyond the limit for 4 ranks sharing 2 cores: 3 ms per worker with a core
     assert cm.local_cost(dgc, inputs) == (4, pytest.approx(0.003))
-    x = cm._row_inputs(dgc, inputs)
+    x = cm.row_inputs(dgc, inputs)
     assert x["t_codec_1"](4) == pytest.approx(0.003)
     assert x["t_codec"] == pytest.approx(0.003 * cm.cpu_share(4, 2))  # back to the 4-rank share
     # the projection's q: the codec's growth from the run's 4 ranks (-1 ms at one rank)
     assert x["t_codec_1"](1) == pytest.approx(0.002)
     # dense DDP from its one-rank run: its machinery alone (0.5 ms); no local run: unchanged
     assert cm.local_cost(ddp, inputs) == (1, pytest.approx(0.0005))
-    assert cm._row_inputs(ddp, inputs)["t_codec"] == pytest.approx(0.0005 * cm.cpu_share(4, 2))
+    assert cm.row_inputs(ddp, inputs)["t_codec"] == pytest.approx(0.0005 * cm.cpu_share(4, 2))
     assert cm.local_cost(sync, inputs) is None
     # a 4-rank row with only a 2-rank local run (one rank per core): its per-worker cost,
     # and the codec's growth from 2 to 4 ranks
     inputs["local_rows"] = [run("limit", "none", [], 2, 0.005), run("ddp", "dgc", ["optim.momentum=0"], 2, 0.008)]
     assert cm.local_cost(dgc, inputs) == (2, pytest.approx(0.003))
-    grow = cm._codec_seconds(inputs["codec_exchange"]["dgc"], 4) - cm._codec_seconds(inputs["codec_exchange"]["dgc"], 2)
-    assert cm._row_inputs(dgc, inputs)["t_codec_1"](4) == pytest.approx(0.003 + grow)
+    grow = cm.codec_seconds(inputs["codec_exchange"]["dgc"], 4) - cm.codec_seconds(inputs["codec_exchange"]["dgc"], 2)
+    assert cm.row_inputs(dgc, inputs)["t_codec_1"](4) == pytest.approx(0.003 + grow)
     assert cm.local_cost(inputs["rows"][0], inputs) is None  # the limit itself
-    pred = next(p for p in cm.predict_rows(MODEL, inputs) if p["row"] == cm._label(dgc))
+    pred = next(p for p in cm.predict_rows(MODEL, inputs) if p["row"] == cm.row_label(dgc))
     assert pred["t_codec_s"] == pytest.approx((0.003 + grow) * cm.cpu_share(4, 2))
     # with the runs' meters: the step outside the exposed communication (loopback transfers
     # and waits for the other rank, which C and s charge): (8 - 2.5) - (5 - 0.1) = 0.6 ms
@@ -566,10 +551,10 @@ def test_step_time_adds_the_synchronisation_cost_per_exchange():
 
 def test_codec_seconds_grow_linearly_with_the_world_and_never_fall():
     ex = {"seconds_by_world": {"1": 0.001, "4": 0.0025}}
-    assert cm._codec_seconds(ex, 4) == pytest.approx(0.0025)
-    assert cm._codec_seconds(ex, 4096) == pytest.approx(0.001 + 0.0005 * 4095)
+    assert cm.codec_seconds(ex, 4) == pytest.approx(0.0025)
+    assert cm.codec_seconds(ex, 4096) == pytest.approx(0.001 + 0.0005 * 4095)
     flat = {"seconds_by_world": {"1": 0.002, "4": 0.0019}}  # timing noise: no negative slope
-    assert cm._codec_seconds(flat, 4096) == pytest.approx(0.002)
+    assert cm.codec_seconds(flat, 4096) == pytest.approx(0.002)
 
 
 def test_predictions_with_loops_and_exchange_measurements():

@@ -3,19 +3,15 @@ and ``bench/_tables.py`` takes a step time from it rather than from the wall tim
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from bench import _tables
 from easgd_lightning.callbacks import TrainClockCallback
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import _tables  # noqa: E402
 
 TRAIN_SLEEP_S, VAL_SLEEP_S, STEPS = 0.01, 0.5, 6
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping, Sequence
 
+from easgd_lightning.hooks.compressors._native import available as native_kernels_available
 from easgd_lightning.hooks.compressors.acpsgd import ACPSGDCompressor
 from easgd_lightning.hooks.compressors.adaptive import AdaptiveCompressor
 from easgd_lightning.hooks.compressors.base import (
@@ -69,6 +70,7 @@ __all__ = [
     "build_compressor",
     "compressor_class",
     "compressor_names",
+    "native_kernels_available",
     "register_compressor",
     "tensor_bytes",
 ]

@@ -1,8 +1,9 @@
-"""One rank of the cost model's collective probe (``bench/costmodel.py --measure``).
+"""One rank of the cost model's collective probe (``python -m bench.costmodel --measure``).
 
-``bench/costmodel.py`` starts this script once per network namespace of the emulated
-cluster (rendezvous in the environment: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
-``MASTER_PORT``, ``GLOO_SOCKET_IFNAME``) and times, through :mod:`easgd_lightning.comm.ops`
+:func:`bench.costmodel.measure.run_probe` starts this module (``python -m
+bench.costmodel.probe``) once per network namespace of the emulated cluster (rendezvous
+in the environment: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
+``GLOO_SOCKET_IFNAME``) and times, through :mod:`easgd_lightning.comm.ops`
 (the wrappers every strategy uses), each collective the strategies use at several message
 sizes:
 
@@ -244,8 +245,7 @@ def _wait_for(path: Path, timeout_s: float) -> None:
         time.sleep(0.05)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run one rank of the probe; returns the exit code."""
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--phases", required=True, help="comma-separated link rates (labels)")
     parser.add_argument(
@@ -266,8 +266,12 @@ def main(argv: list[str] | None = None) -> int:
                              "in every phase (the workload's dense message)")
     parser.add_argument("--between-matmuls", type=int, default=0,
                         help="products between the two rounds of loop_serial_ring_codec (0: no such loop)")
-    args = parser.parse_args(argv)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one rank of the probe; returns the exit code."""
+    args = _parser().parse_args(argv)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world,
@@ -292,29 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                 _wait_for(args.out / f"phase{k}.go", args.timeout_s)
             ops.barrier()
             for nbytes in phase_sizes:
-                numel = max(2, nbytes // 4)
-                t = torch.ones(numel)
-                scratch = torch.empty(numel)
-                slot: dict = {}
-                for op in wanted:
-                    if op == "ps" and world < 2:
-                        continue
-                    times = []
-                    for i in range(args.repeats + 1):  # the first is a warm-up
-                        ops.barrier()
-                        start = time.perf_counter()
-                        _run(op, t, rank, world, scratch, slot)
-                        if i:
-                            times.append(time.perf_counter() - start)
-                        t.fill_(1.0)
-                    records.append({"phase": label, "op": op, "bytes": numel * 4, "times_s": times})
-                looped = args.loops and nbytes in (phase_sizes[0], phase_sizes[-1])
-                rounds = [f"loop_serial_ring_x{r}" for r in ROUNDS] if nbytes == phase_sizes[0] else []
-                if rounds and args.between_matmuls > 0:
-                    rounds.append(_CODEC_ROUNDS)
-                served = ["loop_ps"] if "ps" in wanted and world > 1 and nbytes == phase_sizes[-1] else []
-                for op in [*LOOPS, *rounds, *served] if looped else ():
-                    records.append(_loop_record(op, t, scratch, slot, args, label, rank, world, kernel, between))
+                records += _size_records(args, label, phase_sizes, nbytes, wanted, rank, world, kernel, between)
             if args.loops and args.ps_bytes > 0 and "ps" in wanted and world > 2:
                 records += _workload_ps_loops(args, label, rank, world, kernel)
         atomic_write_text(
@@ -324,6 +306,39 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def _size_records(args, label: str, phase_sizes: list[int], nbytes: int, wanted: list[str], rank: int,
+                  world: int, kernel: Callable[[], None], between: Callable[[], None]) -> list[dict]:
+    """One message size of one phase: each wanted collective, ``--repeats`` times after a
+    warm-up, each between barriers; then, with ``--loops``, the loops at the phase's
+    smallest and largest size (the serial rounds and the codec's at the smallest, the busy
+    server at the largest)."""
+    numel = max(2, nbytes // 4)
+    t = torch.ones(numel)
+    scratch = torch.empty(numel)
+    slot: dict = {}
+    records = []
+    for op in wanted:
+        if op == "ps" and world < 2:
+            continue
+        times = []
+        for i in range(args.repeats + 1):  # the first is a warm-up
+            ops.barrier()
+            start = time.perf_counter()
+            _run(op, t, rank, world, scratch, slot)
+            if i:
+                times.append(time.perf_counter() - start)
+            t.fill_(1.0)
+        records.append({"phase": label, "op": op, "bytes": numel * 4, "times_s": times})
+    looped = args.loops and nbytes in (phase_sizes[0], phase_sizes[-1])
+    rounds = [f"loop_serial_ring_x{r}" for r in ROUNDS] if nbytes == phase_sizes[0] else []
+    if rounds and args.between_matmuls > 0:
+        rounds.append(_CODEC_ROUNDS)
+    served = ["loop_ps"] if "ps" in wanted and world > 1 and nbytes == phase_sizes[-1] else []
+    for op in [*LOOPS, *rounds, *served] if looped else ():
+        records.append(_loop_record(op, t, scratch, slot, args, label, rank, world, kernel, between))
+    return records
 
 
 if __name__ == "__main__":
