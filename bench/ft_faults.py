@@ -35,16 +35,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench._netem import EmulatedCluster, LinkSpec, check_privileges
-from bench._scenarios import REPO, SCENARIOS
 from bench._runs import merge_overrides
-
+from bench._scenarios import REPO, SCENARIOS
 from easgd_lightning.ft.punisher import Punisher
 from easgd_lightning.utils.rank_env import clean_env
 
