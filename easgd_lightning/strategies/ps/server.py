@@ -54,7 +54,6 @@ from torch.optim import Optimizer
 from easgd_lightning.comm import get_meter, ops
 from easgd_lightning.comm.liveness import LONG_WAIT, Liveness, interruption
 from easgd_lightning.strategies.ps import rules
-from easgd_lightning.strategies.ps.rejoin import Admissions, Join
 from easgd_lightning.strategies.ps.protocol import (
     OP_CELASTIC,
     OP_CGRAD,
@@ -73,6 +72,7 @@ from easgd_lightning.strategies.ps.protocol import (
     split_request_extras,
     to_blob,
 )
+from easgd_lightning.strategies.ps.rejoin import Admissions, Join
 
 log = logging.getLogger(__name__)
 

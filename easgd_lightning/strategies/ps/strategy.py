@@ -32,8 +32,12 @@ Design decisions (and their trade-offs):
   ``min(30, timeout_s / 2)``: frozen, e.g. SIGSTOP); it goes on with the rest, records the
   loss (``summary.json`` ``ft.lost_ranks``, ``extras[server].lost_workers``) and declares it
   in the store, so the local launcher ends the run ``ok`` when every other rank finished.
-  A dropped worker that answers again (it was only slow) is served again; a restarted
-  process cannot join the fixed groups made at set-up. Waits never let gloo time out (that
+  A dropped worker that answers again (it was only slow) is served again. Under
+  ``ft=torchft`` (:meth:`AsyncCenterStrategy.enable_rejoin`) the launcher restarts it and the
+  server re-admits the new process on a pair group of its own (it cannot join the fixed
+  groups made at set-up; :mod:`~easgd_lightning.strategies.ps.rejoin`): Lightning sees that
+  process as a world of one, it pulls the center and the server's state, and trains on
+  from its last served step with a fresh optimizer state. Waits never let gloo time out (that
   would close the channel): they run on a helper thread with a very long timeout while
   liveness is checked. Workers wait for the final center the same way (checking the
   server's heartbeat); if the server dies, a worker's pending receive fails (connection
@@ -522,7 +526,7 @@ class AsyncCenterStrategy(CenterStrategy):
         which this strategy answers locally on purpose."""
         frame = sys._getframe(2)
         name = frame.f_globals.get("__name__", "") or ""
-        return not name.split(".")[0] in _LIBRARY_PACKAGES
+        return name.split(".")[0] not in _LIBRARY_PACKAGES
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
