@@ -12,8 +12,9 @@ worker processes, each its own replica group with a torchft Manager (easgd_light
   lighthouse, no process of the run is left.
 * The parameter-server family (``async_easgd``, 3 workers + server; no lighthouse): a worker
   SIGKILLed from outside is restarted and re-admitted by the server, the run ends ``ok``
-  within 0.02 of the fault-free accuracy; ``faults.kill_rank`` does the same for
-  ``async_sgd`` with ``stop_policy=all``, whose rejoined worker ends at the others' step.
+  within 0.02 of the fault-free accuracy; with ``async_sgd`` and ``stop_policy=all``, a
+  worker killed by ``faults.kill_rank`` and one stopped from outside (dropped, then killed)
+  are both restarted and end at the others' step.
 * Refusals before launch (exit 2, one line naming the key).
 """
 
@@ -361,17 +362,39 @@ def test_parameter_server_readmits_a_worker_killed_from_outside(tmp_path: Path) 
     assert not [p for p in pids if pid_alive(p)], "processes of the run are left"
 
 
-def test_parameter_server_faults_kill_rank_restarts_it(tmp_path: Path) -> None:
-    """faults.kill_rank under ft=torchft for async_sgd (the server steps the optimizer) with
-    stop_policy=all: the restarted worker 2 is re-admitted and, its step count continued,
-    ends at the same step as the others."""
-    run = tmp_path / "run"
-    run_cli([f"hydra.run.dir={run}", *PS_COMMON, "strategy=async_sgd", "strategy.stop_policy=all",
-             "trainer.max_epochs=10", "faults.kill_rank=2", "faults.kill_at_step=40"], timeout=400)
+def test_parameter_server_restarts_a_self_killed_and_a_stopped_worker(tmp_path: Path) -> None:
+    """async_sgd (the server steps the optimizer) with stop_policy=all: worker 2 SIGKILLs
+    itself (faults.kill_rank) and worker 1 is stopped from outside (SIGSTOP). The server drops
+    the stopped one after worker_timeout_s, the launcher then kills it; both are restarted,
+    re-admitted, and, their step counts continued, end at the others' step with every step
+    pushed exactly once (the server counts them)."""
+    run, log = tmp_path / "run", tmp_path / "run.log"
+    proc = start_cli([f"hydra.run.dir={run}", *PS_COMMON, "strategy=async_sgd", "strategy.stop_policy=all",
+                      "strategy.worker_timeout_s=3", "trainer.max_epochs=10", "faults.kill_rank=2",
+                      "faults.kill_at_step=40"], base_env(), log)
+    pids: set[int] = set()
+    try:
+        _wait(lambda: (run / "checkpoints" / "epoch000.ckpt").exists(), 120, "rank 0's first epoch")
+        _every_pid(run, pids)
+        os.kill(_json(run / "ranks" / "launch.json")["worker_pids"][1], signal.SIGSTOP)
+        code = proc.wait(timeout=300)
+        _every_pid(run, pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     s = _summary(run)
-    assert s["status"] == "ok"
-    assert s["ft"]["restarts"] == [0, 0, 1, 0] and s["ft"]["deaths"][0]["signal"] == "SIGKILL"
-    (rejoin,) = s["ft"]["rejoins"]
-    assert rejoin["rank"] == 2 and 30 <= rejoin["at_step"] <= 40
+    assert code == 0, log.read_text()[-3000:]
+    assert s["status"] == "ok", s["error"]
+    ft = s["ft"]
+    assert ft["restarts"] == [0, 1, 1, 0]
+    deaths = {d["rank"]: d for d in ft["deaths"]}
+    assert sorted(deaths) == [1, 2] and deaths[2]["signal"] == "SIGKILL"
+    assert deaths[1]["stopped"] is True and deaths[1]["signal"] == "SIGKILL"  # killed once dropped
+    lost = {w["rank"]: w for w in s["extras"][3]["lost_workers"]}
+    assert lost[1]["cause"] == "heartbeat stopped" and lost[1]["restarted"] == 1
+    rejoins = {j["rank"]: j for j in ft["rejoins"]}
+    assert sorted(rejoins) == [1, 2] and rejoins[2]["at_step"] == 39  # killed at its 40th batch
     assert s["steps_per_rank"][:3] == [150, 150, 150]
-    assert s["extras"][3]["served_per_rank"][:3] == [150, 150, 150]  # every step of theirs pushed, once
+    assert s["extras"][3]["served_per_rank"][:3] == [150, 150, 150]  # every step pushed, once
+    assert ft["finished_ranks"] == [0, 1, 2, 3]
+    assert not [p for p in pids if pid_alive(p)], "processes of the run are left"
