@@ -226,6 +226,8 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
                 save_last=True,
                 save_top_k=-1,
                 every_n_epochs=int(cfg.checkpoint.every_n_epochs),
+                # a restarted worker 0 replaces its first start's files (last.ckpt: the newest center)
+                enable_version_counter=late is None,
             )
         )
     trainer = build_trainer(  # every trainer key is a Trainer argument (cli/trainer_config.py)

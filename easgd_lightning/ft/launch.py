@@ -248,8 +248,9 @@ def _supervise_ft(procs, attempts, outcome: FTOutcome, lh, env, cfg_file, out_di
             stopped_since[r] = None
             if r in outcome.servers:  # it holds the centre: not replaceable, the run ends
                 done[r] = True
-                outcome.error = (f"the parameter server (rank {r}) died ({L.describe_returncode(code)}): it holds "
-                                 "the centre and cannot be restarted; stopping the workers")
+                how = " ".join(f"{k} {v}" for k, v in L.describe_returncode(code).items())
+                outcome.error = (f"the parameter server (rank {r}) died ({how}): it holds the centre and cannot "
+                                 "be restarted; stopping the workers")
                 log.error(outcome.error)
                 term_at = term_at or _stop_all(procs, done)
                 continue

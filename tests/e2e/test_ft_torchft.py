@@ -315,6 +315,27 @@ PS_COMMON = [c for c in COMMON if not c.startswith("trainer.devices=")] + ["trai
 PS_EPOCHS = ["trainer.max_epochs=40"]  # 600 steps per worker (15 per epoch)
 
 
+def _first_epoch(run: Path) -> bool:
+    return (run / "checkpoints" / "epoch000.ckpt").exists()
+
+
+def _signal_rank_and_wait(proc, run: Path, rank: int, sig: signal.Signals) -> tuple[int, set[int]]:
+    """Once rank 0 finished its first epoch, send ``sig`` to rank ``rank`` (its pid from
+    ranks/launch.json, as a cluster would); wait for the run's end: (exit status, every pid
+    the run had). Nothing is left running if a wait fails."""
+    pids: set[int] = set()
+    try:
+        _wait(lambda: _first_epoch(run), 120, "rank 0's first epoch")
+        _every_pid(run, pids)
+        os.kill(_json(run / "ranks" / "launch.json")["worker_pids"][rank], sig)
+        code = proc.wait(timeout=300)
+        _every_pid(run, pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return code, pids
+
+
 def test_parameter_server_readmits_a_worker_killed_from_outside(tmp_path: Path) -> None:
     """async_easgd under ft=torchft: worker 1 SIGKILLed from outside (its pid from
     ranks/launch.json) once rank 0 finished its first epoch is restarted by the launcher and
@@ -325,17 +346,7 @@ def test_parameter_server_readmits_a_worker_killed_from_outside(tmp_path: Path) 
     assert base["status"] == "ok" and base["ft"]["restarts"] == [0, 0, 0, 0] and base["ft"]["rejoins"] == []
     run, log = tmp_path / "killed", tmp_path / "killed.log"
     proc = start_cli([f"hydra.run.dir={run}", *PS_COMMON, "strategy=async_easgd", *PS_EPOCHS], base_env(), log)
-    pids: set[int] = set()
-    try:
-        _wait(lambda: (run / "checkpoints" / "epoch000.ckpt").exists(), 120, "rank 0's first epoch")
-        victim = _json(run / "ranks" / "launch.json")["worker_pids"][1]
-        _every_pid(run, pids)
-        os.kill(victim, signal.SIGKILL)
-        code = proc.wait(timeout=300)
-        _every_pid(run, pids)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    code, pids = _signal_rank_and_wait(proc, run, 1, signal.SIGKILL)
     s = _summary(run)
     assert code == 0, log.read_text()[-3000:]
     assert s["status"] == "ok" and s["error"] is None, s["error"]
@@ -372,16 +383,7 @@ def test_parameter_server_restarts_a_self_killed_and_a_stopped_worker(tmp_path: 
     proc = start_cli([f"hydra.run.dir={run}", *PS_COMMON, "strategy=async_sgd", "strategy.stop_policy=all",
                       "strategy.worker_timeout_s=3", "trainer.max_epochs=10", "faults.kill_rank=2",
                       "faults.kill_at_step=40"], base_env(), log)
-    pids: set[int] = set()
-    try:
-        _wait(lambda: (run / "checkpoints" / "epoch000.ckpt").exists(), 120, "rank 0's first epoch")
-        _every_pid(run, pids)
-        os.kill(_json(run / "ranks" / "launch.json")["worker_pids"][1], signal.SIGSTOP)
-        code = proc.wait(timeout=300)
-        _every_pid(run, pids)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    code, pids = _signal_rank_and_wait(proc, run, 1, signal.SIGSTOP)
     s = _summary(run)
     assert code == 0, log.read_text()[-3000:]
     assert s["status"] == "ok", s["error"]
@@ -397,4 +399,19 @@ def test_parameter_server_restarts_a_self_killed_and_a_stopped_worker(tmp_path: 
     assert s["steps_per_rank"][:3] == [150, 150, 150]
     assert s["extras"][3]["served_per_rank"][:3] == [150, 150, 150]  # every step pushed, once
     assert ft["finished_ranks"] == [0, 1, 2, 3]
+    assert not [p for p in pids if pid_alive(p)], "processes of the run are left"
+
+
+def test_parameter_server_killed_ends_the_run_cleanly(tmp_path: Path) -> None:
+    """The server holds the centre: it is not restarted, its death ends the run (exit 1, the
+    error names it), no worker is restarted after it, nothing is left running."""
+    run, log = tmp_path / "run", tmp_path / "run.log"
+    proc = start_cli([f"hydra.run.dir={run}", *PS_COMMON, "strategy=async_easgd", "trainer.max_epochs=400"],
+                     base_env(), log)
+    code, pids = _signal_rank_and_wait(proc, run, 3, signal.SIGKILL)
+    assert code == 1, log.read_text()[-3000:]
+    s = _summary(run)
+    assert s["status"] == "failed"
+    assert s["error"].startswith("the parameter server (rank 3) died (signal SIGKILL)"), s["error"]
+    assert s["ft"]["restarts"] == [0, 0, 0, 0]
     assert not [p for p in pids if pid_alive(p)], "processes of the run are left"

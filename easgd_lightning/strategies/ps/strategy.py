@@ -86,6 +86,7 @@ Design decisions (and their trade-offs):
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import sys
 import threading
@@ -113,6 +114,7 @@ from easgd_lightning.strategies.base import (
     flatten,
     unflatten_into,
 )
+from easgd_lightning.strategies.ddp import optimizer_steps_per_epoch
 from easgd_lightning.strategies.ps import compressed, rejoin, rules
 from easgd_lightning.strategies.ps.client import ServerClient, ServerTransport
 from easgd_lightning.strategies.ps.protocol import request_extras, request_header_size
@@ -323,7 +325,7 @@ class AsyncCenterStrategy(CenterStrategy):
         self._rejoin = False  # ft=torchft: the server re-admits restarted workers (enable_rejoin)
         self._late: rejoin.LateStart | None = None  # this process is a restarted worker
         self._recovery: dict | None = None  # a restarted worker's rejoin: step, bytes, times
-        self._total_steps: int | None = None
+        self._total_steps = -1  # a restarted worker: the run's last step (-1: unknown)
 
     def _reject_unknown(self, kwargs: dict) -> None:
         """The registry's one-line refusal of a keyword that is neither an option of this
@@ -690,8 +692,9 @@ class AsyncCenterStrategy(CenterStrategy):
         group. The session from the run's store, its heartbeat, admission on a pair group of
         its own, then the center and the server's state (``OP_STATE``). It starts at the
         center with a fresh optimizer state (and, EAMSGD, zero velocity), its step count at
-        the step of its last request the server served, its step-interval learning-rate
-        schedules advanced to that step."""
+        the step of its last request the server served, Lightning's loop at the epoch of that
+        step (its shard's order for that epoch, from the epoch's first batch), its
+        step-interval learning-rate schedules advanced to that step."""
         late = self._late
         timeout_s = compat.process_group_timeout(self)
         store = rejoin.run_store(timeout_s)
@@ -712,6 +715,10 @@ class AsyncCenterStrategy(CenterStrategy):
         client.like = self._center
         self._transport = ServerTransport(client, push=self._compressed_side(compressed.WorkerPush))
         _advance_step_schedulers(self.lr_scheduler_configs, self._local_steps)
+        self._total_steps = _estimated_steps(trainer)  # (sets the training data up: the epoch length)
+        per_epoch = optimizer_steps_per_epoch(trainer)
+        if per_epoch:
+            _start_at_epoch(trainer, self._local_steps // per_epoch)
         self._detach(trainer)
 
     def _setup_checkpoint_file(self, trainer) -> None:
@@ -900,11 +907,6 @@ class AsyncCenterStrategy(CenterStrategy):
             rec["joined_at"] = time.time()
             self._late.mark_joined({"joined_at": rec["joined_at"], "step": rec["step"],
                                     "recovery_bytes": rec["bytes"]})
-        if self._total_steps is None:
-            try:
-                self._total_steps = int(trainer.estimated_stepping_batches)
-            except Exception:  # no known length: its own epochs (or the server) end it
-                self._total_steps = -1
         if 0 < self._total_steps <= self._local_steps:
             self._stop_reason = self._stop_reason or "the run's last step (a restarted worker's steps continue)"
             trainer.should_stop = True
@@ -1076,7 +1078,7 @@ class AsyncCenterStrategy(CenterStrategy):
                         "participants": len(m["members"]), "t": m["t"]}
                        for i, m in enumerate(self._server.membership)]
         rec = self._recovery
-        return {"rank": self.global_rank, "attempt": self._late.attempt if self._late is not None else 0,
+        return {"attempt": self._late.attempt if self._late is not None else 0,
                 "quorum_changes": changes, "not_committed": [],
                 "recoveries": [rec] if rec is not None and "joined_at" in rec else [],
                 "rejoins": list(self._server.rejoins) if self._server is not None else []}
@@ -1087,6 +1089,23 @@ class AsyncCenterStrategy(CenterStrategy):
             self._liveness.stop()
         self._signals.stop()
         super().teardown()
+
+
+def _estimated_steps(trainer) -> int:
+    """The run's optimizer steps per worker (``trainer.estimated_stepping_batches``; -1 when
+    unknown: then its own epochs, or the server, end a restarted worker)."""
+    try:
+        total = trainer.estimated_stepping_batches
+    except Exception:  # an iterable without a length, and no max_steps
+        return -1
+    return int(total) if math.isfinite(total) else -1
+
+
+def _start_at_epoch(trainer, epoch: int) -> None:
+    """Lightning's fit loop begins at ``epoch`` (``trainer.current_epoch``: the sampler's
+    order, epoch checkpoint names and ``max_epochs`` count from there), as a resume does."""
+    for tracker in (trainer.fit_loop.epoch_progress.total, trainer.fit_loop.epoch_progress.current):
+        tracker.ready = tracker.started = tracker.processed = tracker.completed = epoch
 
 
 def _advance_step_schedulers(configs: list, steps: int) -> None:
