@@ -231,8 +231,9 @@ REJOIN_SCRIPT = Path(__file__).parent / "scripts" / "async_ps_rejoin_run.py"
 
 @pytest.fixture(scope="module")
 def rejoined(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Worker 2 SIGKILLs itself after 3 requests; a new process of it (joining no process
-    group) is re-admitted by the server and sends 6 more (scripts/async_ps_rejoin_run.py)."""
+    """Worker 2 SIGKILLs itself after 3 requests; once workers 0 and 1 are done, a new process
+    of it (joining no process group) is re-admitted by the server, which waited for it, and
+    sends 6 more (scripts/async_ps_rejoin_run.py)."""
     from easgd_lightning.utils.rank_env import free_port
     from tests.helpers import start_rank
 
@@ -261,7 +262,8 @@ def test_a_restarted_worker_is_readmitted_and_the_float64_replay_stays_exact(rej
     """The server's service order, replayed here in float64 with d = alpha (x - c), c += d:
     every reply and the final center are bitwise the replay's, across the loss and the
     rejoin; the rejoined process pulled exactly the replay's center at the update count its
-    state names, and went on from the step the server had recorded for its first start."""
+    state names, and went on from the step the server had recorded for its first start. The
+    server, with no worker active (0 and 1 done, 2 lost), waited for it instead of ending."""
     run = _script(REJOIN_SCRIPT)
     server, late = rejoined[3], rejoined["late"]
     (lost,) = server["lost"]
@@ -282,6 +284,8 @@ def test_a_restarted_worker_is_readmitted_and_the_float64_replay_stays_exact(rej
     sent[2] = [run.x_of(2, k) for k in range(run.FIRST)] + list(late["sent"])
     got[2] = [None] * run.FIRST + list(late["got"])
     assert server["order"].count(2) == len(sent[2]) == run.FIRST + run.AFTER
+    assert server["order"][-run.AFTER:] == [2] * run.AFTER  # served after the others were done
+    assert state["updates"] == run.FIRST + 2 * run.OTHERS  # it pulled the center they left
     c = torch.zeros(257, dtype=torch.float64)
     k = {0: 0, 1: 0, 2: 0}
     for i, sender in enumerate(server["order"]):

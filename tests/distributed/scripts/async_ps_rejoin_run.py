@@ -2,14 +2,15 @@
 ``python async_ps_rejoin_run.py OUT``, as 4 ranks plus one late process.
 
 World 4: rank 3 is the server, ranks 0-2 are workers, every rank joins the process group and
-the set-up channels (``worker_channels``). Elastic rule in float64. Worker 2 sends
-``FIRST`` requests, says so in the store and SIGKILLs itself. The late process (``LATE=1``,
-``RANK=2``: its second start) joins no process group: it waits for that word, starts its
-heartbeat, asks for admission (``rejoin.request_admission``: a pair group of its own with the
-server), pulls the state (``OP_STATE``) and sends ``AFTER`` more requests from the step the
-server recorded for it. Workers 0 and 1 go on until the late one has been served ``AFTER``
-times. Every process saves what it sent, received and saw to ``OUT/rank<R>[-late].pt``; the
-test replays the server's service order.
+the set-up channels (``worker_channels``). Elastic rule in float64, ``stop_policy=all``.
+Worker 2 sends ``FIRST`` requests, says so in the store and SIGKILLs itself; workers 0 and 1
+send ``OTHERS`` each and say they are done. Only then does the late process (``LATE=1``,
+``RANK=2``: worker 2's second start, joining no process group) start its heartbeat, ask for
+admission (``rejoin.request_admission``: a pair group of its own with the server), pull the
+state (``OP_STATE``) and send ``AFTER`` more requests from the step the server recorded for
+it: the server, with no worker active, must have waited for it. Every process saves what it
+sent, received and saw to ``OUT/rank<R>[-late].pt``; the test replays the server's service
+order.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from easgd_lightning.strategies.ps.protocol import OP_ELASTIC
 from easgd_lightning.strategies.ps.server import ParameterServer, worker_channels
 
 N, SERVER, ALPHA = 257, 3, 0.25
-FIRST, AFTER = 3, 6  # worker 2's requests before its death, and after its rejoin
+FIRST, AFTER, OTHERS = 3, 6, 12  # worker 2's requests before its death and after its rejoin; 0's and 1's
 PREFIX = "test/rejoin"
 WAIT = timedelta(seconds=60)
 
@@ -54,7 +55,8 @@ def exchange(client: ServerClient, rank: int, k: int, step: int, record: dict) -
 def late(out: Path) -> None:
     """The restarted worker 2 (module docstring)."""
     store = store_client()
-    store.wait(["w2/dead"], WAIT)
+    store.wait(["w2/dead", "w0/done", "w1/done"], WAIT)
+    time.sleep(0.5)  # the server has taken their "done": no worker is active
     live = Liveness(PREFIX, 2, interval_s=0.2, dead_after_s=2.0).start()
     session = rejoin.read_session(store, 60)
     group = rejoin.request_admission(store, 2, 1, WAIT)
@@ -65,7 +67,6 @@ def late(out: Path) -> None:
     step = int(state["worker_steps"][2])
     for k in range(AFTER):
         exchange(client, 2, 100 + k, step + k + 1, record)
-    store.set("late/served", "1")
     record["final"] = client.finish(step + AFTER).clone()
     live.stop()
     torch.save(record, out / "rank2-late.pt")
@@ -93,17 +94,15 @@ def main(out: Path) -> None:
     else:
         client = ServerClient(SERVER, torch.zeros(N, dtype=torch.float64), 4, n_params=N - 1, liveness=live,
                               group=channels[rank])
-        k = 0
-        while rank != 2 or k < FIRST:
-            if rank != 2 and store.check(["late/served"]):
-                break
+        count = FIRST if rank == 2 else OTHERS
+        for k in range(count):
             exchange(client, rank, k, k + 1, record)
-            k += 1
             time.sleep(0.02)
         if rank == 2:  # its first start dies here, without "done"
             store.set("w2/dead", "1")
             os.kill(os.getpid(), signal.SIGKILL)
-        record["final"] = client.finish(k).clone()
+        store.set(f"w{rank}/done", "1")
+        record["final"] = client.finish(count).clone()
     live.stop()
     torch.save(record, out / f"rank{rank}.pt")
 
