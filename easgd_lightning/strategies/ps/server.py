@@ -331,6 +331,7 @@ class ParameterServer:
         return any(r not in self.done and not gone(r) for r in self.dead)
 
     def _note_members(self) -> None:
+        """Record who is served now (the workers not lost) at the current update count."""
         self.membership.append({"step": self.updates, "members": [w for w in self.workers if w not in self.dead],
                                 "t": time.time()})
 
