@@ -277,21 +277,23 @@ def start_ranks(script: Path, world: int, args: list[str], *,
     ``port``: a free one by default), forked by the session's :func:`script_server` (or
     spawned); their out/err are read by ``communicate``."""
     port = free_port() if port is None else port
+    return [start_rank(script, rank, world, args, port=port) for rank in range(world)]
+
+
+def start_rank(script: Path, rank: int, world: int, args: list[str], *, port: int,
+               extra_env: dict[str, str] | None = None) -> subprocess.Popen | ScriptRank:
+    """One rank of :func:`start_ranks` (``extra_env`` added to its environment): e.g. a
+    process that joins a running set of ranks late, at the same rendezvous ``port``."""
     server = script_server()
-    procs: list = []
-    logs = Path(tempfile.mkdtemp(prefix="ranks-", dir=_session_tmp())) if server is not None else None
-    for rank in range(world):
-        env = rank_env(base_env(), rank, world, port)
-        if server is not None:
-            out, err = logs / f"rank{rank}.out", logs / f"rank{rank}.err"
-            proc = server.start([str(script), *args], env, os.getcwd(), [], entry="tests.helpers:run_script",
-                                stdout=str(out), stderr=str(err))
-            procs.append(ScriptRank(proc, out, err))
-            continue
-        procs.append(
-            subprocess.Popen([PY, str(script), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        )
-    return procs
+    env = {**rank_env(base_env(), rank, world, port), **(extra_env or {})}
+    if server is None:
+        return subprocess.Popen([PY, str(script), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    logs = Path(tempfile.mkdtemp(prefix="ranks-", dir=_session_tmp()))
+    out, err = logs / f"rank{rank}.out", logs / f"rank{rank}.err"
+    proc = server.start([str(script), *args], env, os.getcwd(), [], entry="tests.helpers:run_script",
+                        stdout=str(out), stderr=str(err))
+    return ScriptRank(proc, out, err)
 
 
 def communicate_all(procs: list[subprocess.Popen], timeout: float) -> list[subprocess.CompletedProcess]:

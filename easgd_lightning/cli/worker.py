@@ -177,8 +177,15 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
     out_dir = Path(out_dir)
     from easgd_lightning import ft
 
-    ft_ctx = None
-    if ft.enabled(cfg):  # this worker is its own replica group (easgd_lightning/ft/worker.py)
+    ft_ctx = late = None
+    from easgd_lightning.ft.config import rejoins_natively
+
+    if ft.enabled(cfg) and rejoins_natively(cfg):  # the server re-admits restarted workers (strategies/ps/rejoin.py)
+        from easgd_lightning.ft.worker import ENV_ATTEMPT
+        from easgd_lightning.strategies.ps.rejoin import prepare_late_start
+
+        late = prepare_late_start(cfg, str(out_dir), int(os.environ.get(ENV_ATTEMPT, "0")))
+    elif ft.enabled(cfg):  # this worker is its own replica group (easgd_lightning/ft/worker.py)
         from easgd_lightning.ft.worker import prepare
 
         ft_ctx = prepare(cfg, str(out_dir))
@@ -194,6 +201,8 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
         from easgd_lightning.ft.strategies import attach
 
         strategy = attach(strategy, ft_ctx)
+    elif ft.enabled(cfg):
+        strategy.enable_rejoin(late)
     val_history = ValHistoryCallback()
     train_clock = TrainClockCallback()
     stopper = SignalStop(str(out_dir / "checkpoints") if cfg.checkpoint.enabled else None)
@@ -218,6 +227,8 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
                 save_last=True,
                 save_top_k=-1,
                 every_n_epochs=int(cfg.checkpoint.every_n_epochs),
+                # a restarted worker 0 replaces its first start's files (last.ckpt: the newest center)
+                enable_version_counter=late is None,
             )
         )
     trainer = build_trainer(  # every trainer key is a Trainer argument (cli/trainer_config.py)

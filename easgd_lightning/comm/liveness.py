@@ -34,7 +34,8 @@ from easgd_lightning.compat import lightning as compat
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Liveness", "CancellableWait", "SignalWatch", "SIGNAL_GRACE_S", "interruption", "LOST_KEY", "read_lost"]
+__all__ = ["Liveness", "CancellableWait", "SignalWatch", "SIGNAL_GRACE_S", "interruption", "LOST_KEY", "read_lost",
+           "RUN_STORE_ENV", "run_store_address", "GONE_KEY"]
 
 #: a receive must never time out: that closes the process group
 LONG_WAIT = timedelta(days=7)
@@ -45,6 +46,9 @@ HEARTBEAT_STORE_TIMEOUT_S = 3.0
 HEARTBEAT_JOIN_S = HEARTBEAT_STORE_TIMEOUT_S + 2.0
 #: store key of a rank declared lost (one run per store: no run prefix), value JSON
 LOST_KEY = "easgd/lost/{rank}"
+#: store key of a rank the launcher will not start again (``ft=torchft``: no restart left, or
+#: the run is ending), so nobody waits for it to rejoin
+GONE_KEY = "easgd/gone/{rank}"
 
 
 def read_lost(store, ranks) -> dict[int, dict]:
@@ -168,6 +172,10 @@ class Liveness:
         self._seen[rank] = (value, changed, read)
         return now - changed < self.dead_after_s
 
+    def store_client(self):
+        """A new client of the store the heartbeats go through (for another thread's use)."""
+        return self._factory()
+
     def mark_done(self) -> None:
         self._reader.set(self._key(self.rank, "done"), "1")
 
@@ -188,6 +196,13 @@ class Liveness:
         except Exception as err:
             log.debug("could not withdraw rank %d: %s", rank, err)
 
+    def is_gone(self, rank: int) -> bool:
+        """Whether the launcher said it will not start ``rank`` again (:data:`GONE_KEY`)."""
+        try:
+            return bool(self._reader.check([GONE_KEY.format(rank=rank)]))
+        except Exception:  # the store went away: the run is ending, nobody comes back
+            return True
+
     def mark_left(self) -> None:
         """This rank will not read the store again (rank 0, its host, may now exit)."""
         self._reader.set(self._key(self.rank, "left"), "1")
@@ -196,19 +211,36 @@ class Liveness:
         return bool(self._reader.check([self._key(rank, "left")]))
 
 
+#: ``host:port`` of the run's rendezvous store when it is not ``MASTER_ADDR:MASTER_PORT``
+#: (a restarted parameter-server worker, whose Lightning world is a private one-process
+#: world: :mod:`easgd_lightning.strategies.ps.rejoin`)
+RUN_STORE_ENV = "EASGD_RUN_STORE"
+
+
+def run_store_address() -> tuple[str, int] | None:
+    """(host, port) of the run's rendezvous store: ``EASGD_RUN_STORE``, else
+    ``MASTER_ADDR``/``MASTER_PORT``; None when neither is set."""
+    value = os.environ.get(RUN_STORE_ENV)
+    if value:
+        host, _, port = value.rpartition(":")
+        return host, int(port)
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    return (addr, int(port)) if addr and port else None
+
+
 def _heartbeat_store():
     """The heartbeat thread's own store client: as :func:`_default_store`, with calls that
     give up after :data:`HEARTBEAT_STORE_TIMEOUT_S` (the thread then retries)."""
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if addr and port:
-        return dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=HEARTBEAT_STORE_TIMEOUT_S))
+    address = run_store_address()
+    if address:
+        return dist.TCPStore(*address, is_master=False, timeout=timedelta(seconds=HEARTBEAT_STORE_TIMEOUT_S))
     return compat.default_store()
 
 
 def _default_store():
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if addr and port:
-        return dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=30))
+    address = run_store_address()
+    if address:
+        return dist.TCPStore(*address, is_master=False, timeout=timedelta(seconds=30))
     return compat.default_store()
 
 

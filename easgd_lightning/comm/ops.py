@@ -36,6 +36,7 @@ __all__ = [
     "barrier",
     "all_gather_object",
     "new_group",
+    "pair_group",
 ]
 
 
@@ -322,39 +323,60 @@ def broadcast_control(tensor: torch.Tensor, src: int = 0, group: dist.ProcessGro
 # Point-to-point: ``dst`` / ``src`` are global ranks; ``group`` (default: the default
 # group) must hold both ends. A timeout or a lost peer closes every connection of the group
 # it happened in (gloo), so a channel that must survive a peer's death gets a group of its
-# own (the parameter server's per-worker channels).
+# own (the parameter server's per-worker channels). ``group_peer``: the peer's rank *within*
+# ``group`` instead (required for a group made outside torch.distributed's bookkeeping,
+# :func:`pair_group`, whose ranks are not global ranks).
+def _peer(key: str, rank: int | None, group_peer: int | None) -> dict:
+    return {key: rank} if group_peer is None else {f"group_{key}": group_peer}
+
+
 def send(tensor: torch.Tensor, dst: int, *, kind: str, dense_bytes: int | None = None, tag: int = 0,
-         group: dist.ProcessGroup | None = None) -> None:
+         group: dist.ProcessGroup | None = None, group_peer: int | None = None) -> None:
     """Blocking point-to-point send."""
     start = time.perf_counter()
-    dist.send(tensor, dst=dst, tag=tag, group=group)
+    dist.send(tensor, tag=tag, group=group, **_peer("dst", dst, group_peer))
     _finish(kind, start, nbytes(tensor), 0, dense_bytes)
 
 
 def recv(tensor: torch.Tensor, src: int | None = None, *, kind: str, tag: int = 0,
-         group: dist.ProcessGroup | None = None) -> int:
+         group: dist.ProcessGroup | None = None, group_peer: int | None = None) -> int:
     """Blocking receive into ``tensor``; ``src=None`` receives from any source (gloo).
 
-    Returns the sender's rank.
+    Returns the sender's rank (``group_peer`` when given).
     """
     start = time.perf_counter()
-    sender = dist.recv(tensor, src=src, tag=tag, group=group)
+    if group_peer is None:
+        sender = dist.recv(tensor, src=src, tag=tag, group=group)
+    else:  # dist.recv would look the sender's global rank up: a pair group has none
+        dist.irecv(tensor, tag=tag, group=group, group_src=group_peer).wait()
+        sender = group_peer
     _finish(kind, start, 0, nbytes(tensor), 0)
     return int(sender)
 
 
 def isend(tensor: torch.Tensor, dst: int, *, kind: str, dense_bytes: int | None = None, tag: int = 0,
-          group: dist.ProcessGroup | None = None):
+          group: dist.ProcessGroup | None = None, group_peer: int | None = None):
     """Non-blocking send; bytes are recorded at launch, wait time by the caller."""
     get_meter().record(kind, sent=nbytes(tensor), dense=dense_bytes)
-    return dist.isend(tensor, dst=dst, tag=tag, group=group)
+    return dist.isend(tensor, tag=tag, group=group, **_peer("dst", dst, group_peer))
 
 
 def irecv(tensor: torch.Tensor, src: int | None = None, *, kind: str, tag: int = 0,
-          group: dist.ProcessGroup | None = None):
+          group: dist.ProcessGroup | None = None, group_peer: int | None = None):
     """Non-blocking receive; bytes are recorded at launch, wait time by the caller."""
     get_meter().record(kind, recv=nbytes(tensor), dense=0)
-    return dist.irecv(tensor, src=src, tag=tag, group=group)
+    return dist.irecv(tensor, tag=tag, group=group, **_peer("src", src, group_peer))
+
+
+def pair_group(store, prefix: str, index: int, timeout) -> dist.ProcessGroup:
+    """A two-process gloo group of its own, rendezvoused under ``prefix`` in ``store``
+    (``index``: 0 or 1, this process's rank in it; ``timeout``: a ``timedelta`` for its
+    operations and for the other end to arrive). Unlike :func:`new_group` it is not
+    collective over the default group: the two processes alone make it, and a process that
+    joined no default group may make one (a restarted parameter-server worker, README
+    "Losing a worker"). Address the peer with ``group_peer=1 - index``. Blocks until the
+    other end makes its side (RuntimeError after ``timeout``)."""
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), index, 2, timeout)
 
 
 def barrier(group: dist.ProcessGroup | None = None, *, kind: str = "control") -> None:

@@ -11,7 +11,9 @@ launcher and strategies.
 * :mod:`.config` -- the ``ft`` group's keys, checked before launch, and what is refused.
 * :mod:`.lighthouse` -- the lighthouse process the launcher starts (``ft.lighthouse=null``).
 * :mod:`.launch` -- the launcher under ``ft=torchft``: starts the lighthouse and the workers,
-  restarts a dead worker (up to ``ft.max_restarts``), writes the ``ft`` part of summary.json.
+  restarts a dead worker (up to ``ft.max_restarts``), writes the ``ft`` part of summary.json;
+  for the parameter-server family without a lighthouse (its server re-admits restarted
+  workers: ``strategies/ps/rejoin.py``).
 * :mod:`.worker` -- one worker as its own replica group (a one-process Lightning world plus a
   torchft ``Manager``) and the quorum exchange.
 * :mod:`.strategies` -- ``local_sgd``, ``sync_easgd``, ``ddp`` and ``diloco`` with their exchange as a quorum step.

@@ -3,8 +3,10 @@ one line naming the key and what is allowed).
 
 Rule: ``ft=none`` (the default) changes nothing. ``ft=torchft`` supports what it can keep
 exact: ``strategy=local_sgd``, ``sync_easgd``, ``ddp`` (dense) and ``diloco`` (one fragment) with ``compression=none`` and a
-flat reduction, started by easgd-train's own launcher; everything else is refused in one
-line rather than run without the tolerance it asked for.
+flat reduction, started by easgd-train's own launcher; and the parameter-server family
+(:data:`FT_NATIVE`, Hogwild only with ``strategy.server=dedicated``), whose server re-admits
+a restarted worker itself (no torchft Manager, no lighthouse; any compression). Everything
+else is refused in one line rather than run without the tolerance it asked for.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["FT_KEYS", "FT_STRATEGIES", "check_ft", "lighthouse_address"]
+__all__ = ["FT_KEYS", "FT_STRATEGIES", "FT_NATIVE", "check_ft", "lighthouse_address", "rejoins_natively"]
 
 #: keys of ``ft=torchft`` (conf/ft/torchft.yaml)
 FT_KEYS = ("name", "lighthouse", "min_replicas", "quorum_timeout_s", "collective_timeout_s", "max_restarts",
@@ -21,15 +23,18 @@ FT_KEYS = ("name", "lighthouse", "min_replicas", "quorum_timeout_s", "collective
 #: strategies whose exchange runs as a torchft quorum step
 FT_STRATEGIES = ("local_sgd", "sync_easgd", "ddp", "diloco")
 
+#: strategies whose parameter server re-admits a restarted worker itself: under ft=torchft the
+#: launcher restarts a dead worker and the server serves it again (strategies/ps/rejoin.py);
+#: the Hogwild ones only with strategy.server=dedicated
+FT_NATIVE = ("async_easgd", "async_measgd", "async_sgd", "async_msgd", "hogwild_easgd", "hogwild_sgd")
+
 _WHY_NOT = {
     "pipeline_3d": "a pipeline stage cannot be replaced by a peer: every stage holds different layers",
     "easgd_round_robin": "its master serves workers in rank order over the default process group",
-    "async_easgd": "the parameter-server family tolerates lost workers natively, without torchft",
-    "async_measgd": "the parameter-server family tolerates lost workers natively, without torchft",
-    "async_sgd": "the parameter-server family tolerates lost workers natively, without torchft",
-    "async_msgd": "the parameter-server family tolerates lost workers natively, without torchft",
-    "hogwild_easgd": "Hogwild workers share one process's memory: there is no replica to lose and restart",
-    "hogwild_sgd": "Hogwild workers share one process's memory: there is no replica to lose and restart",
+    "hogwild_easgd": "Hogwild workers on shared memory (strategy.server=null) have no server to re-admit a "
+                     "restarted one; strategy.server=dedicated has",
+    "hogwild_sgd": "Hogwild workers on shared memory (strategy.server=null) have no server to re-admit a "
+                   "restarted one; strategy.server=dedicated has",
 }
 
 _ADDRESS = re.compile(r"^(?:http://)?(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
@@ -45,6 +50,13 @@ def lighthouse_address(value: str) -> str:
     if not m or not 0 < int(m.group(2)) < 65536:
         raise ValueError(f"ft.lighthouse: must be null or host:port (or http://host:port), got {value!r}")
     return f"http://{m.group(1)}:{m.group(2)}"
+
+
+def rejoins_natively(cfg: Any) -> bool:
+    """Whether ``cfg``'s strategy is one whose server re-admits a restarted worker
+    (:data:`FT_NATIVE`, with a dedicated server)."""
+    st = cfg.strategy
+    return st.get("name") in FT_NATIVE and st.get("server", "dedicated") == "dedicated"
 
 
 def _is_int(v: Any) -> bool:
@@ -75,10 +87,19 @@ def check_ft(cfg: Any, world: int) -> None:
     if unknown:
         raise ConfigError(f"ft.{unknown[0]}: unknown key of ft=torchft; its keys are {', '.join(FT_KEYS[1:])}")
     strategy = cfg.strategy.get("name")
+    if (cfg.get("checkpoint") or {}).get("resume"):
+        raise ConfigError("ft=torchft: checkpoint.resume is not supported (a restarted worker recovers from the "
+                          "live run, not from disk); drop checkpoint.resume, or use ft=none")
+    if rejoins_natively(cfg):
+        _check_common(ft, world - 1)  # the last process is the server
+        if ft.get("lighthouse") is not None:
+            raise ConfigError(f"ft.lighthouse: strategy={strategy} uses no torchft lighthouse (its parameter server "
+                              "re-admits restarted workers itself); leave ft.lighthouse=null")
+        return
     if strategy not in FT_STRATEGIES:
         why = _WHY_NOT.get(strategy, "its exchange does not run through the torchft Manager")
         raise ConfigError(f"ft=torchft: strategy={strategy} cannot survive a lost worker ({why}); "
-                          f"use strategy={' or strategy='.join(FT_STRATEGIES)}, or ft=none")
+                          f"use strategy={' or strategy='.join(FT_STRATEGIES + FT_NATIVE[:4])}, or ft=none")
     comm = cfg.get("comm") or {}
     compression = cfg.compression.get("name", "none")
     if compression != "none":
@@ -101,18 +122,27 @@ def check_ft(cfg: Any, world: int) -> None:
     if comm.get("hierarchy", "flat") != "flat":
         raise ConfigError(f"ft=torchft: comm.hierarchy={comm.get('hierarchy')} is not supported (node groups "
                           "do not follow quorum changes); use comm.hierarchy=flat, or ft=none")
-    if (cfg.get("checkpoint") or {}).get("resume"):
-        raise ConfigError("ft=torchft: checkpoint.resume is not supported (a worker recovers from a live peer, "
-                          "not from disk); drop checkpoint.resume, or use ft=none")
     lighthouse = ft.get("lighthouse")
     if lighthouse is not None:
         try:
             lighthouse_address(lighthouse)
         except ValueError as err:
             raise ConfigError(str(err)) from None
+    _check_common(ft, world)
+    try:
+        import torchft  # noqa: F401
+    except ImportError as err:
+        raise ConfigError(f"ft=torchft needs the torchft package ({err}); install it with "
+                          "pip install 'easgd-lightning[ft]' (make venv does)") from None
+
+
+def _check_common(ft: Any, workers: int) -> None:
+    """The keys every ``ft=torchft`` run reads (``workers``: how many may be restarted)."""
+    from easgd_lightning.cli.build import ConfigError
+
     mr = ft.get("min_replicas", 1)
-    if not _is_int(mr) or not 1 <= mr <= world:
-        raise ConfigError(f"ft.min_replicas: must be an integer in [1, {world}] (the workers), got {mr!r}")
+    if not _is_int(mr) or not 1 <= mr <= workers:
+        raise ConfigError(f"ft.min_replicas: must be an integer in [1, {workers}] (the workers), got {mr!r}")
     restarts = ft.get("max_restarts", 3)
     if not _is_int(restarts) or restarts < 0:
         raise ConfigError(f"ft.max_restarts: must be an integer >= 0, got {restarts!r}")
@@ -124,8 +154,3 @@ def check_ft(cfg: Any, world: int) -> None:
     if ft.get("heartbeat_timeout_s", 2) >= ft.get("quorum_timeout_s", 60):
         raise ConfigError(f"ft.heartbeat_timeout_s: must be < ft.quorum_timeout_s ({ft.get('quorum_timeout_s', 60)}), "
                           f"got {ft.get('heartbeat_timeout_s')!r}")
-    try:
-        import torchft  # noqa: F401
-    except ImportError as err:
-        raise ConfigError(f"ft=torchft needs the torchft package ({err}); install it with "
-                          "pip install 'easgd-lightning[ft]' (make venv does)") from None

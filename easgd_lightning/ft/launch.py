@@ -24,6 +24,14 @@ Rules (README "Fault tolerance"), every wait bounded:
 * SIGINT / SIGTERM / SIGHUP to the launcher: as without ft (forwarded; a second one kills).
 * ``faults.kill_every_s``: seeded random SIGKILLs of one worker at a time (:mod:`.punisher`),
   recorded in the summary's ``injected_kills`` and marked ``injected`` among the deaths.
+
+The parameter-server family (``ft/config.py`` ``rejoins_natively``) takes the same path with
+no lighthouse (:class:`_ServerRun`): its server re-admits a restarted worker itself
+(``strategies/ps/rejoin.py``). The server (the last rank) is not restarted: its death ends
+the run as the lighthouse's does. A stopped worker is killed (and restarted) once the server
+has declared it lost (after ``strategy.worker_timeout_s`` without heartbeat); a stopped server
+after ``timeout_s``. A worker given up (no restart left, or the run over) is marked gone in
+the store, so the server does not wait for it to come back.
 """
 
 from __future__ import annotations
@@ -41,7 +49,8 @@ from typing import Any
 
 from easgd_lightning.cli import forkserver
 from easgd_lightning.cli import launch as L
-from easgd_lightning.ft.config import lighthouse_address
+from easgd_lightning.comm.liveness import GONE_KEY
+from easgd_lightning.ft.config import lighthouse_address, rejoins_natively
 from easgd_lightning.ft.lighthouse import LighthouseProcess, answers
 from easgd_lightning.ft.punisher import Punisher
 from easgd_lightning.ft.worker import ENV_ATTEMPT, ENV_LIGHTHOUSE
@@ -64,8 +73,29 @@ class FTOutcome(L.LaunchOutcome):
     lighthouse: str | None = None
     lighthouse_pid: int | None = None
     lighthouse_lost: bool = False
+    servers: list[int] = field(default_factory=list)  # processes that are not replicas (never restarted)
     error: str | None = None
     injected_kills: list[dict] = field(default_factory=list)  # faults.kill_every_s: {rank, attempt, t_s}
+
+
+@dataclass
+class _ServerRun:
+    """A parameter-server run under ft=torchft (module doc): its server rank, the run's store
+    (the launcher hosts it), and how long a stopped server is left before it is killed."""
+
+    server: int
+    store: Any
+    timeout_s: float
+
+    def declared_lost(self, world: int) -> set[int]:
+        return set(L._read_lost(self.store, world))
+
+    def give_up(self, rank: int) -> None:
+        """Nobody waits for ``rank`` to rejoin any more."""
+        try:
+            self.store.set(GONE_KEY.format(rank=rank), "1")
+        except Exception:  # pragma: no cover - the store is this process's own
+            log.debug("could not mark rank %d gone", rank, exc_info=True)
 
 
 def _start_worker(rank: int, attempt: int, env: dict, cfg_file: Path, out_dir: Path, server, preload):
@@ -105,8 +135,11 @@ def spawn_and_supervise_ft(cfg: Any, cfg_file: Path, out_dir: Path, world: int, 
     quorum_s = float(ft.get("quorum_timeout_s", 60))
     max_restarts = int(ft.get("max_restarts", 3))
     outcome = FTOutcome(exit_codes=[None] * world, restarts=[0] * world)
+    native = rejoins_natively(cfg)
     lh: LighthouseProcess | None = None
-    if ft.get("lighthouse") is None:
+    if native:  # no lighthouse: the parameter server re-admits restarted workers
+        outcome.servers = [world - 1]
+    elif ft.get("lighthouse") is None:
         lh = LighthouseProcess(out_dir, int(ft.get("min_replicas", 1)), float(ft.get("join_timeout_s", 10)),
                                float(ft.get("heartbeat_timeout_s", 2)))
         try:
@@ -127,7 +160,10 @@ def spawn_and_supervise_ft(cfg: Any, cfg_file: Path, out_dir: Path, world: int, 
     env.pop("EASGD_PARENT_PID", None)
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store_port), TORCHELASTIC_USE_AGENT_STORE="True",
                WORLD_SIZE=str(world), NODE_RANK="0", EASGD_RUN_ID=run_id, EASGD_LAUNCHER_PID=str(os.getpid()),
-               EASGD_STOP_GRACE_S=str(grace), **{ENV_LIGHTHOUSE: outcome.lighthouse})
+               EASGD_STOP_GRACE_S=str(grace))
+    if outcome.lighthouse is not None:
+        env[ENV_LIGHTHOUSE] = outcome.lighthouse
+    ps = _ServerRun(world - 1, store, timeout_s) if native else None
     env.setdefault("RUST_LOG", "warn")
     procs: list = []
     attempts = [0] * world
@@ -147,7 +183,7 @@ def spawn_and_supervise_ft(cfg: Any, cfg_file: Path, out_dir: Path, world: int, 
             procs.append(_start_worker(rank, 0, env, cfg_file, out_dir, server, preload))
         write_launch()
         _supervise_ft(procs, attempts, outcome, lh, env, cfg_file, out_dir, server, preload, signals,
-                      max_restarts, quorum_s, grace, t0, write_launch, _punisher(cfg))
+                      max_restarts, quorum_s, grace, t0, write_launch, ps, _punisher(cfg))
     finally:
         for p in procs:  # nothing we started outlives the launcher
             if p.poll() is None:
@@ -162,27 +198,48 @@ def spawn_and_supervise_ft(cfg: Any, cfg_file: Path, out_dir: Path, world: int, 
     return outcome
 
 
+def _stopped_too_long(r: int, stopped_for: float, quorum_s: float, ps: _ServerRun | None, declared: set[int]) -> bool:
+    """Whether a stopped (SIGSTOP) process is killed now: under torchft after
+    ``ft.quorum_timeout_s`` (the quorum has dropped it by then); a parameter-server worker
+    once the server declared it lost; the server after ``timeout_s``."""
+    if ps is None:
+        return stopped_for >= quorum_s
+    return stopped_for >= ps.timeout_s if r == ps.server else r in declared
+
+
+def _server_up(procs, ps: _ServerRun | None) -> bool:
+    """The parameter server is running and not stopped (True without one)."""
+    if ps is None:
+        return True
+    p = procs[ps.server]
+    return p.poll() is None and L._proc_state(p.pid) not in ("T", "t")
+
+
 def _supervise_ft(procs, attempts, outcome: FTOutcome, lh, env, cfg_file, out_dir, server, preload, signals,
                   max_restarts: int, quorum_s: float, grace: float, t0: float, write_launch,
-                  punisher: Punisher | None = None) -> None:
+                  ps: _ServerRun | None = None, punisher: Punisher | None = None) -> None:
     world = len(procs)
     done = [False] * world
     stopped_since: list[float | None] = [None] * world
     term_at: float | None = None
     kill_at: float | None = None
     forwarded = 0
+    lost_read, declared = -L._LOST_POLL_S, set()
     while True:
         now = time.monotonic()
         stopping = bool(signals.received) or outcome.lighthouse_lost
+        if ps is not None and now - lost_read >= L._LOST_POLL_S:
+            lost_read, declared = now, ps.declared_lost(world)
         for r, p in enumerate(procs):
             if done[r]:
                 continue
             code = p.poll()
             if code is None:
-                if L._proc_state(p.pid) in ("T", "t"):  # stopped: the quorum drops it after quorum_s
+                if L._proc_state(p.pid) in ("T", "t"):  # stopped: dropped by the others after a while
                     stopped_since[r] = stopped_since[r] or now
-                    if now - stopped_since[r] >= quorum_s and r not in outcome.killed_ranks:
-                        log.error("worker %d has been stopped for %.0fs (ft.quorum_timeout_s): killing it", r,
+                    if r not in outcome.killed_ranks and _stopped_too_long(r, now - stopped_since[r], quorum_s,
+                                                                           ps, declared):
+                        log.error("rank %d has been stopped for %.0fs and dropped by the others: killing it", r,
                                   now - stopped_since[r])
                         outcome.killed_ranks.append(r)
                         L._signal_group(p, signal.SIGKILL)
@@ -206,8 +263,16 @@ def _supervise_ft(procs, attempts, outcome: FTOutcome, lh, env, cfg_file, out_di
                 death["injected"] = "faults.kill_every_s"
             outcome.deaths.append(death)
             stopped_since[r] = None
+            if r in outcome.servers:  # it holds the centre: not replaceable, the run ends
+                done[r] = True
+                how = " ".join(f"{k} {v}" for k, v in L.describe_returncode(code).items())
+                outcome.error = (f"the parameter server (rank {r}) died ({how}): it holds the centre and cannot "
+                                 "be restarted; stopping the workers")
+                log.error(outcome.error)
+                term_at = term_at or _stop_all(procs, done)
+                continue
             can_restart = (not stopping and not outcome.finished_ranks and outcome.restarts[r] < max_restarts
-                           and term_at is None and (lh is None or lh.alive()))
+                           and term_at is None and (lh is None or lh.alive()) and _server_up(procs, ps))
             if can_restart:
                 attempts[r] += 1
                 outcome.restarts[r] += 1
@@ -218,6 +283,8 @@ def _supervise_ft(procs, attempts, outcome: FTOutcome, lh, env, cfg_file, out_di
                 write_launch()
                 continue
             done[r] = True
+            if ps is not None:
+                ps.give_up(r)
             if r in outcome.ended_waiting:
                 continue
             outcome.lost_ranks.append(r)
@@ -229,16 +296,13 @@ def _supervise_ft(procs, attempts, outcome: FTOutcome, lh, env, cfg_file, out_di
         if not alive:
             break
         if punisher is not None and term_at is None and not stopping and not outcome.finished_ranks:
-            _punish(punisher, procs, attempts, alive, stopped_since, outcome, out_dir, max_restarts, now, t0)
+            _punish(punisher, procs, attempts, alive, stopped_since, outcome, out_dir, max_restarts, now, t0, ps)
         if lh is not None and not lh.alive() and not outcome.lighthouse_lost:
             outcome.lighthouse_lost = True
             outcome.error = (f"the torchft lighthouse (pid {lh.pid}, {outcome.lighthouse}) died "
                              f"(exit {lh.proc.returncode}): no quorum is possible; stopping the workers")
             log.error(outcome.error)
-            for r in alive:
-                L._signal_group(procs[r], signal.SIGTERM)
-                L._signal_group(procs[r], signal.SIGCONT)
-            term_at = term_at or now
+            term_at = term_at or _stop_all(procs, done)
         # the others have finished: end the restarted workers still waiting to rejoin and the
         # stopped ones (SIGSTOP), which no quorum will take any more
         if outcome.finished_ranks and term_at is None:
@@ -277,11 +341,18 @@ def _supervise_ft(procs, attempts, outcome: FTOutcome, lh, env, cfg_file, out_di
 
 
 def _punish(punisher: Punisher, procs, attempts, alive, stopped_since, outcome: FTOutcome, out_dir: Path,
-            max_restarts: int, now: float, t0: float) -> None:
+            max_restarts: int, now: float, t0: float, ps: _ServerRun | None = None) -> None:
     """One step of ``faults.kill_every_s``: arm the clock once every worker has joined, then
-    SIGKILL the drawn worker when a kill is due and every unfinished worker is up."""
-    up = [r for r in alive if stopped_since[r] is None and _joined(out_dir, r, attempts[r])]
-    all_up = len(up) == len(alive)
+    SIGKILL the drawn worker when a kill is due and every unfinished worker is up. The
+    parameter server is never drawn (it is not replaceable); a parameter-server worker's first
+    start is up from its start (it records only rejoins)."""
+    workers = [r for r in alive if ps is None or r != ps.server]
+
+    def joined(r: int) -> bool:
+        return (ps is not None and attempts[r] == 0) or _joined(out_dir, r, attempts[r])
+
+    up = [r for r in workers if stopped_since[r] is None and joined(r)]
+    all_up = len(up) == len(workers) and (ps is None or ps.server in alive)
     if all_up:
         punisher.arm(now)
     victim = punisher.pick(now, [r for r in up if outcome.restarts[r] < max_restarts], all_up)
@@ -290,6 +361,15 @@ def _punish(punisher: Punisher, procs, attempts, alive, stopped_since, outcome: 
     log.warning("faults.kill_every_s: SIGKILL to worker %d (pid %d)", victim, procs[victim].pid)
     outcome.injected_kills.append({"rank": victim, "attempt": attempts[victim], "t_s": round(now - t0, 3)})
     L._signal_group(procs[victim], signal.SIGKILL)
+
+
+def _stop_all(procs, done: list[bool]) -> float:
+    """SIGTERM (and SIGCONT) to every process still running; returns when (monotonic)."""
+    for r, p in enumerate(procs):
+        if not done[r]:
+            L._signal_group(p, signal.SIGTERM)
+            L._signal_group(p, signal.SIGCONT)
+    return time.monotonic()
 
 
 def ft_summary(outcome: FTOutcome, reports: list[dict | None], min_replicas: int, launch_wall: float,
@@ -337,7 +417,7 @@ def ft_summary(outcome: FTOutcome, reports: list[dict | None], min_replicas: int
         "ended_before_rejoin": sorted(set(outcome.ended_waiting)),
         "lighthouse_lost": outcome.lighthouse_lost,
         "injected_kills": list(outcome.injected_kills),
-        "enough_replicas": len(finished) >= min_replicas,
+        "enough_replicas": len(set(finished) - set(outcome.servers)) >= min_replicas,
     }
 
 

@@ -39,7 +39,7 @@ from easgd_lightning.utils.atomic import atomic_write_json
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FTContext", "FTSession", "prepare", "current", "tensor_bytes"]
+__all__ = ["FTContext", "FTSession", "prepare", "current", "tensor_bytes", "write_join_record"]
 
 #: the launcher sets these for every worker under ft=torchft
 ENV_ATTEMPT = "EASGD_FT_ATTEMPT"
@@ -101,11 +101,17 @@ class FTContext:
 
     def mark_joined(self, info: dict) -> None:
         """Tell the launcher this start has committed its first exchange."""
-        record = {"rank": self.rank, "attempt": self.attempt, "started_at": self.started, **info}
-        folder = os.path.join(self.run_dir, "ranks", "ft")
-        # one file per start (every rejoin is in the summary, also of a start killed again later)
-        atomic_write_json(os.path.join(folder, f"rank{self.rank}.attempt{self.attempt}.json"), record)
-        atomic_write_json(os.path.join(folder, f"rank{self.rank}.json"), record)
+        write_join_record(self.run_dir, self.rank, self.attempt, {"started_at": self.started, **info})
+
+
+def write_join_record(run_dir: str, rank: int, attempt: int, info: dict) -> None:
+    """A start's join (its first committed or served exchange), for the launcher: one file per
+    start (``ranks/ft/rank<R>.attempt<A>.json``: every rejoin reaches the summary, also one of a
+    start killed again later) and the rank's latest (``ranks/ft/rank<R>.json``)."""
+    record = {"rank": rank, "attempt": attempt, "pid": os.getpid(), **info}
+    folder = os.path.join(run_dir, "ranks", "ft")
+    atomic_write_json(os.path.join(folder, f"rank{rank}.attempt{attempt}.json"), record)
+    atomic_write_json(os.path.join(folder, f"rank{rank}.json"), record)
 
 
 def prepare(cfg: Any, run_dir: str) -> FTContext:

@@ -224,3 +224,79 @@ def test_a_frozen_worker_holds_nobody_up_and_is_dropped_by_its_heartbeat(frozen:
     # its 4th request froze with it in the middle of sending (gloo moves a payload only once
     # the receiver asks for it, on the sender's stopped thread): applied only if it got out
     assert server["order"].count(2) in (3, 4)
+
+
+REJOIN_SCRIPT = Path(__file__).parent / "scripts" / "async_ps_rejoin_run.py"
+
+
+@pytest.fixture(scope="module")
+def rejoined(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Worker 2 SIGKILLs itself after 3 requests; once workers 0 and 1 are done, a new process
+    of it (joining no process group) is re-admitted by the server, which waited for it, and
+    sends 6 more (scripts/async_ps_rejoin_run.py)."""
+    from easgd_lightning.utils.rank_env import free_port
+    from tests.helpers import start_rank
+
+    out = tmp_path_factory.mktemp("async_ps_rejoin")
+    port = free_port()
+    procs = start_ranks(REJOIN_SCRIPT, 4, [str(out)], port=port)
+    procs.append(start_rank(REJOIN_SCRIPT, 2, 4, [str(out)], port=port, extra_env={"LATE": "1"}))
+    results = communicate_all(procs, timeout=240)
+    codes = [r.returncode for r in results]
+    assert codes == [0, 0, -9, 0, 0], (codes, results[3].stderr[-3000:], results[4].stderr[-3000:])
+    recs = {r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1, 3)}
+    recs["late"] = torch.load(out / "rank2-late.pt", weights_only=False)
+    return recs
+
+
+def _script(path: Path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_restarted_worker_is_readmitted_and_the_float64_replay_stays_exact(rejoined: dict) -> None:
+    """The server's service order, replayed here in float64 with d = alpha (x - c), c += d:
+    every reply and the final center are bitwise the replay's, across the loss and the
+    rejoin; the rejoined process pulled exactly the replay's center at the update count its
+    state names, and went on from the step the server had recorded for its first start. The
+    server, with no worker active (0 and 1 done, 2 lost), waited for it instead of ending."""
+    run = _script(REJOIN_SCRIPT)
+    server, late = rejoined[3], rejoined["late"]
+    (lost,) = server["lost"]
+    assert lost["rank"] == 2 and lost["cause"] in ("connection lost", "restarted"), lost
+    assert lost["restarted"] == 1 and lost["back_at"] >= lost["at"]
+    (join,) = server["rejoins"]
+    assert join["rank"] == 2 and join["attempt"] == 1
+    assert server["dead"] == [] and sorted(server["done"]) == [0, 1, 2]
+    assert [m["members"] for m in server["membership"]] == [[0, 1, 2], [0, 1], [0, 1, 2]]
+    state = late["state"]
+    assert state["worker_steps"][2] == run.FIRST  # the step of its last served request
+    assert late["state_bytes"] > state["center"].numel() * 8  # the center and the server's state
+    assert server["served"][2] == server["worker_steps"][2] == run.FIRST + run.AFTER
+    # what each worker sent, and got back, in its order; worker 2's first start died with its
+    # records: its messages are regenerated here, its replies are unknown (None)
+    sent = {r: list(rejoined[r]["sent"]) for r in (0, 1)}
+    got = {r: list(rejoined[r]["got"]) for r in (0, 1)}
+    sent[2] = [run.x_of(2, k) for k in range(run.FIRST)] + list(late["sent"])
+    got[2] = [None] * run.FIRST + list(late["got"])
+    assert server["order"].count(2) == len(sent[2]) == run.FIRST + run.AFTER
+    assert server["order"][-run.AFTER:] == [2] * run.AFTER  # served after the others were done
+    assert state["updates"] == run.FIRST + 2 * run.OTHERS  # it pulled the center they left
+    c = torch.zeros(257, dtype=torch.float64)
+    k = {0: 0, 1: 0, 2: 0}
+    for i, sender in enumerate(server["order"]):
+        if i == state["updates"]:
+            assert torch.equal(state["center"], c)  # the center it started from
+        d = 0.25 * (sent[sender][k[sender]] - c)
+        c = c + d
+        if got[sender][k[sender]] is not None:
+            assert torch.equal(got[sender][k[sender]], d), (i, sender)
+        k[sender] += 1
+    assert run.FIRST <= state["updates"] < len(server["order"])
+    assert torch.equal(server["center"], c)
+    for rec in (rejoined[0], rejoined[1], late):  # every worker, the rejoined one too, ends with it
+        assert torch.equal(rec["final"], c)

@@ -10,6 +10,11 @@ worker processes, each its own replica group with a torchft Manager (easgd_light
   the same run without the fault, and no process of the run is left.
 * The lighthouse SIGKILLed mid-run: exit 1 within a bounded time, the error names the
   lighthouse, no process of the run is left.
+* The parameter-server family (``async_easgd``, 3 workers + server; no lighthouse): a worker
+  SIGKILLed from outside is restarted and re-admitted by the server, the run ends ``ok``
+  within 0.02 of the fault-free accuracy; with ``async_sgd`` and ``stop_policy=all``, a
+  worker killed by ``faults.kill_rank`` and one stopped from outside (dropped, then killed)
+  are both restarted and end at the others' step.
 * Refusals before launch (exit 2, one line naming the key).
 """
 
@@ -262,7 +267,7 @@ REFUSALS = [
     (["strategy=easgd_round_robin"], "ft=torchft: strategy=easgd_round_robin cannot survive a lost worker"),
     (["strategy=diloco", "strategy.fragments=2"], "ft=torchft: strategy.fragments=2 is not supported with strategy=diloco"),
     (["strategy=ddp", "compression=topk"], "ft=torchft: compression=topk is not supported"),
-    (["strategy=async_easgd"], "ft=torchft: strategy=async_easgd cannot survive a lost worker"),
+    (["strategy=hogwild_easgd"], "ft=torchft: strategy=hogwild_easgd cannot survive a lost worker"),
     (["strategy=local_sgd", "compression=topk"], "ft=torchft: compression=topk is not supported"),
 ]
 
@@ -332,4 +337,112 @@ def test_sigterm_to_the_launcher_ends_as_without_ft(tmp_path: Path) -> None:
     s = _summary(run)
     assert s["status"] == "failed" and s["error"] == "interrupted by SIGTERM"
     assert s["ft"]["restarts"] == [0, 0, 0] and s["ft"]["deaths"] == []  # a stop, not a death
+    assert not [p for p in pids if pid_alive(p)], "processes of the run are left"
+
+
+# -------------------------------------------------------------------------- the parameter server
+#: 3 workers + the server, no lighthouse (the server re-admits restarted workers itself)
+PS_COMMON = [c for c in COMMON if not c.startswith("trainer.devices=")] + ["trainer.devices=4"]
+PS_EPOCHS = ["trainer.max_epochs=40"]  # 600 steps per worker (15 per epoch)
+
+
+def _first_epoch(run: Path) -> bool:
+    return (run / "checkpoints" / "epoch000.ckpt").exists()
+
+
+def _signal_rank_and_wait(proc, run: Path, rank: int, sig: signal.Signals) -> tuple[int, set[int]]:
+    """Once rank 0 finished its first epoch, send ``sig`` to rank ``rank`` (its pid from
+    ranks/launch.json, as a cluster would); wait for the run's end: (exit status, every pid
+    the run had). Nothing is left running if a wait fails."""
+    pids: set[int] = set()
+    try:
+        _wait(lambda: _first_epoch(run), 120, "rank 0's first epoch")
+        _every_pid(run, pids)
+        os.kill(_json(run / "ranks" / "launch.json")["worker_pids"][rank], sig)
+        code = proc.wait(timeout=300)
+        _every_pid(run, pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return code, pids
+
+
+def test_parameter_server_readmits_a_worker_killed_from_outside(tmp_path: Path) -> None:
+    """async_easgd under ft=torchft: worker 1 SIGKILLed from outside (its pid from
+    ranks/launch.json) once rank 0 finished its first epoch is restarted by the launcher and
+    re-admitted by the server; the run ends ok with the accuracy of the same run without it."""
+    base_dir = tmp_path / "fault_free"
+    run_cli([f"hydra.run.dir={base_dir}", *PS_COMMON, "strategy=async_easgd", *PS_EPOCHS], timeout=400)
+    base = _summary(base_dir)
+    assert base["status"] == "ok" and base["ft"]["restarts"] == [0, 0, 0, 0] and base["ft"]["rejoins"] == []
+    run, log = tmp_path / "killed", tmp_path / "killed.log"
+    proc = start_cli([f"hydra.run.dir={run}", *PS_COMMON, "strategy=async_easgd", *PS_EPOCHS], base_env(), log)
+    code, pids = _signal_rank_and_wait(proc, run, 1, signal.SIGKILL)
+    s = _summary(run)
+    assert code == 0, log.read_text()[-3000:]
+    assert s["status"] == "ok" and s["error"] is None, s["error"]
+    ft = s["ft"]
+    assert ft["lighthouse"] is None and ft["restarts"] == [0, 1, 0, 0]
+    (death,) = ft["deaths"]
+    assert death["rank"] == 1 and death["signal"] == "SIGKILL"
+    (rejoin,) = ft["rejoins"]
+    assert rejoin["rank"] == 1 and rejoin["attempt"] == 1 and rejoin["recovery_s"] > 0
+    n_bytes = sum(v.numel() * v.element_size() for v in _centre(run).values())
+    assert rejoin["recovery_bytes"] > n_bytes  # the centre, and the server's state with it
+    assert 0 < rejoin["at_step"] < 600
+    assert ft["finished_ranks"] == [0, 1, 2, 3] and ft["lost_ranks"] == [] and ft["catch_ups"] == []
+    # the server's membership: everyone, worker 1 gone, everyone again
+    assert [q["members"] for q in ft["quorum_changes"]] == [[0, 1, 2], [0, 2], [0, 1, 2]], ft["quorum_changes"]
+    server = s["extras"][3]
+    (lost,) = server["lost_workers"]
+    assert lost["rank"] == 1 and lost["restarted"] == 1 and server["dead_workers"] == []
+    assert sorted(server["done_workers"]) == [0, 1, 2]
+    # the rejoined worker went on from the step it had reached, with the others to the end
+    assert rejoin["at_step"] < s["steps_per_rank"][1]
+    assert abs(s["val_acc"] - base["val_acc"]) <= 0.02, (s["val_acc"], base["val_acc"])
+    assert len(pids) >= 5  # four processes and the restarted one
+    assert not [p for p in pids if pid_alive(p)], "processes of the run are left"
+
+
+def test_parameter_server_restarts_a_self_killed_and_a_stopped_worker(tmp_path: Path) -> None:
+    """async_sgd (the server steps the optimizer) with stop_policy=all: worker 2 SIGKILLs
+    itself (faults.kill_rank) and worker 1 is stopped from outside (SIGSTOP). The server drops
+    the stopped one after worker_timeout_s, the launcher then kills it; both are restarted,
+    re-admitted, and, their step counts continued, end at the others' step with every step
+    pushed exactly once (the server counts them)."""
+    run, log = tmp_path / "run", tmp_path / "run.log"
+    proc = start_cli([f"hydra.run.dir={run}", *PS_COMMON, "strategy=async_sgd", "strategy.stop_policy=all",
+                      "strategy.worker_timeout_s=3", "trainer.max_epochs=10", "faults.kill_rank=2",
+                      "faults.kill_at_step=40"], base_env(), log)
+    code, pids = _signal_rank_and_wait(proc, run, 1, signal.SIGSTOP)
+    s = _summary(run)
+    assert code == 0, log.read_text()[-3000:]
+    assert s["status"] == "ok", s["error"]
+    ft = s["ft"]
+    assert ft["restarts"] == [0, 1, 1, 0]
+    deaths = {d["rank"]: d for d in ft["deaths"]}
+    assert sorted(deaths) == [1, 2] and deaths[2]["signal"] == "SIGKILL"
+    assert deaths[1]["stopped"] is True and deaths[1]["signal"] == "SIGKILL"  # killed once dropped
+    lost = {w["rank"]: w for w in s["extras"][3]["lost_workers"]}
+    assert lost[1]["cause"] == "heartbeat stopped" and lost[1]["restarted"] == 1
+    rejoins = {j["rank"]: j for j in ft["rejoins"]}
+    assert sorted(rejoins) == [1, 2] and rejoins[2]["at_step"] == 39  # killed at its 40th batch
+    assert s["steps_per_rank"][:3] == [150, 150, 150]
+    assert s["extras"][3]["served_per_rank"][:3] == [150, 150, 150]  # every step pushed, once
+    assert ft["finished_ranks"] == [0, 1, 2, 3]
+    assert not [p for p in pids if pid_alive(p)], "processes of the run are left"
+
+
+def test_parameter_server_killed_ends_the_run_cleanly(tmp_path: Path) -> None:
+    """The server holds the centre: it is not restarted, its death ends the run (exit 1, the
+    error names it), no worker is restarted after it, nothing is left running."""
+    run, log = tmp_path / "run", tmp_path / "run.log"
+    proc = start_cli([f"hydra.run.dir={run}", *PS_COMMON, "strategy=async_easgd", "trainer.max_epochs=400"],
+                     base_env(), log)
+    code, pids = _signal_rank_and_wait(proc, run, 3, signal.SIGKILL)
+    assert code == 1, log.read_text()[-3000:]
+    s = _summary(run)
+    assert s["status"] == "failed"
+    assert s["error"].startswith("the parameter server (rank 3) died (signal SIGKILL)"), s["error"]
+    assert s["ft"]["restarts"] == [0, 0, 0, 0]
     assert not [p for p in pids if pid_alive(p)], "processes of the run are left"

@@ -60,6 +60,8 @@ class ServerClient:
         interrupted: returns a signal number once this process got SIGTERM (waits stop).
         group: this worker's channel to the server (:func:`~.server.worker_channels`);
             None: the default group.
+        peer: the server's rank within ``group`` when it is a pair group (a restarted
+            worker's channel, :mod:`~easgd_lightning.strategies.ps.rejoin`); None: global ranks.
     """
 
     def __init__(
@@ -75,9 +77,13 @@ class ServerClient:
         header_size: int = HEADER,
         interrupted: Callable[[], int | None] | None = None,
         group=None,
+        peer: int | None = None,
     ) -> None:
         self.server, self.like, self.world = server_rank, like, world_size
-        self.group = group
+        self.group, self.peer = group, peer
+        self._channel = {"group": group, "group_peer": peer}  # how every message addresses the server
+        #: bytes of the last :meth:`pull_state` (the center and the server's state)
+        self.last_state_bytes = 0
         self.n_params = like.numel() if n_params is None else n_params
         self.kind, self.liveness, self.poll_s = kind, liveness, poll_s
         self.header_size, self.interrupted = header_size, interrupted
@@ -103,15 +109,15 @@ class ServerClient:
         (received in :meth:`end`). ``dense_bytes``: what an uncompressed payload would
         have taken (the meter's ``dense_bytes``; None: the payload is dense)."""
         hdr = self._header(op, step, lr, wd, extras)
-        works = [ops.isend(hdr, self.server, kind=self.kind, tag=TAG_REQ, group=self.group)]
+        works = [ops.isend(hdr, self.server, kind=self.kind, tag=TAG_REQ, **self._channel)]
         if payload is not None:
-            works.append(ops.isend(payload, self.server, kind=self.kind, tag=TAG_REQ_DATA, group=self.group,
+            works.append(ops.isend(payload, self.server, kind=self.kind, tag=TAG_REQ_DATA, **self._channel,
                                    dense_bytes=dense_bytes))
         reply_hdr = torch.zeros(HEADER, dtype=torch.float64)
         reply = torch.empty_like(self.like) if dense_reply else None
-        works.append(ops.irecv(reply_hdr, self.server, kind=self.kind, tag=TAG_REP, group=self.group))
+        works.append(ops.irecv(reply_hdr, self.server, kind=self.kind, tag=TAG_REP, **self._channel))
         if dense_reply:
-            works.append(ops.irecv(reply, self.server, kind=self.kind, tag=TAG_REP_DATA, group=self.group))
+            works.append(ops.irecv(reply, self.server, kind=self.kind, tag=TAG_REP_DATA, **self._channel))
         return _Pending(works, reply_hdr, reply, (hdr, payload))
 
     def end(self, pending: _Pending) -> torch.Tensor:
@@ -125,7 +131,7 @@ class ServerClient:
                 work.wait()
             if pending.reply is None:  # a message whose length the reply header gives
                 pending.reply = torch.empty(int(pending.reply_hdr[3]), dtype=torch.uint8)
-                ops.recv(pending.reply, self.server, kind=self.kind, tag=TAG_REP_DATA, group=self.group)
+                ops.recv(pending.reply, self.server, kind=self.kind, tag=TAG_REP_DATA, **self._channel)
         except RuntimeError as err:
             raise self._error(err) from err
         done = time.perf_counter()
@@ -161,9 +167,10 @@ class ServerClient:
         center = self.end(pending)
         blob = torch.empty(int(pending.reply_hdr[3]), dtype=torch.uint8)
         try:
-            ops.recv(blob, self.server, kind=self.kind, tag=TAG_REP_STATE, group=self.group)
+            ops.recv(blob, self.server, kind=self.kind, tag=TAG_REP_STATE, **self._channel)
         except RuntimeError as err:
             raise self._error(err) from err
+        self.last_state_bytes = ops.nbytes(center, blob)
         state = from_blob(blob)
         state["center"] = center.detach().cpu().clone()
         return state
@@ -174,9 +181,9 @@ class ServerClient:
         reply_hdr = torch.zeros(HEADER, dtype=torch.float64)
         final = torch.empty_like(self.like)
         try:
-            ops.send(hdr, self.server, kind=self.kind, tag=TAG_REQ, group=self.group)
-            w_hdr = ops.irecv(reply_hdr, self.server, kind=self.kind, tag=TAG_REP, group=self.group)
-            w_data = ops.irecv(final, self.server, kind=self.kind, tag=TAG_REP_DATA, group=self.group)
+            ops.send(hdr, self.server, kind=self.kind, tag=TAG_REQ, **self._channel)
+            w_hdr = ops.irecv(reply_hdr, self.server, kind=self.kind, tag=TAG_REP, **self._channel)
+            w_data = ops.irecv(final, self.server, kind=self.kind, tag=TAG_REP_DATA, **self._channel)
             start = time.perf_counter()
             waiter = CancellableWait()
             for work in (w_hdr, w_data):

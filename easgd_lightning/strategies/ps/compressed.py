@@ -50,7 +50,9 @@ Wire form (one uint8 message each way): an int32 header listing, per payload ten
 dtype code, number of dimensions and sizes; then the tensors' bytes. ``payload.meta`` stays
 local (as on the ring): each side derives it from the compressor and the tensor's size.
 Replicas, residuals and compressor states are not checkpointed: a resume restarts every
-worker from the center, so both sides start again from r_i = w.
+worker from the center, so both sides start again from r_i = w. A restarted worker
+(``ft=torchft``) does the same alone: its fresh push state and the server's ``reset`` of its
+replica start from the center the server sent it when it rejoined.
 """
 
 from __future__ import annotations
@@ -231,6 +233,13 @@ class ServerReplies:
     def decode_push(self, message: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self.codec.decode(message, dtype, self.n_total)
 
+    def reset(self, worker: int, center: torch.Tensor) -> None:
+        """Worker ``worker`` starts again from ``center`` (a restarted process, with a fresh
+        :class:`WorkerPush` from the same center): r_i = w, fresh compressor states."""
+        if self.two_way:
+            self.replicas[worker] = center.detach().cpu().clone()
+        self.states[worker] = [{} for _ in self.states[worker]]
+
     def residual(self, worker: int, center: torch.Tensor) -> torch.Tensor:
         """f_i = w - r_i (parameters): what the server still owes worker ``worker``."""
         n = self.codec.n_params
@@ -307,6 +316,11 @@ class ElasticReplies:
         self.alpha = float(alpha)
         self.n_total = center.numel()
         self.estimates = {w: center.detach().cpu().clone() for w in workers}
+
+    def reset(self, worker: int, center: torch.Tensor) -> None:
+        """Worker ``worker`` starts again from ``center`` (a restarted process, with a fresh
+        :class:`ElasticPush` from the same center): x~_i = the center, as at the start."""
+        self.estimates[worker] = center.detach().cpu().clone()
 
     def serve(self, worker: int, message: torch.Tensor, center: torch.Tensor) -> torch.Tensor:
         """x~ += C(q); d = alpha (x~ - c); c <- c + d (in place); x~ -= d; returns d."""

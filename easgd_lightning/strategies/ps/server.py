@@ -21,8 +21,17 @@ Rules:
   records the loss (:attr:`ParameterServer.lost`: rank, time, cause, the server's update
   count) and declares it in the rendezvous store, where the local launcher reads it (the
   run does not fail for it). A dropped worker whose request arrives later was only slow:
-  it is served again and the declaration withdrawn. A restarted process cannot rejoin:
-  its channel is a fixed-membership gloo group made at set-up (README, "Losing a worker").
+  it is served again and the declaration withdrawn.
+* **Re-admission** (``rejoin_store``; ``ft=torchft``, :mod:`~easgd_lightning.strategies.ps.rejoin`).
+  A restarted process of worker ``r`` arrives on a new channel, a two-process group made
+  over the run's store (the set-up groups have fixed members): its old process is dropped
+  if it was still held (cause ``restarted``), the new channel replaces the old one (what the
+  old one still delivers is ignored), the loss declaration is withdrawn and ``r`` is served
+  again. Its first request is ``OP_STATE`` (the center and the server's state); a
+  compressed-message replica of ``r`` is reset to the center sent in that reply. While no
+  worker is active but a lost one may come back (not ``stop``, the launcher has not given
+  it up), serving waits for it up to ``rejoin_wait_s``. :attr:`ParameterServer.membership`
+  records who is served after every loss and admission.
 * **The end.** Serving ends when every worker is done or lost; each done worker then gets
   the final center. Link threads blocked on a lost worker are daemons and are abandoned.
 """
@@ -36,6 +45,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -62,6 +72,7 @@ from easgd_lightning.strategies.ps.protocol import (
     split_request_extras,
     to_blob,
 )
+from easgd_lightning.strategies.ps.rejoin import Admissions, Join
 
 log = logging.getLogger(__name__)
 
@@ -82,14 +93,16 @@ class _Link:
     requests (header, then the payload the header announces), puts each whole request on
     the server's queue, and sends the one reply the server hands back for it.
 
-    A failed receive or send (the worker's process died) puts ``(worker, None, None, err)``
-    on the queue and ends the thread. Waits never time out (:data:`LONG_WAIT`): a timeout
-    would close the channel of a worker that is only busy; liveness decides instead.
+    Events are ``(link, header, payload, error)``: a failed receive or send (the worker's
+    process died) puts ``(link, None, None, err)`` and ends the thread. Waits never time
+    out (:data:`LONG_WAIT`): a timeout would close the channel of a worker that is only
+    busy; liveness decides instead. ``peer``: the worker's rank within ``group`` when the
+    group is a pair group (:func:`~easgd_lightning.comm.ops.pair_group`), else None.
     """
 
     def __init__(self, worker: int, group, like: torch.Tensor, header_size: int, kind: str,
-                 inbox: queue.SimpleQueue) -> None:
-        self.worker, self.group, self.like = worker, group, like
+                 inbox: queue.SimpleQueue, peer: int | None = None) -> None:
+        self.worker, self.group, self.like, self.peer = worker, group, like, peer
         self.header_size, self.kind, self.inbox = header_size, kind, inbox
         self._replies: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name=f"easgd-ps-link-{worker}", daemon=True)
@@ -107,7 +120,8 @@ class _Link:
         self._replies.put(None)
 
     def _recv(self, tensor: torch.Tensor, tag: int) -> None:
-        ops.irecv(tensor, self.worker, kind=self.kind, tag=tag, group=self.group).wait(LONG_WAIT)
+        ops.irecv(tensor, self.worker, kind=self.kind, tag=tag, group=self.group,
+                  group_peer=self.peer).wait(LONG_WAIT)
 
     def _run(self) -> None:
         try:
@@ -121,17 +135,17 @@ class _Link:
                     data = torch.empty(int(hdr[2]), dtype=torch.uint8)
                 if data is not None:
                     self._recv(data, TAG_REQ_DATA)
-                self.inbox.put((self.worker, hdr, data, None))
+                self.inbox.put((self, hdr, data, None))
                 parts = self._replies.get()
                 if parts is None:
                     return
                 for tensor, tag, dense in parts:
                     ops.isend(tensor, self.worker, kind=self.kind, tag=tag, group=self.group,
-                              dense_bytes=dense).wait(LONG_WAIT)
+                              dense_bytes=dense, group_peer=self.peer).wait(LONG_WAIT)
                 if op == OP_DONE:  # that was the final center: the worker asks nothing more
                     return
         except RuntimeError as err:  # the channel failed: the worker's process is gone
-            self.inbox.put((self.worker, None, None, err))
+            self.inbox.put((self, None, None, err))
 
 
 class ParameterServer:
@@ -167,6 +181,11 @@ class ParameterServer:
         channels: each worker's process group (:func:`worker_channels`); None: the default
             group for every worker (then one worker's death or a timeout may close the
             others' connections too).
+        rejoin_store: returns a new client of the run's store: restarted workers are
+            re-admitted (module docstring); None: they are not.
+        rejoin_timeout: a ``timedelta``: how long a rejoining worker's channel waits for it.
+        rejoin_wait_s: how long serving waits for a lost worker to come back when no other
+            is active.
     """
 
     def __init__(
@@ -192,6 +211,9 @@ class ParameterServer:
         interrupted: Callable[[], int | None] | None = None,
         replies=None,
         channels: dict[int, dist.ProcessGroup] | None = None,
+        rejoin_store: Callable[[], object] | None = None,
+        rejoin_timeout: timedelta = timedelta(minutes=5),
+        rejoin_wait_s: float = 300.0,
     ) -> None:
         if rule not in ("elastic", "sgd"):
             raise ValueError(f"rule must be 'elastic' or 'sgd', got {rule!r}")
@@ -220,11 +242,20 @@ class ParameterServer:
         #: every loss: ``{rank, at (time.time()), cause, error, updates, worker_step}``, and
         #: ``back_at`` when the worker answered again
         self.lost: list[dict] = []
+        #: who is served after every change: ``{step: the update count, members, t}``
+        self.membership: list[dict] = []
+        #: every re-admission: ``{rank, attempt, at, updates}``
+        self.rejoins: list[dict] = []
         self.stop = False
         self.service_log: deque = deque(maxlen=log_size)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         channels = channels or {}
         self._links = {w: _Link(w, channels.get(w), center, self.header_size, kind, self._inbox) for w in workers}
+        self._admissions = None if rejoin_store is None else Admissions(
+            rejoin_store, workers, rejoin_timeout, on_join=self._inbox.put)
+        self.rejoin_wait_s = float(rejoin_wait_s)
+        self._joining: set[int] = set()  # admitted, their state not pulled yet
+        self._last_loss = time.monotonic()
         workers_n = 1 if optimizer is not None else 2  # an optimizer's state is not thread-safe
         self._pool = ThreadPoolExecutor(max_workers=workers_n, thread_name_prefix="easgd-hogwild") if lockfree else None
         self._last_ckpt = time.monotonic()
@@ -288,7 +319,21 @@ class ParameterServer:
             if not self.liveness.alive(r):
                 log.warning("parameter server: worker %d stopped sending heartbeats; going on without it", r)
                 self._drop(r, "heartbeat stopped", f"no heartbeat for {self.liveness.dead_after_s:g}s")
-        return bool(self.active)
+        return bool(self.active) or self._awaiting_rejoin()
+
+    def _awaiting_rejoin(self) -> bool:
+        """No worker is active, but a lost one may still come back: re-admission is on, no
+        worker asked everyone to stop, the launcher has not given it up, and the last loss
+        was less than ``rejoin_wait_s`` ago."""
+        if self._admissions is None or self.stop or time.monotonic() - self._last_loss >= self.rejoin_wait_s:
+            return False
+        gone = self.liveness.is_gone if self.liveness is not None else (lambda _r: False)
+        return any(r not in self.done and not gone(r) for r in self.dead)
+
+    def _note_members(self) -> None:
+        """Record who is served now (the workers not lost) at the current update count."""
+        self.membership.append({"step": self.updates, "members": [w for w in self.workers if w not in self.dead],
+                                "t": time.time()})
 
     def _drop(self, r: int, cause: str, err: BaseException | str) -> None:
         """Go on without worker ``r``: record it and declare it lost (module docstring)."""
@@ -298,23 +343,45 @@ class ParameterServer:
         if cause != "heartbeat stopped":
             log.warning("parameter server: lost worker %d (%s: %s); going on without it", r, cause, err)
         self.dead.append(r)
+        self._last_loss = time.monotonic()
         info = {"rank": r, "at": time.time(), "cause": cause, "error": str(err)[:300],
                 "updates": self.updates, "worker_step": self.worker_steps[r]}
         self.lost.append(info)
+        self._note_members()
         if self.liveness is not None:
             self.liveness.declare_lost(r, info)
 
-    def _readmit(self, r: int) -> None:
-        """A dropped worker's request arrived: it was only slow."""
-        log.warning("parameter server: worker %d answered again; serving it again", r)
+    def _readmit(self, r: int, attempt: int | None = None) -> None:
+        """A dropped worker is back: its request arrived (it was only slow), or its restarted
+        process ``attempt`` was admitted (:meth:`_admit`)."""
+        if attempt is None:
+            log.warning("parameter server: worker %d answered again; serving it again", r)
         self.dead.remove(r)
         if r not in self.done:
             self.active.add(r)
         for info in self.lost:
             if info["rank"] == r and "back_at" not in info:
                 info["back_at"] = time.time()
+                if attempt is not None:
+                    info["restarted"] = attempt
+        self._note_members()
         if self.liveness is not None:
             self.liveness.withdraw_lost(r)
+
+    def _admit(self, join: Join) -> None:
+        """A restarted process of worker ``join.rank`` (module docstring, Re-admission)."""
+        r = join.rank
+        if r not in self.dead:  # its old process was not noticed gone yet
+            self._drop(r, "restarted", f"start {join.attempt} of this worker asked to join")
+        self._links[r].close()  # blocked on the dead process: abandoned (a daemon)
+        self._links[r] = _Link(r, join.group, self.center, self.header_size, self.kind, self._inbox, peer=0)
+        self._links[r].start()
+        if r in self.done:  # it died after saying done: its new process trains again
+            self.done.remove(r)
+        self._joining.add(r)
+        self._readmit(r, join.attempt)
+        self.rejoins.append({"rank": r, "attempt": join.attempt, "at": time.time(), "updates": self.updates})
+        log.warning("parameter server: worker %d rejoined (start %d); serving it again", r, join.attempt)
 
     def _header(self, op: int, extra: float = 0.0) -> torch.Tensor:
         return torch.tensor([op, self.updates, float(self.stop), extra], dtype=torch.float64)
@@ -334,10 +401,13 @@ class ParameterServer:
         """Serve requests until every worker is done or lost, then send the final center."""
         self.started = time.time()
         self._maybe_checkpoint(force=True)
+        self._note_members()
         for link in self._links.values():
             link.start()
+        if self._admissions is not None:
+            self._admissions.start()
         checked = time.monotonic()
-        while self.active:
+        while self.active or self._awaiting_rejoin():
             start = time.perf_counter()
             try:
                 event = self._inbox.get(timeout=self.poll_s)
@@ -350,11 +420,18 @@ class ParameterServer:
                     break
             if event is None:
                 continue
-            sender, hdr, data, err = event
-            if hdr is None:
-                self._drop(sender, "connection lost", err)
+            if isinstance(event, Join):
+                self._admit(event)
                 continue
-            self._serve_request(sender, hdr, data)
+            link, hdr, data, err = event
+            if self._links[link.worker] is not link:  # a replaced (restarted) worker's old channel
+                continue
+            if hdr is None:
+                self._drop(link.worker, "connection lost", err)
+                continue
+            self._serve_request(link.worker, hdr, data)
+        if self._admissions is not None:
+            self._admissions.stop()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         self.stop = True
@@ -368,9 +445,12 @@ class ParameterServer:
             if link.is_alive():
                 self._drop(r, "heartbeat stopped", "no heartbeat while it waited for the final center")
         while not self._inbox.empty():  # a done worker that died before its final center
-            sender, hdr, _, err = self._inbox.get()
-            if hdr is None:
-                self._drop(sender, "connection lost", err)
+            event = self._inbox.get()
+            if isinstance(event, Join):  # too late: serving is over
+                continue
+            link, hdr, _, err = event
+            if hdr is None and self._links[link.worker] is link:
+                self._drop(link.worker, "connection lost", err)
         self.finished = time.time()
         self._maybe_checkpoint(force=True)
 
@@ -392,6 +472,10 @@ class ParameterServer:
         elif op == OP_PULL:
             self._reply(sender, op, self.center.clone())
         elif op == OP_STATE:
+            if sender in self._joining:  # a rejoined worker starts from this center
+                self._joining.discard(sender)
+                if self.replies is not None:
+                    self.replies.reset(sender, self.center)
             blob = to_blob(self.state_dict())
             self._reply(sender, OP_STATE, self.center.clone(), extra=float(blob.numel()), blob=blob)
         elif op == OP_DONE:  # answered with the final center, once serving ends

@@ -32,8 +32,12 @@ Design decisions (and their trade-offs):
   ``min(30, timeout_s / 2)``: frozen, e.g. SIGSTOP); it goes on with the rest, records the
   loss (``summary.json`` ``ft.lost_ranks``, ``extras[server].lost_workers``) and declares it
   in the store, so the local launcher ends the run ``ok`` when every other rank finished.
-  A dropped worker that answers again (it was only slow) is served again; a restarted
-  process cannot join the fixed groups made at set-up. Waits never let gloo time out (that
+  A dropped worker that answers again (it was only slow) is served again. Under
+  ``ft=torchft`` (:meth:`AsyncCenterStrategy.enable_rejoin`) the launcher restarts it and the
+  server re-admits the new process on a pair group of its own (it cannot join the fixed
+  groups made at set-up; :mod:`~easgd_lightning.strategies.ps.rejoin`): Lightning sees that
+  process as a world of one, it pulls the center and the server's state, and trains on
+  from its last served step with a fresh optimizer state. Waits never let gloo time out (that
   would close the channel): they run on a helper thread with a very long timeout while
   liveness is checked. Workers wait for the final center the same way (checking the
   server's heartbeat); if the server dies, a worker's pending receive fails (connection
@@ -82,6 +86,7 @@ Design decisions (and their trade-offs):
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import sys
 import threading
@@ -109,7 +114,8 @@ from easgd_lightning.strategies.base import (
     flatten,
     unflatten_into,
 )
-from easgd_lightning.strategies.ps import compressed, rules
+from easgd_lightning.strategies.ddp import optimizer_steps_per_epoch
+from easgd_lightning.strategies.ps import compressed, rejoin, rules
 from easgd_lightning.strategies.ps.client import ServerClient, ServerTransport
 from easgd_lightning.strategies.ps.protocol import request_extras, request_header_size
 from easgd_lightning.strategies.ps.server import ParameterServer, worker_channels
@@ -321,11 +327,42 @@ class AsyncCenterStrategy(CenterStrategy):
         self._interrupted: int | None = None
         self._passed_on = threading.Event()
         self._fit_ending = False  # on_train_end: fetching the center waits for the final one
+        self._rejoin = False  # ft=torchft: the server re-admits restarted workers (enable_rejoin)
+        self._late: rejoin.LateStart | None = None  # this process is a restarted worker
+        self._recovery: dict | None = None  # a restarted worker's rejoin: step, bytes, times
+        self._total_steps = -1  # a restarted worker: the run's last step (-1: unknown)
 
     def _reject_unknown(self, kwargs: dict) -> None:
         """The registry's one-line refusal of a keyword that is neither an option of this
         strategy (``_OPTIONS``) nor one it passes on; subclasses call it first."""
         reject_unknown_kwargs(self, kwargs, known=(*self._OPTIONS, *_PASSED_ON))
+
+    def enable_rejoin(self, late: rejoin.LateStart | None = None) -> None:
+        """``ft=torchft`` (``easgd-train`` calls this before fit): the server re-admits
+        restarted workers (:mod:`~easgd_lightning.strategies.ps.rejoin`); ``late``: this
+        process is one, which joins the running server instead of the world.
+
+        Raises:
+            ValueError: shared-memory Hogwild (no server to re-admit anyone).
+        """
+        if not self.uses_server:
+            raise ValueError(f"{self.strategy_name} with strategy.server=null has no server to re-admit a "
+                             "restarted worker; use strategy.server=dedicated")
+        self._rejoin, self._late = True, late
+
+    @property
+    @override
+    def global_rank(self) -> int:
+        """A restarted worker's rank in the run (Lightning's own world is that one process)."""
+        late = getattr(self, "_late", None)  # (read by Lightning's __init__ already)
+        return late.rank if late is not None else super().global_rank
+
+    @property
+    @override
+    def world_size(self) -> int:
+        """A restarted worker: the run's processes (Lightning's own world is that one process)."""
+        late = getattr(self, "_late", None)
+        return late.world if late is not None else super().world_size
 
     @classmethod
     def cli_kwargs(cls, cfg: Any) -> dict:
@@ -496,7 +533,7 @@ class AsyncCenterStrategy(CenterStrategy):
         which this strategy answers locally on purpose."""
         frame = sys._getframe(2)
         name = frame.f_globals.get("__name__", "") or ""
-        return not name.split(".")[0] in _LIBRARY_PACKAGES
+        return name.split(".")[0] not in _LIBRARY_PACKAGES
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
@@ -618,6 +655,8 @@ class AsyncCenterStrategy(CenterStrategy):
         local_metrics(module)
         tensors = self._elastic_tensors()
         self._n_params = sum(p.numel() for p in module.parameters())
+        if self._late is not None:
+            return self._init_late_worker(trainer, tensors)
         flat = flatten(tensors)
         ops.broadcast(flat, src=0, kind="setup")
         token = torch.randint(0, 2**62, (1,), dtype=torch.int64)
@@ -638,13 +677,54 @@ class AsyncCenterStrategy(CenterStrategy):
         if self.uses_server:  # every rank, in the same order (a collective)
             timeout = timedelta(seconds=compat.process_group_timeout(self))
             self._channels = worker_channels(self.server_rank, list(range(self.world_size - 1)), timeout)
+        if self._rejoin and self.is_server:  # where restarted workers find the run
+            rejoin.publish_session(self._liveness.store_client(), self._liveness.prefix, self.global_rank,
+                                   self.world_size)
         self._make_transport(trainer, int(token))
+        self._detach(trainer)
+
+    def _detach(self, trainer) -> None:
+        """The end of set-up: the worker's own momentum, then no collective from here on."""
         if self.worker_momentum and not self.is_server:
             self._own_momentum(self.optimizers[0])
-            self._velocity = torch.zeros_like(flat)
+            self._velocity = torch.zeros_like(self._center)
         self._check_sigterm_locally(trainer)
         self._install_signal_handling(trainer)
         self._detached = True
+
+    def _init_late_worker(self, trainer, tensors: list[torch.Tensor]) -> None:
+        """A restarted worker (:mod:`~easgd_lightning.strategies.ps.rejoin`): no world-wide
+        group. The session from the run's store, its heartbeat, admission on a pair group of
+        its own, then the center and the server's state (``OP_STATE``). It starts at the
+        center with a fresh optimizer state (and, EAMSGD, zero velocity), its step count at
+        the step of its last request the server served, Lightning's loop at the epoch of that
+        step (its shard's order for that epoch, from the epoch's first batch), its
+        step-interval learning-rate schedules advanced to that step."""
+        late = self._late
+        timeout_s = compat.process_group_timeout(self)
+        store = rejoin.run_store(timeout_s)
+        session = rejoin.read_session(store, timeout_s)
+        self._liveness = Liveness(session["prefix"], late.rank, interval_s=self._heartbeat_s,
+                                  dead_after_s=self._worker_timeout_s).start()
+        group = rejoin.request_admission(store, late.rank, late.attempt, timedelta(seconds=timeout_s))
+        self._channels = {late.rank: group}
+        client = self._server_client(flatten(tensors), peer=1)
+        state = client.pull_state(0)
+        self._center = state["center"].to(device=tensors[0].device, dtype=tensors[0].dtype)
+        unflatten_into(self._center, tensors)
+        steps = state.get("worker_steps") or []
+        self._local_steps = int(steps[late.rank]) if late.rank < len(steps) else 0
+        self._recovery = {"step": self._local_steps, "bytes": client.last_state_bytes,
+                          "started_at": late.started, "pulled_at": time.time()}
+        self._setup_checkpoint_file(trainer)
+        client.like = self._center
+        self._transport = ServerTransport(client, push=self._compressed_side(compressed.WorkerPush))
+        _advance_step_schedulers(self.lr_scheduler_configs, self._local_steps)
+        self._total_steps = _estimated_steps(trainer)  # (sets the training data up: the epoch length)
+        per_epoch = optimizer_steps_per_epoch(trainer)
+        if per_epoch:
+            _start_at_epoch(trainer, self._local_steps // per_epoch)
+        self._detach(trainer)
 
     def _setup_checkpoint_file(self, trainer) -> None:
         if self._checkpoint_path:
@@ -676,20 +756,26 @@ class AsyncCenterStrategy(CenterStrategy):
                 interrupted=self._interrupted_by,
                 replies=self._compressed_side(compressed.ServerReplies, list(range(self.world_size - 1))),
                 channels=self._channels,
+                rejoin_store=self._liveness.store_client if self._rejoin else None,
+                rejoin_timeout=timedelta(seconds=compat.process_group_timeout(self)),
+                rejoin_wait_s=compat.process_group_timeout(self),
             )
             if self._resume_state is not None:
                 srv = self._resume_state.get("server") or {}
                 self._server.load_state_dict(srv)
                 self._resumed = _describe_resume(self._center, srv)
         else:
-            sgd = self.rule == "sgd"
-            header = request_header_size(self.optimizers[0] if sgd else None, list(self.lightning_module.parameters()))
-            self._transport = ServerTransport(
-                ServerClient(self.world_size - 1, self._center, self.world_size, n_params=self._n_params,
-                             kind=self.comm_kind, liveness=self._liveness, header_size=header,
-                             interrupted=self._interrupted_by, group=self._channels.get(self.global_rank)),
-                push=self._compressed_side(compressed.WorkerPush),
-            )
+            self._transport = ServerTransport(self._server_client(self._center),
+                                              push=self._compressed_side(compressed.WorkerPush))
+
+    def _server_client(self, like: torch.Tensor, peer: int | None = None) -> ServerClient:
+        """This worker's client of the server, on its channel (``peer``: the server's rank in
+        it when it is a pair group)."""
+        sgd = self.rule == "sgd"
+        header = request_header_size(self.optimizers[0] if sgd else None, list(self.lightning_module.parameters()))
+        return ServerClient(self.world_size - 1, like, self.world_size, n_params=self._n_params,
+                            kind=self.comm_kind, liveness=self._liveness, header_size=header,
+                            interrupted=self._interrupted_by, group=self._channels.get(self.global_rank), peer=peer)
 
     def _compressed_side(self, cls, *workers):
         """This rank's half of compressed pushes (None without compression): the worker's
@@ -718,8 +804,10 @@ class AsyncCenterStrategy(CenterStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        # one real barrier so that start-up skew does not count as speed (everyone is alive here)
-        ops.barrier(kind="setup")
+        # one real barrier so that start-up skew does not count as speed (everyone is alive
+        # here; a restarted worker's world is its own)
+        if self._late is None:
+            ops.barrier(kind="setup")
         self._fit_start = time.monotonic()
         if self.is_server:
             try:
@@ -805,6 +893,8 @@ class AsyncCenterStrategy(CenterStrategy):
 
     def _after_step(self) -> None:
         trainer = self.lightning_module.trainer
+        if self._late is not None:
+            self._late_worker_step(trainer)
         if self._transport is not None and self._transport.stop and self._stop_policy == "first":
             self._stop_reason = self._stop_reason or "another worker finished (stop_policy=first)"
             trainer.should_stop = True
@@ -812,6 +902,19 @@ class AsyncCenterStrategy(CenterStrategy):
             if time.monotonic() - self._fit_start >= self._max_time_s:
                 self._stop_reason = self._stop_reason or f"max_time_s={self._max_time_s} reached"
                 trainer.should_stop = True
+
+    def _late_worker_step(self, trainer) -> None:
+        """A restarted worker: its first served exchange completes its rejoin (the launcher is
+        told); it ends at the run's last step (``trainer.estimated_stepping_batches``, which its
+        step count, continued from its first start, reaches before its own epochs end)."""
+        rec = self._recovery
+        if rec is not None and "joined_at" not in rec and self._exchanges:
+            rec["joined_at"] = time.time()
+            self._late.mark_joined({"joined_at": rec["joined_at"], "step": rec["step"],
+                                    "recovery_bytes": rec["bytes"]})
+        if 0 < self._total_steps <= self._local_steps:
+            self._stop_reason = self._stop_reason or "the run's last step (a restarted worker's steps continue)"
+            trainer.should_stop = True
 
     @override
     def _fetch_center(self) -> None:
@@ -946,6 +1049,8 @@ class AsyncCenterStrategy(CenterStrategy):
             "momentum": self._momentum,
             "stop_policy": self._stop_policy,
         })
+        if self._rejoin:
+            extras["ft"] = self._ft_report()
         if self.is_server and self._server is not None:
             srv = self._server
             extras.update(
@@ -968,12 +1073,60 @@ class AsyncCenterStrategy(CenterStrategy):
                                                    two_way=push.two_way)
         return extras
 
+    def _ft_report(self) -> dict:
+        """``extras["ft"]`` under ``ft=torchft``, in the form ``ft/launch.py`` merges: a
+        restarted worker's recovery; the server's membership changes as ``quorum_changes``
+        (``step``: the server's update count; members: the workers not lost)."""
+        changes = []
+        if self._server is not None:
+            changes = [{"step": m["step"], "quorum_id": i, "members": m["members"],
+                        "participants": len(m["members"]), "t": m["t"]}
+                       for i, m in enumerate(self._server.membership)]
+        rec = self._recovery
+        return {"attempt": self._late.attempt if self._late is not None else 0,
+                "quorum_changes": changes, "not_committed": [],
+                "recoveries": [rec] if rec is not None and "joined_at" in rec else [],
+                "rejoins": list(self._server.rejoins) if self._server is not None else []}
+
     @override
     def teardown(self) -> None:
         if self._liveness is not None:  # done serving or failed: either way, stop the heartbeat
             self._liveness.stop()
         self._signals.stop()
         super().teardown()
+
+
+def _estimated_steps(trainer) -> int:
+    """The run's optimizer steps per worker (``trainer.estimated_stepping_batches``; -1 when
+    unknown: then its own epochs, or the server, end a restarted worker)."""
+    try:
+        total = trainer.estimated_stepping_batches
+    except Exception:  # an iterable without a length, and no max_steps
+        return -1
+    return int(total) if math.isfinite(total) else -1
+
+
+def _start_at_epoch(trainer, epoch: int) -> None:
+    """Lightning's fit loop begins at ``epoch`` (``trainer.current_epoch``: the sampler's
+    order, epoch checkpoint names and ``max_epochs`` count from there), as a resume does."""
+    for tracker in (trainer.fit_loop.epoch_progress.total, trainer.fit_loop.epoch_progress.current):
+        tracker.ready = tracker.started = tracker.processed = tracker.completed = epoch
+
+
+def _advance_step_schedulers(configs: list, steps: int) -> None:
+    """Step each step-interval learning-rate scheduler of ``configs`` (Lightning's
+    ``lr_scheduler_configs``) ``steps // frequency`` times: a restarted worker's schedule
+    continues at its step count. Epoch-interval schedulers restart with the loop's epochs;
+    ``ReduceLROnPlateau`` (it needs metrics) is left as it is."""
+    import warnings
+
+    for config in configs:
+        if config.interval != "step" or config.reduce_on_plateau:
+            continue
+        with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": on purpose
+            warnings.simplefilter("ignore")
+            for _ in range(steps // max(1, int(config.frequency))):
+                config.scheduler.step()
 
 
 def _describe_resume(center: torch.Tensor, server_state: dict) -> dict:
