@@ -75,6 +75,17 @@ def replica_name(rank: int) -> str:
     return f"r{rank:05d}"
 
 
+def process_started() -> float:
+    """Wall-clock time this process started (Linux: its start in ``/proc/self/stat``, in
+    clock ticks since boot; elsewhere: now)."""
+    try:
+        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        since_boot = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.time()
+    return time.time() - max(0.0, since_boot)
+
+
 def tensor_bytes(obj: Any) -> int:
     """Bytes of every tensor in a nested dict / list / tuple."""
     if isinstance(obj, torch.Tensor):
@@ -100,7 +111,7 @@ class FTContext:
         self.timeout_s = float(ft.get("quorum_timeout_s", 60))
         self.collective_timeout_s = float(ft.get("collective_timeout_s", 10))
         self.run_dir = str(run_dir)
-        self.started = time.time()
+        self.started = process_started()  # a restart's recovery is timed from here (interpreter start included)
         self.external = os.environ.get(ENV_EXTERNAL) or None
         # the address peers reach this worker's store and Manager at (torchft's checkpoint
         # transport uses the hostname too); one machine under easgd-train's own launcher

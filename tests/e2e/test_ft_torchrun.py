@@ -1,11 +1,17 @@
-"""``ft=torchft`` launched by torchrun, the way torchft itself is used: a lighthouse started
-first (``python -m easgd_lightning.ft.lighthouse``, README "Fault tolerance"), then one
+"""``ft=torchft`` launched by torchrun, the way torchft itself is used: a lighthouse
+(``python -m easgd_lightning.ft.lighthouse``, README "Fault tolerance"; started here with the
+workers, which wait until it answers) and one
 ``torchrun --standalone --nnodes 1 --nproc-per-node 1 --max-restarts 1`` per worker (replica
 group), each ``-m easgd_lightning.cli.train ft=torchft ft.lighthouse=... ft.replica_id=I``
 into the same run directory.
 
 Three workers; worker 1 is SIGKILLed from outside (its pid from ``ranks/ft/rank1.json``) a
-moment after every worker committed its first exchange. torchrun starts it again
+moment after every worker committed its first exchange. The lighthouse forms quorums of all
+three (``--min-replicas 3``): the two others wait in their next quorum until it is back
+(bounded by ``ft.quorum_timeout_s``), so it rejoins however long a fresh interpreter takes to
+start on a loaded machine (with quorums of fewer the others may finish first: it then ends
+``ended_before_rejoin``, as tried by hand); ``ft.min_replicas=2``: the exchange it rejoins in,
+where it contributes nothing, commits with the other two. torchrun starts it again
 (``TORCHELASTIC_RESTART_COUNT`` 1), it receives the run's state from a live peer and trains
 to the end with the others: every torchrun exits 0, summary.json (written by worker 0) says
 ``ok``, one restart and one rejoin of worker 1 with the bytes it received, every worker at the
@@ -26,14 +32,15 @@ from pathlib import Path
 
 import pytest
 
+from easgd_lightning.utils.rank_env import free_port
 from tests.helpers import REPO, base_env
 
 pytest.importorskip("torchft")
 pytestmark = pytest.mark.slow
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
-STEPS = 15 * 40  # digits: 15 steps per epoch per worker at 3 workers
-RUN = ["strategy=sync_easgd", "trainer.devices=3", "trainer.max_epochs=40", "logger=none",
+STEPS = 15 * 20  # digits: 15 steps per epoch per worker at 3 workers
+RUN = ["strategy=sync_easgd", "trainer.devices=3", "trainer.max_epochs=20", "ft.min_replicas=2", "logger=none",
        "trainer.enable_progress_bar=false", "data.num_workers=0", "checkpoint.enabled=false"]
 
 
@@ -63,14 +70,15 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture
 def lighthouse(tmp_path: Path):
-    """The lighthouse as the README starts it (a free port here: ``--bind 127.0.0.1:0``)."""
-    addr_file = tmp_path / "lighthouse.addr"
-    proc = subprocess.Popen([sys.executable, "-m", "easgd_lightning.ft.lighthouse", "--bind", "127.0.0.1:0",
-                             "--address-file", str(addr_file)], env=base_env(RUST_LOG="warn"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    """The lighthouse as the README starts it, on a free port; quorums of all three workers
+    (``--min-replicas 3``). Not waited for: the workers wait until it answers."""
+    port = free_port()
+    with open(tmp_path / "lighthouse.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "easgd_lightning.ft.lighthouse", "--bind", f"127.0.0.1:{port}",
+                                 "--min-replicas", "3"], env=base_env(RUST_LOG="warn"), stdout=log,
+                                stderr=subprocess.STDOUT)
     try:
-        _wait(addr_file.exists, 30, "the lighthouse's address")
-        yield addr_file.read_text().strip().split("://", 1)[1], proc
+        yield f"127.0.0.1:{port}", proc
     finally:
         proc.terminate()
         proc.wait(timeout=10)
