@@ -114,6 +114,9 @@ def check_ft(cfg: Any, world: int) -> None:
     mr = ft.get("min_replicas", 1)
     if not _is_int(mr) or not 1 <= mr <= world:
         raise ConfigError(f"ft.min_replicas: must be an integer in [1, {world}] (the workers), got {mr!r}")
+    if mr == world > 1:  # torchft: a joiner is not a participant of the exchange it heals in
+        raise ConfigError(f"ft.min_replicas={mr}: with every worker required a restarted worker could never rejoin "
+                          f"(it contributes nothing to the exchange it rejoins in); use at most {world - 1}")
     replica = ft.get("replica_id")
     if replica is not None and not (_is_int(replica) and 0 <= replica < world):
         raise ConfigError(f"ft.replica_id: must be null or an integer in [0, {world - 1}] (the workers), got {replica!r}")

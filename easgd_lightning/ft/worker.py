@@ -325,9 +325,19 @@ class FTSession:
                                           "step": step, "recovery_bytes": self._loaded_bytes if healing else 0})
                 return
             self.not_committed.append(step)
+            if healing:
+                self._heal_again()
             log.warning("ft: the exchange at step %d was not committed (%s); retrying with a new quorum",
                         step, m.errored())
         raise RuntimeError(f"ft=torchft: the exchange at step {step} was not committed in {MAX_TRIES} quorums")
+
+    def _heal_again(self) -> None:
+        """A joiner's exchange that nobody committed: torchft has loaded its peer's state
+        (before the vote) and set its step to the peer's, so the next quorum would not heal it
+        and it would take part in the retry as an ordinary worker with its first exchange's
+        payload and apply (the set-up broadcast's: wrong for a rejoin). Back at step 0, the
+        next quorum heals it again."""
+        self.manager.load_state_dict({**self.manager.state_dict(), "step": 0})
 
     # ---------------------------------------------------------------- a DDP step
     def start_step(self, step: int) -> None:
