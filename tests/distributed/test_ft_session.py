@@ -24,6 +24,19 @@ pytest.importorskip("torchft")
 SCRIPT = REPO / "tests" / "distributed" / "scripts" / "ft_session_run.py"
 
 
+def _wait_all(procs: list[subprocess.Popen], lighthouse) -> list[int | None]:
+    """The workers' exit codes (each waited for at most 180 s; one still running then is
+    killed), and the lighthouse shut down."""
+    try:
+        return [p.wait(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+        lighthouse.shutdown()
+
+
 def test_failed_exchange_is_not_committed_and_retried(tmp_path: Path) -> None:
     from torch.distributed import TCPStore
     from torchft._torchft import LighthouseServer
@@ -41,13 +54,8 @@ def test_failed_exchange_is_not_committed_and_retried(tmp_path: Path) -> None:
             procs.append(subprocess.Popen(
                 [sys.executable, str(SCRIPT), str(tmp_path / f"r{r}.json"), str(steps), str(victim), str(kill_step)],
                 env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"r{r}.err", "w"), start_new_session=True))
-        codes = [p.wait(timeout=180) for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-        lighthouse.shutdown()
+        codes = _wait_all(procs, lighthouse)
     assert codes[victim] == -9, codes
     assert codes[0] == codes[1] == 0, [(tmp_path / f"r{r}.err").read_text()[-2000:] for r in range(2)]
     res = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2)]
@@ -101,13 +109,8 @@ def test_rejoin_not_committed_is_received_again(tmp_path: Path) -> None:
                 procs.append(subprocess.Popen([sys.executable, str(HEAL_SCRIPT), str(tmp_path / f"r{r}.json"),
                                                str(steps), str(wait_at)], env=env, stdout=subprocess.DEVNULL,
                                               stderr=err, start_new_session=True))
-        codes = [p.wait(timeout=180) for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-        lighthouse.shutdown()
+        codes = _wait_all(procs, lighthouse)
     assert codes == [0, 0, 0], [(tmp_path / f"r{r}.err").read_text()[-2000:] for r in range(3)]
     res = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(3)]
     joiner = res[2]["report"]

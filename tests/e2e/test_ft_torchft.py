@@ -24,21 +24,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import base_env, one_error_line, run_cli, start_cli
+from tests.helpers import base_env, one_error_line, pid_alive, run_cli, start_cli
 
 pytest.importorskip("torchft")
 pytestmark = pytest.mark.slow
 
 COMMON = ["logger=none", "trainer.enable_progress_bar=false", "data.num_workers=0", "trainer.devices=3",
           "ft=torchft"]
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _centre(run_dir: Path) -> dict:

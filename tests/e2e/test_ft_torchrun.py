@@ -22,7 +22,6 @@ the run is left.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -33,7 +32,8 @@ from pathlib import Path
 import pytest
 
 from easgd_lightning.utils.rank_env import free_port
-from tests.helpers import REPO, base_env
+from tests.e2e.test_ft_torchft import _json, _wait
+from tests.helpers import REPO, base_env, pid_alive
 
 pytest.importorskip("torchft")
 pytestmark = pytest.mark.slow
@@ -42,30 +42,6 @@ TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 STEPS = 15 * 20  # digits: 15 steps per epoch per worker at 3 workers
 RUN = ["strategy=sync_easgd", "trainer.devices=3", "trainer.max_epochs=20", "ft.min_replicas=2", "logger=none",
        "trainer.enable_progress_bar=false", "data.num_workers=0", "checkpoint.enabled=false"]
-
-
-def _json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _wait(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 @pytest.fixture
@@ -133,4 +109,4 @@ def test_torchrun_worker_sigkilled_restarts_and_rejoins(tmp_path: Path, lighthou
     assert len({(r["val_loss"], r["val_acc"]) for r in reports}) == 1, [(r["val_loss"], r["val_acc"]) for r in reports]
     assert s["val_acc"] > 0.9
     assert lh_proc.poll() is None  # the run leaves the lighthouse it did not start
-    assert not [p for p in pids if _alive(p)], "processes of the run are left"
+    assert not [p for p in pids if pid_alive(p)], "processes of the run are left"

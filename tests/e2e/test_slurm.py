@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PY, REPO, base_env, compose
+from tests.helpers import PY, REPO, base_env, compose, pid_alive
 
 sys.path.insert(0, str(REPO / "scripts"))
 import slurm_local  # noqa: E402  (scripts/ is not a package: the user's entry point)
@@ -176,13 +176,6 @@ FT_JOB = ["ft=torchft", "strategy=sync_easgd", "trainer.devices=2", "trainer.max
           "checkpoint.enabled=false"]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _job_file(sweep_dir: Path, name: str) -> Path | None:
     found = sorted(sweep_dir.glob(f"*/ranks/ft/{name}"))
     return found[0] if found else None
@@ -226,7 +219,7 @@ def test_ft_job_restarts_a_killed_worker(slurm, tmp_path) -> None:
     (death,) = ft["deaths"]
     assert death["rank"] == 1 and death["signal"] == "SIGKILL" and death["t_s"] > 0
     assert ft["lighthouse"] == lighthouse["address"]  # served by task 0 ...
-    assert not _pid_alive(lighthouse["pid"])  # ... and stopped by it at the end
+    assert not pid_alive(lighthouse["pid"])  # ... and stopped by it at the end
     if ft["rejoins"]:
         (rejoin,) = ft["rejoins"]
         assert rejoin["rank"] == 1 and rejoin["recovery_bytes"] > 0 and rejoin["recovery_s"] > 0
@@ -235,5 +228,5 @@ def test_ft_job_restarts_a_killed_worker(slurm, tmp_path) -> None:
         assert reports[0]["val_loss"] == reports[1]["val_loss"]  # the same model
     else:
         assert ft["finished_ranks"] == [0] and ft["lost_ranks"] == ft["ended_before_rejoin"] == [1]
-    assert not _pid_alive(victim)
+    assert not pid_alive(victim)
     assert slurm.queue() == []
