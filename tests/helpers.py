@@ -72,6 +72,15 @@ def compose(overrides: list[str], *, hydra_config: bool = False):
         return hydra_compose(config_name="train", overrides=list(overrides), return_hydra_config=hydra_config)
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (Linux ``/proc``)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def one_error_line(stderr: str) -> str:
     """The CLI's refusal: exactly one ``easgd-train: error:`` line and no traceback."""
     lines = [ln for ln in stderr.splitlines() if ln.startswith("easgd-train: error:")]

@@ -234,7 +234,10 @@ def _train_local(cfg: DictConfig, out_dir: Path, run_id: str, signals: launch.La
     else:
         cfg_yaml = OmegaConf.to_yaml(OmegaConf.create(resolved))
         if ft.enabled(cfg):  # restarts, a lighthouse, the ft summary: easgd_lightning/ft/launch.py
+            from easgd_lightning.ft.external import check_own_launcher
             from easgd_lightning.ft.launch import train_local_ft
+
+            check_own_launcher(cfg)
 
             return train_local_ft(cfg, resolved, cfg_yaml, out_dir, world, timeout_s, run_id, signals,
                                   launch.resolve_start_method(cfg), launch.preload_modules(cfg))
@@ -263,11 +266,13 @@ def _train_as_rank(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     bounded, for the others'. The summary is written by the lowest rank that reported --
     global rank 0 unless it died without a word -- and names the first failure
     (:func:`launch.first_failure_of_reports`); a failed rank re-raises its error after that.
+    Under ``ft=torchft`` each process is one worker of its own (ft/external.py).
     """
     notes = validate_config(cfg) or {}
-    if ft.enabled(cfg):
-        raise ConfigError("ft=torchft: runs under easgd-train's own launcher only (it restarts lost workers); "
-                          "under torchrun / SLURM use ft=none")
+    if ft.enabled(cfg):  # one worker (replica group) per torchrun / SLURM task: easgd_lightning/ft/external.py
+        from easgd_lightning.ft.external import train_as_replica
+
+        return train_as_replica(cfg, out_dir)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     timeout_s = float(cfg.get("timeout_s", 300))
     rank, world = _external_rank_world()

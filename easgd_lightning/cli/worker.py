@@ -290,10 +290,12 @@ def _measured_so_far(val_history) -> dict:
 
 
 def _write_failure_report(out_dir: Path, rank: int, err: BaseException, stopper, measured: dict | None = None) -> None:
+    from easgd_lightning.ft.worker import failure_fields
     from easgd_lightning.guards import NonFiniteLossError
 
     try:
         report = {**(measured or {}), **_failure_report(rank, err, stopper)}
+        report.update(failure_fields(err))  # under ft=torchft: which start it was, and why it ended
         if isinstance(err, NonFiniteLossError) and stop.stop_signal() is None:
             report["diverged_at_step"] = err.step
         atomic_write_json(rank_file(out_dir, rank), report)

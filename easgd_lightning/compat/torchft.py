@@ -5,14 +5,21 @@ keeps the id in ``_quorum_id`` and hands the quorum's ranks to its reconfigurabl
 group, which keeps them in ``_global_ranks`` (ranks from the replica ids' trailing digits:
 our replica ids are ``r%05d`` of the worker rank). The lighthouse server class lives in the
 compiled ``torchft._torchft`` (what the ``torchft_lighthouse`` command runs).
-``tests/unit/test_compat_torchft.py`` checks these against the installed torchft.
+The lighthouse's dashboard (``GET /status``, an HTML page torchft renders) lists every
+replica group that heartbeats, with the class ``old`` once the lighthouse's heartbeat timeout
+has passed; :func:`live_replicas` reads it (the start barrier under an external launcher,
+``ft/worker.py``). ``tests/unit/test_compat_torchft.py`` checks these against the installed torchft.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-__all__ = ["quorum_id", "quorum_ranks", "lighthouse_server_class"]
+__all__ = ["quorum_id", "quorum_ranks", "lighthouse_server_class", "live_replicas", "parse_heartbeats"]
+
+#: one heartbeat on the dashboard: ``<li class="heartbeat [old]"> r00001:UUID: seen 0.02s ago``
+_HEARTBEAT = re.compile(r'<li class="heartbeat\s*(old)?\s*">\s*(\S+?): seen ')
 
 
 def quorum_id(manager: Any) -> int | None:
@@ -32,3 +39,29 @@ def lighthouse_server_class() -> type:
     from torchft._torchft import LighthouseServer
 
     return LighthouseServer
+
+
+def parse_heartbeats(page: str) -> dict[str, bool] | None:
+    """{replica id (without torchft's ``:uuid`` suffix): heartbeating now} from the
+    dashboard's ``/status`` page; None when the page has no heartbeat list (torchft changed it)."""
+    if "Heartbeats" not in page:
+        return None
+    live: dict[str, bool] = {}
+    for old, replica in _HEARTBEAT.findall(page):
+        name = replica.split(":", 1)[0]
+        live[name] = live.get(name, False) or not old
+    return live
+
+
+def live_replicas(address: str, timeout: float = 2.0) -> set[str] | None:
+    """Replica ids whose heartbeat the lighthouse at ``http://host:port`` holds fresh now;
+    None when the dashboard cannot be read or parsed."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(address.rstrip("/") + "/status", timeout=timeout) as resp:
+            page = resp.read().decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return None
+    beats = parse_heartbeats(page)
+    return None if beats is None else {r for r, live in beats.items() if live}

@@ -9,11 +9,14 @@ a membership protocol of our own: this package is the glue between torchft and o
 launcher and strategies.
 
 * :mod:`.config` -- the ``ft`` group's keys, checked before launch, and what is refused.
-* :mod:`.lighthouse` -- the lighthouse process the launcher starts (``ft.lighthouse=null``).
+* :mod:`.lighthouse` -- the lighthouse process the launcher starts (``ft.lighthouse=null``), and
+  the command a user starts before a torchrun launch.
 * :mod:`.launch` -- the launcher under ``ft=torchft``: starts the lighthouse and the workers,
   restarts a dead worker (up to ``ft.max_restarts``), writes the ``ft`` part of summary.json;
   for the parameter-server family without a lighthouse (its server re-admits restarted
   workers: ``strategies/ps/rejoin.py``).
+* :mod:`.external` -- the same under torchrun (one torchrun per worker, ``ft.replica_id``)
+  and SLURM (one task per worker; task 0 serves the lighthouse, each task restarts its worker).
 * :mod:`.worker` -- one worker as its own replica group (a one-process Lightning world plus a
   torchft ``Manager``) and the quorum exchange.
 * :mod:`.strategies` -- ``local_sgd``, ``sync_easgd``, ``ddp`` and ``diloco`` with their exchange as a quorum step.

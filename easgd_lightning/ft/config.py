@@ -3,7 +3,8 @@ one line naming the key and what is allowed).
 
 Rule: ``ft=none`` (the default) changes nothing. ``ft=torchft`` supports what it can keep
 exact: ``strategy=local_sgd``, ``sync_easgd``, ``ddp`` (dense) and ``diloco`` (one fragment) with ``compression=none`` and a
-flat reduction, started by easgd-train's own launcher; and the parameter-server family
+flat reduction, started by easgd-train's own launcher, torchrun or SLURM (which one may start what:
+ft/external.py); and the parameter-server family
 (:data:`FT_NATIVE`, Hogwild only with ``strategy.server=dedicated``), whose server re-admits
 a restarted worker itself (no torchft Manager, no lighthouse; any compression). Everything
 else is refused in one line rather than run without the tolerance it asked for.
@@ -18,7 +19,7 @@ __all__ = ["FT_KEYS", "FT_STRATEGIES", "FT_NATIVE", "check_ft", "lighthouse_addr
 
 #: keys of ``ft=torchft`` (conf/ft/torchft.yaml)
 FT_KEYS = ("name", "lighthouse", "min_replicas", "quorum_timeout_s", "collective_timeout_s", "max_restarts",
-           "heartbeat_timeout_s", "join_timeout_s")
+           "heartbeat_timeout_s", "join_timeout_s", "replica_id")
 
 #: strategies whose exchange runs as a torchft quorum step
 FT_STRATEGIES = ("local_sgd", "sync_easgd", "ddp", "diloco")
@@ -143,6 +144,12 @@ def _check_common(ft: Any, workers: int) -> None:
     mr = ft.get("min_replicas", 1)
     if not _is_int(mr) or not 1 <= mr <= workers:
         raise ConfigError(f"ft.min_replicas: must be an integer in [1, {workers}] (the workers), got {mr!r}")
+    if mr == workers > 1:  # torchft: a joiner is not a participant of the exchange it heals in
+        raise ConfigError(f"ft.min_replicas={mr}: with every worker required a restarted worker could never rejoin "
+                          f"(it contributes nothing to the exchange it rejoins in); use at most {workers - 1}")
+    replica = ft.get("replica_id")
+    if replica is not None and not (_is_int(replica) and 0 <= replica < workers):
+        raise ConfigError(f"ft.replica_id: must be null or an integer in [0, {workers - 1}] (the workers), got {replica!r}")
     restarts = ft.get("max_restarts", 3)
     if not _is_int(restarts) or restarts < 0:
         raise ConfigError(f"ft.max_restarts: must be an integer >= 0, got {restarts!r}")

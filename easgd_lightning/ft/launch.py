@@ -49,6 +49,7 @@ from typing import Any
 
 from easgd_lightning.cli import forkserver
 from easgd_lightning.cli import launch as L
+from easgd_lightning.cli.summary import build_summary
 from easgd_lightning.comm.liveness import GONE_KEY
 from easgd_lightning.ft.config import lighthouse_address, rejoins_natively
 from easgd_lightning.ft.lighthouse import LighthouseProcess, answers
@@ -58,7 +59,7 @@ from easgd_lightning.utils.atomic import atomic_write_json
 
 log = logging.getLogger("easgd_lightning")
 
-__all__ = ["FTOutcome", "spawn_and_supervise_ft", "ft_summary"]
+__all__ = ["FTOutcome", "spawn_and_supervise_ft", "ft_summary", "ft_run_summary"]
 
 
 @dataclass
@@ -405,8 +406,9 @@ def ft_summary(outcome: FTOutcome, reports: list[dict | None], min_replicas: int
         "min_replicas": min_replicas,
         "quorum_changes": quorum_changes,
         "restarts": list(outcome.restarts),
-        "deaths": [{**{k: v for k, v in d.items() if k not in ("wall", "restarted_wall", "t_s")},
-                    "t_s": round(d["wall"] - launch_wall, 3)} for d in outcome.deaths],
+        "deaths": [{**{k: v for k, v in d.items() if k not in ("wall", "restarted_wall", "t_s")},  # wall None:
+                    "t_s": round(d["wall"] - launch_wall, 3) if d.get("wall") else None}   # unknown (torchrun)
+                   for d in outcome.deaths],
         "steps_not_committed": [(rep or {}).get("not_committed") if rep else None for rep in per_rank],
         "rejoins": rejoins,
         "catch_ups": catch_ups,
@@ -440,6 +442,26 @@ def _earlier_rejoins(outcome: FTOutcome, per_rank: list, out_dir: Path, launch_w
     return out
 
 
+def ft_run_summary(resolved: dict, reports: list[dict | None], ft: dict, status: str = "ok",
+                   error: str | None = None, detail: str | None = None) -> dict:
+    """summary.json of an ``ft=torchft`` run (this launcher's or an external one's,
+    ft/external.py) but its launch fields: ``failed`` when fewer than ``ft.min_replicas``
+    workers finished (``detail`` appended to the error); under ft a lost worker is not a
+    failed run (role ``lost``, as the parameter server's): the other fields are over the
+    finished workers."""
+    if status == "ok" and not ft["enough_replicas"]:
+        status, error = "failed", (f"only workers {ft['finished_ranks']} finished, fewer than ft.min_replicas="
+                                   f"{ft['min_replicas']}" + (f"; {detail}" if detail else ""))
+    finished = set(ft["finished_ranks"])
+    lost = [r for r in range(len(reports)) if r not in finished] if status == "ok" else []
+    summary = build_summary(resolved, [rep if r in finished else None for r, rep in enumerate(reports)]
+                            if status == "ok" else reports, status=status, error=error, lost=lost)
+    summary["status"] = status
+    if status == "ok":
+        summary["error"] = None
+    return summary
+
+
 def _rejoin(r: int, rep: dict, rec: dict, outcome: FTOutcome, launch_wall: float) -> dict:
     """A restarted worker's rejoin: its recovery, timed from its death as the launcher saw it."""
     died = [d for d in outcome.deaths if d["rank"] == r and d["attempt"] == rep["attempt"] - 1]
@@ -458,7 +480,7 @@ def train_local_ft(cfg: Any, resolved: dict, cfg_yaml: str, out_dir: Path, world
                    run_id: str, signals: L.LauncherSignals, start_method: str, preload: list[str]) -> dict:
     """``easgd-train``'s local run under ``ft=torchft``: launch, merge the reports, write
     summary.json (its ``ft`` part: :func:`ft_summary`); returns the summary."""
-    from easgd_lightning.cli.summary import build_summary, write_summary
+    from easgd_lightning.cli.summary import write_summary
     from easgd_lightning.cli.worker import read_rank_reports
     from easgd_lightning.utils.atomic import atomic_write_text
 
@@ -479,17 +501,8 @@ def train_local_ft(cfg: Any, resolved: dict, cfg_yaml: str, out_dir: Path, world
         status, error = "failed", f"interrupted by {signal.Signals(outcome.interrupted_by).name}"
     elif outcome.error is not None:
         status, error = "failed", outcome.error
-    elif not ft["enough_replicas"]:
-        status, error = "failed", (f"only workers {ft['finished_ranks']} finished, fewer than ft.min_replicas="
-                                   f"{min_replicas}" + (f"; {L.failure_message(first, outcome.exit_codes)}" if first else ""))
-    # under ft a lost worker is not a failed run (role "lost", as the parameter server's)
-    finished = set(ft["finished_ranks"])
-    lost = [r for r in range(world) if r not in finished] if status == "ok" else []
-    summary = build_summary(resolved, [rep if r in finished else None for r, rep in enumerate(reports)]
-                            if status == "ok" else reports, status=status, error=error, lost=lost)
-    summary["status"] = status
-    if status == "ok":
-        summary["error"] = None
+    summary = ft_run_summary(resolved, reports, ft, status, error,
+                             detail=L.failure_message(first, outcome.exit_codes) if first else None)
     summary.update(run_id=run_id, exit_codes=outcome.exit_codes, first_failure=first,
                    killed_ranks=outcome.killed_ranks,
                    interrupted_by=signal.Signals(outcome.interrupted_by).name if outcome.interrupted_by else None,

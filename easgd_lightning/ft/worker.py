@@ -21,12 +21,21 @@ its Manager's step (0) is behind, so torchft sends it the live state of a health
 schedulers) and it contributes nothing to that exchange. The first exchange of a fresh run
 has every worker at step 0: it is the set-up broadcast (replica rank 0 contributes its
 variable, the others zeros), so all start equal.
+
+Under an external launcher (``EASGD_FT_EXTERNAL``: torchrun or SLURM, ``ft/external.py``)
+the workers share no store of the launcher's: the start barrier waits until the lighthouse
+holds a fresh heartbeat of every initial worker (its dashboard), and the worker advertises
+this host's name instead of 127.0.0.1. A restarted worker whose first quorum holds no one but
+itself has no live peer to recover from (the others have finished or are gone): it raises
+:class:`NoPeerToRecover` instead of training again from its initial state -- under
+easgd-train's own launcher the launcher ends such a worker itself.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -39,18 +48,42 @@ from easgd_lightning.utils.atomic import atomic_write_json
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FTContext", "FTSession", "prepare", "current", "tensor_bytes", "write_join_record"]
+__all__ = ["FTContext", "FTSession", "NoPeerToRecover", "prepare", "current", "failure_fields", "replica_name",
+           "tensor_bytes", "write_join_record"]
 
 #: the launcher sets these for every worker under ft=torchft
 ENV_ATTEMPT = "EASGD_FT_ATTEMPT"
 ENV_LIGHTHOUSE = "EASGD_FT_LIGHTHOUSE"
 ENV_RANK = "EASGD_FT_RANK"
 ENV_WORLD = "EASGD_FT_WORLD"
+#: set by the external-launcher paths (ft/external.py): "torchrun" or "slurm"
+ENV_EXTERNAL = "EASGD_FT_EXTERNAL"
 
 _CURRENT: FTContext | None = None
 
 #: exchanges tried (each bounded by ft.quorum_timeout_s + ft.collective_timeout_s) before a worker gives up
 MAX_TRIES = 8
+
+
+class NoPeerToRecover(RuntimeError):
+    """A restarted worker found no live peer to receive the run's state from."""
+
+
+def replica_name(rank: int) -> str:
+    """The replica id of worker ``rank`` at the lighthouse (torchft appends ``:uuid``); sorted
+    by the lighthouse, so the replica rank is the worker rank; the trailing digits are the rank."""
+    return f"r{rank:05d}"
+
+
+def process_started() -> float:
+    """Wall-clock time this process started (Linux: its start in ``/proc/self/stat``, in
+    clock ticks since boot; elsewhere: now)."""
+    try:
+        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        since_boot = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.time()
+    return time.time() - max(0.0, since_boot)
 
 
 def tensor_bytes(obj: Any) -> int:
@@ -78,17 +111,26 @@ class FTContext:
         self.timeout_s = float(ft.get("quorum_timeout_s", 60))
         self.collective_timeout_s = float(ft.get("collective_timeout_s", 10))
         self.run_dir = str(run_dir)
-        self.started = time.time()
-        self.launch_store = (os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]))
+        self.started = process_started()  # a restart's recovery is timed from here (interpreter start included)
+        self.external = os.environ.get(ENV_EXTERNAL) or None
+        # the address peers reach this worker's store and Manager at (torchft's checkpoint
+        # transport uses the hostname too); one machine under easgd-train's own launcher
+        self.hostname = socket.gethostname() if self.external else "127.0.0.1"
+        self.launch_store = (os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "0")))
         from torch.distributed import TCPStore
 
         # the replica group's store (torchft's Manager and Lightning's one-rank group use it)
         self.store = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=self.timeout_s), wait_for_workers=False)
 
     def barrier_initial_workers(self) -> None:
-        """First start only: wait (bounded) until every initial worker has its Manager
-        heartbeating, so the first quorum holds them all instead of whoever came first."""
+        """First start only: wait (bounded by ``ft.quorum_timeout_s``) until every initial
+        worker has its Manager heartbeating, so the first quorum holds them all instead of
+        whoever came first: over the launcher's store, or under an external launcher at the
+        lighthouse (a late worker then receives a peer's state at its first exchange)."""
         if self.attempt > 0:
+            return
+        if self.external:
+            self._barrier_at_lighthouse()
             return
         from torch.distributed import TCPStore
 
@@ -99,8 +141,24 @@ class FTContext:
         while store.add("ft/ready", 0) < self.world and time.monotonic() < deadline:
             time.sleep(0.02)
 
+    def _barrier_at_lighthouse(self) -> None:
+        from easgd_lightning.compat.torchft import live_replicas
+
+        want = {replica_name(r) for r in range(self.world)}
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            live = live_replicas(self.lighthouse)
+            if live is None:
+                log.warning("ft: the lighthouse's dashboard at %s/status cannot be read: no start barrier", self.lighthouse)
+                return
+            if want <= live:
+                return
+            time.sleep(0.05)
+        log.warning("ft: workers %s not heartbeating after %.0fs (ft.quorum_timeout_s): starting without them",
+                    sorted(want - live), self.timeout_s)
+
     def mark_joined(self, info: dict) -> None:
-        """Tell the launcher this start has committed its first exchange."""
+        """Tell the launcher this start has committed its first exchange (and its pid)."""
         write_join_record(self.run_dir, self.rank, self.attempt, {"started_at": self.started, **info})
 
 
@@ -137,6 +195,18 @@ def current() -> FTContext | None:
     return _CURRENT
 
 
+def failure_fields(err: BaseException) -> dict:
+    """What a failed worker's report adds under ``ft=torchft``: which start it was
+    (``ft_attempt``), and ``status: ended_before_rejoin`` for :class:`NoPeerToRecover`;
+    {} without ft."""
+    if _CURRENT is None:
+        return {}
+    out: dict = {"ft_attempt": _CURRENT.attempt}
+    if isinstance(err, NoPeerToRecover):
+        out["status"] = "ended_before_rejoin"
+    return out
+
+
 class FTSession:
     """A worker's torchft ``Manager`` and the record of what it saw (for summary.json)."""
 
@@ -157,11 +227,11 @@ class FTSession:
             connect_timeout=t,
             rank=0,
             world_size=1,
-            store_addr="127.0.0.1",
+            store_addr=ctx.hostname,
             store_port=ctx.store.port,
             lighthouse_addr=ctx.lighthouse,
-            replica_id=f"r{ctx.rank:05d}",  # sorted by the lighthouse: replica rank = worker rank
-            hostname="127.0.0.1",
+            replica_id=replica_name(ctx.rank),
+            hostname=ctx.hostname,
             init_sync=False,  # our first exchange is the set-up broadcast
         )
         ctx.barrier_initial_workers()
@@ -194,6 +264,16 @@ class FTSession:
         return state.get("local_steps") if isinstance(state, dict) else None
 
     # ---------------------------------------------------------------- the exchange
+    def _check_peer(self, n: int, healing: bool) -> None:
+        """Under an external launcher, a restarted worker's first quorum must hold a peer.
+
+        Raises:
+            NoPeerToRecover: it is the only contributor and receives nothing (module doc).
+        """
+        if self.ctx.external and self.ctx.attempt > 0 and not self._joined and not healing and n <= 1:
+            raise NoPeerToRecover(f"worker {self.ctx.rank} (restart {self.ctx.attempt}) found no live peer in its "
+                                  "quorum to receive the run's state from: the others have finished or are gone")
+
     def members(self) -> list[int]:
         """Worker ranks of the current quorum (torchft's process group keeps them)."""
         return quorum_ranks(self.manager)
@@ -224,6 +304,7 @@ class FTSession:
                 raise RuntimeError(f"ft=torchft: no quorum from the lighthouse at {self.ctx.lighthouse}: {err}") from err
             healing = not m.is_participating()
             n = m.num_participants()
+            self._check_peer(n, healing)
             qid = quorum_id(m)
             if qid != self._quorum_id:
                 self._quorum_id = qid
@@ -253,9 +334,19 @@ class FTSession:
                                           "step": step, "recovery_bytes": self._loaded_bytes if healing else 0})
                 return
             self.not_committed.append(step)
+            if healing:
+                self._heal_again()
             log.warning("ft: the exchange at step %d was not committed (%s); retrying with a new quorum",
                         step, m.errored())
         raise RuntimeError(f"ft=torchft: the exchange at step {step} was not committed in {MAX_TRIES} quorums")
+
+    def _heal_again(self) -> None:
+        """A joiner's exchange that nobody committed: torchft has loaded its peer's state
+        (before the vote) and set its step to the peer's, so the next quorum would not heal it
+        and it would take part in the retry as an ordinary worker with its first exchange's
+        payload and apply (the set-up broadcast's: wrong for a rejoin). Back at step 0, the
+        next quorum heals it again."""
+        self.manager.load_state_dict({**self.manager.state_dict(), "step": 0})
 
     # ---------------------------------------------------------------- a DDP step
     def start_step(self, step: int) -> None:
@@ -270,6 +361,7 @@ class FTSession:
         except Exception as err:
             raise RuntimeError(f"ft=torchft: no quorum from the lighthouse at {self.ctx.lighthouse}: {err}") from err
         n, healing = m.num_participants(), not m.is_participating()
+        self._check_peer(n, healing)
         if not self._step_noted:
             self._step_noted = True
             qid = quorum_id(m)
@@ -319,6 +411,7 @@ class FTSession:
         return {
             "rank": self.ctx.rank,
             "attempt": self.ctx.attempt,
+            "started_at": self.ctx.started,
             "exchanges": self.exchanges,
             "quorum_changes": self.quorum_changes,
             "not_committed": self.not_committed,

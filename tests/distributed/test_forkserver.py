@@ -15,17 +15,10 @@ import time
 from pathlib import Path
 
 from tests.helpers import PY, REPO, base_env
+from tests.helpers import pid_alive as _alive
 
 SCRIPT = Path(__file__).parent / "scripts" / "forkserver_probe.py"
 PROBE_ENTRY = "tests.distributed.scripts.forkserver_probe:probe"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _wait_for(path: Path, timeout: float = 30) -> dict:

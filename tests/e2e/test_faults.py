@@ -24,19 +24,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import PY, REPO, base_env, free_port, run_cli, start_cli
+from tests.helpers import PY, REPO, base_env, free_port, pid_alive, run_cli, start_cli
 
 #: small and quick: digits, the default MLP, one thread per rank
 COMMON = ["logger=csv", "trainer.enable_progress_bar=false", "data.num_workers=0"]
-
-
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie (read from /proc)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 class Run:

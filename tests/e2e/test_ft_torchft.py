@@ -29,21 +29,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import base_env, one_error_line, run_cli, start_cli
+from tests.helpers import base_env, one_error_line, pid_alive, run_cli, start_cli
 
 pytest.importorskip("torchft")
 pytestmark = pytest.mark.slow
 
 COMMON = ["logger=none", "trainer.enable_progress_bar=false", "data.num_workers=0", "trainer.devices=3",
           "ft=torchft"]
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _centre(run_dir: Path) -> dict:
@@ -261,6 +253,9 @@ def test_lighthouse_killed_ends_the_run_cleanly(tmp_path: Path) -> None:
 # -------------------------------------------------------------------------- refusals
 REFUSALS = [
     (["ft.min_replicas=0"], "ft.min_replicas: must be an integer in [1, 3]"),
+    (["ft.min_replicas=3"], "ft.min_replicas=3: with every worker required a restarted worker could never rejoin"),
+    (["ft.replica_id=0"], "ft.replica_id: only under torchrun (one torchrun per worker)"),
+    (["ft.replica_id=3"], "ft.replica_id: must be null or an integer in [0, 2]"),
     (["ft.max_restarts=-1"], "ft.max_restarts: must be an integer >= 0"),
     (["ft.lighthouse=nowhere"], "ft.lighthouse: must be null or host:port"),
     (["strategy=pipeline_3d"], "ft=torchft: strategy=pipeline_3d cannot survive a lost worker"),

@@ -11,11 +11,16 @@ the failed job, ``easgd-report`` builds the table from all three, and ``squeue``
 at the end. Skipped, with the reason, where slurm-wlm and munge cannot be installed
 (``apt-get``, as root) or the daemons cannot start. ``slurm_gpu`` is checked as far as a
 machine without GPUs allows: the sbatch script submitit writes from it.
+
+``ft=torchft`` on SLURM (easgd_lightning/ft/external.py): one job of 2 tasks, one worker each;
+task 0 serves the lighthouse; the worker of task 1 is SIGKILLed from outside mid-run and its
+task starts it again; the job ends ``ok`` with the death (signal, time) and restart recorded.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -25,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PY, REPO, base_env, compose
+from tests.helpers import PY, REPO, base_env, compose, pid_alive
 
 sys.path.insert(0, str(REPO / "scripts"))
 import slurm_local  # noqa: E402  (scripts/ is not a package: the user's entry point)
@@ -163,3 +168,65 @@ def test_slurm_gpu_config_renders_a_gpu_job() -> None:
     assert f"#SBATCH --gpus-per-node={cfg.trainer.devices}" in script
     assert f"#SBATCH --ntasks-per-node={cfg.trainer.devices}" in script
     assert "#SBATCH --nodes=2" in script and "#SBATCH --cpus-per-task=10" in script
+
+
+# ------------------------------------------------------------------------------ ft=torchft
+FT_JOB = ["ft=torchft", "strategy=sync_easgd", "trainer.devices=2", "trainer.max_epochs=25", "faults.slow_rank=0",
+          "faults.slow_ms=20", "logger=none", "trainer.enable_progress_bar=false", "data.num_workers=0",
+          "checkpoint.enabled=false"]
+
+
+def _job_file(sweep_dir: Path, name: str) -> Path | None:
+    found = sorted(sweep_dir.glob(f"*/ranks/ft/{name}"))
+    return found[0] if found else None
+
+
+def test_ft_job_restarts_a_killed_worker(slurm, tmp_path) -> None:
+    """Task 1's worker SIGKILLed a moment after both committed their first exchange: task 1
+    starts it again and it rejoins from worker 0 -- or, on a machine too slow for the fresh
+    interpreter to start before worker 0 ends (worker 0 is paced at about 30 ms a step, 575
+    steps), ends ``ended_before_rejoin``; either way the job is ``ok``, the death is recorded
+    with its signal and time (the task saw it), task 0 served the lighthouse and stopped it."""
+    sweep_dir = tmp_path / "ft"
+    log = tmp_path / "ft.log"
+    started = time.monotonic()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([PY, "-m", "easgd_lightning.cli.train", "-m", "hydra/launcher=slurm", *FT_JOB,
+                                 f"hydra.sweep.dir={sweep_dir}"], env=slurm.env(base_env()), cwd=REPO,
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while not (_job_file(sweep_dir, "rank0.json") and _job_file(sweep_dir, "rank1.json")):
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.1)
+        time.sleep(0.5)
+        victim = json.loads(_job_file(sweep_dir, "rank1.json").read_text())["pid"]
+        lighthouse = json.loads(_job_file(sweep_dir, "lighthouse.json").read_text())
+        os.kill(victim, signal.SIGKILL)
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    job = _job_file(sweep_dir, "task0.json").parents[2]
+    s = json.loads((job / "summary.json").read_text())
+    ft = s["ft"]
+    print(f"ft=torchft SLURM job, a worker killed: {time.monotonic() - started:.1f}s, rejoins {ft['rejoins']}, "
+          f"lost {ft['lost_ranks']}")
+    assert code == 0, log.read_text()[-3000:]
+    assert s["status"] == "ok", s["error"]
+    assert s["run_id"].startswith("slurm-") and s["world_size"] == 2
+    assert ft["restarts"] == [0, 1]
+    (death,) = ft["deaths"]
+    assert death["rank"] == 1 and death["signal"] == "SIGKILL" and death["t_s"] > 0
+    assert ft["lighthouse"] == lighthouse["address"]  # served by task 0 ...
+    assert not pid_alive(lighthouse["pid"])  # ... and stopped by it at the end
+    if ft["rejoins"]:
+        (rejoin,) = ft["rejoins"]
+        assert rejoin["rank"] == 1 and rejoin["recovery_bytes"] > 0 and rejoin["recovery_s"] > 0
+        assert ft["finished_ranks"] == [0, 1] and s["steps_per_rank"] == [575, 575]
+        reports = [json.loads((job / "ranks" / f"rank{r}.json").read_text()) for r in range(2)]
+        assert reports[0]["val_loss"] == reports[1]["val_loss"]  # the same model
+    else:
+        assert ft["finished_ranks"] == [0] and ft["lost_ranks"] == ft["ended_before_rejoin"] == [1]
+    assert not pid_alive(victim)
+    assert slurm.queue() == []

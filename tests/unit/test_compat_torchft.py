@@ -39,3 +39,29 @@ def test_lighthouse_server_class_serves() -> None:
         assert answers(server.address().replace(socket.gethostname(), "127.0.0.1"))
     finally:
         server.shutdown()
+
+
+def test_live_replicas_from_a_real_lighthouse() -> None:
+    """The dashboard of a real lighthouse lists the heartbeating replica groups (ids without
+    torchft's ``:uuid``); one silent past the heartbeat timeout is no longer live."""
+    import time
+    from datetime import timedelta
+
+    from torchft._torchft import LighthouseClient
+
+    from easgd_lightning.compat.torchft import lighthouse_server_class, live_replicas
+
+    server = lighthouse_server_class()(bind="127.0.0.1:0", min_replicas=1, heartbeat_timeout_ms=300)
+    try:
+        address = server.address().replace(socket.gethostname(), "127.0.0.1")
+        client = LighthouseClient(address, timedelta(seconds=5))
+        assert live_replicas(address) == set()
+        client.heartbeat("r00000:0f3c")
+        client.heartbeat("r00002:77aa")
+        assert live_replicas(address) == {"r00000", "r00002"}
+        time.sleep(0.6)
+        client.heartbeat("r00002:77aa")
+        assert live_replicas(address) == {"r00002"}
+    finally:
+        server.shutdown()
+    assert live_replicas(address, timeout=0.5) is None  # nothing answers: no barrier, not an error
