@@ -85,7 +85,6 @@ def placement(cfg: Any, env: dict[str, str]) -> Placement:
         ConfigError: one line naming the key or the launcher option to change.
     """
     from easgd_lightning.cli.build import ConfigError
-
     from easgd_lightning.ft.config import rejoins_natively
 
     ft, world = cfg.ft, _world(cfg)
