@@ -92,7 +92,7 @@ def check_ft(cfg: Any, world: int) -> None:
         raise ConfigError("ft=torchft: checkpoint.resume is not supported (a restarted worker recovers from the "
                           "live run, not from disk); drop checkpoint.resume, or use ft=none")
     if rejoins_natively(cfg):
-        _check_common(ft, world - 1)  # the last process is the server
+        _check_common(ft, world - 1, quorum=False)  # the last process is the server
         if ft.get("lighthouse") is not None:
             raise ConfigError(f"ft.lighthouse: strategy={strategy} uses no torchft lighthouse (its parameter server "
                               "re-admits restarted workers itself); leave ft.lighthouse=null")
@@ -137,14 +137,15 @@ def check_ft(cfg: Any, world: int) -> None:
                           "pip install 'easgd-lightning[ft]' (make venv does)") from None
 
 
-def _check_common(ft: Any, workers: int) -> None:
-    """The keys every ``ft=torchft`` run reads (``workers``: how many may be restarted)."""
+def _check_common(ft: Any, workers: int, quorum: bool = True) -> None:
+    """The keys every ``ft=torchft`` run reads (``workers``: how many may be restarted;
+    ``quorum``: torchft's quorum decides who takes part, not a parameter server)."""
     from easgd_lightning.cli.build import ConfigError
 
     mr = ft.get("min_replicas", 1)
     if not _is_int(mr) or not 1 <= mr <= workers:
         raise ConfigError(f"ft.min_replicas: must be an integer in [1, {workers}] (the workers), got {mr!r}")
-    if mr == workers > 1:  # torchft: a joiner is not a participant of the exchange it heals in
+    if quorum and mr == workers > 1:  # torchft: a joiner is not a participant of the exchange it heals in
         raise ConfigError(f"ft.min_replicas={mr}: with every worker required a restarted worker could never rejoin "
                           f"(it contributes nothing to the exchange it rejoins in); use at most {workers - 1}")
     replica = ft.get("replica_id")
