@@ -151,7 +151,6 @@ class CompressionHookState:
         "param_specs",
         # internal state
         "collective",
-        "world_size",
         "iteration",
         "param_names",
         "tensor_states",
@@ -207,7 +206,6 @@ class CompressionHookState:
         self.planned_at = -1
         self.replans = 0
         self.collective = ProcessGroupCollective(group, kind=kind, fusion_bytes=fusion_bytes)
-        self.world_size = self.collective.world_size
         self.iteration = 0
         self.param_names = dict(param_names or {})
         self.tensor_states: dict[str, dict] = {}
@@ -218,6 +216,12 @@ class CompressionHookState:
         self.dense_calls = 0
         self.bucket_stats: dict[int, ExchangeStats] = {}
         self.totals = ExchangeStats()
+
+    @property
+    def world_size(self) -> int:
+        """The ranks exchanging now (the collective's group; under ``ft=torchft`` the step's
+        quorum)."""
+        return self.collective.world_size
 
     def compression_stats(self) -> dict:
         """Totals: calls, bytes (sent / dense) and times (comm / codec) of this hook."""
@@ -294,6 +298,28 @@ class CompressionHookState:
         self.tensor_states = dict(state.get("tensor_states", {}))
         self.compressor.load_state_dict(state.get("compressor_state") or {})
         self.memory.load_state_dict(state.get("memory", {}))
+
+    def snapshot(self) -> dict:
+        """A copy of everything an iteration changes: :meth:`state_dict` and the all-gather
+        capacities (``ft=torchft``: restored when a step is not committed, and what a worker
+        that joins receives from a peer)."""
+        return {"hook": self.state_dict(), "caps": self.collective.capacities()}
+
+    def restore(self, snap: dict, device: torch.device | str | None = None) -> None:
+        """Return to a :meth:`snapshot` (this rank's own, or a peer's)."""
+        self.load_state_dict(snap["hook"], device)
+        self.collective.load_capacities(snap["caps"])
+
+    def forget_worker_state(self) -> None:
+        """Drop what only this worker accumulated from its own gradients -- the residual
+        memory and the compressor's ``worker_state`` entries (DGC's u and v) -- keeping what
+        every rank holds alike (PowerSGD's Q, step counters, seeds): a worker that joins a
+        running training with a peer's state starts its own error feedback from zero, as at
+        the start of a run, rather than sending the peer's owed gradient a second time."""
+        self.memory.reset()
+        for st in self.tensor_states.values():
+            for key in self.compressor.worker_state:
+                st.pop(key, None)
 
     def _key(self, param: torch.Tensor, bucket_index: int, pos: int) -> str:
         return self.param_names.get(id(param)) or f"bucket{bucket_index}.{pos}"

@@ -101,6 +101,7 @@ class CompressedDDPStrategy(DDPStrategy):
         self.hook_state = register_compression_hook(
             self.model,
             self._compression,
+            group=self._hook_group(),
             layout=self._comm,
             allreduce=self._comm.allreduce,
             aggregator=self._comm.aggregator,
@@ -111,6 +112,10 @@ class CompressedDDPStrategy(DDPStrategy):
         if self._resume_rank_state is not None:
             self._restore_rank_state(self._resume_rank_state)
             self._resume_rank_state = None
+
+    def _hook_group(self):
+        """The group the hook exchanges over (None: the default process group)."""
+        return None
 
     @override
     def on_train_start(self) -> None:
