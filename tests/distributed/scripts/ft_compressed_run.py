@@ -16,10 +16,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 
 import torch
-from omegaconf import OmegaConf
 
 NUMEL, RATIO = 16, 0.25
 
@@ -30,15 +28,13 @@ def gradient(step: int, rank: int) -> torch.Tensor:
 
 
 def main() -> None:
-    out, steps, victim, kill_step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    from easgd_lightning.ft.worker import FTContext, FTSession
+    from easgd_lightning.ft.worker import FTSession
     from easgd_lightning.hooks._exchange import exchange_tensors
     from easgd_lightning.hooks.compressors import TopKCompressor
     from easgd_lightning.hooks.ddp import CompressionHookState
+    from tests.distributed.scripts.ft_session_run import worker_args
 
-    cfg = OmegaConf.create({"ft": {"name": "torchft", "min_replicas": 1, "quorum_timeout_s": 30,
-                                   "collective_timeout_s": 3}})
-    ctx = FTContext(cfg, os.path.dirname(out))
+    (out, steps, victim, kill_step), ctx = worker_args()
     rank = ctx.rank
     hook: CompressionHookState | None = None
     session = FTSession(ctx, lambda: {"hook": hook.snapshot(), "local_steps": 0}, lambda s: hook.restore(s["hook"]),
