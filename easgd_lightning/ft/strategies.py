@@ -277,10 +277,10 @@ class FTDDPStrategy(_FTMixin, CompressedDDPStrategy):
     Compressed gradients (any compressor): the hook of ``ft=none``, its every collective
     on the step's quorum (:class:`~easgd_lightning.comm.managed.ManagedGroup`: the means
     are over ``|Q|``). The quorum is synchronous: a joiner receives its peer's module,
-    optimizer, counters and hook state (:meth:`CompressionHookState.snapshot`: codec state
-    such as PowerSGD's Q, step counters, all-gather capacities) before its first step and
-    takes part in that step like every member, with its own error feedback started from
-    zero (:meth:`CompressionHookState.forget_worker_state`). The hook's state is copied
+    optimizer, counters and hook state (``CompressionHookState.snapshot(shared_only=True)``:
+    codec state such as PowerSGD's Q, step counters, all-gather capacities; not the peer's
+    own error feedback, so the joiner's starts from zero) before its first step and takes
+    part in that step like every member. The hook's state is copied
     before each step; a step that is not committed drops its gradients and returns the hook
     to that copy (residuals, codec state and counters as before the step).
 
@@ -342,14 +342,13 @@ class FTDDPStrategy(_FTMixin, CompressedDDPStrategy):
             "optimizer": self.optimizers[0].state_dict() if self.optimizers else None,
             "local_steps": int(self._local_steps),
             "schedulers": [c.scheduler.state_dict() for c in getattr(trainer, "lr_scheduler_configs", [])],
-            "hook": self.hook_state.snapshot() if self._compressed() else None,
+            "hook": self.hook_state.snapshot(shared_only=True) if self._compressed() else None,
         })
 
     @torch.no_grad()
     def _ft_load(self, state: dict) -> None:
         if state.get("hook") is not None:
             self.hook_state.restore(state["hook"], self.root_device)
-            self.hook_state.forget_worker_state()
         self.lightning_module.load_state_dict(state["module"])
         if state.get("optimizer") is not None and self.optimizers:
             self.optimizers[0].load_state_dict(state["optimizer"])

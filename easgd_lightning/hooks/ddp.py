@@ -299,27 +299,31 @@ class CompressionHookState:
         self.compressor.load_state_dict(state.get("compressor_state") or {})
         self.memory.load_state_dict(state.get("memory", {}))
 
-    def snapshot(self) -> dict:
+    def snapshot(self, *, shared_only: bool = False) -> dict:
         """A copy of everything an iteration changes: :meth:`state_dict` and the all-gather
-        capacities (``ft=torchft``: restored when a step is not committed, and what a worker
-        that joins receives from a peer)."""
-        return {"hook": self.state_dict(), "caps": self.collective.capacities()}
+        capacities (``ft=torchft``: put back by :meth:`restore` when a step is not committed).
+
+        ``shared_only``: without what only this worker accumulated from its own gradients --
+        the residual memory and the compressor's ``worker_state`` entries (DGC's u and v) --
+        keeping what every rank holds alike (PowerSGD's Q, step counters, seeds,
+        capacities): what a worker that joins a running training receives from a peer, so
+        that its own error feedback starts from zero, as at the start of a run, instead of
+        sending the peer's owed gradient a second time.
+        """
+        hook = self.state_dict()
+        if shared_only:
+            hook["memory"] = {}  # a Memory loads {} as "nothing owed"
+            drop = self.compressor.worker_state
+            hook["tensor_states"] = {
+                key: {k: v for k, v in st.items() if k not in drop} if isinstance(st, dict) else st
+                for key, st in hook["tensor_states"].items()
+            }
+        return {"hook": hook, "caps": self.collective.capacities()}
 
     def restore(self, snap: dict, device: torch.device | str | None = None) -> None:
         """Return to a :meth:`snapshot` (this rank's own, or a peer's)."""
         self.load_state_dict(snap["hook"], device)
         self.collective.load_capacities(snap["caps"])
-
-    def forget_worker_state(self) -> None:
-        """Drop what only this worker accumulated from its own gradients -- the residual
-        memory and the compressor's ``worker_state`` entries (DGC's u and v) -- keeping what
-        every rank holds alike (PowerSGD's Q, step counters, seeds): a worker that joins a
-        running training with a peer's state starts its own error feedback from zero, as at
-        the start of a run, rather than sending the peer's owed gradient a second time."""
-        self.memory.reset()
-        for st in self.tensor_states.values():
-            for key in self.compressor.worker_state:
-                st.pop(key, None)
 
     def _key(self, param: torch.Tensor, bucket_index: int, pos: int) -> str:
         return self.param_names.get(id(param)) or f"bucket{bucket_index}.{pos}"

@@ -1,5 +1,6 @@
 """``CompressionHookState``'s copies for ``ft=torchft`` (easgd_lightning/hooks/ddp.py): a
-snapshot undoes an iteration bit for bit, and a joiner forgets only its own error feedback."""
+snapshot undoes an iteration bit for bit, and a joiner receives its peer's codec state but
+not the peer's own error feedback."""
 
 from __future__ import annotations
 
@@ -35,20 +36,26 @@ def test_snapshot_restores_residuals_counters_and_capacities() -> None:
     assert state.iteration == 4 and state.collective.capacities() == {("w", 0): 128}
 
 
-def test_forget_worker_state_keeps_what_every_rank_holds_alike() -> None:
-    state = _residual_state()
-    state.forget_worker_state()
-    assert state.memory.residual("w") is None  # the residual memory: this worker's own
-    assert state.tensor_states["w"] == {"key_hash": 7, "last_nnz": 3}
+def _joiner_of(peer: CompressionHookState, compressor) -> CompressionHookState:
+    joiner = CompressionHookState(compressor)
+    joiner.restore(peer.snapshot(shared_only=True))
+    return joiner
+
+
+def test_joiner_gets_what_every_rank_holds_alike_not_the_peers_error_feedback() -> None:
+    peer = _residual_state()
+    joiner = _joiner_of(peer, TopKCompressor(ratio=0.5, memory=True))
+    assert joiner.memory.residual("w") is None  # the peer's residual stays the peer's
+    assert joiner.tensor_states["w"] == {"key_hash": 7, "last_nnz": 3} and joiner.iteration == 4
+    assert torch.equal(peer.memory.residual("w"), torch.tensor([0, 1, 2, 0, 0, 0], dtype=torch.float64))
 
     dgc = CompressionHookState(DGCCompressor())
-    u, v = torch.ones(4), torch.full((4,), 2.0)
-    dgc.tensor_states["w"] = {"u": u, "v": v, "step": 9}
-    dgc.forget_worker_state()
-    assert dgc.tensor_states["w"] == {"step": 9}  # momentum correction and accumulation dropped
+    dgc.tensor_states["w"] = {"u": torch.ones(4), "v": torch.full((4,), 2.0), "step": 9}
+    assert _joiner_of(dgc, DGCCompressor()).tensor_states["w"] == {"step": 9}  # momentum correction dropped
+    assert set(dgc.tensor_states["w"]) == {"u", "v", "step"}
 
     power = CompressionHookState(PowerSGDCompressor())
     q = torch.randn(8, 2)
     power.tensor_states["w"] = {"q": q, "step": 3}
-    power.forget_worker_state()
-    assert power.tensor_states["w"]["q"] is q and power.tensor_states["w"]["step"] == 3  # Q: the same on every rank
+    got = _joiner_of(power, PowerSGDCompressor()).tensor_states["w"]
+    assert torch.equal(got["q"], q) and got["step"] == 3  # Q: the same on every rank
