@@ -3,6 +3,12 @@
 Strategies and hooks never call ``torch.distributed`` communication functions directly;
 they call these. Each function takes a ``kind`` (traffic class for the meter) and, where
 a compressor is involved, ``dense_bytes`` (what the uncompressed exchange would cost).
+
+``group`` may also be a :class:`~easgd_lightning.comm.managed.ManagedGroup` (``ft=torchft``:
+this step's quorum of a torchft Manager) for the collectives a compressed DDP hook uses
+(:func:`all_reduce`, :func:`all_reduce_async`, :func:`all_gather_varlen_async`,
+:func:`all_to_all`, :func:`group_size`, :func:`group_rank`): the same messages, run on the
+quorum, and a failed one completes with a stand-in while the step is marked not to commit.
 """
 
 from __future__ import annotations
@@ -13,11 +19,15 @@ import time
 import torch
 import torch.distributed as dist
 
+from easgd_lightning.comm.managed import ManagedGroup
 from easgd_lightning.comm.meter import get_meter
 from easgd_lightning.utils.procs import freeze_at_exit
 
 __all__ = [
     "nbytes",
+    "group_size",
+    "group_rank",
+    "group_backend",
     "all_reduce",
     "all_reduce_async",
     "wait",
@@ -45,6 +55,21 @@ def nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def group_size(group=None) -> int:
+    """Members of ``group`` (None: the default group; a managed group: this step's quorum)."""
+    return group.size() if isinstance(group, ManagedGroup) else dist.get_world_size(group)
+
+
+def group_rank(group=None) -> int:
+    """This process's rank in ``group`` (as :func:`group_size`)."""
+    return group.rank() if isinstance(group, ManagedGroup) else dist.get_rank(group)
+
+
+def group_backend(group=None) -> str:
+    """``group``'s backend (``gloo``, ``nccl``; a managed group: its torchft group's)."""
+    return group.backend() if isinstance(group, ManagedGroup) else dist.get_backend(group)
+
+
 def _finish(
     kind: str, start: float, sent: int, recv: int, dense: int | None, exposed: float | None = None
 ) -> None:
@@ -63,7 +88,10 @@ def all_reduce(
 ) -> torch.Tensor:
     """In-place all-reduce of ``tensor``; returns it."""
     start = time.perf_counter()
-    dist.all_reduce(tensor, op=op, group=group)
+    if isinstance(group, ManagedGroup):
+        group.all_reduce(tensor, op).wait()
+    else:
+        dist.all_reduce(tensor, op=op, group=group)
     size = nbytes(tensor)
     _finish(kind, start, size, size, dense_bytes)
     return tensor
@@ -86,8 +114,10 @@ def all_reduce_async(
     """
     start = time.perf_counter()
     size = nbytes(tensor)
-    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
-    fut = work.get_future()
+    if isinstance(group, ManagedGroup):
+        fut = group.all_reduce(tensor, op)
+    else:
+        fut = dist.all_reduce(tensor, op=op, group=group, async_op=True).get_future()
 
     def _done(f: torch.futures.Future):
         _finish(kind, start, size, size, dense_bytes, exposed=0.0)
@@ -177,7 +207,10 @@ class VarlenGather:
             tail[: self._tail.numel()] = self._tail
             tails = [torch.empty_like(tail) for _ in rows]
             start = time.perf_counter()
-            dist.all_gather(tails, tail, group=self._group)
+            if isinstance(self._group, ManagedGroup):
+                self._group.all_gather(tails, tail).wait()
+            else:
+                dist.all_gather(tails, tail, group=self._group)
             # bytes were counted with the first round; the wait is charged by ops.wait
             _finish(self._kind, start, 0, 0, 0, exposed=0.0)
             received = [
@@ -213,7 +246,7 @@ def all_gather_varlen_async(
     sent = header + data, received = the other ranks' headers + data (padding is not
     payload), ``dense_bytes`` as given, no exposed time.
     """
-    world = dist.get_world_size(group)
+    world = group_size(group)
     slot = {} if slot is None else slot
     flats = [t.reshape(-1).contiguous() for t in tensors]
     datas = [f.view(torch.uint8) for f in flats]
@@ -235,7 +268,10 @@ def all_gather_varlen_async(
         offset += _round_up(d.numel(), 8)
     rows = list(_slot_buffer(slot, "recv", world * size).view(world, size))
     start = time.perf_counter()
-    work = dist.all_gather(rows, send, group=group, async_op=True)
+    if isinstance(group, ManagedGroup):
+        fut = group.all_gather(rows, send)
+    else:
+        fut = dist.all_gather(rows, send, group=group, async_op=True).get_future()
     sent = head + sum(d.numel() for d in datas)
 
     def _done(f: torch.futures.Future) -> tuple[list[torch.Tensor], list[list[int]]]:
@@ -246,7 +282,7 @@ def all_gather_varlen_async(
         return rows, lengths
 
     dtypes = [f.dtype for f in flats]
-    return VarlenGather(work.get_future().then(_done), tail, dtypes, slot, kind, group)
+    return VarlenGather(fut.then(_done), tail, dtypes, slot, kind, group)
 
 
 def all_gather_varlen(tensors: list[torch.Tensor], *, kind: str, **options) -> list[list[torch.Tensor]]:
@@ -271,8 +307,8 @@ def all_to_all(
     ``dense_bytes`` on the data round; the lengths round counts no bytes (as the second
     round of :func:`all_gather_varlen_async`). A world of one moves nothing.
     """
-    world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
+    world = group_size(group)
+    rank = group_rank(group)
     flats = [t.reshape(-1).contiguous() for t in sends]
     if len(flats) != world:
         raise ValueError(f"all_to_all needs one tensor per rank ({world}), got {len(flats)}")
@@ -283,18 +319,24 @@ def all_to_all(
     device = flats[0].device
     lengths = torch.tensor([f.numel() for f in flats], dtype=torch.int64, device=device)
     incoming = torch.empty(world, dtype=torch.int64, device=device)
-    dist.all_to_all_single(incoming, lengths, group=group)
+    _all_to_all_single(incoming, lengths, None, None, group)
     _finish(kind, start, 0, 0, 0)
     counts_in, counts_out = incoming.tolist(), lengths.tolist()
     out = torch.empty(sum(counts_in), dtype=flats[0].dtype, device=device)
     start = time.perf_counter()
-    dist.all_to_all_single(out, torch.cat(flats), output_split_sizes=counts_in,
-                           input_split_sizes=counts_out, group=group)
+    _all_to_all_single(out, torch.cat(flats), counts_in, counts_out, group)
     size = flats[0].element_size()
     sent = size * (sum(counts_out) - counts_out[rank])
     recv = size * (sum(counts_in) - counts_in[rank])
     _finish(kind, start, sent, recv, dense_bytes)
     return list(torch.split(out, counts_in))
+
+
+def _all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, group) -> None:
+    if isinstance(group, ManagedGroup):
+        group.all_to_all_single(out, inp, out_splits, in_splits).wait()
+    else:
+        dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
 
 
 def broadcast(

@@ -2,12 +2,13 @@
 one line naming the key and what is allowed).
 
 Rule: ``ft=none`` (the default) changes nothing. ``ft=torchft`` supports what it can keep
-exact: ``strategy=local_sgd``, ``sync_easgd``, ``ddp`` (dense) and ``diloco`` (one fragment) with ``compression=none`` and a
-flat reduction, started by easgd-train's own launcher, torchrun or SLURM (which one may start what:
-ft/external.py); and the parameter-server family
-(:data:`FT_NATIVE`, Hogwild only with ``strategy.server=dedicated``), whose server re-admits
-a restarted worker itself (no torchft Manager, no lighthouse; any compression). Everything
-else is refused in one line rather than run without the tolerance it asked for.
+exact: ``strategy=local_sgd``, ``sync_easgd``, ``ddp`` (dense or any compressor) and ``diloco``
+(one fragment), the elastic ones with ``compression=none``, a flat reduction, started by
+easgd-train's own launcher, torchrun or SLURM (which one may start what: ft/external.py);
+and the parameter-server family (:data:`FT_NATIVE`, Hogwild only with
+``strategy.server=dedicated``), whose server re-admits a restarted worker itself (no torchft
+Manager, no lighthouse; any compression). Everything else is refused in one line rather
+than run without the tolerance it asked for.
 """
 
 from __future__ import annotations
@@ -103,9 +104,14 @@ def check_ft(cfg: Any, world: int) -> None:
                           f"use strategy={' or strategy='.join(FT_STRATEGIES + FT_NATIVE[:4])}, or ft=none")
     comm = cfg.get("comm") or {}
     compression = cfg.compression.get("name", "none")
-    if compression != "none":
-        raise ConfigError(f"ft=torchft: compression={compression} is not supported under ft=torchft yet "
-                          "(its residuals would need recovering too); use compression=none, or ft=none")
+    if compression != "none" and strategy != "ddp":
+        raise ConfigError(f"ft=torchft: compression={compression} is supported with strategy=ddp only (a joiner "
+                          f"contributes nothing to the {strategy} exchange it heals in, which a compressed exchange "
+                          "cannot express); use compression=none, strategy=ddp, or ft=none")
+    if compression != "none" and cfg.compression.get("plan", "none") != "none":
+        raise ConfigError(f"ft=torchft: compression.plan={cfg.compression.get('plan')} is not supported (the plan is "
+                          "measured by timed collectives once, not recovered by a joiner); use compression.plan=none, "
+                          "or ft=none")
     if strategy == "ddp" and (comm.get("allreduce", "ring") != "ring"):
         raise ConfigError(f"ft=torchft: comm.allreduce={comm.get('allreduce')} is not supported (the gradients go "
                           "through the torchft Manager); use comm.allreduce=ring, or ft=none")

@@ -269,25 +269,50 @@ class FTSyncEASGDStrategy(_FTMixin, SyncEASGDStrategy):
 
 
 class FTDDPStrategy(_FTMixin, CompressedDDPStrategy):
-    """``ddp`` (dense gradients) with every step a quorum step, torchft's own model:
+    """``ddp`` with every step a quorum step, torchft's own model.
 
-    start_quorum at the step's start (it completes during the forward and backward); each
-    DDP bucket ``g <- sum_{i in Q} g_i / |Q|`` through the Manager (a joiner's bucket is
-    zeroed); ``should_commit`` after the backward, before the update: not committed, the
-    gradients are dropped (the optimizer skips parameters without a gradient) and the batch
-    is lost, as in torchft's DDP. A joiner loads its peer's module, optimizer and counters
-    inside ``should_commit`` of its first step and applies that step's averaged gradient,
-    so it leaves the step equal to its peers. DDP is built with
-    ``find_unused_parameters=True``, which keeps the reducer from rebuilding its buckets after
-    the first step (a joiner's buckets would differ from its peers': torchft's DDP does the
-    same).
+    Dense gradients: start_quorum at the step's start (it completes during the forward and
+    backward); each DDP bucket ``g <- sum_{i in Q} g_i / |Q|`` through the Manager (a
+    joiner's bucket is zeroed); ``should_commit`` after the backward, before the update:
+    not committed, the gradients are dropped (the optimizer skips parameters without a
+    gradient) and the batch is lost, as in torchft's DDP. A joiner loads its peer's module,
+    optimizer and counters inside ``should_commit`` of its first step and applies that
+    step's averaged gradient, so it leaves the step equal to its peers.
+
+    Compressed gradients (any compressor): the hook of ``ft=none``, its every collective
+    on the step's quorum (:class:`~easgd_lightning.comm.managed.ManagedGroup`: the means
+    are over ``|Q|``). The quorum is synchronous: a joiner receives its peer's module,
+    optimizer, counters and hook state (``CompressionHookState.snapshot(shared_only=True)``:
+    codec state such as PowerSGD's Q, step counters, all-gather capacities; not the peer's
+    own error feedback, so the joiner's starts from zero) before its first step and takes
+    part in that step like every member. The hook's state is copied
+    before each step; a step that is not committed drops its gradients and returns the hook
+    to that copy (residuals, codec state and counters as before the step).
+
+    DDP is built with ``find_unused_parameters=True``, which keeps the reducer from
+    rebuilding its buckets after the first step (a joiner's buckets would differ from its
+    peers': torchft's DDP does the same).
     """
 
     def _ft_init(self, ctx: FTContext) -> None:
         super()._ft_init(ctx)
         self._ddp_kwargs["find_unused_parameters"] = True
 
+    def _compressed(self) -> bool:
+        return getattr(self._compression, "name", "none") != "none"
+
+    def _ft_session(self) -> FTSession:
+        if self._ft is None:
+            self._ft = FTSession(self._ft_ctx, self._ft_state, self._ft_load, async_quorum=not self._compressed())
+        return self._ft
+
+    def _hook_group(self):
+        return self._ft_session().group()
+
     def _register_ddp_hooks(self) -> None:
+        if self._compressed():
+            super()._register_ddp_hooks()
+            return
         session = self._ft_session()
 
         def hook(_state, bucket):  # no annotations: DDP checks them against the real types
@@ -300,12 +325,16 @@ class FTDDPStrategy(_FTMixin, CompressedDDPStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
         session = self._ft_session()
         session.start_step(self._local_steps + 1)
+        hook = self.hook_state if self._compressed() else None
+        before = hook.snapshot() if hook is not None else None
 
         def after_backward() -> None:
             if not session.commit_step():
                 for group in optimizer.param_groups:
                     for p in group["params"]:
                         p.grad = None
+                if hook is not None:
+                    hook.restore(before, self.root_device)
 
         out = super().optimizer_step(optimizer, _then(closure, after_backward), model, **kwargs)
         self._ft_stop_when_done()
@@ -318,10 +347,13 @@ class FTDDPStrategy(_FTMixin, CompressedDDPStrategy):
             "optimizer": self.optimizers[0].state_dict() if self.optimizers else None,
             "local_steps": int(self._local_steps),
             "schedulers": [c.scheduler.state_dict() for c in getattr(trainer, "lr_scheduler_configs", [])],
+            "hook": self.hook_state.snapshot(shared_only=True) if self._compressed() else None,
         })
 
     @torch.no_grad()
     def _ft_load(self, state: dict) -> None:
+        if state.get("hook") is not None:
+            self.hook_state.restore(state["hook"], self.root_device)
         self.lightning_module.load_state_dict(state["module"])
         if state.get("optimizer") is not None and self.optimizers:
             self.optimizers[0].load_state_dict(state["optimizer"])

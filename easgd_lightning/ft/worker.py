@@ -208,20 +208,29 @@ def failure_fields(err: BaseException) -> dict:
 
 
 class FTSession:
-    """A worker's torchft ``Manager`` and the record of what it saw (for summary.json)."""
+    """A worker's torchft ``Manager`` and the record of what it saw (for summary.json).
 
-    def __init__(self, ctx: FTContext, state_fn: Callable[[], dict], load_fn: Callable[[dict], None]) -> None:
+    ``async_quorum`` (torchft's ``use_async_quorum``): True, a joiner receives its peer's
+    state inside the exchange (or step) it joins and contributes nothing to it; False, it
+    receives the state when the quorum forms, before the step, and takes part in the step
+    as every member does (the compressed DDP hook: its collectives and codec state must be
+    the peers' from the step's first message).
+    """
+
+    def __init__(self, ctx: FTContext, state_fn: Callable[[], dict], load_fn: Callable[[dict], None],
+                 async_quorum: bool = True) -> None:
         from torchft import Manager, ProcessGroupGloo
 
         self.ctx = ctx
         self._state_fn, self._load_fn = state_fn, load_fn
         t = timedelta(seconds=ctx.collective_timeout_s)
+        self.pg = ProcessGroupGloo(timeout=t)
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=t),
+            pg=self.pg,
             load_state_dict=self._load,
             state_dict=self._state,
             min_replica_size=ctx.min_replicas,
-            use_async_quorum=True,  # a joiner does not take part in the exchange it heals in
+            use_async_quorum=async_quorum,
             timeout=t,
             quorum_timeout=timedelta(seconds=ctx.timeout_s),
             connect_timeout=t,
@@ -246,6 +255,7 @@ class FTSession:
         self._quorum_id: int | None = None
         self._loaded_bytes = 0
         self._loaded_step: int | None = None
+        self._loaded_now = False  # this step's state came from a peer (a synchronous quorum's heal)
         self._joined = False
 
     # ---------------------------------------------------------------- torchft callbacks
@@ -257,6 +267,7 @@ class FTSession:
     def _load(self, state: dict) -> None:
         self._loaded_bytes = tensor_bytes(state)
         self._loaded_step = self._step_of(state)
+        self._loaded_now = True
         self._load_fn(state)
 
     @staticmethod
@@ -350,9 +361,21 @@ class FTSession:
 
     # ---------------------------------------------------------------- a DDP step
     def start_step(self, step: int) -> None:
-        """Start this step's quorum (it completes while the forward and backward run)."""
-        self._step, self._step_t0, self._step_noted = step, time.time(), False
-        self.manager.start_quorum()
+        """Start this step's quorum (asynchronous: it completes while the forward and
+        backward run; synchronous: it is formed, and a joiner holds its peer's state, when
+        this returns)."""
+        self._step, self._step_t0, self._step_noted, self._loaded_now = step, time.time(), False, False
+        try:
+            self.manager.start_quorum()
+        except Exception as err:  # a synchronous quorum waits for the lighthouse here
+            raise RuntimeError(f"ft=torchft: no quorum from the lighthouse at {self.ctx.lighthouse}: {err}") from err
+
+    def group(self):
+        """This step's quorum as a group for :mod:`easgd_lightning.comm.ops` (the compressed
+        DDP hook's collectives: :class:`~easgd_lightning.comm.managed.ManagedGroup`)."""
+        from easgd_lightning.comm.managed import ManagedGroup
+
+        return ManagedGroup(self.manager, self.pg)
 
     def _note_step_quorum(self) -> tuple[int, bool]:
         m = self.manager
@@ -387,8 +410,10 @@ class FTSession:
         return buf
 
     def commit_step(self) -> bool:
-        """``should_commit`` for this step (a joiner loads its peer's state in here)."""
+        """``should_commit`` for this step (a joiner loads its peer's state in here, or, with
+        a synchronous quorum, loaded it in :meth:`start_step`)."""
         _, healing = self._note_step_quorum()
+        healing = healing or self._loaded_now
         if not self.manager.should_commit():
             self.not_committed.append(self._step)
             log.warning("ft: step %d was not committed (%s)", self._step, self.manager.errored())

@@ -141,13 +141,33 @@ class ProcessGroupCollective:
         self.kind = kind
         self.fusion_bytes = fusion_bytes
         self._open: dict | None = None  # (op, dtype) -> the open lazy all-reduce buffer
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
         self._pending_dense: int | None = None
         self._key = None
         self._gathers = 0
         self._slots: dict = {}
         self._batch: _GatherBatch | None = None
+
+    @property
+    def world_size(self) -> int:
+        """The group's size now (a managed group's is this step's quorum: it may change
+        from one exchange to the next)."""
+        return ops.group_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group now."""
+        return ops.group_rank(self.group)
+
+    def capacities(self) -> dict:
+        """Each variable-length all-gather slot's message capacity (bytes): the same on every
+        rank (:func:`easgd_lightning.comm.ops.next_capacity`), so a rank that joins running
+        peers must hold theirs to send messages of the same size."""
+        return {key: int(slot.get("cap", 0)) for key, slot in self._slots.items()}
+
+    def load_capacities(self, caps: dict) -> None:
+        """Take :meth:`capacities` (a peer's, or this rank's own before a step that is undone);
+        the slots' buffers are reallocated at their next use."""
+        self._slots = {key: {"cap": int(cap)} for key, cap in caps.items()}
 
     def charge_dense(self, nbytes: int, key=None) -> None:
         """Record ``nbytes`` as the dense cost of the next exchange. ``key`` names the tensor
@@ -267,7 +287,7 @@ class ProcessGroupCollective:
         """Non-blocking :meth:`all_reduce_bor`; ``.wait()`` returns the OR-ed tensors.
         Inside :meth:`fused`, the tensors join a lazy all-reduce buffer of ORs (one per
         dtype, apart from the sums'). NCCL's unpack-and-max fallback runs at once."""
-        if dist.get_backend(self.group) == "nccl":
+        if ops.group_backend(self.group) == "nccl":
             done = self.all_reduce_bor(tensors)
             return PendingCollective([], self.kind, lambda _: done)
         if self._open is not None and tensors:
@@ -280,7 +300,7 @@ class ProcessGroupCollective:
         NCCL has no bitwise-OR reduction: there the bits are unpacked to one byte each and
         max-reduced (honestly metered at 8x the bytes), then packed again.
         """
-        if dist.get_backend(self.group) != "nccl":
+        if ops.group_backend(self.group) != "nccl":
             return self._all_reduce_async(tensors, dist.ReduceOp.BOR).wait()
         out = []
         for t in tensors:

@@ -151,7 +151,6 @@ class CompressionHookState:
         "param_specs",
         # internal state
         "collective",
-        "world_size",
         "iteration",
         "param_names",
         "tensor_states",
@@ -207,7 +206,6 @@ class CompressionHookState:
         self.planned_at = -1
         self.replans = 0
         self.collective = ProcessGroupCollective(group, kind=kind, fusion_bytes=fusion_bytes)
-        self.world_size = self.collective.world_size
         self.iteration = 0
         self.param_names = dict(param_names or {})
         self.tensor_states: dict[str, dict] = {}
@@ -218,6 +216,12 @@ class CompressionHookState:
         self.dense_calls = 0
         self.bucket_stats: dict[int, ExchangeStats] = {}
         self.totals = ExchangeStats()
+
+    @property
+    def world_size(self) -> int:
+        """The ranks exchanging now (the collective's group; under ``ft=torchft`` the step's
+        quorum)."""
+        return self.collective.world_size
 
     def compression_stats(self) -> dict:
         """Totals: calls, bytes (sent / dense) and times (comm / codec) of this hook."""
@@ -294,6 +298,32 @@ class CompressionHookState:
         self.tensor_states = dict(state.get("tensor_states", {}))
         self.compressor.load_state_dict(state.get("compressor_state") or {})
         self.memory.load_state_dict(state.get("memory", {}))
+
+    def snapshot(self, *, shared_only: bool = False) -> dict:
+        """A copy of everything an iteration changes: :meth:`state_dict` and the all-gather
+        capacities (``ft=torchft``: put back by :meth:`restore` when a step is not committed).
+
+        ``shared_only``: without what only this worker accumulated from its own gradients --
+        the residual memory and the compressor's ``worker_state`` entries (DGC's u and v) --
+        keeping what every rank holds alike (PowerSGD's Q, step counters, seeds,
+        capacities): what a worker that joins a running training receives from a peer, so
+        that its own error feedback starts from zero, as at the start of a run, instead of
+        sending the peer's owed gradient a second time.
+        """
+        hook = self.state_dict()
+        if shared_only:
+            hook["memory"] = {}  # a Memory loads {} as "nothing owed"
+            drop = self.compressor.worker_state
+            hook["tensor_states"] = {
+                key: {k: v for k, v in st.items() if k not in drop} if isinstance(st, dict) else st
+                for key, st in hook["tensor_states"].items()
+            }
+        return {"hook": hook, "caps": self.collective.capacities()}
+
+    def restore(self, snap: dict, device: torch.device | str | None = None) -> None:
+        """Return to a :meth:`snapshot` (this rank's own, or a peer's)."""
+        self.load_state_dict(snap["hook"], device)
+        self.collective.load_capacities(snap["caps"])
 
     def _key(self, param: torch.Tensor, bucket_index: int, pos: int) -> str:
         return self.param_names.get(id(param)) or f"bucket{bucket_index}.{pos}"

@@ -76,6 +76,7 @@ class CompressedDDPMixin:
         self.hook_state = register_compression_hook(
             ddp_model,
             self._compression,
+            group=self._hook_group(),
             layout=self._comm,
             allreduce=self._comm.allreduce,
             aggregator=self._comm.aggregator,
@@ -83,6 +84,11 @@ class CompressedDDPMixin:
             timeout_s=process_group_timeout(self),
             **self._hook_options,
         )
+
+    def _hook_group(self):
+        """The group the hook exchanges over (None: the default process group; under
+        ``ft=torchft`` the Manager's quorum, ft/strategies.py)."""
+        return None
 
     def _bind_compressor(self, optimizers: list, steps_per_epoch: int | None) -> None:
         """DGC, sparse_gc: warm-up epochs become steps, and the compressor owns the momentum."""

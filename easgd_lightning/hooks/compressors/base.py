@@ -215,6 +215,11 @@ class Compressor(ABC):
     #: collectives one exchange of a tensor makes in sequence (PowerSGD: P then Q; csc:
     #: scores then chunks); the SeCoPa planner charges each its start-up latency.
     exchange_rounds: ClassVar[int] = 1
+    #: per-tensor ``state`` entries that are this worker's own accumulation of its gradients
+    #: (error feedback kept inside the compressor: DGC's u and v), not the same on every
+    #: rank; a worker that joins a running training (``ft=torchft``) starts them empty, as
+    #: it starts the attach point's residual memory, instead of counting a peer's twice.
+    worker_state: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, *, min_numel: int | None = None, memory: bool | None = None) -> None:
         self.min_numel = DEFAULT_MIN_NUMEL if min_numel is None else check_int("min_numel", min_numel, 0)

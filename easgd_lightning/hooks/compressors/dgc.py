@@ -257,6 +257,7 @@ class DGCCompressor(SparseCompressor):
     name = "dgc"
     default_memory = False
     allows_memory = False  # v, the accumulated velocity, is DGC's residual
+    worker_state = ("u", "v")  # momentum correction and accumulation: this worker's own
 
     def __init__(
         self,

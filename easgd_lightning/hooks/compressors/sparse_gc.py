@@ -69,6 +69,7 @@ class SparseGCCompressor(SparseCompressor):
     name = "sparse_gc"
     default_memory = False
     allows_memory = False  # v, the accumulated delayed gradient, is the residual
+    worker_state = ("u", "v")  # (M, the global momentum, is the same on every rank)
 
     def __init__(
         self,

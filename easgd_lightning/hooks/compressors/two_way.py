@@ -153,6 +153,7 @@ class TwoWayCompressor(Compressor):
         self.min_numel = inner.min_numel
         self.memory = inner.memory
         self.two_way = True
+        self.worker_state = ("f",)  # the second residual, the shard owner's own (TWO_WAY_INNER keep none)
 
     def compress(self, tensor: torch.Tensor, state: dict) -> Payload:
         return self.inner.compress(tensor, state.setdefault("whole", {}))

@@ -21,13 +21,21 @@ import torch
 from omegaconf import OmegaConf
 
 
-def main() -> None:
-    out, steps, victim, kill_step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    from easgd_lightning.ft.worker import FTContext, FTSession
+def worker_args():
+    """(OUT.json, STEPS, VICTIM, KILL_STEP) from the command line, and this worker's
+    ``FTContext`` (collectives time out after 3 s)."""
+    from easgd_lightning.ft.worker import FTContext
 
+    out, steps, victim, kill_step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     cfg = OmegaConf.create({"ft": {"name": "torchft", "min_replicas": 1, "quorum_timeout_s": 30,
                               "collective_timeout_s": 3}})
-    ctx = FTContext(cfg, os.path.dirname(out))
+    return (out, steps, victim, kill_step), FTContext(cfg, os.path.dirname(out))
+
+
+def main() -> None:
+    from easgd_lightning.ft.worker import FTSession
+
+    (out, steps, victim, kill_step), ctx = worker_args()
     rank = ctx.rank
     x = torch.tensor([float(rank + 1)], dtype=torch.float64)
     session = FTSession(ctx, lambda: {"x": x.clone(), "local_steps": 0}, lambda s: x.copy_(s["x"]))
