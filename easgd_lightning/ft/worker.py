@@ -69,6 +69,28 @@ class NoPeerToRecover(RuntimeError):
     """A restarted worker found no live peer to receive the run's state from."""
 
 
+def interface_address(ifname: str) -> str | None:
+    """The IPv4 address of network interface ``ifname`` (Linux ``SIOCGIFADDR``), None if it has none."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def advertised_host() -> str:
+    """How peers reach this worker's store, Manager and checkpoint transport under an external
+    launcher: the address of ``GLOO_SOCKET_IFNAME``'s interface where it is set (the network the
+    collectives use: on a node whose host name resolves to another network, or on hosts that
+    share one name), else this machine's host name."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    return (interface_address(ifname) if ifname else None) or socket.gethostname()
+
+
 def replica_name(rank: int) -> str:
     """The replica id of worker ``rank`` at the lighthouse (torchft appends ``:uuid``); sorted
     by the lighthouse, so the replica rank is the worker rank; the trailing digits are the rank."""
@@ -115,7 +137,7 @@ class FTContext:
         self.external = os.environ.get(ENV_EXTERNAL) or None
         # the address peers reach this worker's store and Manager at (torchft's checkpoint
         # transport uses the hostname too); one machine under easgd-train's own launcher
-        self.hostname = socket.gethostname() if self.external else "127.0.0.1"
+        self.hostname = advertised_host() if self.external else "127.0.0.1"
         self.launch_store = (os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "0")))
         from torch.distributed import TCPStore
 

@@ -139,3 +139,21 @@ def test_summary_of_slurm_records() -> None:
     interrupted = [{**records[0], "interrupted_by": "SIGTERM"}, records[1]]
     s = external_ft_summary({}, reports, interrupted, "http://h:1", 1, 1000.0)
     assert s["status"] == "failed" and s["error"] == "interrupted by SIGTERM" and s["interrupted_by"] == "SIGTERM"
+
+
+def test_advertised_host_is_the_collectives_interface(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under an external launcher a worker advertises the address of GLOO_SOCKET_IFNAME's
+    interface (here the loopback), else the host name; an interface without an address falls
+    back to the host name."""
+    import socket
+
+    from easgd_lightning.ft.worker import advertised_host, interface_address
+
+    assert interface_address("lo") == "127.0.0.1"
+    assert interface_address("no-such-if0") is None
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    assert advertised_host() == "127.0.0.1"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "no-such-if0")
+    assert advertised_host() == socket.gethostname()
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    assert advertised_host() == socket.gethostname()
