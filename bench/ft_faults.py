@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -116,7 +117,8 @@ def start_lighthouse(cluster: EmulatedCluster, run_dir: Path, timeout_s: float =
 def run_row(cluster: EmulatedCluster, row: str, mode: str, out: Path, args: argparse.Namespace) -> dict:
     """One run: start, restart dead workers, punish, wait; the row's figures."""
     run_dir = out / f"{row}-{mode}"
-    run_dir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(run_dir, ignore_errors=True)  # no earlier run's address file or reports
+    run_dir.mkdir(parents=True)
     lh_proc, lighthouse = start_lighthouse(cluster, run_dir)
     extra = list(args.extra)
     if mode == "one_kill":
@@ -220,6 +222,10 @@ def judge(results: list[dict], target_acc: float) -> list[tuple[str, bool, str]]
     return out
 
 
+def _acc(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
 def render(results: list[dict], verdicts, settings: dict) -> str:
     lines = [f"# Fault tolerance on the emulated cluster ({settings['hosts']} hosts, {settings['rate_mbit']} Mbit/s)",
              "", f"load average before: {settings['load_before']}, after: {settings['load_after']}; "
@@ -230,7 +236,7 @@ def render(results: list[dict], verdicts, settings: dict) -> str:
     for r in results:
         tt = "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f}"
         lines.append(f"| {r['row']} | {names[r['mode']]} | {r['status']} | {r['wall_s']:.1f} | {tt} | "
-                     f"{r['best_val_acc']} | {r['val_acc']} | {r['kills']} | {sum(r['restarts'])} | "
+                     f"{_acc(r['best_val_acc'])} | {_acc(r['val_acc'])} | {r['kills']} | {sum(r['restarts'])} | "
                      f"{', '.join(f'{x:.2f}' for x in r['recovery_s']) or '-'} |")
     lines += ["", "| target | result | figures |", "|---|---|---|"]
     lines += [f"| {what} | {'PASS' if ok else 'MISS'} | {fig} |" for what, ok, fig in verdicts]
@@ -243,7 +249,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default=",".join(MODES), help="none, one_kill, every")
     p.add_argument("--hosts", type=int, default=4)
     p.add_argument("--rate-mbit", type=float, default=100.0)
-    p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--epochs", type=int, default=40)
     p.add_argument("--target-acc", type=float, default=0.95)
     p.add_argument("--kill-at-step", type=int, default=100, help="one_kill: worker 1 dies before this step")
     p.add_argument("--kill-every-s", type=float, default=20.0)

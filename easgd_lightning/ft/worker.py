@@ -206,6 +206,8 @@ def prepare(cfg: Any, run_dir: str) -> FTContext:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", NODE_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(ctx.store.port), TORCHELASTIC_USE_AGENT_STORE="True")
     cfg.trainer.devices = 1
+    if "num_nodes" in cfg.trainer:  # the workers may span nodes (trainer.num_nodes x devices): each is one process here
+        cfg.trainer.num_nodes = 1
     if ctx.rank != 0:
         cfg.logger.name = "none"
     _CURRENT = ctx
