@@ -8,7 +8,9 @@ compiled ``torchft._torchft`` (what the ``torchft_lighthouse`` command runs).
 The lighthouse's dashboard (``GET /status``, an HTML page torchft renders) lists every
 replica group that heartbeats, with the class ``old`` once the lighthouse's heartbeat timeout
 has passed; :func:`live_replicas` reads it (the start barrier under an external launcher,
-``ft/worker.py``). ``tests/unit/test_compat_torchft.py`` checks these against the installed torchft.
+``ft/worker.py``). torchft's ``HTTPTransport`` (live state to a joiner) addresses itself by
+``socket.gethostname()`` and keeps its server in ``_server``: :func:`http_transport` gives it
+the worker's advertised host instead. ``tests/unit/test_compat_torchft.py`` checks these against the installed torchft.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["quorum_id", "quorum_ranks", "lighthouse_server_class", "live_replicas", "parse_heartbeats"]
+__all__ = ["quorum_id", "quorum_ranks", "lighthouse_server_class", "live_replicas", "parse_heartbeats",
+           "http_transport"]
 
 #: one heartbeat on the dashboard: ``<li class="heartbeat [old]"> r00001:UUID: seen 0.02s ago``
 _HEARTBEAT = re.compile(r'<li class="heartbeat\s*(old)?\s*">\s*(\S+?): seen ')
@@ -65,3 +68,16 @@ def live_replicas(address: str, timeout: float = 2.0) -> set[str] | None:
         return None
     beats = parse_heartbeats(page)
     return None if beats is None else {r for r, live in beats.items() if live}
+
+
+def http_transport(timeout: Any, host: str) -> Any:
+    """torchft's ``HTTPTransport`` (no chunking, as the Manager's default) whose address names
+    ``host``: the one peers reach this worker at (hosts that share a name, or whose name
+    resolves to another network than the collectives')."""
+    from torchft.checkpointing import HTTPTransport
+
+    class _AdvertisedHTTPTransport(HTTPTransport):
+        def address(self) -> str:
+            return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    return _AdvertisedHTTPTransport(timeout=timeout, num_chunks=0)

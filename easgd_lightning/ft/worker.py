@@ -245,6 +245,8 @@ class FTSession:
                  async_quorum: bool = True) -> None:
         from torchft import Manager, ProcessGroupGloo
 
+        from easgd_lightning.compat.torchft import http_transport
+
         self.ctx = ctx
         self._state_fn, self._load_fn = state_fn, load_fn
         t = timedelta(seconds=ctx.collective_timeout_s)
@@ -266,6 +268,9 @@ class FTSession:
             replica_id=replica_name(ctx.rank),
             hostname=ctx.hostname,
             init_sync=False,  # our first exchange is the set-up broadcast
+            # torchft's transport names this machine's host name in the address it gives a
+            # joiner; ours names the address the worker advertises (ft/worker.py advertised_host)
+            checkpoint_transport=http_transport(t, ctx.hostname) if ctx.external else None,
         )
         ctx.barrier_initial_workers()
         self.exchanges = 0

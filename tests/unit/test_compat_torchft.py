@@ -65,3 +65,20 @@ def test_live_replicas_from_a_real_lighthouse() -> None:
     finally:
         server.shutdown()
     assert live_replicas(address, timeout=0.5) is None  # nothing answers: no barrier, not an error
+
+
+def test_http_transport_advertises_the_given_host() -> None:
+    """The live-state transport names the advertised host and its own port, and serves there."""
+    from datetime import timedelta
+
+    from easgd_lightning.compat.torchft import http_transport
+
+    transport = http_transport(timedelta(seconds=5), "127.0.0.1")
+    try:
+        address = transport.address()
+        port = transport._server.socket.getsockname()[1]
+        assert address == f"http://127.0.0.1:{port}/checkpoint/"
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+    finally:
+        transport.shutdown(wait=False)
