@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench._netem import EmulatedCluster, LinkSpec, check_privileges
+from bench._netem import EmulatedCluster, LinkSpec, check_privileges, install_signal_handlers
 from bench._runs import merge_overrides
 from bench._scenarios import REPO, SCENARIOS
 from easgd_lightning.ft.punisher import Punisher
@@ -271,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     check_privileges()
+    install_signal_handlers()  # SIGTERM / SIGINT: the namespaces and every process go
     import torch
 
     settings = {"hosts": args.hosts, "rate_mbit": args.rate_mbit, "epochs": args.epochs, "target_acc": args.target_acc,
