@@ -73,7 +73,6 @@ def _row_in_process(args: str) -> tuple[str, int, bool, str]:
 
     import easgd_lightning.cli.train  # noqa: F401  (registers the recipe resolvers)
     from easgd_lightning.cli.build import ConfigError, validate_config
-    from easgd_lightning.cli.overrides import compose_checked
 
     records: list[str] = []
     handler = logging.Handler(logging.WARNING)

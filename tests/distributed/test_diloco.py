@@ -146,7 +146,7 @@ def reference_elastic(init, world, options, optimizer, lr, steps):
         f = (t // slot - 1) % count if t % slot == 0 else None
         diffs = [None] * world
         for i in range(world):
-            def form(i=i):
+            def form(i=i, f=f, diffs=diffs):  # called at once, inside this iteration
                 if f is not None:
                     diffs[i] = {j: alpha * (params[i][j].detach() - center[j]) for j in frags[f]}
             _inner_step(models[i], opts[i], i, t, form)

@@ -28,7 +28,13 @@ import torch.distributed as dist
 from easgd_lightning.comm.liveness import Liveness
 from easgd_lightning.hooks import build_compressor
 from easgd_lightning.strategies.ps.client import ServerClient, ServerTransport
-from easgd_lightning.strategies.ps.compressed import ElasticPush, ElasticReplies, ServerReplies, WorkerPush, unwrap
+from easgd_lightning.strategies.ps.compressed import (
+    ElasticPush,
+    ElasticReplies,
+    ServerReplies,
+    WorkerPush,
+    unwrap,
+)
 from easgd_lightning.strategies.ps.protocol import request_header_size
 from easgd_lightning.strategies.ps.server import ParameterServer, worker_channels
 
