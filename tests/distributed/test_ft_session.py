@@ -29,6 +29,19 @@ pytest.importorskip("torchft")
 SCRIPTS = REPO / "tests" / "distributed" / "scripts"
 
 
+def _wait_all(procs: list[subprocess.Popen], lighthouse) -> list[int | None]:
+    """The workers' exit codes (each waited for at most 180 s; one still running then is
+    killed), and the lighthouse shut down."""
+    try:
+        return [p.wait(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+        lighthouse.shutdown()
+
+
 def _three_workers(tmp_path: Path, script: str, steps: int, victim: int, kill_step: int) -> list[dict]:
     """Run ``script`` as three workers on a real lighthouse; the survivors' result files."""
     from torch.distributed import TCPStore
@@ -47,13 +60,8 @@ def _three_workers(tmp_path: Path, script: str, steps: int, victim: int, kill_st
                 [sys.executable, str(SCRIPTS / script), str(tmp_path / f"r{r}.json"), str(steps), str(victim),
                  str(kill_step)],
                 env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"r{r}.err", "w"), start_new_session=True))
-        codes = [p.wait(timeout=180) for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-        lighthouse.shutdown()
+        codes = _wait_all(procs, lighthouse)
     assert codes[victim] == -9, codes
     assert codes[0] == codes[1] == 0, [(tmp_path / f"r{r}.err").read_text()[-2000:] for r in range(2)]
     return [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2)]
@@ -111,19 +119,6 @@ def test_compressed_step_not_committed_leaves_residuals(tmp_path: Path) -> None:
             assert h["residual"] == pytest.approx(e[r].tolist(), rel=1e-12, abs=1e-15), (r, step)
     for r in range(2):
         assert res[r]["report"]["not_committed"] == [kill_step]
-
-
-def _wait_all(procs: list[subprocess.Popen], lighthouse) -> list[int | None]:
-    """The workers' exit codes (each waited for at most 180 s; one still running then is
-    killed), and the lighthouse shut down."""
-    try:
-        return [p.wait(timeout=180) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-        lighthouse.shutdown()
 
 
 HEAL_SCRIPT = REPO / "tests" / "distributed" / "scripts" / "ft_heal_retry_run.py"
