@@ -229,4 +229,7 @@ def test_ft_job_restarts_a_killed_worker(slurm, tmp_path) -> None:
     else:
         assert ft["finished_ranks"] == [0] and ft["lost_ranks"] == ft["ended_before_rejoin"] == [1]
     assert not pid_alive(victim)
+    deadline = time.monotonic() + 30  # slurmd reports the job done a moment after its tasks ended
+    while slurm.queue() and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert slurm.queue() == []
