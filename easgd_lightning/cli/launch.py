@@ -437,6 +437,22 @@ def _proc_state(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[0]
 
 
+def kill_after_grace(procs, alive: list[int], killed: list[int], term_at: float | None, kill_at: float | None,
+                     grace: float, now: float, what: str) -> float | None:
+    """The last step of stopping: once ``grace`` seconds have passed since the stop began
+    (``term_at``), or a second signal asked for it (``kill_at`` set), SIGKILL every process in
+    ``alive`` not killed yet (recorded in ``killed``). Returns ``kill_at``."""
+    if term_at is not None and kill_at is None and now - term_at >= grace:
+        kill_at = now
+    if kill_at is not None:
+        for r in alive:
+            if r not in killed:
+                log.error("%s %d did not stop: SIGKILL", what, r)
+                killed.append(r)
+                _signal_group(procs[r], signal.SIGKILL)
+    return kill_at
+
+
 def _signal_group(proc: subprocess.Popen | RankProcess, sig: int) -> None:
     """Send ``sig`` to the rank's process group (the rank and its data-loader processes)."""
     try:
@@ -624,14 +640,7 @@ def _supervise(
                 _signal_group(procs[r], signal.SIGTERM)
                 _signal_group(procs[r], signal.SIGCONT)
             term_at = now
-        if term_at is not None and kill_at is None and now - term_at >= grace:
-            kill_at = now
-        if kill_at is not None:
-            for r in alive:
-                if r not in outcome.killed_ranks:
-                    log.error("rank %d did not stop: SIGKILL", r)
-                    outcome.killed_ranks.append(r)
-                    _signal_group(procs[r], signal.SIGKILL)
+        kill_at = kill_after_grace(procs, alive, outcome.killed_ranks, term_at, kill_at, grace, now, "rank")
         time.sleep(_POLL_S)
     outcome.interrupted_by = signals.first
     return outcome

@@ -329,14 +329,7 @@ def _supervise_ft(procs, attempts, outcome: FTOutcome, lh, env, cfg_file, out_di
                 term_at = term_at or now
             elif kill_at is None:
                 kill_at = now
-        if term_at is not None and kill_at is None and now - term_at >= grace:
-            kill_at = now
-        if kill_at is not None:
-            for r in alive:
-                if r not in outcome.killed_ranks:
-                    log.error("worker %d did not stop: SIGKILL", r)
-                    outcome.killed_ranks.append(r)
-                    L._signal_group(procs[r], signal.SIGKILL)
+        kill_at = L.kill_after_grace(procs, alive, outcome.killed_ranks, term_at, kill_at, grace, now, "worker")
         time.sleep(L._POLL_S)
     outcome.interrupted_by = signals.first
 
