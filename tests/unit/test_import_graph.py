@@ -1,0 +1,187 @@
+"""The package's import graph has no circle and no arrow from a lower layer to a higher one.
+
+Pure ``ast`` over the package's files (nothing is imported). An edge ``a -> b`` is any
+``import`` / ``from ... import`` in module ``a`` (at the top or inside a function, under
+``TYPE_CHECKING`` too) that names module ``b``: ``from pkg import name`` is an edge to
+``pkg.name`` when that is a module, else to the package ``pkg`` (its ``__init__``).
+The parent packages that Python runs before a submodule are not edges (a package's
+``__init__`` may import its own modules); the package root ``easgd_lightning`` imports
+nothing of the package (its subpackages load lazily, by name).
+
+The layers, low to high (an import goes to the same layer or a lower one):
+
+0. ``easgd_lightning`` (the root), ``utils``, ``compat``, ``conf`` -- helpers with no
+   notion of training;
+1. ``comm`` -- the only module that talks to the process group;
+2. ``hooks`` -- compressors, error feedback, the DDP and elastic exchanges;
+3. ``parallel``, ``data``, ``models`` -- the pieces a strategy trains;
+4. ``strategies`` -- the Lightning strategies and their registry;
+5. ``ft`` -- fault tolerance around the strategies;
+6. ``fabric``, ``callbacks``, ``guards`` -- Lightning add-ons over the strategies;
+7. ``cli`` -- the command line, itself in layers, low to high:
+
+   a. ``cli.targets``, ``cli.rules``, ``cli.values``, ``cli.search``, ``cli.resolvers``,
+      ``cli.resume``, ``cli.summary``, ``cli.forkserver`` -- config knowledge (what a
+      group's keys are, which values are allowed) and process plumbing with no config;
+   b. ``cli.build``, ``cli.trainer_config`` -- registry entries -> objects;
+   c. ``cli.validate``, ``cli.overrides`` -- compose and validate a whole config before
+      any process starts;
+   d. ``cli.launch``, ``cli.worker``, ``cli.slurm`` -- processes;
+   e. ``cli.train``, ``cli.demo``, ``cli.report`` -- the console scripts.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "easgd_lightning"
+
+#: the first component below the root -> its layer (see the module docstring)
+LAYERS = {
+    "": 0, "utils": 0, "compat": 0, "conf": 0,
+    "comm": 1,
+    "hooks": 2,
+    "parallel": 3, "data": 3, "models": 3,
+    "strategies": 4,
+    "ft": 5,
+    "fabric": 6, "callbacks": 6, "guards": 6,
+    "cli": 7,
+}
+#: inside cli: module -> sub-layer (see the module docstring)
+CLI_LAYERS = {
+    "targets": 0, "rules": 0, "values": 0, "search": 0, "resolvers": 0, "resume": 0, "summary": 0,
+    "forkserver": 0, "__init__": 0,
+    "build": 1, "trainer_config": 1,
+    "validate": 2, "overrides": 2,
+    "launch": 3, "worker": 3, "slurm": 3,
+    "train": 4, "demo": 4, "report": 4,
+}
+
+
+def package_modules(root: Path = PACKAGE) -> dict[str, Path]:
+    """Dotted module name -> file, for every ``.py`` file of the package."""
+    mods = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = path
+    return mods
+
+
+def _targets(module: str, path: Path, node: ast.AST, mods: dict[str, Path]) -> set[str]:
+    """The package modules one import statement names."""
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names if a.name in mods}
+    base = node.module or ""
+    if node.level:
+        package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        package = package[: len(package) - node.level + 1]
+        base = ".".join(package + ([base] if base else []))
+    found = {f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names}
+    return {m for m in found if m in mods}
+
+
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the package modules it imports (module docstring: what an edge is)."""
+    mods = package_modules(root)
+    graph = {}
+    for module, path in mods.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        edges: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                edges |= _targets(module, path, node, mods)
+        edges.discard(module)
+        graph[module] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def layer(module: str) -> tuple[int, int]:
+    """(layer, cli sub-layer) of a module (module docstring)."""
+    parts = module.split(".")[1:]
+    top = parts[0] if parts else ""
+    if top not in LAYERS:
+        raise AssertionError(f"{module}: {top!r} has no layer; add it to LAYERS and the docstring")
+    if top != "cli":
+        return LAYERS[top], 0
+    name = parts[1] if len(parts) > 1 else "__init__"
+    if name not in CLI_LAYERS:
+        raise AssertionError(f"{module}: no cli sub-layer; add it to CLI_LAYERS and the docstring")
+    return LAYERS[top], CLI_LAYERS[name]
+
+
+def upward_edges(graph: dict[str, set[str]]) -> list[str]:
+    """``a -> b`` for every import of a higher layer's module ``b`` by ``a``."""
+    return [f"{a} -> {b}" for a in sorted(graph) for b in sorted(graph[a]) if layer(b) > layer(a)]
+
+
+def test_the_graph_is_read() -> None:
+    # the reader itself: an edge known to exist, relative and function-level imports resolved
+    graph = import_graph()
+    assert "easgd_lightning.strategies.registry" in graph["easgd_lightning.strategies.ddp"]
+    assert "easgd_lightning.cli.build" in graph["easgd_lightning.cli.worker"]  # inside run_worker
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_circle() -> None:
+    graph = import_graph()
+    found = cycles(graph)
+    described = []
+    for component in found:
+        members = set(component)
+        edges = [f"{a} -> {b}" for a in component for b in sorted(graph[a] & members)]
+        described.append(f"{len(component)} modules: " + "; ".join(edges))
+    assert not found, "import circles:\n" + "\n".join(described)
+
+
+def test_no_import_from_a_lower_layer_to_a_higher_one() -> None:
+    up = upward_edges(import_graph())
+    assert not up, "imports from a lower layer to a higher one (module docstring):\n" + "\n".join(up)
+
+
+def test_the_root_imports_nothing_of_the_package() -> None:
+    assert import_graph()["easgd_lightning"] == set()
