@@ -44,7 +44,6 @@ from typing import Any
 import torch
 
 from easgd_lightning.compat.torchft import quorum_id, quorum_ranks
-from easgd_lightning.utils.atomic import atomic_write_json
 
 log = logging.getLogger(__name__)
 
