@@ -51,6 +51,9 @@ from typing import Any
 
 from easgd_lightning.cli import forkserver
 from easgd_lightning.cli.forkserver import RankProcess
+from easgd_lightning.cli.rules import strategy_spec_of
+from easgd_lightning.cli.summary import read_rank_reports
+from easgd_lightning.cli.values import START_METHODS, resolve_start_method
 
 __all__ = [
     "LaunchOutcome",
@@ -368,55 +371,19 @@ def lost_rank_records(outcome: LaunchOutcome) -> list[dict]:
     return records
 
 
-# ---------------------------------------------------------------------------- start method
-START_METHODS = ("auto", "fork", "spawn")
 
 
-def _uses_gpu(cfg: Any) -> bool:
-    accelerator = str(cfg.trainer.get("accelerator", "cpu")).lower()
-    if accelerator in ("gpu", "cuda"):
-        return True
-    if accelerator == "auto":
-        import torch
-
-        return torch.cuda.is_available()
-    return False
 
 
-def resolve_start_method(cfg: Any) -> str:
-    """``launcher.start_method`` of ``cfg`` as ``fork`` or ``spawn`` (``auto``: fork on Linux
-    for a CPU run, spawn for a GPU one).
-
-    Raises:
-        ValueError: an unknown method, or ``fork`` where it cannot work (one line, naming
-            the key).
-    """
-    launcher = cfg.get("launcher") or {}
-    method = launcher.get("start_method", "auto")
-    if method not in START_METHODS:
-        raise ValueError(f"launcher.start_method={method!r} is unknown; choose one of {', '.join(START_METHODS)}")
-    linux = sys.platform.startswith("linux")
-    gpu = _uses_gpu(cfg)
-    if method == "fork" and gpu:
-        raise ValueError(
-            "launcher.start_method=fork cannot start GPU ranks (a process forked after CUDA is "
-            "initialised is broken); use spawn or auto"
-        )
-    if method == "fork" and not linux:
-        raise ValueError("launcher.start_method=fork needs Linux; use spawn or auto")
-    if method == "auto":
-        return "fork" if linux and not gpu else "spawn"
-    return method
 
 
 def preload_modules(cfg: Any) -> list[str]:
     """What the fork server imports before forking this run's ranks, beyond what every rank
     imports (:data:`easgd_lightning.cli.forkserver.WORKER_MODULES`): what validating the
-    config imported here (the data set's and the model's modules), and DeepSpeed for
-    ``pipeline_3d``."""
+    config imported here (the data set's and the model's modules), and what the strategy's
+    registry entry asks for (``preload_modules``: DeepSpeed for ``pipeline_3d``)."""
     names = forkserver.imported_since_start()
-    if cfg.strategy.get("name") == "pipeline_3d":
-        names.append("easgd_lightning.parallel.engine")  # imports deepspeed
+    names.extend(strategy_spec_of(cfg).preload)
     return names
 
 
@@ -462,8 +429,6 @@ def _signal_group(proc: subprocess.Popen | RankProcess, sig: int) -> None:
 
 
 def _report_of(out_dir: Path, rank: int, run_id: str) -> dict | None:
-    from easgd_lightning.cli.worker import read_rank_reports
-
     return read_rank_reports(out_dir, rank + 1, run_id)[rank]
 
 

@@ -1,13 +1,17 @@
-"""Merge per-rank reports into ``summary.json`` (DESIGN.md section 4.2)."""
+"""Merge per-rank reports into ``summary.json`` (DESIGN.md section 4.2); read the rank
+reports (``ranks/rank<R>.json``) of a run directory."""
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Any
 
 from easgd_lightning.utils.atomic import atomic_write_json
 
-__all__ = ["build_summary", "write_summary", "SWEEP_JOBS"]
+__all__ = ["build_summary", "write_summary", "SWEEP_JOBS", "rank_file", "current_run_id", "report_run_id",
+           "read_rank_reports"]
 
 #: Output directories of this process's multirun jobs (the local sweep's own, or those a
 #: launcher plugin such as hydra/launcher=slurm submitted); easgd-train checks their
@@ -119,3 +123,43 @@ def write_summary(out_dir: str | Path, summary: dict) -> Path:
     path = Path(out_dir) / "summary.json"
     atomic_write_json(path, summary)
     return path
+
+
+# ---------------------------------------------------------------------------- rank reports
+def rank_file(out_dir: str | Path, rank: int) -> Path:
+    """The report file of ``rank`` in the run directory ``out_dir`` (``ranks/rank<R>.json``)."""
+    return Path(out_dir) / "ranks" / f"rank{rank}.json"
+
+
+def current_run_id() -> str | None:
+    """This run's id: ``EASGD_RUN_ID`` (the local launcher sets it), else torchrun's
+    ``TORCHELASTIC_RUN_ID``, else SLURM's job and step ids, else None."""
+    for key in ("EASGD_RUN_ID", "TORCHELASTIC_RUN_ID"):
+        if os.environ.get(key):
+            return os.environ[key]
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', '0')}"
+    return None
+
+
+def report_run_id(path: Path) -> str | None:
+    """The ``run_id`` a rank report file names (None: unreadable, or none)."""
+    try:
+        return json.loads(path.read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def read_rank_reports(out_dir: str | Path, world: int, run_id: str | None = None) -> list[dict | None]:
+    """The rank reports of ``out_dir``; with ``run_id``, a report of another run counts as missing."""
+    reports: list[dict | None] = []
+    for r in range(world):
+        path = rank_file(out_dir, r)
+        try:
+            rep = json.loads(path.read_text()) if path.exists() else None
+        except (OSError, ValueError):
+            rep = None
+        if rep is not None and run_id is not None and rep.get("run_id") != run_id:
+            rep = None
+        reports.append(rep)
+    return reports

@@ -16,7 +16,6 @@ Run as ``python -m easgd_lightning.cli.worker CONFIG.yaml RUN_DIR`` by the local
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -26,6 +25,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from easgd_lightning.cli.summary import current_run_id, rank_file, read_rank_reports, report_run_id
 from easgd_lightning.utils import stop
 from easgd_lightning.utils.atomic import atomic_write_json
 from easgd_lightning.utils.procs import freeze_at_exit
@@ -35,21 +35,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-def rank_file(out_dir: str | Path, rank: int) -> Path:
-    return Path(out_dir) / "ranks" / f"rank{rank}.json"
-
-
-def current_run_id() -> str | None:
-    """This run's id: ``EASGD_RUN_ID`` (the local launcher sets it), else torchrun's
-    ``TORCHELASTIC_RUN_ID``, else SLURM's job and step ids, else None."""
-    for key in ("EASGD_RUN_ID", "TORCHELASTIC_RUN_ID"):
-        if os.environ.get(key):
-            return os.environ[key]
-    if os.environ.get("SLURM_JOB_ID"):
-        return f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', '0')}"
-    return None
 
 
 def _sweep_dir(out_dir: Path) -> Path | None:
@@ -424,7 +409,7 @@ def worker_main(argv: list[str] | None = None) -> None:
     except SystemExit:
         raise
     except BaseException as err:  # failed before the trainer existed: still say why
-        if not rank_file(args[1], rank).exists() or _report_run_id(rank_file(args[1], rank)) != current_run_id():
+        if not rank_file(args[1], rank).exists() or report_run_id(rank_file(args[1], rank)) != current_run_id():
             atomic_write_json(rank_file(args[1], rank), {
                 "rank": rank, "run_id": current_run_id(), "status": "failed",
                 "error": f"{type(err).__name__}: {err}", "signal": None, "peer_error": False,
@@ -435,26 +420,8 @@ def worker_main(argv: list[str] | None = None) -> None:
         sys.exit(stop.exit_code_for(signum) if signum is not None else 1)
 
 
-def _report_run_id(path: Path) -> str | None:
-    try:
-        return json.loads(path.read_text()).get("run_id")
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
-def read_rank_reports(out_dir: str | Path, world: int, run_id: str | None = None) -> list[dict | None]:
-    """The rank reports of ``out_dir``; with ``run_id``, a report of another run counts as missing."""
-    reports: list[dict | None] = []
-    for r in range(world):
-        path = rank_file(out_dir, r)
-        try:
-            rep = json.loads(path.read_text()) if path.exists() else None
-        except (OSError, ValueError):
-            rep = None
-        if rep is not None and run_id is not None and rep.get("run_id") != run_id:
-            rep = None
-        reports.append(rep)
-    return reports
 
 
 if __name__ == "__main__":

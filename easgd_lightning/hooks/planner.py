@@ -54,6 +54,7 @@ import torch.distributed as dist
 from easgd_lightning.comm import ops
 
 __all__ = [
+    "NO_PLAN",
     "PLANS",
     "Line",
     "fit_line",
@@ -71,7 +72,9 @@ __all__ = [
 ]
 
 #: ``compression.plan`` values: ``none`` (the fixed ``min_numel`` policy) or ``secopa``
-PLANS = ("none", "secopa")
+#: ``compression.plan`` of no planning (the ``min_numel`` policy)
+NO_PLAN = "none"
+PLANS = (NO_PLAN, "secopa")
 
 #: meter kind of the planner's probes (kept apart from the training traffic)
 PLAN_KIND = "plan"

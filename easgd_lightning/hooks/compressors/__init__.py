@@ -54,6 +54,7 @@ __all__ = [
     "FP16Compressor",
     "GCompCompressor",
     "LGCCompressor",
+    "NO_COMPRESSION",
     "NoneCompressor",
     "Payload",
     "PowerSGDCompressor",
@@ -74,6 +75,9 @@ __all__ = [
     "register_compressor",
     "tensor_bytes",
 ]
+
+#: ``compression.name`` of no compression (the strategies' own dense exchange)
+NO_COMPRESSION = NoneCompressor.name
 
 #: config name -> class
 COMPRESSORS: dict[str, type[Compressor]] = {}
