@@ -6,7 +6,9 @@ Pure ``ast`` over the package's files (nothing is imported). An edge ``a -> b`` 
 ``pkg.name`` when that is a module, else to the package ``pkg`` (its ``__init__``).
 The parent packages that Python runs before a submodule are not edges (a package's
 ``__init__`` may import its own modules); the package root ``easgd_lightning`` imports
-nothing of the package (its subpackages load lazily, by name).
+nothing of the package (its subpackages load lazily, by name), and the strategy registry
+finds the strategy modules by their files (``registry.strategy_modules``: plug-ins, not
+edges; the modules import the registry).
 
 The layers, low to high (an import goes to the same layer or a lower one):
 
@@ -26,8 +28,16 @@ The layers, low to high (an import goes to the same layer or a lower one):
    b. ``cli.build``, ``cli.trainer_config`` -- registry entries -> objects;
    c. ``cli.validate``, ``cli.overrides`` -- compose and validate a whole config before
       any process starts;
-   d. ``cli.launch``, ``cli.worker``, ``cli.slurm`` -- processes;
-   e. ``cli.train``, ``cli.demo``, ``cli.report`` -- the console scripts.
+   d. ``cli.launch``, ``cli.worker`` and the fault-tolerant launchers ``ft.launch``,
+      ``ft.external`` (modules of ``ft`` that start and watch processes as ``cli.launch``
+      does, over it) -- processes;
+   e. ``cli.train``, ``cli.demo``, ``cli.report``, ``cli.slurm`` (the SLURM launcher
+      plugin's side, over ``cli.train``) -- the console scripts.
+
+Beside the graph: no module of ``cli`` names a strategy or a compression (a string equal
+to a registered strategy name, a strategy's Hydra option or a compression name); what the
+command line needs of them it asks the registries. :data:`NOT_NAMES` lists the strings
+that are such a name by coincidence.
 """
 
 from __future__ import annotations
@@ -54,8 +64,17 @@ CLI_LAYERS = {
     "forkserver": 0, "__init__": 0,
     "build": 1, "trainer_config": 1,
     "validate": 2, "overrides": 2,
-    "launch": 3, "worker": 3, "slurm": 3,
-    "train": 4, "demo": 4, "report": 4,
+    "launch": 3, "worker": 3,
+    "train": 4, "demo": 4, "report": 4, "slurm": 4,
+}
+#: modules outside cli placed in one of its sub-layers (see the module docstring)
+MODULE_LAYERS = {"easgd_lightning.ft.launch": (7, 3), "easgd_lightning.ft.external": (7, 3)}
+#: (cli module, string) -> what it is: strings equal to a strategy or compression name that
+#: mean something else
+NOT_NAMES = {
+    ("values.py", "bf16"): "trainer.precision's old spelling of bf16-mixed",
+    ("values.py", "none"): "logger.name: no experiment logger",
+    ("worker.py", "none"): "logger.name: no experiment logger",
 }
 
 
@@ -142,6 +161,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def layer(module: str) -> tuple[int, int]:
     """(layer, cli sub-layer) of a module (module docstring)."""
+    if module in MODULE_LAYERS:
+        return MODULE_LAYERS[module]
     parts = module.split(".")[1:]
     top = parts[0] if parts else ""
     if top not in LAYERS:
@@ -185,3 +206,23 @@ def test_no_import_from_a_lower_layer_to_a_higher_one() -> None:
 
 def test_the_root_imports_nothing_of_the_package() -> None:
     assert import_graph()["easgd_lightning"] == set()
+
+
+def _names() -> set[str]:
+    """Every registered strategy name, Hydra strategy option and compression name."""
+    from easgd_lightning.hooks.compressors import compressor_names
+    from easgd_lightning.strategies.registry import strategy_specs
+
+    specs = strategy_specs().values()
+    return {s.name for s in specs} | {s.config_name for s in specs} | set(compressor_names())
+
+
+def test_the_cli_names_no_strategy_and_no_compression() -> None:
+    names = _names()
+    assert {"ddp", "ddp_compressed", "pipeline_3d", "none", "optimus_cc", "topk"} <= names  # the reader
+    found = []
+    for path in sorted((PACKAGE / "cli").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Constant) and node.value in names and (path.name, node.value) not in NOT_NAMES:
+                found.append(f"cli/{path.name}:{node.lineno}: {node.value!r}")
+    assert not found, "strategy or compression names in cli/ (ask the registries instead):\n" + "\n".join(found)
