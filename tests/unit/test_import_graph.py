@@ -226,3 +226,12 @@ def test_the_cli_names_no_strategy_and_no_compression() -> None:
             if isinstance(node, ast.Constant) and node.value in names and (path.name, node.value) not in NOT_NAMES:
                 found.append(f"cli/{path.name}:{node.lineno}: {node.value!r}")
     assert not found, "strategy or compression names in cli/ (ask the registries instead):\n" + "\n".join(found)
+
+
+def test_no_cli_function_is_over_60_lines() -> None:
+    long = []
+    for path in sorted((PACKAGE / "cli").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                long.append(f"cli/{path.name}:{node.lineno}: {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, "functions over 60 lines:\n" + "\n".join(long)
