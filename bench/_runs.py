@@ -33,7 +33,7 @@ from bench._tables import (
     time_to_target,
     train_clock,
 )
-from easgd_lightning.conf import CONF_DIR
+from easgd_lightning.config_tree import CONF_DIR
 from easgd_lightning.utils.rank_env import clean_env, rank_env
 
 
