@@ -26,7 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import NamedTuple
 
-__all__ = ["CONF_DIR", "CONF_PATH", "RECIPES_DIR", "ConfigTree", "locate"]
+__all__ = ["CONF_DIR", "CONF_PATH", "RECIPES_DIR", "ConfigTree", "group_dir", "locate"]
 
 #: Hydra's name for the tree inside an installed wheel.
 CONF_PACKAGE = "pkg://easgd_lightning.conf"
@@ -71,3 +71,9 @@ CONF_DIR = str(_TREE.conf_dir)
 CONF_PATH = _TREE.config_path
 #: The options of the group ``recipe`` (``imagenet/``, ``nlp3d/``).
 RECIPES_DIR = str(_TREE.recipes_dir)
+
+
+def group_dir(group: str) -> Path:
+    """The directory of a config group's options: ``RECIPES_DIR`` for ``recipe``, else
+    ``CONF_DIR/group`` (``strategy``, ``hydra/launcher``, ...)."""
+    return Path(RECIPES_DIR) if group == "recipe" else Path(CONF_DIR, group)
