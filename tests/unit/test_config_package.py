@@ -31,7 +31,7 @@ def test_a_checkout_reads_its_top_level_conf_and_recipes() -> None:
     assert (Path(CONF_DIR), CONF_PATH, Path(RECIPES_DIR)) == (repo / "conf", str(repo / "conf"), repo / "recipes")
     assert (Path(CONF_DIR) / "train.yaml").is_file()
     assert (Path(RECIPES_DIR) / "imagenet" / "alexnet_knl.yaml").is_file()
-    assert not (repo / "easgd_lightning" / "conf").exists()  # one source: no copy inside the package
+    assert not list((repo / "easgd_lightning").rglob("*.yaml"))  # one source: no copy inside the package
     assert checkout_recipes(f"file://{CONF_DIR}") == repo / "recipes"  # the plugin mounts them as recipe/
     cfg = compose_checked(["recipe=imagenet/alexnet_knl"])
     assert (cfg.strategy.name, cfg.model.name, cfg.data.name) == ("sync_easgd", "alexnet", "imagenet")
