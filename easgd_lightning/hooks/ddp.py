@@ -55,7 +55,7 @@ from easgd_lightning.hooks.compressors.none import NoneCompressor
 from easgd_lightning.hooks.memory import Memory, NoMemory, ResidualMemory, make_memory
 from easgd_lightning.utils.atomic import atomic_write_json
 from easgd_lightning.utils.checkpoint import from_plain, to_plain
-from easgd_lightning.utils.checks import check_int
+from easgd_lightning.utils.checks import check_choice, check_int
 
 __all__ = [
     "check_allreduce",
@@ -388,10 +388,8 @@ def check_allreduce(allreduce: str, aggregator: str, compressor) -> None:
     """``comm.allreduce`` / ``comm.aggregator`` values; ValueError naming the key."""
     from easgd_lightning.comm.layout import AGGREGATORS, ALLREDUCES
 
-    if allreduce not in ALLREDUCES:
-        raise ValueError(f"comm.allreduce must be one of {list(ALLREDUCES)}, got {allreduce!r}")
-    if aggregator not in AGGREGATORS:
-        raise ValueError(f"comm.aggregator must be one of {list(AGGREGATORS)}, got {aggregator!r}")
+    check_choice("comm.allreduce", allreduce, ALLREDUCES)
+    check_choice("comm.aggregator", aggregator, AGGREGATORS)
     if allreduce == "switch" and not (compressor is None or isinstance(compressor, NoneCompressor)):
         raise ValueError(
             "comm.allreduce=switch sums dense gradients; it needs compression=none, got "
