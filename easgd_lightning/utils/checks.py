@@ -54,14 +54,19 @@ def _fail(key: str, allowed: str, value: Any, nullable: bool) -> ValueError:
     return ValueError(f"{key} must be {allowed}{' or null' if nullable else ''}, got {value!r}")
 
 
-def _int_range(minimum: int | None, maximum: int | None) -> str:
-    if minimum is not None and maximum is not None:
-        return f"an integer in [{minimum}, {maximum}]"
-    if minimum is not None:
-        return f"an integer >= {minimum}"
-    if maximum is not None:
-        return f"an integer <= {maximum}"
-    return "an integer"
+def _bound(x: float) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def _allowed(what: str, lo: float | None, hi: float | None, lo_open: bool = False, hi_open: bool = False) -> str:
+    """``what`` with its bounds: ``in [lo, hi)``, ``> lo``, ``<= hi``, ... (None: no bound)."""
+    if lo is not None and hi is not None:
+        return f"{what} in {'(' if lo_open else '['}{_bound(lo)}, {_bound(hi)}{')' if hi_open else ']'}"
+    if lo is not None:
+        return f"{what} {'>' if lo_open else '>='} {_bound(lo)}"
+    if hi is not None:
+        return f"{what} {'<' if hi_open else '<='} {_bound(hi)}"
+    return what
 
 
 def check_int(
@@ -80,19 +85,8 @@ def check_int(
         return None
     ok = is_int(value) and (minimum is None or value >= minimum) and (maximum is None or value <= maximum)
     if not ok:
-        raise _fail(key, _int_range(minimum, maximum), value, nullable)
+        raise _fail(key, _allowed("an integer", minimum, maximum), value, nullable)
     return int(value)
-
-
-def _float_range(lo: float | None, hi: float | None, lo_open: bool, hi_open: bool, unit: str) -> str:
-    what = f"a number of {unit}" if unit else "a number"
-    if lo is not None and hi is not None:
-        return f"{what} in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
-    if lo is not None:
-        return f"{what} {'>' if lo_open else '>='} {lo:g}"
-    if hi is not None:
-        return f"{what} {'<' if hi_open else '<='} {hi:g}"
-    return what
 
 
 def check_float(
@@ -127,7 +121,7 @@ def check_float(
     if ok and hi is not None:
         ok = value < hi if hi_open else value <= hi
     if not ok:
-        raise _fail(key, _float_range(lo, hi, lo_open, hi_open, unit), value, nullable)
+        raise _fail(key, _allowed(f"a number of {unit}" if unit else "a number", lo, hi, lo_open, hi_open), value, nullable)
     return float(value)
 
 
