@@ -55,6 +55,7 @@ from easgd_lightning.hooks.compressors.none import NoneCompressor
 from easgd_lightning.hooks.memory import Memory, NoMemory, ResidualMemory, make_memory
 from easgd_lightning.utils.atomic import atomic_write_json
 from easgd_lightning.utils.checkpoint import from_plain, to_plain
+from easgd_lightning.utils.checks import check_choice, check_int
 
 __all__ = [
     "check_allreduce",
@@ -185,16 +186,14 @@ class CompressionHookState:
         param_specs: list | None = None,
         plan_dir: str | None = None,
     ) -> None:
-        if isinstance(warmup_steps, bool) or int(warmup_steps) != warmup_steps or warmup_steps < 0:
-            raise ValueError(f"hook warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+        warmup_steps = check_int("hook warmup_steps", warmup_steps, 0)
         self.compressor = compressor
         self.memory = memory if memory is not None else make_memory(compressor)
         self.group = group
         self.kind = kind
-        self.warmup_steps = int(warmup_steps)
-        if min_numel is not None and (isinstance(min_numel, bool) or int(min_numel) < 0):
-            raise ValueError(f"compression.min_numel must be an integer >= 0, got {min_numel!r}")
-        self.min_numel = compressor.min_numel if min_numel is None else int(min_numel)
+        self.warmup_steps = warmup_steps
+        min_numel = check_int("compression.min_numel", min_numel, 0, nullable=True)
+        self.min_numel = compressor.min_numel if min_numel is None else min_numel
         self.auto_observe = auto_observe
         self.plan = getattr(compressor, "plan", "none") if plan is None else plan
         self.replan_steps = getattr(compressor, "replan_steps", 0) if replan_steps is None else replan_steps
@@ -389,10 +388,8 @@ def check_allreduce(allreduce: str, aggregator: str, compressor) -> None:
     """``comm.allreduce`` / ``comm.aggregator`` values; ValueError naming the key."""
     from easgd_lightning.comm.layout import AGGREGATORS, ALLREDUCES
 
-    if allreduce not in ALLREDUCES:
-        raise ValueError(f"comm.allreduce must be one of {list(ALLREDUCES)}, got {allreduce!r}")
-    if aggregator not in AGGREGATORS:
-        raise ValueError(f"comm.aggregator must be one of {list(AGGREGATORS)}, got {aggregator!r}")
+    check_choice("comm.allreduce", allreduce, ALLREDUCES)
+    check_choice("comm.aggregator", aggregator, AGGREGATORS)
     if allreduce == "switch" and not (compressor is None or isinstance(compressor, NoneCompressor)):
         raise ValueError(
             "comm.allreduce=switch sums dense gradients; it needs compression=none, got "
