@@ -132,6 +132,17 @@ def _topk_dense(t: torch.Tensor, k: int) -> torch.Tensor:
     return out.view_as(t)
 
 
+def _batch_with_reference(model: nn.Module, ref_model: nn.Module, rank: int, it: int):
+    """This rank's batch of iteration ``it``; ``ref_model`` (a copy of ``model``'s weights)
+    holds the dense gradients of that batch."""
+    g = torch.Generator().manual_seed(10 * rank + it)
+    x, y = torch.randn(16, 20, generator=g), torch.randint(0, 10, (16,), generator=g)
+    ref_model.load_state_dict(model.state_dict())
+    ref_model.zero_grad()
+    nn.functional.cross_entropy(ref_model(x), y).backward()
+    return x, y
+
+
 def scenario_ddp(rank: int, world: int) -> dict:
     comp = build_compressor("topk", ratio=0.01, exact=True, min_numel=1000)
     model = Net()
@@ -143,12 +154,8 @@ def scenario_ddp(rank: int, world: int) -> dict:
     out = {"iterations": []}
     meter = get_meter().by_kind["data_parallel"]
     for it in range(4):
-        g = torch.Generator().manual_seed(10 * rank + it)
-        x, y = torch.randn(16, 20, generator=g), torch.randint(0, 10, (16,), generator=g)
         # reference: this rank's dense gradient, compressed by hand, gathered, averaged
-        ref_model.load_state_dict(model.state_dict())
-        ref_model.zero_grad()
-        nn.functional.cross_entropy(ref_model(x), y).backward()
+        x, y = _batch_with_reference(model, ref_model, rank, it)
         expected = {}
         expected_sent = 0
         for name, p in ref_model.named_parameters():
@@ -389,11 +396,7 @@ def scenario_ddp_cast(rank: int, world: int) -> dict:
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         rec = {"hook": str(ddp._get_ddp_logging_data().get("comm_hook", "")), "err": [], "sent": [], "expected_sent": []}
         for it in range(3):
-            g = torch.Generator().manual_seed(10 * rank + it)
-            x, y = torch.randn(16, 20, generator=g), torch.randint(0, 10, (16,), generator=g)
-            ref_model.load_state_dict(model.state_dict())
-            ref_model.zero_grad()
-            nn.functional.cross_entropy(ref_model(x), y).backward()
+            x, y = _batch_with_reference(model, ref_model, rank, it)
             expected, sent = {}, 0
             for pname, p in ref_model.named_parameters():
                 cast = it > 0 and p.numel() >= 1000
