@@ -14,7 +14,8 @@ calls :func:`register_compression_hook` itself, so the hook runs on CPU/gloo as 
   future. The first ``warmup_steps`` iterations are dense (DDP rebuilds its buckets after
   the first iteration, like PyTorch's PowerSGD ``start_powerSGD_iter``); compressor and
   residual state is keyed by parameter name, so it survives the rebuild.
-* A 16-bit cast (``fp16``, ``bf16``) without residuals or a plan runs
+* A 16-bit cast (``fp16``, ``bf16``) without residuals or a plan (and not under
+  ``ft=torchft``, whose steps commit around a synchronous exchange) runs
   :func:`cast_allreduce_hook` instead, asynchronous as the dense hook (PyTorch's
   ``fp16_compress_hook``): per bucket, the tensors of ``min_numel`` elements or more are cast
   (after the division by the world size) into one 16-bit message, the smaller ones travel
@@ -55,6 +56,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from easgd_lightning.comm import ops
+from easgd_lightning.comm.managed import ManagedGroup
 from easgd_lightning.hooks import planner
 from easgd_lightning.hooks._exchange import ExchangeStats, exchange_tensors
 from easgd_lightning.hooks.collective import ProcessGroupCollective
@@ -404,12 +406,19 @@ class CastHookState(CompressionHookState):
     _wait_inflight = DenseHookState._wait_inflight
 
 
-def casts_whole_tensors(compressor: Compressor, memory: Memory, plan: str | None) -> bool:
+def casts_whole_tensors(compressor: Compressor, memory: Memory, plan: str | None, group=None) -> bool:
     """Whether ``compressor`` runs as :func:`cast_allreduce_hook`: a 16-bit cast
     (``wire_dtype``, one all-reduce, :class:`~easgd_lightning.hooks.compressors.fp16.
-    FP16Compressor` and ``bf16``) with no residual memory and no SeCoPa plan."""
+    FP16Compressor` and ``bf16``) with no residual memory and no SeCoPa plan, over a plain
+    process group (under ``ft=torchft``'s quorum, a ``ManagedGroup``, the step is committed
+    or rolled back around a synchronous exchange: the compressed hook stays)."""
     planned = (getattr(compressor, "plan", "none") if plan is None else plan) != "none"
-    return getattr(compressor, "wire_dtype", None) is not None and isinstance(memory, NoMemory) and not planned
+    return (
+        getattr(compressor, "wire_dtype", None) is not None
+        and isinstance(memory, NoMemory)
+        and not planned
+        and not isinstance(group, ManagedGroup)
+    )
 
 
 def _segments(sizes: list[int], keep) -> list[tuple[int, int]]:
@@ -589,7 +598,7 @@ def register_compression_hook(
         raise ValueError(compressor.memory_error())
     if memory is None:
         memory = make_memory(compressor)
-    cast = casts_whole_tensors(compressor, memory, plan)
+    cast = casts_whole_tensors(compressor, memory, plan, group)
     state = (CastHookState if cast else CompressionHookState)(
         compressor,
         memory,
