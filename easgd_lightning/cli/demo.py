@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from easgd_lightning.cli.report import markdown_table, write_report
-from easgd_lightning.conf import CONF_DIR
+from easgd_lightning.config_tree import CONF_DIR
 
 
 def demo_strategies(conf_dir: str | Path = CONF_DIR) -> tuple[str, ...]:

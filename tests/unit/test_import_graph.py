@@ -12,7 +12,7 @@ edges; the modules import the registry).
 
 The layers, low to high (an import goes to the same layer or a lower one):
 
-0. ``easgd_lightning`` (the root), ``utils``, ``compat``, ``conf`` -- helpers with no
+0. ``easgd_lightning`` (the root), ``utils``, ``compat``, ``conf``, ``config_tree`` -- helpers with no
    notion of training;
 1. ``comm`` -- the only module that talks to the process group;
 2. ``hooks`` -- compressors, error feedback, the DDP and elastic exchanges;
@@ -49,7 +49,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "easgd_lightning"
 
 #: the first component below the root -> its layer (see the module docstring)
 LAYERS = {
-    "": 0, "utils": 0, "compat": 0, "conf": 0,
+    "": 0, "utils": 0, "compat": 0, "conf": 0, "config_tree": 0,
     "comm": 1,
     "hooks": 2,
     "parallel": 3, "data": 3, "models": 3,

@@ -110,7 +110,7 @@ from easgd_lightning.hooks.compressors.dgc import release_optimizer_momentum
 from easgd_lightning.strategies import elastic
 from easgd_lightning.strategies.base import (
     CenterStrategy,
-    check_positive_int,
+    check_moving_rate,
     flatten,
     optimizer_steps_per_epoch,
     unflatten_into,
@@ -121,6 +121,13 @@ from easgd_lightning.strategies.ps.protocol import request_extras, request_heade
 from easgd_lightning.strategies.ps.server import ParameterServer, worker_channels
 from easgd_lightning.strategies.ps.transport import CenterTransport
 from easgd_lightning.strategies.registry import reject_unknown_kwargs
+from easgd_lightning.utils.checks import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_momentum,
+    check_positive,
+)
 
 log = logging.getLogger(__name__)
 
@@ -266,40 +273,30 @@ class AsyncCenterStrategy(CenterStrategy):
                     "with the dense d; set compression.two_way=false"
                 )
         super().__init__(**kwargs)
-        self._tau = check_positive_int("strategy.tau", tau)
-        for key, value in (("alpha", alpha), ("beta", beta)):
-            if value is not None and not (isinstance(value, (int, float)) and 0.0 < float(value) < 1.0):
-                raise ValueError(f"strategy.{key} must be in (0, 1), got {value!r}")
-        if rho is not None and not (isinstance(rho, (int, float)) and float(rho) > 0):
-            raise ValueError(f"strategy.rho must be > 0, got {rho!r}")
+        self.tau = check_int("strategy.tau", tau)
+        check_moving_rate(alpha, beta, rho)
         self._alpha_opt, self._beta_opt, self._rho_opt = alpha, beta, rho
         self._alpha: float | None = None
-        self._momentum = rules.check_momentum("strategy.momentum", 0.0 if momentum is None else momentum)
-        if lr is not None and not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0):
-            raise ValueError(f"strategy.lr must be a positive number or null, got {lr!r}")
-        self._lr = None if lr is None else float(lr)
+        self.momentum = check_momentum("strategy.momentum", 0.0 if momentum is None else momentum)
+        self.lr = check_positive("strategy.lr", lr, nullable=True)
         if server not in (None, "dedicated"):
             raise ValueError(
                 f"strategy.server={server!r} is not supported; choose 'dedicated' (the last rank serves)"
                 + (" or null (shared memory on one node)" if self.lockfree else "")
             )
-        self._server_mode = server
-        if stop_policy not in STOP_POLICIES:
-            raise ValueError(f"strategy.stop_policy={stop_policy!r}; choose one of {', '.join(STOP_POLICIES)}")
-        self._stop_policy = stop_policy
-        for key, value in (("max_time_s", max_time_s), ("worker_timeout_s", worker_timeout_s),
-                           ("checkpoint_every_s", checkpoint_every_s)):
-            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
-                raise ValueError(f"strategy.{key} must be a positive number of seconds or null, got {value!r}")
-        if not (isinstance(heartbeat_s, (int, float)) and heartbeat_s > 0):
-            raise ValueError(f"strategy.heartbeat_s must be > 0 seconds, got {heartbeat_s!r}")
-        self._max_time_s = max_time_s
-        self._worker_timeout_opt = worker_timeout_s
-        self._heartbeat_s = float(heartbeat_s)
-        self._checkpoint_every_s = checkpoint_every_s
-        self._checkpoint_path = checkpoint_path
-        self._overlap = bool(overlap)
-        self._num_nodes_hint = num_nodes_hint
+        self.server = server
+        self.stop_policy = check_choice("strategy.stop_policy", stop_policy, STOP_POLICIES)
+        self.max_time_s = check_positive("strategy.max_time_s", max_time_s, nullable=True, unit="seconds")
+        self._worker_timeout_opt = check_positive(
+            "strategy.worker_timeout_s", worker_timeout_s, nullable=True, unit="seconds"
+        )
+        self.heartbeat_s = check_positive("strategy.heartbeat_s", heartbeat_s, unit="seconds")
+        self.checkpoint_every_s = check_positive(
+            "strategy.checkpoint_every_s", checkpoint_every_s, nullable=True, unit="seconds"
+        )
+        self.checkpoint_path = checkpoint_path
+        self.overlap = check_bool("strategy.overlap", overlap)
+        self.num_nodes_hint = num_nodes_hint
         self._check_nodes(num_nodes_hint)
         self._from_cli = optim_hint is not None  # refusals name the CLI's keys, else the API's
         hinted = _optimizer_from_hint(optim_hint)
@@ -406,17 +403,17 @@ class AsyncCenterStrategy(CenterStrategy):
         if self.rule != "sgd":
             return
         problem = None
-        if self.server_momentum and self._momentum > 0:
+        if self.server_momentum and self.momentum > 0:
             had_none = isinstance(optimizer, torch.optim.SGD) and any(
                 not float(g.get("momentum", 0.0) or 0.0) for g in optimizer.param_groups)
-            problem = rules.check_sgd_momentum(optimizer, self._momentum, who, terms)
+            problem = rules.check_sgd_momentum(optimizer, self.momentum, who, terms)
             if problem is None and had_none and warn:
                 where = "server" if self.uses_server else "workers"
                 rank_zero_warn(
-                    f"{who} applies heavy-ball momentum {self._momentum} at the {where} ({terms['momentum']}); "
-                    f"the optimizer's momentum 0 was set to {self._momentum}. For plain SGD set {terms['no_momentum']}"
+                    f"{who} applies heavy-ball momentum {self.momentum} at the {where} ({terms['momentum']}); "
+                    f"the optimizer's momentum 0 was set to {self.momentum}. For plain SGD set {terms['no_momentum']}"
                 )
-        problem = problem or rules.check_fixed_lr(optimizer, self._lr, who, terms)
+        problem = problem or rules.check_fixed_lr(optimizer, self.lr, who, terms)
         if problem:
             raise ValueError(problem)
 
@@ -426,7 +423,7 @@ class AsyncCenterStrategy(CenterStrategy):
     # ------------------------------------------------------------------ roles
     @property
     def uses_server(self) -> bool:
-        return self._server_mode is not None
+        return self.server is not None
 
     @property
     def server_rank(self) -> int | None:
@@ -439,10 +436,6 @@ class AsyncCenterStrategy(CenterStrategy):
     @property
     def num_workers(self) -> int:
         return self.world_size - 1 if self.uses_server else self.world_size
-
-    @property
-    def tau(self) -> int:
-        return self._tau
 
     @property
     def alpha(self) -> float | None:
@@ -671,7 +664,7 @@ class AsyncCenterStrategy(CenterStrategy):
         self._center = flat.clone()
         self._liveness = Liveness(
             f"easgd_async/{int(token)}", self.global_rank,
-            interval_s=self._heartbeat_s, dead_after_s=self._worker_timeout_s,
+            interval_s=self.heartbeat_s, dead_after_s=self._worker_timeout_s,
         ).start()
         self._setup_checkpoint_file(trainer)
         if self.uses_server:  # every rank, in the same order (a collective)
@@ -704,7 +697,7 @@ class AsyncCenterStrategy(CenterStrategy):
         timeout_s = compat.process_group_timeout(self)
         store = rejoin.run_store(timeout_s)
         session = rejoin.read_session(store, timeout_s)
-        self._liveness = Liveness(session["prefix"], late.rank, interval_s=self._heartbeat_s,
+        self._liveness = Liveness(session["prefix"], late.rank, interval_s=self.heartbeat_s,
                                   dead_after_s=self._worker_timeout_s).start()
         group = rejoin.request_admission(store, late.rank, late.attempt, timedelta(seconds=timeout_s))
         self._channels = {late.rank: group}
@@ -727,8 +720,8 @@ class AsyncCenterStrategy(CenterStrategy):
         self._detach(trainer)
 
     def _setup_checkpoint_file(self, trainer) -> None:
-        if self._checkpoint_path:
-            self._center_ckpt_file = Path(self._checkpoint_path)
+        if self.checkpoint_path:
+            self._center_ckpt_file = Path(self.checkpoint_path)
             return
         callback = getattr(trainer, "checkpoint_callback", None)
         dirpath = getattr(callback, "dirpath", None)
@@ -744,15 +737,15 @@ class AsyncCenterStrategy(CenterStrategy):
                 n_params=self._n_params,
                 rule=self.rule,
                 alpha=self._alpha or 0.0,
-                lr=self._lr,
+                lr=self.lr,
                 optimizer=self.optimizers[0] if self.rule == "sgd" else None,
                 params=list(self.lightning_module.parameters()) if self.rule == "sgd" else None,
                 lockfree=self.lockfree,
                 liveness=self._liveness,
-                stop_policy=self._stop_policy,
+                stop_policy=self.stop_policy,
                 kind=self.comm_kind,
                 on_checkpoint=self._write_center_checkpoint if self._center_ckpt_file else None,
-                checkpoint_every_s=self._checkpoint_every_s,
+                checkpoint_every_s=self.checkpoint_every_s,
                 interrupted=self._interrupted_by,
                 replies=self._compressed_side(compressed.ServerReplies, list(range(self.world_size - 1))),
                 channels=self._channels,
@@ -797,7 +790,7 @@ class AsyncCenterStrategy(CenterStrategy):
         if release_optimizer_momentum([optimizer]) and self.global_rank == 0:
             rank_zero_warn(
                 f"{self.strategy_name} applies its own Nesterov momentum (strategy.momentum="
-                f"{self._momentum}); the optimizer's momentum was set to 0 so it is not applied twice"
+                f"{self.momentum}); the optimizer's momentum was set to 0 so it is not applied twice"
             )
 
     # ------------------------------------------------------------------ training
@@ -837,14 +830,14 @@ class AsyncCenterStrategy(CenterStrategy):
     def _elastic_exchange(self, take_step: Callable[[], Any], optimizer: Optimizer) -> Any:
         tensors = self._elastic_tensors()
         pending, diff = None, None
-        if elastic.is_exchange_step(self._local_steps, self._tau):
+        if elastic.is_exchange_step(self._local_steps, self.tau):
             pending = self._transport.begin_elastic(flatten(tensors), self._local_steps, self._optimizer_lr(optimizer))
             self._exchanges += 1
-            if not self._overlap:
+            if not self.overlap:
                 diff, pending = self._transport.end_elastic(pending), None
         x_look = None
         if self._velocity is not None:
-            x_look = rules.nesterov_lookahead(flatten(tensors), self._velocity, self._momentum)
+            x_look = rules.nesterov_lookahead(flatten(tensors), self._velocity, self.momentum)
             unflatten_into(x_look, tensors)
         out = take_step()
         with torch.no_grad():
@@ -873,9 +866,9 @@ class AsyncCenterStrategy(CenterStrategy):
         returns w. Hogwild SGD on shared memory: the worker's optimizer steps here and its
         displacement is added to the shared w without a lock."""
         params = list(self.lightning_module.parameters())
-        if self._lr is not None:
+        if self.lr is not None:
             for group in optimizer.param_groups:
-                group["lr"] = self._lr
+                group["lr"] = self.lr
         if self._transport.steps_locally:
             before = flatten(params)
             out = compute()
@@ -895,12 +888,12 @@ class AsyncCenterStrategy(CenterStrategy):
         trainer = self.lightning_module.trainer
         if self._late is not None:
             self._late_worker_step(trainer)
-        if self._transport is not None and self._transport.stop and self._stop_policy == "first":
+        if self._transport is not None and self._transport.stop and self.stop_policy == "first":
             self._stop_reason = self._stop_reason or "another worker finished (stop_policy=first)"
             trainer.should_stop = True
-        if self._max_time_s is not None and self._fit_start is not None:
-            if time.monotonic() - self._fit_start >= self._max_time_s:
-                self._stop_reason = self._stop_reason or f"max_time_s={self._max_time_s} reached"
+        if self.max_time_s is not None and self._fit_start is not None:
+            if time.monotonic() - self._fit_start >= self.max_time_s:
+                self._stop_reason = self._stop_reason or f"max_time_s={self.max_time_s} reached"
                 trainer.should_stop = True
 
     def _late_worker_step(self, trainer) -> None:
@@ -1044,10 +1037,10 @@ class AsyncCenterStrategy(CenterStrategy):
         extras.update({
             "role": "server" if self.is_server else "worker",
             "server_rank": self.server_rank,
-            "tau": self._tau if self.rule == "elastic" else None,
+            "tau": self.tau if self.rule == "elastic" else None,
             "alpha": self._alpha,
-            "momentum": self._momentum,
-            "stop_policy": self._stop_policy,
+            "momentum": self.momentum,
+            "stop_policy": self.stop_policy,
         })
         if self._rejoin:
             extras["ft"] = self._ft_report()
