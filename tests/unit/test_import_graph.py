@@ -43,6 +43,7 @@ that are such a name by coincidence.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "easgd_lightning"
@@ -102,8 +103,10 @@ def _targets(module: str, path: Path, node: ast.AST, mods: dict[str, Path]) -> s
     return {m for m in found if m in mods}
 
 
+@functools.cache
 def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
-    """Module -> the package modules it imports (module docstring: what an edge is)."""
+    """Module -> the package modules it imports (module docstring: what an edge is; read
+    once per session, not to be changed)."""
     mods = package_modules(root)
     graph = {}
     for module, path in mods.items():
