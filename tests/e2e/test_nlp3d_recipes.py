@@ -22,7 +22,7 @@ def test_all_recipes_listed():
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_composes_and_validates(name):
-    from easgd_lightning.cli.build import validate_config
+    from easgd_lightning.cli.validate import validate_config
 
     cfg = compose([f"recipe=nlp3d/{name}"])
     assert cfg.strategy.name == "pipeline_3d"

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 
-from easgd_lightning.cli.build import ConfigError, validate_config
 from easgd_lightning.cli.overrides import check_command_line, compose_checked
 from easgd_lightning.cli.trainer_config import build_trainer, check_trainer_keys
+from easgd_lightning.cli.validate import ConfigError, validate_config
 from easgd_lightning.config_tree import CONF_DIR, CONF_PATH, RECIPES_DIR, locate
 from hydra_plugins.easgd_lightning_recipes.source import checkout_recipes
 

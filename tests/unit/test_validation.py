@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 import easgd_lightning.cli.train  # noqa: F401  (registers the recipe resolvers)
-from easgd_lightning.cli.build import ConfigError, validate_config
 from easgd_lightning.cli.overrides import CONF_DIR, check_command_line, compose_checked
+from easgd_lightning.cli.validate import ConfigError, validate_config
 
 # (overrides, the line's key, a fragment saying what is allowed)
 BAD = [
@@ -392,7 +392,7 @@ def test_threads_beyond_the_cores_warn_naming_the_override(caplog: pytest.LogCap
     """Issue 31 item 6: recipe=imagenet/alexnet_knl (4 ranks x 16 threads, 2 loaders each) on
     a small machine warns before launch, naming what fits it; within the cores, or with one
     thread per rank (nothing to lower), it does not."""
-    from easgd_lightning.cli.build import threads_warning
+    from easgd_lightning.cli.values import threads_warning
 
     knl = compose_checked(["recipe=imagenet/alexnet_knl", "data.synthetic=true"])
     line = threads_warning(knl, cores=2)

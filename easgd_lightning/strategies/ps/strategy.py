@@ -112,9 +112,9 @@ from easgd_lightning.strategies.base import (
     CenterStrategy,
     check_moving_rate,
     flatten,
+    optimizer_steps_per_epoch,
     unflatten_into,
 )
-from easgd_lightning.strategies.ddp import optimizer_steps_per_epoch
 from easgd_lightning.strategies.ps import compressed, rejoin, rules
 from easgd_lightning.strategies.ps.client import ServerClient, ServerTransport
 from easgd_lightning.strategies.ps.protocol import request_extras, request_header_size
