@@ -74,4 +74,4 @@ def test_sgd_baselines_converge_on_the_center(tmp_path: Path, strategy: str) -> 
     assert all(s["steps_per_rank"][r] == 10 * 15 for r in _workers(s))  # everyone did its epochs
 
 
-# bad and good async configs: in-process in tests/unit/test_validation.py
+# bad and good async configs: in-process in tests/unit/cli/test_validation.py

@@ -121,7 +121,7 @@ def manual_pipeline(cfg, dm) -> pl.LightningModule:
     return module
 
 
-_USER = "model.builder=tests.unit.test_validation:"
+_USER = "model.builder=tests.unit.cli.test_validation:"
 BAD += [
     # what the strategy cannot train, known before launch from the module built on the meta device
     (["model=gpt_tiny", f"{_USER}two_optimizers", "strategy=sync_easgd"], "model=gpt",
