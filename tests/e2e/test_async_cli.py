@@ -107,3 +107,21 @@ def test_a_sharded_center_trains_with_two_servers(tmp_path: Path, strategy: str)
     assert extras[2]["updates"] == extras[3]["updates"] == pushes  # stop_policy=all: every push served
     assert extras[2]["done_workers"] and sorted(extras[3]["done_workers"]) == [0, 1]
     assert s["val_acc"] >= 0.8, s["val_acc"]  # 4 epochs of 2 workers (chance: 0.1)
+    if strategy != "async_msgd":
+        return
+    # the SGD rule's state merged from both servers (momentum buffers of both shards), and a
+    # resume of 1 more epoch restores it into both servers, which go on counting from it
+    momentum = ckpt["easgd"]["server"]["momentum"]
+    assert momentum.numel() == n and momentum[:hi0].abs().sum() > 0 and momentum[hi0:].abs().sum() > 0
+    again = train_summary(
+        tmp_path / "resumed", f"strategy={strategy}", "trainer.devices=4", "strategy.servers=2",
+        "trainer.max_epochs=5", "strategy.stop_policy=all",
+        f"checkpoint.resume={tmp_path / strategy / 'checkpoints' / 'last.ckpt'}",
+    )
+    assert again["status"] == "ok", again.get("error")
+    for server in (2, 3):
+        resumed = again["extras"][server]["resumed"]
+        assert resumed["updates"] == ckpt["easgd"]["server"]["updates"]
+        assert resumed["center_sum"] == pytest.approx(float(ckpt["easgd"]["center"].double().sum()), rel=1e-9)
+        assert resumed["momentum_sum"] == pytest.approx(float(momentum.double().sum()), rel=1e-9)
+        assert again["extras"][server]["updates"] > resumed["updates"]

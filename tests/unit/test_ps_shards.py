@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from easgd_lightning.strategies.ps.shards import aligned_bounds, equal_bounds, merge_states, shard_bounds
+from easgd_lightning.strategies.ps.shards import (
+    aligned_bounds,
+    equal_bounds,
+    merge_states,
+    shard_bounds,
+)
 
 
 def test_equal_numel_cut_covers_the_center_contiguously() -> None:
