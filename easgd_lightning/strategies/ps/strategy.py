@@ -890,28 +890,34 @@ class AsyncCenterStrategy(CenterStrategy):
         if self.is_server:
             try:
                 self._server.serve()
-            finally:
-                self._center = self._server.center if self._servers == 1 else self._gather_shards()
+            except BaseException:  # interrupted or failed: no wait for the other servers
+                self._center = self._server_center(gather=False)
+                raise
+            self._center = self._server_center(gather=True)
             self.lightning_module.trainer.should_stop = True
 
-    def _gather_shards(self) -> torch.Tensor:
-        """A server of a sharded center, after serving: the whole final center, gathered from
-        the S servers over their own group (padded to the longest shard). It waits, bounded by
-        ``timeout_s``, for the other servers to end serving; a server that cannot complete it
-        keeps its own shard in the set-up center (and says so)."""
+    def _server_center(self, gather: bool) -> torch.Tensor:
+        """A server's center after serving: its own, with one server. With a sharded center
+        (``gather``) the whole final center, gathered from the S servers over their own group
+        (padded to the longest shard): it waits, bounded by ``timeout_s``, for the other
+        servers to end serving. Without ``gather`` (serving was interrupted), or when the
+        gather fails (a server died), the set-up center with this server's own shard in it."""
+        if self._servers == 1:
+            return self._server.center
+        own = self._center.clone()
+        own[self._shard[0] : self._shard[1]] = self._server.center
+        if not gather:
+            return own
         bounds = self._shards()
-        width = max(hi - lo for lo, hi in bounds)
-        mine = torch.zeros(width, dtype=self._center.dtype)
+        mine = torch.zeros(max(hi - lo for lo, hi in bounds), dtype=self._center.dtype)
         mine[: self._server.center.numel()] = self._server.center.detach().cpu()
-        center = self._center.clone()
         try:
             parts = ops.all_gather(mine, kind=self.comm_kind, group=self._servers_group)
         except RuntimeError as err:
             log.warning("server rank %d: could not gather the other shards of the center (%s); its module holds "
                         "its own shard only", self.global_rank, err)
-            center[self._shard[0] : self._shard[1]] = self._server.center
-            return center
-        return torch.cat([part[: hi - lo] for part, (lo, hi) in zip(parts, bounds)]).to(center.device)
+            return own
+        return torch.cat([part[: hi - lo] for part, (lo, hi) in zip(parts, bounds)]).to(own.device)
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
