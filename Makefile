@@ -27,7 +27,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q --durations=10 tests -m "(unit or distributed) and not slow"
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check easgd_lightning tests bench scripts hydra_plugins
+	$(VENV)/bin/ruff check easgd_lightning tests bench scripts hydra_plugins conf build_hooks.py
 
 # The documentation site, offline, into site/ (open site/index.html); --strict: a broken
 # link, anchor or reference fails the build (mkdocs.yml, tests/e2e/test_docs.py).

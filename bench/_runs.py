@@ -33,7 +33,7 @@ from bench._tables import (
     time_to_target,
     train_clock,
 )
-from easgd_lightning.conf import CONF_DIR
+from easgd_lightning.config_tree import CONF_DIR, group_dir
 from easgd_lightning.utils.rank_env import clean_env, rank_env
 
 
@@ -587,8 +587,9 @@ def missing_configs(selections: Iterable[str]) -> list[str]:
     for item in selections:
         key, _, value = item.partition("=")
         key = key.lstrip("+~")
-        if "." not in key and (conf / key).is_dir() and not (conf / key / f"{value}.yaml").exists():
-            missing.append(f"conf/{key}/{value}.yaml")
+        options = group_dir(key)
+        if "." not in key and options.is_dir() and not (options / f"{value}.yaml").exists():
+            missing.append(f"{'recipes' if key == 'recipe' else 'conf/' + key}/{value}.yaml")
     return sorted(set(missing))
 
 

@@ -1,13 +1,23 @@
 """Figures and tables of ``bench/cluster.py``: per-step figures from the runs'
-``summary.json`` (steady state by subtracting a short run), ratios against ``ddp/none``,
-efficiency against the ``limit`` row, time to accuracy, target verdicts and markdown."""
+``summary.json`` (steady state by subtracting a short run), ratios against the best dense
+row (:func:`best_dense`: the fastest of ``ddp/none``, ``ddp/bf16``, ``ddp/fp16``) and
+against ``ddp/none``, efficiency against the ``limit`` row, time to accuracy, target
+verdicts and markdown."""
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable, Sequence
 
-from bench._scenarios import BASELINE, LIMIT, SHARE_KINDS, Target, one_config
+from bench._scenarios import (
+    BASELINE,
+    BEST_DENSE,
+    DENSE_CODECS,
+    LIMIT,
+    SHARE_KINDS,
+    Target,
+    one_config,
+)
 
 
 def _row_key(row: dict) -> tuple:
@@ -20,6 +30,58 @@ def _find_row(rows: list[dict], spec: str) -> dict | None:
     return next((r for r in rows if _row_key(r) == key), None)
 
 
+def is_dense(row: dict) -> bool:
+    """A dense baseline: ``ddp`` with compression ``none``, ``bf16`` or ``fp16`` and no
+    override other than the compression's own (``compression.min_numel=0``); a row that
+    changes the exchange (``comm.*``) or the training (``optim.*``) is not a baseline."""
+    return (
+        row["strategy"] == BASELINE[0]
+        and row["compression"] in DENSE_CODECS
+        and all(o.startswith("compression.") for o in row.get("overrides") or ())
+    )
+
+
+def best_dense(rows: list[dict], figure: str = "step_time_s") -> dict | None:
+    """The completed dense row (:func:`is_dense`) with the smallest ``figure`` (a time or a
+    byte count: smaller is better), the first in row order among equals; None when no
+    completed dense row has that figure."""
+    found = [r for r in rows if is_dense(r) and r.get("status") == "ok" and r.get(figure) is not None]
+    return min(found, key=lambda r: float(r[figure]), default=None)
+
+
+def dense_reference(rows: list[dict], figure: str) -> dict | None:
+    """The row a :data:`~bench._scenarios.BEST_DENSE` reference stands for: the best dense
+    row for ``figure``; when none has it (no dense row reached the target), the completed
+    dense row that trained for the shortest time (``train_time_s``, the tightest bound on
+    its time to the target), else the first completed dense row; None without one."""
+    ok = [r for r in rows if is_dense(r) and r.get("status") == "ok"]
+    return best_dense(rows, figure) or best_dense(rows, "train_time_s") or (ok[0] if ok else None)
+
+
+def reference_record(rows: list[dict], figure: str) -> dict:
+    """What a table was measured against (its JSON ``reference`` and its legend's line):
+    ``row`` (the best dense row's spec, None without one), ``rule``, ``figure`` and every
+    completed dense row's ``figure`` (``candidates``)."""
+    ref = best_dense(rows, figure)
+    return {
+        "row": row_spec(ref) if ref else None,
+        "rule": f"{BEST_DENSE}: least {figure} of the completed ddp/{{{','.join(DENSE_CODECS)}}} rows",
+        "figure": figure,
+        "candidates": {
+            row_spec(r): r.get(figure) for r in rows if is_dense(r) and r.get("status") == "ok"
+        },
+    }
+
+
+def reference_line(record: dict) -> str:
+    """The table's line naming its reference row."""
+    if not record.get("row"):
+        return f"- reference: none (no dense row, ddp/{{{','.join(DENSE_CODECS)}}}, completed)"
+    return f"- reference: {record['row']} ({BEST_DENSE}, least {record['figure']} of " + ", ".join(
+        record["candidates"]
+    ) + ")"
+
+
 def evaluate_targets(rows: list[dict], targets: Sequence[Target]) -> list[dict]:
     """Judge every target against the rows of one run.
 
@@ -29,12 +91,18 @@ def evaluate_targets(rows: list[dict], targets: Sequence[Target]) -> list[dict]:
     """
     results = []
     for t in targets:
+        ref = t.ref
+        if ref == BEST_DENSE:
+            resolved = dense_reference(rows, t.figure)
+            ref = row_spec(resolved) if resolved else None
         out = {
-            "target": t.describe(), "row": t.row, "short": t.short(), "kind": t.kind,
-            "measured": None,
+            "target": t.describe(ref), "row": t.row, "short": t.short(ref), "kind": t.kind,
+            "measured": None, "ref": ref,
         }
-        needed = [t.row] + ([t.ref] if t.ref else [])
+        needed = [t.row] + ([ref] if ref else [])
         found = {spec: _find_row(rows, spec) for spec in needed}
+        if t.ref == BEST_DENSE and ref is None:
+            found[BEST_DENSE] = None  # no dense row completed: "n/a: best dense not run"
         problem = next(
             (
                 f"n/a: {spec} " + ("not run" if r is None else f"{r.get('status')}")
@@ -53,10 +121,10 @@ def evaluate_targets(rows: list[dict], targets: Sequence[Target]) -> list[dict]:
                 eff = row.get("efficiency")
                 value = None if eff is None else 1.0 - eff
             else:
-                mine, theirs = row.get(t.figure), found[t.ref].get(t.figure)
+                mine, theirs = row.get(t.figure), found[ref].get(t.figure)
                 value = theirs / mine if mine and theirs is not None else None
                 if t.figure == "time_to_target_s" and value is None:
-                    problem = _unreached(row, found[t.ref], t)
+                    problem = _unreached(row, found[ref], t, ref)
             if problem is not None:
                 pass
             elif value is None:
@@ -71,17 +139,18 @@ def evaluate_targets(rows: list[dict], targets: Sequence[Target]) -> list[dict]:
     return results
 
 
-def _unreached(row: dict, ref: dict, t: Target) -> str:
-    """Verdict of a time-to-target speedup when one of the two rows never got there."""
+def _unreached(row: dict, ref: dict, t: Target, spec: str) -> str:
+    """Verdict of a time-to-target speedup when one of the two rows never got there
+    (``spec``: the reference row's)."""
     if row.get("time_to_target_s") is None:
         return "MISS: never reached the target" if ref.get("time_to_target_s") is not None else (
-            f"n/a: neither this row nor {t.ref} reached the target"
+            f"n/a: neither this row nor {spec} reached the target"
         )
     # The reference never got there: its whole training time bounds its time from below.
     bound = (ref.get("train_time_s") or 0.0) / row["time_to_target_s"]
     if bound >= t.bound:
-        return f"PASS: {t.ref} never reached it (speedup > {bound:.2f}x)"
-    return f"n/a: {t.ref} never reached the target"
+        return f"PASS: {spec} never reached it (speedup > {bound:.2f}x)"
+    return f"n/a: {spec} never reached the target"
 
 
 def add_efficiency(rows: list[dict]) -> None:
@@ -331,38 +400,45 @@ FIGURES = (
 )
 
 
-def build_table(rows: list[dict], baseline: tuple[str, str] = BASELINE) -> list[dict]:
-    """Add ``ratio`` (value / baseline value) for every figure of every row.
+def _ratios(row: dict, base: dict | None, figures: Sequence[str]) -> dict[str, float | None]:
+    """value / ``base``'s value per figure (None where either is missing, the base's is 0,
+    or the row did not complete)."""
+    out: dict[str, float | None] = {}
+    for name in figures:
+        value, ref = row.get(name), (base.get(name) if base else None)
+        ok = value is not None and ref not in (None, 0) and row.get("status") == "ok"
+        out[name] = float(value) / float(ref) if ok else None
+    return out
 
-    The baseline is the row with ``(strategy, compression) == baseline`` that completed;
-    without one every ratio is ``None``.
+
+def fp32_row(rows: list[dict]) -> dict | None:
+    """The completed plain ``ddp/none`` row (fp32 DDP, no overrides), or None."""
+    return next(
+        (r for r in rows if (r["strategy"], r["compression"]) == BASELINE and not r.get("overrides")
+         and r.get("status") == "ok"),
+        None,
+    )
+
+
+def build_table(rows: list[dict], figure: str = "step_time_s") -> list[dict]:
+    """Add ``ratio`` (value / the reference's value) for every figure of every row, and
+    ``x_vs_none`` (the row's ``figure`` / ``ddp/none``'s: the fp32 ratio of older tables).
+
+    The reference is the best dense row (:func:`best_dense` for ``figure``: the fastest of
+    the completed ``ddp/none``, ``ddp/bf16``, ``ddp/fp16``); without one every ratio is
+    ``None``.
 
     Args:
         rows: dicts with ``strategy``, ``compression``, ``status`` and the figures.
-        baseline: the configuration the ratios are taken against.
+        figure: what picks the reference (the least of it).
 
     Returns:
         The same rows (mutated), each with a ``ratio`` dict keyed by figure.
     """
-    base = next(
-        (
-            r
-            for r in rows
-            if (r["strategy"], r["compression"]) == baseline and r.get("status") == "ok"
-        ),
-        None,
-    )
+    base, fp32 = best_dense(rows, figure), fp32_row(rows)
     for row in rows:
-        ratios: dict[str, float | None] = {}
-        for name in FIGURES:
-            value = row.get(name)
-            ref = base.get(name) if base else None
-            ratios[name] = (
-                float(value) / float(ref)
-                if value is not None and ref not in (None, 0) and row.get("status") == "ok"
-                else None
-            )
-        row["ratio"] = ratios
+        row["ratio"] = _ratios(row, base, FIGURES)
+        row["x_vs_none"] = _ratios(row, fp32, (figure,))[figure]
     return rows
 
 
@@ -496,13 +572,15 @@ def render_markdown(rows: list[dict], scenario: dict) -> str:
     targets = scenario.get("targets") or []
     by_row = _targets_by_row(targets)
     share = _share_label(rows)
+    reference = scenario.get("reference") or reference_record(rows, "step_time_s")
     lines = _header(scenario) + _throughput_legend(scenario, share) + [
+        reference_line(reference),
         "",
         (
-            "| strategy/compression | step time (s) | x | efficiency | samples/s | x "
+            "| strategy/compression | step time (s) | x | x vs ddp/none | efficiency | samples/s | x "
             f"| bytes/step/worker | x | msgs/step | {share} | final loss | targets | status |"
         ),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     lines += [_throughput_row(r, by_row, scenario, mixed=share == "comm share") for r in rows]
     bound = sc17_bound(rows, scenario) if scenario.get("name") == "sc17" else None
@@ -522,8 +600,10 @@ def _throughput_legend(scenario: dict, share: str) -> list[str]:
             else "figures over the whole run (first steps included)"
         ),
         (
-            "- x = value / value of ddp/none in this run (step time < 1x and samples/s > 1x"
-            " are faster; bytes ratio = 1 / compression factor); efficiency = limit step time"
+            "- x = value / value of the reference row in this run (the best dense row: the least"
+            " step time of ddp/none, ddp/bf16 and ddp/fp16; step time < 1x and samples/s > 1x"
+            " are faster; bytes ratio = 1 / compression factor); x vs ddp/none = step time /"
+            " ddp/none's (fp32, the ratio of tables before issue 29); efficiency = limit step time"
             " / row step time (limit: every worker trains alone, no communication)"
         ),
         f"- {share}: "
@@ -547,6 +627,7 @@ def _throughput_row(r: dict, by_row: dict[str, list[dict]], scenario: dict, *, m
         _row_label(r),
         fmt_figure(r.get("step_time_s"), "s"),
         fmt_figure(q.get("step_time_s"), "ratio"),
+        fmt_figure(r.get("x_vs_none"), "ratio"),
         fmt_figure(r.get("efficiency"), "eff"),
         fmt_figure(r.get("samples_per_s"), "num"),
         fmt_figure(q.get("samples_per_s"), "ratio"),
@@ -576,7 +657,8 @@ def _sc17_bound_md(bound: dict, scenario: dict) -> str:
 
 
 def render_tta_markdown(rows: list[dict], scenario: dict) -> str:
-    """The time-to-accuracy table: one row per configuration, speedup over ddp/none."""
+    """The time-to-accuracy table: one row per configuration, speedup over the best dense
+    row (its name on the ``reference`` line) and over ddp/none."""
     targets = scenario.get("targets") or []
     by_row = _targets_by_row(targets)
     acc = scenario["target_acc"]
@@ -585,14 +667,17 @@ def render_tta_markdown(rows: list[dict], scenario: dict) -> str:
         "delivers (the center for elastic rows) after every epoch; time = seconds from the "
         f"start of training to the first validation with val_acc >= {acc:g} "
         "(`val_history[].time_s` of summary.json)",
-        "- speedup = ddp/none's time / the row's time; bytes and comm share over the whole run",
+        "- speedup = the reference row's time / the row's time (the best dense row: the soonest "
+        "of ddp/none, ddp/bf16 and ddp/fp16); x vs ddp/none = ddp/none's time / the row's (fp32, "
+        "the speedup of tables before issue 29); bytes and comm share over the whole run",
+        reference_line(scenario.get("reference") or reference_record(rows, "time_to_target_s")),
         "",
         (
-            f"| strategy/compression | time to {acc:g} (s) | speedup | epoch | step "
+            f"| strategy/compression | time to {acc:g} (s) | speedup | x vs ddp/none | epoch | step "
             f"| best val_acc | bytes/step/worker | {_share_label(rows)} | step time (s) "
             "| targets | status |"
         ),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
         reached = r.get("time_to_target_s") is not None
@@ -605,6 +690,7 @@ def render_tta_markdown(rows: list[dict], scenario: dict) -> str:
                     if reached
                     else ("never" if r.get("status") == "ok" else "-"),
                     fmt_figure(r.get("speedup"), "ratio"),
+                    fmt_figure(r.get("speedup_vs_none"), "ratio"),
                     str(r["target_epoch"] + 1) if reached and r.get("target_epoch") is not None else "-",
                     str(r.get("target_step")) if reached else "-",
                     fmt_figure(r.get("best_val_acc"), "num"),
@@ -621,24 +707,25 @@ def render_tta_markdown(rows: list[dict], scenario: dict) -> str:
 
 
 def add_tta_speedup(rows: list[dict]) -> None:
-    """``speedup`` = ddp/none's time to target / the row's (None where either never got there)."""
-    base = next(
-        (r for r in rows if (r["strategy"], r["compression"]) == BASELINE and not r.get("overrides")
-         and r.get("status") == "ok"),
-        None,
-    )
-    ref = base.get("time_to_target_s") if base else None
-    for row in rows:
-        mine = row.get("time_to_target_s")
-        row["speedup"] = ref / mine if ref and mine and row.get("status") == "ok" else None
+    """``speedup`` = the best dense row's time to target (:func:`best_dense`) / the row's,
+    ``speedup_vs_none`` = ``ddp/none``'s / the row's (None where either never got there)."""
+    for key, base in (("speedup", best_dense(rows, "time_to_target_s")), ("speedup_vs_none", fp32_row(rows))):
+        ref = base.get("time_to_target_s") if base else None
+        for row in rows:
+            mine = row.get("time_to_target_s")
+            row[key] = ref / mine if ref and mine and row.get("status") == "ok" else None
 
 
 def finish_table(rows: list[dict], scenario: dict, targets: Sequence[Target]) -> str:
-    """Ratios, efficiency or speedup, target verdicts; returns the markdown."""
+    """Ratios, efficiency or speedup, target verdicts, the reference row
+    (``scenario["reference"]``); returns the markdown."""
+    tta = scenario.get("kind") == "tta"
+    figure = "time_to_target_s" if tta else "step_time_s"
     build_table(rows)
-    if scenario.get("kind") == "tta":
+    if tta:
         add_tta_speedup(rows)
     else:
         add_efficiency(rows)
+    scenario["reference"] = reference_record(rows, figure)
     scenario["targets"] = evaluate_targets(rows, targets)
     return render_markdown(rows, scenario)

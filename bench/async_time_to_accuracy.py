@@ -9,7 +9,10 @@ worker), the seconds since the start of fit and the val accuracy of the center.
 
 Prints one markdown row per strategy: steps per rank, the first time the center reached
 ``--target`` (median over repeats; "never" when most repeats never reached it), that time as a ratio to ``sync_easgd`` measured in the
-same invocation, the final val accuracy and the bytes sent. Nothing is asserted: it is a
+same invocation and as a ratio to the best dense row (the soonest of ``ddp``, ``ddp/bf16``
+and ``ddp/fp16``, 16-bit gradients cast whole by DDP's overlapped hook; the line under the
+table names it), the final val accuracy and the bytes sent. A name ``strategy/compression``
+runs that compression (``compression.min_numel=0``). Nothing is asserted: it is a
 measurement, on whatever machine runs it.
 
 Usage::
@@ -35,7 +38,10 @@ REPO = Path(__file__).resolve().parent.parent
 __all__ = ["main", "time_to", "summarise"]
 
 DEFAULT = ("async_easgd", "async_measgd", "hogwild_easgd", "async_sgd", "async_msgd",
-           "hogwild_sgd", "sync_easgd", "ddp")
+           "hogwild_sgd", "sync_easgd", "ddp", "ddp/bf16", "ddp/fp16")
+
+#: the dense rows "vs best dense" is taken against (fp32 DDP and its 16-bit casts)
+DENSE = ("ddp", "ddp/bf16", "ddp/fp16")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,10 +67,12 @@ def time_to(history: list[dict], target: float) -> float | None:
     return None
 
 
-def run_one(strategy: str, args: argparse.Namespace, run_dir: Path) -> dict:
+def run_one(name: str, args: argparse.Namespace, run_dir: Path) -> dict:
+    strategy, _, compression = name.partition("/")
     devices = args.workers + 1 if strategy.startswith("async_") else args.workers
+    codec = [f"compression={compression}", "compression.min_numel=0"] if compression else []
     cmd = [
-        sys.executable, "-m", "easgd_lightning.cli.train", f"strategy={strategy}",
+        sys.executable, "-m", "easgd_lightning.cli.train", f"strategy={strategy}", *codec,
         f"trainer.devices={devices}", f"trainer.max_epochs={args.epochs}",
         "faults.slow_rank=1", f"faults.slow_ms={args.slow_ms}", "logger=csv",
         "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}",
@@ -73,10 +81,10 @@ def run_one(strategy: str, args: argparse.Namespace, run_dir: Path) -> dict:
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
     summary_path = run_dir / "summary.json"
     if proc.returncode != 0 or not summary_path.exists():
-        return {"strategy": strategy, "error": (proc.stderr or "")[-500:]}
+        return {"strategy": name, "error": (proc.stderr or "")[-500:]}
     s = json.loads(summary_path.read_text())
     return {
-        "strategy": strategy,
+        "strategy": name,
         "roles": s["roles"],
         "steps": s["steps_per_rank"],
         "time_to_target": time_to(s["val_history"], args.target),
@@ -93,21 +101,30 @@ def summarise(results: dict[str, list[dict]], target: float) -> str:
         values = [v for v in values if v is not None]
         return statistics.median(values) if values else None
 
+    def time_of(runs):  # median time; None when most runs never reached the target
+        times = [r["time_to_target"] for r in runs if "error" not in r]
+        reached = sum(t is not None for t in times)
+        return med(times) if times and reached * 2 > len(times) else None
+
     base = med([r.get("time_to_target") for r in results.get("sync_easgd", [])])
+    dense = {n: time_of(results[n]) for n in DENSE if n in results and time_of(results[n]) is not None}
+    best = min(dense, key=dense.get, default=None)
     lines = [
-        f"| strategy | processes | steps per rank (last run) | time to {target:.2f} (s) | vs sync_easgd | final val_acc | MB sent |",
-        "|---|---:|---|---:|---:|---:|---:|",
+        f"| strategy | processes | steps per rank (last run) | time to {target:.2f} (s) | vs sync_easgd "
+        "| vs best dense | final val_acc | MB sent |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for name, runs in results.items():
         ok = [r for r in runs if "error" not in r]
         if not ok:
-            lines.append(f"| {name} | - | failed | - | - | - | - |")
+            lines.append(f"| {name} | - | failed | - | - | - | - | - |")
             continue
         times = [r["time_to_target"] for r in ok]
         reached = sum(t is not None for t in times)
         # a run that never reached the target counts as slower than any that did
-        t = med(times) if reached * 2 > len(times) else None
+        t = time_of(runs)
         ratio = f"{t / base:.2f}" if t is not None and base else "-"
+        vs_dense = f"{t / dense[best]:.2f}" if t is not None and best else "-"
         shown = "never" if t is None else f"{t:.2f}"
         if reached < len(times):
             shown += f" ({reached}/{len(times)} runs reached it)"
@@ -115,9 +132,12 @@ def summarise(results: dict[str, list[dict]], target: float) -> str:
         roles = "+".join(["server"] if "server" in last["roles"] else [])
         procs = f"{len(last['roles'])}" + (f" ({roles})" if roles else "")
         lines.append(
-            f"| {name} | {procs} | {last['steps']} | {shown} | {ratio} | "
+            f"| {name} | {procs} | {last['steps']} | {shown} | {ratio} | {vs_dense} | "
             f"{med([r['val_acc'] for r in ok]):.3f} | {med([r['bytes_sent'] for r in ok]) / 1e6:.1f} |"
         )
+    lines.append("")
+    lines.append(f"reference: {best} (best dense: the soonest of {', '.join(n for n in DENSE if n in results)})"
+                 if best else "reference: none (no dense row reached the target)")
     return "\n".join(lines)
 
 

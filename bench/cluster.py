@@ -4,7 +4,9 @@ Builds N "hosts" as Linux network namespaces, each with one veth link into a bri
 lives in its own namespace, shapes every link with ``tc`` (a token bucket at the chosen
 rate, plus a ``netem`` delay when the kernel has it), runs one ``easgd-train`` process per
 host over gloo/TCP with the rendezvous on host 0's private address, and tabulates each
-(strategy, compression) configuration against ``ddp``/``none`` measured in the same run.
+(strategy, compression) configuration against the best dense row measured in the same run
+(the fastest of ``ddp/none``, ``ddp/bf16``, ``ddp/fp16``; the table names it) and against
+``ddp/none``.
 
 Nothing is created outside the namespaces this script makes: the veth pairs are created
 directly inside them (``ip -n NS link add ... peer ... netns NS2``), the addresses are on a

@@ -45,7 +45,7 @@ import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from bench._scenarios import REPO  # noqa: E402
-from easgd_lightning.conf import CONF_DIR  # noqa: E402
+from easgd_lightning.config_tree import CONF_DIR  # noqa: E402
 from easgd_lightning.hooks.compressors import (  # noqa: E402
     build_compressor,
     compressor_names,

@@ -33,7 +33,7 @@ __all__ = ["__version__"]
 
 #: the subpackages and modules reachable as attributes of the package (loaded on first use)
 _SUBMODULES = frozenset({
-    "callbacks", "cli", "comm", "compat", "conf", "data", "fabric", "ft", "guards", "hooks", "models",
+    "callbacks", "cli", "comm", "compat", "config_tree", "data", "fabric", "ft", "guards", "hooks", "models",
     "parallel", "strategies", "utils",
 })
 _LIGHTNING = "pytorch_lightning"

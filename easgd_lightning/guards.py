@@ -28,6 +28,8 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
+from easgd_lightning.utils.checks import check_bool, check_float
+
 __all__ = ["NonFiniteLossError", "NonFiniteLossGuard", "NaNFaultInjection"]
 
 
@@ -49,12 +51,8 @@ class NonFiniteLossGuard(pl.Callback):
     """
 
     def __init__(self, allow: bool = False, explosion_factor: float | None = None) -> None:
-        if not isinstance(allow, bool):
-            raise ValueError(f"allow_nonfinite_loss must be true or false, got {allow!r}")
-        if explosion_factor is not None and not float(explosion_factor) > 1.0:
-            raise ValueError(f"loss_explosion_factor must be a number > 1 or null, got {explosion_factor!r}")
-        self.allow = allow
-        self.factor = None if explosion_factor is None else float(explosion_factor)
+        self.allow = check_bool("allow_nonfinite_loss", allow)
+        self.factor = check_float("loss_explosion_factor", explosion_factor, 1.0, lo_open=True, nullable=True)
         self.first: float | None = None
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:

@@ -62,7 +62,8 @@ def train_summary(run_dir: Path, *overrides: str, timeout: float = 300) -> dict:
 
 def compose(overrides: list[str], *, hydra_config: bool = False):
     """The config ``easgd-train`` would build from ``overrides`` (Hydra's compose over the
-    package's config tree, the recipe resolvers registered), without checking it."""
+    config tree of :mod:`easgd_lightning.config_tree`, the recipe resolvers registered),
+    without checking it."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 

@@ -42,7 +42,7 @@ from easgd_lightning.cli.worker import (
     run_worker,
 )
 from easgd_lightning.comm.ops import close_process_group
-from easgd_lightning.conf import CONF_DIR, CONF_PACKAGE
+from easgd_lightning.config_tree import CONF_DIR, CONF_PATH
 from easgd_lightning.utils.procs import freeze_at_exit
 from easgd_lightning.utils.renames import apply_renames
 
@@ -342,7 +342,7 @@ def _fail(out_dir: Path, cfg: DictConfig, message: str) -> None:
     write_summary(out_dir, build_summary(resolved, [], status="failed", error=message))
 
 
-@hydra.main(config_path=CONF_PACKAGE, config_name="train", version_base="1.3")
+@hydra.main(config_path=CONF_PATH, config_name="train", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> float | None:
     out_dir = _output_dir()
     multirun = _is_multirun()

@@ -416,12 +416,15 @@ def worker_main(argv: list[str] | None = None) -> None:
 
     cfg = OmegaConf.load(args[0])
     rank = int(os.environ.get("RANK", "0"))
+    from easgd_lightning.ft.worker import leave_if_quorum_pending
+
     try:
         run_worker(cfg, args[1])
         from easgd_lightning.comm.ops import close_process_group
 
         close_process_group()
-    except SystemExit:
+    except SystemExit as done:
+        leave_if_quorum_pending(done.code if isinstance(done.code, int) else 1)
         raise
     except BaseException as err:  # failed before the trainer existed: still say why
         if not rank_file(args[1], rank).exists() or _report_run_id(rank_file(args[1], rank)) != current_run_id():
@@ -432,7 +435,9 @@ def worker_main(argv: list[str] | None = None) -> None:
             })
         traceback.print_exc()
         signum = stop.stop_signal()
-        sys.exit(stop.exit_code_for(signum) if signum is not None else 1)
+        code = stop.exit_code_for(signum) if signum is not None else 1
+        leave_if_quorum_pending(code)
+        sys.exit(code)
 
 
 def _report_run_id(path: Path) -> str | None:

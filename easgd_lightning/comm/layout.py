@@ -41,6 +41,7 @@ import torch.distributed as dist
 from easgd_lightning.comm import ops
 from easgd_lightning.comm.fusion import DEFAULT_FUSION_MB, fusion_buckets, fusion_threshold
 from easgd_lightning.comm.meter import get_meter
+from easgd_lightning.utils.checks import check_choice, check_float, check_int
 
 __all__ = ["ALLREDUCES", "AGGREGATORS", "HIERARCHIES", "CommLayout", "NodeGroups", "node_ranks"]
 
@@ -212,18 +213,11 @@ class CommLayout:
         allreduce: str = "ring",
         aggregator: str = "rank0",
     ) -> None:
-        if isinstance(fusion_mb, bool) or not isinstance(fusion_mb, (int, float)) or not fusion_mb >= 0:
-            raise ValueError(f"comm.fusion_mb: must be a number >= 0 (MiB; 0 = no fusion), got {fusion_mb!r}")
-        if hierarchy not in HIERARCHIES:
-            raise ValueError(f"comm.hierarchy: {hierarchy!r} is unknown; choose one of {', '.join(HIERARCHIES)}")
-        if procs_per_node is not None and (
-            isinstance(procs_per_node, bool) or not isinstance(procs_per_node, int) or procs_per_node < 1
-        ):
-            raise ValueError(f"comm.procs_per_node: must be an integer >= 1 or null, got {procs_per_node!r}")
-        if allreduce not in ALLREDUCES:
-            raise ValueError(f"comm.allreduce: {allreduce!r} is unknown; choose one of {', '.join(ALLREDUCES)}")
-        if aggregator not in AGGREGATORS:
-            raise ValueError(f"comm.aggregator: {aggregator!r} is unknown; choose one of {', '.join(AGGREGATORS)}")
+        check_float("comm.fusion_mb", fusion_mb, 0.0, unit="MiB")  # 0: no fusion
+        check_choice("comm.hierarchy", hierarchy, HIERARCHIES)
+        check_int("comm.procs_per_node", procs_per_node, nullable=True)
+        check_choice("comm.allreduce", allreduce, ALLREDUCES)
+        check_choice("comm.aggregator", aggregator, AGGREGATORS)
         if allreduce == "switch" and hierarchy == "node":
             raise ValueError("comm.allreduce: switch sums every process's bucket itself; it does not combine with comm.hierarchy=node")
         self.fusion_mb = float(fusion_mb)

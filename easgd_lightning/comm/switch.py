@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from easgd_lightning.comm.layout import AGGREGATORS
 from easgd_lightning.comm.meter import get_meter
+from easgd_lightning.utils.checks import check_choice
 
 __all__ = [
     "AGGREGATORS",
@@ -144,8 +145,7 @@ class SwitchClient:
     """
 
     def __init__(self, aggregator: str = "rank0", *, timeout_s: float = 300.0, store=None) -> None:
-        if aggregator not in AGGREGATORS:
-            raise ValueError(f"comm.aggregator must be one of {list(AGGREGATORS)}, got {aggregator!r}")
+        check_choice("comm.aggregator", aggregator, AGGREGATORS)
         if store is None:
             from easgd_lightning.compat.lightning import default_store
 

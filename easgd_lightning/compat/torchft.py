@@ -10,7 +10,9 @@ replica group that heartbeats, with the class ``old`` once the lighthouse's hear
 has passed; :func:`live_replicas` reads it (the start barrier under an external launcher,
 ``ft/worker.py``). torchft's ``HTTPTransport`` (live state to a joiner) addresses itself by
 ``socket.gethostname()`` and keeps its server in ``_server``: :func:`http_transport` gives it
-the worker's advertised host instead. ``tests/unit/test_compat_torchft.py`` checks these against the installed torchft.
+the worker's advertised host instead. The Manager's quorum runs on an executor thread whose
+future is ``_quorum_future`` (:func:`quorum_pending`: still inside a call to the lighthouse,
+which the interpreter's exit would wait for). ``tests/unit/test_compat_torchft.py`` checks these against the installed torchft.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["quorum_id", "quorum_ranks", "lighthouse_server_class", "live_replicas", "parse_heartbeats",
-           "http_transport"]
+__all__ = ["quorum_id", "quorum_ranks", "quorum_pending", "lighthouse_server_class", "live_replicas",
+           "parse_heartbeats", "http_transport"]
 
 #: one heartbeat on the dashboard: ``<li class="heartbeat [old]"> r00001:UUID: seen 0.02s ago``
 _HEARTBEAT = re.compile(r'<li class="heartbeat\s*(old)?\s*">\s*(\S+?): seen ')
@@ -34,6 +36,13 @@ def quorum_ranks(manager: Any) -> list[int]:
     """The global ranks of the manager's current quorum (sorted; [] when unknown)."""
     ranks = getattr(getattr(manager, "_pg", None), "_global_ranks", None)
     return sorted(int(r) for r in ranks) if ranks else []
+
+
+def quorum_pending(manager: Any) -> bool:
+    """True while the manager's last quorum request has not completed (its thread is inside a
+    call to the lighthouse, which returns after ``quorum_timeout`` when the lighthouse is gone)."""
+    future = getattr(manager, "_quorum_future", None)
+    return future is not None and not future.done()
 
 
 def lighthouse_server_class() -> type:

@@ -10,6 +10,8 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from easgd_lightning.utils.checks import check_float, check_int
+
 __all__ = ["DigitsDataModule", "load_digits_tensors"]
 
 
@@ -35,10 +37,8 @@ class DigitsDataModule(pl.LightningDataModule):
 
     def __init__(self, batch_size: int = 32, val_fraction: float = 0.2, split_seed: int = 0, num_workers: int = 0):
         super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
-        if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
+        check_int("data.batch_size", batch_size)
+        check_float("data.val_fraction", val_fraction, 0.0, 1.0, lo_open=True, hi_open=True)
         self.batch_size = batch_size
         self.val_fraction = val_fraction
         self.split_seed = split_seed

@@ -36,8 +36,9 @@ from pathlib import Path
 import pytorch_lightning as pl
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from easgd_lightning.data.loaders import WorkerLoaders, check_int_at_least
+from easgd_lightning.data.loaders import WorkerLoaders
 from easgd_lightning.data.synthetic import SyntheticImageDataset
+from easgd_lightning.utils.checks import check_bool, check_int
 
 __all__ = [
     "IMAGENET_MEAN",
@@ -205,27 +206,25 @@ class ImageNetDataModule(WorkerLoaders, pl.LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        check_int_at_least("batch_size", batch_size, 1)
-        check_int_at_least("image_size", image_size, 1)
+        check_int("data.batch_size", batch_size, 1)
+        check_int("data.image_size", image_size, 1)
         for key, value in (
             ("resize_size", resize_size), ("val_batch_size", val_batch_size),
             ("train_eval_size", train_eval_size),
         ):
             if value is not None:
-                check_int_at_least(key, value, 1)
+                check_int(f"data.{key}", value, 1)
         if resize_size is not None and resize_size < image_size:
             raise ValueError(
                 f"data.resize_size={resize_size} must be >= data.image_size={image_size}"
             )
-        if not isinstance(synthetic, bool):
-            raise ValueError(f"data.synthetic must be true or false, got {synthetic!r}")
-        self.synthetic = synthetic
+        self.synthetic = check_bool("data.synthetic", synthetic)
         self.root = None if root is None else str(Path(root).expanduser())
         if synthetic:
             self.classes = None
-            classes = check_int_at_least("num_classes", num_classes, 2) if num_classes is not None else IMAGENET_CLASSES
-            check_int_at_least("train_size", train_size, 1)
-            check_int_at_least("val_size", val_size, 1)
+            classes = check_int("data.num_classes", num_classes, 2) if num_classes is not None else IMAGENET_CLASSES
+            check_int("data.train_size", train_size, 1)
+            check_int("data.val_size", val_size, 1)
         else:
             self.classes = check_imagefolder_root(root)
             classes = len(self.classes)

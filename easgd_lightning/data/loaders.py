@@ -9,14 +9,9 @@ import multiprocessing
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["WorkerLoaders", "check_int_at_least", "loader_start_method"]
+from easgd_lightning.utils.checks import check_int
 
-
-def check_int_at_least(key: str, value, low: int) -> int:
-    """``data.<key>`` must be an integer >= ``low``; returns it."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"data.{key} must be an integer >= {low}, got {value!r}")
-    return value
+__all__ = ["WorkerLoaders", "loader_start_method"]
 
 
 def loader_start_method(method: str | None) -> str | None:
@@ -55,9 +50,9 @@ class WorkerLoaders:
         prefetch_factor: int | None = None,
     ) -> None:
         """Check and keep the options (``pin_memory`` null: when CUDA is available)."""
-        self.num_workers = check_int_at_least("num_workers", num_workers, 0)
+        self.num_workers = check_int("data.num_workers", num_workers, 0)
         if prefetch_factor is not None:
-            check_int_at_least("prefetch_factor", prefetch_factor, 1)
+            check_int("data.prefetch_factor", prefetch_factor, 1)
         self.prefetch_factor = prefetch_factor
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
         self.persistent_workers = bool(persistent_workers)

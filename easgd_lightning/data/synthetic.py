@@ -14,7 +14,8 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from easgd_lightning.data.loaders import WorkerLoaders, check_int_at_least
+from easgd_lightning.data.loaders import WorkerLoaders
+from easgd_lightning.utils.checks import check_int
 
 __all__ = ["SyntheticImageDataset", "SyntheticImageDataModule"]
 
@@ -108,11 +109,11 @@ class SyntheticImageDataModule(WorkerLoaders, pl.LightningDataModule):
             ("batch_size", batch_size), ("image_size", image_size), ("num_classes", num_classes),
             ("train_size", train_size), ("val_size", val_size), ("channels", channels),
         ):
-            check_int_at_least(key, value, 1)
+            check_int(f"data.{key}", value, 1)
         if val_batch_size is not None:
-            check_int_at_least("val_batch_size", val_batch_size, 1)
+            check_int("data.val_batch_size", val_batch_size, 1)
         if train_eval_size is not None:
-            check_int_at_least("train_eval_size", train_eval_size, 1)
+            check_int("data.train_eval_size", train_eval_size, 1)
         self.batch_size = batch_size
         self.image_size = image_size
         self.num_classes = num_classes

@@ -22,6 +22,8 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from easgd_lightning.utils.checks import check_float, check_int
+
 __all__ = ["TextDataModule", "ByteWindowDataset", "load_corpus_bytes", "stdlib_source_files"]
 
 VOCAB_SIZE = 256
@@ -129,12 +131,9 @@ class TextDataModule(pl.LightningDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__()
-        if seq_len < 1:
-            raise ValueError(f"data.seq_len must be >= 1, got {seq_len}")
-        if batch_size < 1:
-            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
-        if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
+        check_int("data.seq_len", seq_len)
+        check_int("data.batch_size", batch_size)
+        check_float("data.val_fraction", val_fraction, 0.0, 1.0, lo_open=True, hi_open=True)
         if max_bytes is not None and max_bytes < 2 * (seq_len + 1):
             raise ValueError(f"data.max_bytes ({max_bytes}) is too small for data.seq_len={seq_len}")
         self.path = path

@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from easgd_lightning.utils.checks import is_int, is_number
+
 __all__ = ["FT_KEYS", "FT_STRATEGIES", "FT_NATIVE", "check_ft", "lighthouse_address", "rejoins_natively"]
 
 #: keys of ``ft=torchft`` (conf/ft/torchft.yaml)
@@ -59,14 +61,6 @@ def rejoins_natively(cfg: Any) -> bool:
     (:data:`FT_NATIVE`, with a dedicated server)."""
     st = cfg.strategy
     return st.get("name") in FT_NATIVE and st.get("server", "dedicated") == "dedicated"
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def check_ft(cfg: Any, world: int) -> None:
@@ -149,21 +143,21 @@ def _check_common(ft: Any, workers: int, quorum: bool = True) -> None:
     from easgd_lightning.cli.build import ConfigError
 
     mr = ft.get("min_replicas", 1)
-    if not _is_int(mr) or not 1 <= mr <= workers:
+    if not is_int(mr) or not 1 <= mr <= workers:
         raise ConfigError(f"ft.min_replicas: must be an integer in [1, {workers}] (the workers), got {mr!r}")
     if quorum and mr == workers > 1:  # torchft: a joiner is not a participant of the exchange it heals in
         raise ConfigError(f"ft.min_replicas={mr}: with every worker required a restarted worker could never rejoin "
                           f"(it contributes nothing to the exchange it rejoins in); use at most {workers - 1}")
     replica = ft.get("replica_id")
-    if replica is not None and not (_is_int(replica) and 0 <= replica < workers):
+    if replica is not None and not (is_int(replica) and 0 <= replica < workers):
         raise ConfigError(f"ft.replica_id: must be null or an integer in [0, {workers - 1}] (the workers), got {replica!r}")
     restarts = ft.get("max_restarts", 3)
-    if not _is_int(restarts) or restarts < 0:
+    if not is_int(restarts) or restarts < 0:
         raise ConfigError(f"ft.max_restarts: must be an integer >= 0, got {restarts!r}")
     for key, default in (("quorum_timeout_s", 60), ("collective_timeout_s", 10), ("heartbeat_timeout_s", 2),
                          ("join_timeout_s", 10)):
         value = ft.get(key, default)
-        if not _is_number(value) or not value > 0:
+        if not is_number(value) or not value > 0:
             raise ConfigError(f"ft.{key}: must be a number of seconds > 0, got {value!r}")
     if ft.get("heartbeat_timeout_s", 2) >= ft.get("quorum_timeout_s", 60):
         raise ConfigError(f"ft.heartbeat_timeout_s: must be < ft.quorum_timeout_s ({ft.get('quorum_timeout_s', 60)}), "

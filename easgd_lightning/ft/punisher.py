@@ -20,6 +20,8 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+from easgd_lightning.utils.checks import check_positive
+
 __all__ = ["Punisher"]
 
 
@@ -27,9 +29,7 @@ class Punisher:
     """When a kill is due and whom it falls on (no process handling here: pure)."""
 
     def __init__(self, every_s: float, seed: int) -> None:
-        if not every_s > 0:
-            raise ValueError(f"faults.kill_every_s: must be a number of seconds > 0, got {every_s!r}")
-        self.every_s = float(every_s)
+        self.every_s = check_positive("faults.kill_every_s", every_s, unit="seconds")
         self.rng = random.Random(seed)
         self.next_at: float | None = None  # set once every worker has joined
         self.kills: list[dict] = []  # {"rank", "t"} per kill sent

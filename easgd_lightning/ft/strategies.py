@@ -229,7 +229,7 @@ class FTSyncEASGDStrategy(_FTMixin, SyncEASGDStrategy):
 
     def _ft_init(self, ctx: FTContext) -> None:
         super()._ft_init(ctx)
-        self._overlap = False
+        self.overlap = False
 
     def _validate_world(self, world_size: int) -> None:
         self._resolve_moving_rate(self._ft_world())  # alpha for the configured workers
@@ -240,7 +240,7 @@ class FTSyncEASGDStrategy(_FTMixin, SyncEASGDStrategy):
         return out
 
     def _exchange_step(self, take_step: Callable[..., Any], optimizer: Optimizer) -> Any:
-        if not elastic.is_exchange_step(self._local_steps, self._tau):
+        if not elastic.is_exchange_step(self._local_steps, self.tau):
             return take_step()
         out = self._step_forming_difference(take_step)
         diff = self._diff

@@ -43,7 +43,8 @@ from typing import Any
 
 import torch
 
-from easgd_lightning.compat.torchft import quorum_id, quorum_ranks
+from easgd_lightning.compat.torchft import quorum_id, quorum_pending, quorum_ranks
+from easgd_lightning.utils import stop
 from easgd_lightning.utils.atomic import atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,7 @@ class FTContext:
 
         # the replica group's store (torchft's Manager and Lightning's one-rank group use it)
         self.store = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=self.timeout_s), wait_for_workers=False)
+        self.quorum_pending = False  # set by FTSession.shutdown
 
     def barrier_initial_workers(self) -> None:
         """First start only: wait (bounded by ``ft.quorum_timeout_s``) until every initial
@@ -212,6 +214,22 @@ def prepare(cfg: Any, run_dir: str) -> FTContext:
         cfg.logger.name = "none"
     _CURRENT = ctx
     return ctx
+
+
+def leave_if_quorum_pending(code: int) -> None:
+    """End this worker now with ``code`` (exit handlers run, streams flushed) when its torchft
+    session shut down with a quorum request pending: the thread inside it would hold the
+    interpreter's exit for up to ``ft.quorum_timeout_s``. Returns otherwise."""
+    if _CURRENT is None or not _CURRENT.quorum_pending:
+        return
+    import atexit
+    import sys
+
+    log.info("ft: leaving without waiting for the pending quorum request")
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code & 0xFF)
 
 
 def current() -> FTContext | None:
@@ -337,11 +355,7 @@ class FTSession:
         m = self.manager
         for _ in range(MAX_TRIES):
             t0 = time.time()
-            m.start_quorum()
-            try:
-                m.wait_quorum()
-            except Exception as err:
-                raise RuntimeError(f"ft=torchft: no quorum from the lighthouse at {self.ctx.lighthouse}: {err}") from err
+            self._quorum(m.start_quorum, m.wait_quorum)
             healing = not m.is_participating()
             n = m.num_participants()
             self._check_peer(n, healing)
@@ -380,6 +394,23 @@ class FTSession:
                         step, m.errored())
         raise RuntimeError(f"ft=torchft: the exchange at step {step} was not committed in {MAX_TRIES} quorums")
 
+    def _quorum(self, *calls: Callable[[], Any]) -> None:
+        """Run the quorum calls (start, wait); a stop signal (SIGTERM...) ends the wait at once
+        -- the peers got it too and are leaving, no quorum would come -- as the step-boundary
+        stop does (``SIGTERMException``), instead of after the stop grace.
+
+        Raises:
+            RuntimeError: the quorum failed (e.g. the lighthouse is gone).
+        """
+        from pytorch_lightning.utilities.exceptions import SIGTERMException
+
+        with stop.interruptible(SIGTERMException):
+            try:
+                for call in calls:
+                    call()
+            except Exception as err:
+                raise RuntimeError(f"ft=torchft: no quorum from the lighthouse at {self.ctx.lighthouse}: {err}") from err
+
     def _heal_again(self) -> None:
         """A joiner's exchange that nobody committed: torchft has loaded its peer's state
         (before the vote) and set its step to the peer's, so the next quorum would not heal it
@@ -394,10 +425,7 @@ class FTSession:
         backward run; synchronous: it is formed, and a joiner holds its peer's state, when
         this returns)."""
         self._step, self._step_t0, self._step_noted, self._loaded_now = step, time.time(), False, False
-        try:
-            self.manager.start_quorum()
-        except Exception as err:  # a synchronous quorum waits for the lighthouse here
-            raise RuntimeError(f"ft=torchft: no quorum from the lighthouse at {self.ctx.lighthouse}: {err}") from err
+        self._quorum(self.manager.start_quorum)  # a synchronous quorum waits for the lighthouse here
 
     def group(self):
         """This step's quorum as a group for :mod:`easgd_lightning.comm.ops` (the compressed
@@ -408,10 +436,7 @@ class FTSession:
 
     def _note_step_quorum(self) -> tuple[int, bool]:
         m = self.manager
-        try:
-            m.wait_quorum()
-        except Exception as err:
-            raise RuntimeError(f"ft=torchft: no quorum from the lighthouse at {self.ctx.lighthouse}: {err}") from err
+        self._quorum(m.wait_quorum)
         n, healing = m.num_participants(), not m.is_participating()
         self._check_peer(n, healing)
         if not self._step_noted:
@@ -475,6 +500,10 @@ class FTSession:
         }
 
     def shutdown(self) -> None:
+        # a quorum request still inside a call to the lighthouse (gone, or peers that left)
+        # returns only after ft.quorum_timeout_s: the interpreter's exit would wait for its
+        # thread, so this worker leaves without joining it (leave_if_quorum_pending)
+        self.ctx.quorum_pending = quorum_pending(self.manager)
         try:
             self.manager.shutdown(wait=False)
         except Exception:  # pragma: no cover - shutting down must not fail a finished run

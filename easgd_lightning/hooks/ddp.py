@@ -14,6 +14,15 @@ calls :func:`register_compression_hook` itself, so the hook runs on CPU/gloo as 
   future. The first ``warmup_steps`` iterations are dense (DDP rebuilds its buckets after
   the first iteration, like PyTorch's PowerSGD ``start_powerSGD_iter``); compressor and
   residual state is keyed by parameter name, so it survives the rebuild.
+* A 16-bit cast (``fp16``, ``bf16``) without residuals or a plan (and not under
+  ``ft=torchft``, whose steps commit around a synchronous exchange) runs
+  :func:`cast_allreduce_hook` instead, asynchronous as the dense hook (PyTorch's
+  ``fp16_compress_hook``): per bucket, the tensors of ``min_numel`` elements or more are cast
+  (after the division by the world size) into one 16-bit message, the smaller ones travel
+  in one fp32 message, both all-reduces run behind the rest of backward and the bucket is
+  written back when they complete; the same numbers as the synchronous path. This is the
+  dense 16-bit baseline of the benchmarks (issue 29): with the synchronous hook every bucket
+  would wait for its exchange before backward goes on, and no DDP overlap would be left.
 
 * With ``allreduce="switch"`` (``comm.allreduce: switch``), the dense hook sums each bucket
   through the emulated in-network aggregator of :mod:`easgd_lightning.comm.switch`
@@ -30,7 +39,7 @@ Metering (kind ``data_parallel``): ``bytes_sent`` is the real payload (indices, 
 scales, factors, length headers), ``dense_bytes`` the bucket bytes.
 
 Exposed time (the part of communication the training loop waited for): the compressed
-hook is synchronous, so all its time is exposed. The dense hook's bucket all-reduces run
+hook is synchronous, so all its time is exposed. The dense and the cast hooks' bucket all-reduces run
 behind the rest of backward; its exposed time is the time from the end of the backward
 computation to the completion of every bucket of that backward. It is measured by an
 autograd-engine callback queued at the first bucket: the engine runs it once the
@@ -47,6 +56,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from easgd_lightning.comm import ops
+from easgd_lightning.comm.managed import ManagedGroup
 from easgd_lightning.hooks import planner
 from easgd_lightning.hooks._exchange import ExchangeStats, exchange_tensors
 from easgd_lightning.hooks.collective import ProcessGroupCollective
@@ -55,6 +65,7 @@ from easgd_lightning.hooks.compressors.none import NoneCompressor
 from easgd_lightning.hooks.memory import Memory, NoMemory, ResidualMemory, make_memory
 from easgd_lightning.utils.atomic import atomic_write_json
 from easgd_lightning.utils.checkpoint import from_plain, to_plain
+from easgd_lightning.utils.checks import check_choice, check_int
 
 __all__ = [
     "check_allreduce",
@@ -62,6 +73,8 @@ __all__ = [
     "CompressionHookState",
     "dense_allreduce_hook",
     "compressed_allreduce_hook",
+    "CastHookState",
+    "cast_allreduce_hook",
     "register_compression_hook",
 ]
 
@@ -185,16 +198,14 @@ class CompressionHookState:
         param_specs: list | None = None,
         plan_dir: str | None = None,
     ) -> None:
-        if isinstance(warmup_steps, bool) or int(warmup_steps) != warmup_steps or warmup_steps < 0:
-            raise ValueError(f"hook warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+        warmup_steps = check_int("hook warmup_steps", warmup_steps, 0)
         self.compressor = compressor
         self.memory = memory if memory is not None else make_memory(compressor)
         self.group = group
         self.kind = kind
-        self.warmup_steps = int(warmup_steps)
-        if min_numel is not None and (isinstance(min_numel, bool) or int(min_numel) < 0):
-            raise ValueError(f"compression.min_numel must be an integer >= 0, got {min_numel!r}")
-        self.min_numel = compressor.min_numel if min_numel is None else int(min_numel)
+        self.warmup_steps = warmup_steps
+        min_numel = check_int("compression.min_numel", min_numel, 0, nullable=True)
+        self.min_numel = compressor.min_numel if min_numel is None else min_numel
         self.auto_observe = auto_observe
         self.plan = getattr(compressor, "plan", "none") if plan is None else plan
         self.replan_steps = getattr(compressor, "replan_steps", 0) if replan_steps is None else replan_steps
@@ -380,6 +391,116 @@ def compressed_allreduce_hook(
     return fut
 
 
+class CastHookState(CompressionHookState):
+    """State of :func:`cast_allreduce_hook`: :class:`CompressionHookState`'s options and
+    statistics, plus the bucket futures of the running backward (exposed time, as
+    :class:`DenseHookState`)."""
+
+    __slots__ = ("_inflight",)
+
+    def __init__(self, compressor: Compressor, *args, **kwargs) -> None:
+        super().__init__(compressor, *args, **kwargs)
+        self._inflight: list[torch.futures.Future] | None = None
+
+    _wait_inflight = DenseHookState._wait_inflight
+
+
+def casts_whole_tensors(compressor: Compressor, memory: Memory, plan: str | None, group=None) -> bool:
+    """Whether ``compressor`` runs as :func:`cast_allreduce_hook`: a 16-bit cast
+    (``wire_dtype``, one all-reduce, :class:`~easgd_lightning.hooks.compressors.fp16.
+    FP16Compressor` and ``bf16``) with no residual memory and no SeCoPa plan, over a plain
+    process group (under ``ft=torchft``'s quorum, a ``ManagedGroup``, the step is committed
+    or rolled back around a synchronous exchange: the compressed hook stays)."""
+    planned = (getattr(compressor, "plan", "none") if plan is None else plan) != "none"
+    return (
+        getattr(compressor, "wire_dtype", None) is not None
+        and isinstance(memory, NoMemory)
+        and not planned
+        and not isinstance(group, ManagedGroup)
+    )
+
+
+def _segments(sizes: list[int], keep) -> list[tuple[int, int]]:
+    """(offset, length) in the bucket of every tensor whose size ``keep(size)`` accepts."""
+    out, offset = [], 0
+    for n in sizes:
+        if keep(n):
+            out.append((offset, n))
+        offset += n
+    return out
+
+
+def _gather(buf: torch.Tensor, segments: list[tuple[int, int]], dtype: torch.dtype) -> torch.Tensor:
+    """The ``segments`` of ``buf`` in one new tensor of ``dtype`` (a cast copy)."""
+    out = torch.empty(sum(n for _, n in segments), dtype=dtype, device=buf.device)
+    pos = 0
+    for offset, n in segments:
+        out[pos : pos + n].copy_(buf[offset : offset + n])
+        pos += n
+    return out
+
+
+def _scatter(buf: torch.Tensor, segments: list[tuple[int, int]], summed: torch.Tensor) -> None:
+    """Inverse of :func:`_gather`: write ``summed`` back into ``buf``'s segments."""
+    pos = 0
+    for offset, n in segments:
+        buf[offset : offset + n].copy_(summed[pos : pos + n])
+        pos += n
+
+
+def cast_allreduce_hook(
+    state: CastHookState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket with 16-bit values on the wire, without waiting (module docstring).
+
+    Rule (per tensor, as :class:`~easgd_lightning.hooks.compressors.fp16.FP16Compressor`):
+    mean = float(sum_i half(g_i / p)) for tensors of ``min_numel`` elements or more, the
+    fp32 mean for the others; the first ``warmup_steps`` iterations are all fp32.
+    """
+    state.calls += 1
+    start = time.perf_counter()
+    buf = bucket.buffer()
+    buf.div_(state.world_size)
+    if state.iteration < state.warmup_steps:
+        state.dense_calls += 1
+        parts = [(_segments([buf.numel()], lambda n: True), buf.dtype)]
+    else:
+        state.compressed_calls += 1
+        sizes = [g.numel() for g in bucket.gradients()]
+        wire = state.compressor.wire_dtype
+        parts = [
+            (_segments(sizes, lambda n: n < state.min_numel), buf.dtype),
+            (_segments(sizes, lambda n: n >= state.min_numel), wire),
+        ]
+        state.totals.dense_tensors += len(parts[0][0])
+        state.totals.compressed_tensors += len(parts[1][0])
+    sent = [(segs, _gather(buf, segs, dtype)) for segs, dtype in parts if segs]
+    futs = [
+        ops.all_reduce_async(msg, kind=state.kind, group=state.group,
+                             dense_bytes=msg.numel() * buf.element_size())
+        for _, msg in sent
+    ]
+    stats = state.totals
+    stats.bytes_sent += sum(m.numel() * m.element_size() for _, m in sent)
+    stats.dense_bytes += buf.numel() * buf.element_size()
+    stats.codec_time_s += time.perf_counter() - start
+
+    def write_back(_) -> torch.Tensor:
+        for (segs, _msg), fut in zip(sent, futs):
+            _scatter(buf, segs, fut.value()[0])
+        stats.comm_time_s += time.perf_counter() - start
+        return buf
+
+    done = torch.futures.collect_all(futs).then(write_back)
+    if state._inflight is None:  # first bucket of this backward
+        state._inflight = []
+        torch.autograd.Variable._execution_engine.queue_callback(state._wait_inflight)
+    state._inflight.append(done)
+    if bucket.is_last():
+        state.iteration += 1
+    return done
+
+
 def _param_names(model: torch.nn.Module) -> dict[int, str]:
     inner = getattr(model, "module", model)
     return {id(p): name for name, p in inner.named_parameters()}
@@ -389,10 +510,8 @@ def check_allreduce(allreduce: str, aggregator: str, compressor) -> None:
     """``comm.allreduce`` / ``comm.aggregator`` values; ValueError naming the key."""
     from easgd_lightning.comm.layout import AGGREGATORS, ALLREDUCES
 
-    if allreduce not in ALLREDUCES:
-        raise ValueError(f"comm.allreduce must be one of {list(ALLREDUCES)}, got {allreduce!r}")
-    if aggregator not in AGGREGATORS:
-        raise ValueError(f"comm.aggregator must be one of {list(AGGREGATORS)}, got {aggregator!r}")
+    check_choice("comm.allreduce", allreduce, ALLREDUCES)
+    check_choice("comm.aggregator", aggregator, AGGREGATORS)
     if allreduce == "switch" and not (compressor is None or isinstance(compressor, NoneCompressor)):
         raise ValueError(
             "comm.allreduce=switch sums dense gradients; it needs compression=none, got "
@@ -474,7 +593,10 @@ def register_compression_hook(
         memory = ResidualMemory() if memory else NoMemory()
     if isinstance(memory, ResidualMemory) and not compressor.allows_memory:
         raise ValueError(compressor.memory_error())
-    state = CompressionHookState(
+    if memory is None:
+        memory = make_memory(compressor)
+    cast = casts_whole_tensors(compressor, memory, plan, group)
+    state = (CastHookState if cast else CompressionHookState)(
         compressor,
         memory,
         group=group,
@@ -490,5 +612,5 @@ def register_compression_hook(
         param_specs=_param_specs(model),
         plan_dir=plan_dir,
     )
-    model.register_comm_hook(state, compressed_allreduce_hook)
+    model.register_comm_hook(state, cast_allreduce_hook if cast else compressed_allreduce_hook)
     return state

@@ -20,6 +20,7 @@ import torch
 
 from easgd_lightning.hooks.compressors._native import add_into
 from easgd_lightning.hooks.compressors.base import offer_residual, take_residual_written
+from easgd_lightning.utils.checks import check_float
 
 __all__ = ["Memory", "ResidualMemory", "NoMemory", "make_memory"]
 
@@ -61,9 +62,7 @@ class ResidualMemory(Memory):
     """
 
     def __init__(self, decay: float = 1.0) -> None:
-        if not 0.0 <= float(decay) <= 1.0:
-            raise ValueError(f"compression.memory_decay must be in [0, 1], got {decay!r}")
-        self.decay = float(decay)
+        self.decay = check_float("compression.memory_decay", decay, 0.0, 1.0)
         self.residuals: dict = {}
         self._spare: dict = {}  # key -> buffer the next compensate writes p into
         self._pending: dict = {}  # key -> the p handed out by compensate, until update

@@ -57,6 +57,7 @@ from easgd_lightning.hooks.collective import ProcessGroupCollective
 from easgd_lightning.hooks.compressors.base import Compressor, Payload
 from easgd_lightning.hooks.compressors.powersgd import PowerSGDCompressor, low_rank_product
 from easgd_lightning.hooks.memory import NoMemory, ResidualMemory
+from easgd_lightning.utils.checks import check_bool, check_int
 
 __all__ = [
     "OptimusCCConfig",
@@ -105,14 +106,9 @@ class OptimusCCConfig:
 
     def __post_init__(self) -> None:
         for key in _TECHNIQUES:
-            if not isinstance(getattr(self, key), bool):
-                raise ValueError(
-                    f"compression.{key} must be true or false, got {getattr(self, key)!r}"
-                )
+            check_bool(f"compression.{key}", getattr(self, key))
         for key in ("rank", "dp_rank"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"compression.{key} must be a positive integer, got {value!r}")
+            check_int(f"compression.{key}", getattr(self, key))
         sel = self.selective_stages
         if isinstance(sel, str):
             if sel not in ("auto", "all", "none"):

@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from easgd_lightning.comm import ops
+from easgd_lightning.utils.checks import check_choice, check_int
 
 __all__ = [
     "PLANS",
@@ -273,11 +274,9 @@ def make_plan(
 
 def check_plan_options(plan, replan_steps, max_partitions) -> None:
     """``compression.plan`` / ``replan_steps`` / ``max_partitions``; ValueError naming the key."""
-    if plan not in PLANS:
-        raise ValueError(f"compression.plan must be one of {list(PLANS)}, got {plan!r}")
-    for key, value, low in (("replan_steps", replan_steps, 0), ("max_partitions", max_partitions, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"compression.{key} must be an integer >= {low}, got {value!r}")
+    check_choice("compression.plan", plan, PLANS)
+    check_int("compression.replan_steps", replan_steps, 0)
+    check_int("compression.max_partitions", max_partitions, 1)
 
 
 # ----------------------------------------------------------------------------- measurement

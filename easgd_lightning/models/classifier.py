@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from easgd_lightning.utils.checks import check_positive
+
 __all__ = ["ClassifierModule", "SCHEDULES", "OPTIMIZERS"]
 
 SCHEDULES = ("constant", "cosine", "step", "multistep")
@@ -67,8 +69,7 @@ class ClassifierModule(pl.LightningModule):
         if schedule not in SCHEDULES:
             raise ValueError(f"optim.schedule={schedule!r}; choose one of {', '.join(SCHEDULES)}")
         for key, value in (("warmup_epochs", warmup_epochs), ("step_size_epochs", step_size_epochs)):
-            if value is not None and value < 0:
-                raise ValueError(f"optim.{key} must be >= 0, got {value}")
+            check_positive(f"optim.{key}", value, allow_zero=True, nullable=True)
         if schedule == "multistep" and milestones is None and milestone_epochs is None:
             raise ValueError("optim.schedule=multistep needs optim.milestones or optim.milestone_epochs")
         self.net = net

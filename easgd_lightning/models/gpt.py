@@ -37,6 +37,7 @@ from easgd_lightning.parallel.tensor_parallel import (
     TensorParallelContext,
     VocabParallelEmbedding,
 )
+from easgd_lightning.utils.checks import check_float, check_int, check_positive
 
 __all__ = [
     "GPTConfig",
@@ -87,16 +88,14 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
-            if int(getattr(self, key)) < 1:
-                raise ValueError(f"model.{key} must be >= 1, got {getattr(self, key)}")
+            check_int(f"model.{key}", getattr(self, key))
         if self.d_model % self.n_head != 0:
             raise ValueError(
                 f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})"
             )
         if self.d_ff is None:
             self.d_ff = 4 * self.d_model
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        check_float("model.dropout", self.dropout, 0.0, 1.0, hi_open=True)
 
     def padded_vocab(self, tp: int = 1) -> int:
         """Vocabulary rounded up to a multiple of ``tp`` (Megatron pads the same way)."""
@@ -329,8 +328,7 @@ class GPTLightningModule(pl.LightningModule):
             raise ValueError(f"optim.optimizer={optimizer!r}; choose one of adamw, sgd")
         if schedule not in ("constant", "cosine"):
             raise ValueError(f"optim.schedule={schedule!r}; choose one of constant, cosine")
-        if lr <= 0:
-            raise ValueError(f"optim.lr must be > 0, got {lr}")
+        check_positive("optim.lr", lr)
         self.cfg = config if isinstance(config, GPTConfig) else GPTConfig(**dict(config or {}))
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
         self.warmup_steps, self.schedule, self.total_steps = warmup_steps, schedule, total_steps

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from easgd_lightning.utils.checks import check_int
+
 __all__ = ["Layout", "validate_layout"]
 
 
@@ -18,12 +20,6 @@ class Layout:
     @property
     def world_size(self) -> int:
         return self.pp * self.tp * self.dp
-
-
-def _positive_int(value: object, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{key} must be a positive integer, got {value!r}")
-    return value
 
 
 def validate_layout(
@@ -55,27 +51,27 @@ def validate_layout(
     Raises:
         ValueError: naming the offending keys and what would fix them.
     """
-    pp = _positive_int(pp, "strategy.pp")
-    tp = _positive_int(tp, "strategy.tp")
-    dp = _positive_int(dp, "strategy.dp")
-    world_size = _positive_int(world_size, "world size (trainer.devices * trainer.num_nodes)")
+    pp = check_int("strategy.pp", pp)
+    tp = check_int("strategy.tp", tp)
+    dp = check_int("strategy.dp", dp)
+    world_size = check_int("world size (trainer.devices * trainer.num_nodes)", world_size)
     if pp * tp * dp != world_size:
         raise ValueError(
             f"strategy.pp * strategy.tp * strategy.dp = {pp} * {tp} * {dp} = {pp * tp * dp} "
             f"must equal the world size {world_size} (trainer.devices * trainer.num_nodes)"
         )
-    if n_layers is not None and pp > _positive_int(n_layers, "model.n_layer"):
+    if n_layers is not None and pp > check_int("model.n_layer", n_layers):
         raise ValueError(
             f"strategy.pp ({pp}) is larger than model.n_layer ({n_layers}): every pipeline "
             f"stage needs at least one transformer block"
         )
-    if n_heads is not None and _positive_int(n_heads, "model.n_head") % tp != 0:
+    if n_heads is not None and check_int("model.n_head", n_heads) % tp != 0:
         raise ValueError(
             f"strategy.tp ({tp}) must divide model.n_head ({n_heads}); allowed tp values: "
             f"{[d for d in range(1, n_heads + 1) if n_heads % d == 0]}"
         )
-    if d_model is not None and _positive_int(d_model, "model.d_model") % tp != 0:
+    if d_model is not None and check_int("model.d_model", d_model) % tp != 0:
         raise ValueError(f"strategy.tp ({tp}) must divide model.d_model ({d_model})")
     if micro_batches is not None:
-        _positive_int(micro_batches, "strategy.micro_batches")
+        check_int("strategy.micro_batches", micro_batches)
     return Layout(pp=pp, tp=tp, dp=dp)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from easgd_lightning.comm import ops
+from easgd_lightning.utils.checks import check_int
 
 __all__ = [
     "TensorParallelContext",
@@ -69,8 +70,7 @@ class TensorParallelContext:
     group: Any = None
 
     def __post_init__(self) -> None:
-        if self.size < 1:
-            raise ValueError(f"strategy.tp must be >= 1, got {self.size}")
+        check_int("strategy.tp", self.size)
         if not 0 <= self.rank < self.size:
             raise ValueError(f"tensor-parallel rank {self.rank} outside [0, {self.size})")
 

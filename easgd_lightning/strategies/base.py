@@ -51,6 +51,7 @@ from easgd_lightning.hooks.elastic import bind_exchange_compressor, check_exchan
 from easgd_lightning.strategies import elastic
 from easgd_lightning.strategies.registry import reject_unknown_kwargs
 from easgd_lightning.utils.checkpoint import check_saved_world_size, from_plain, to_plain
+from easgd_lightning.utils.checks import check_float, check_positive
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ __all__ = [
     "CenterStrategy",
     "flatten",
     "unflatten_into",
-    "check_positive_int",
+    "check_moving_rate",
     "check_one_optimizer",
     "comm_layout_for",
     "open_comm",
@@ -95,10 +96,14 @@ def _then(closure: Callable[[], Any], after: Callable[[], None]) -> Callable[[],
     return wrapped
 
 
-def check_positive_int(key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{key} must be a positive integer, got {value!r}")
-    return value
+def check_moving_rate(alpha: Any, beta: Any, rho: Any) -> None:
+    """``strategy.alpha`` and ``strategy.beta`` in (0, 1), ``strategy.rho`` > 0, each where
+    given (None: not given; :func:`elastic.resolve_alpha` says which one counts)."""
+    for key, value in (("strategy.alpha", alpha), ("strategy.beta", beta)):
+        if value is not None:
+            check_float(key, value, 0.0, 1.0, lo_open=True, hi_open=True)
+    if rho is not None:
+        check_positive("strategy.rho", rho)
 
 
 def comm_layout_for(strategy: Any, comm: Any, compression: Any) -> CommLayout:
@@ -270,11 +275,7 @@ class CenterStrategy(DDPStrategy):
 
     def _set_moving_rate_options(self, alpha: float | None, beta: float | None, rho: float | None) -> None:
         """Store and range-check the moving-rate options (exactly one may be given)."""
-        for key, value in (("alpha", alpha), ("beta", beta)):
-            if value is not None and not 0.0 < float(value) < 1.0:
-                raise ValueError(f"strategy.{key} must be in (0, 1), got {value}")
-        if rho is not None and float(rho) <= 0:
-            raise ValueError(f"strategy.rho must be > 0, got {rho}")
+        check_moving_rate(alpha, beta, rho)
         self._alpha_opt, self._beta_opt, self._rho_opt = alpha, beta, rho
         self._alpha: float | None = None
 

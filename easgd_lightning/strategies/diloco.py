@@ -73,8 +73,16 @@ from typing_extensions import override
 
 from easgd_lightning.hooks.elastic import PendingSum, start_exchange_sum
 from easgd_lightning.strategies import elastic
-from easgd_lightning.strategies.base import CenterStrategy, check_positive_int
+from easgd_lightning.strategies.base import CenterStrategy
 from easgd_lightning.strategies.registry import register_strategy
+from easgd_lightning.utils.checks import (
+    check_bool,
+    check_choice,
+    check_float,
+    check_int,
+    check_momentum,
+    is_int,
+)
 
 __all__ = [
     "DiLoCoStrategy",
@@ -168,17 +176,6 @@ def fragment_to_prepare(step: int, tau: int, fragments: int, delay: int) -> int 
     return fragment_to_sync(step + delay, tau, fragments)
 
 
-def _check_float(key: str, value: Any, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> float:
-    ok_type = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if ok_type and math.isfinite(value):
-        above = value > lo if lo_open else value >= lo
-        below = value < hi if hi_open else value <= hi
-        if above and below:
-            return float(value)
-    left, right = "(" if lo_open else "[", ")" if hi_open else "]"
-    raise ValueError(f"strategy.{key} must be a number in {left}{lo:g}, {hi:g}{right}, got {value!r}")
-
-
 def validate_diloco_options(
     tau: Any,
     outer: Any,
@@ -194,16 +191,14 @@ def validate_diloco_options(
     Raises:
         ValueError: one line naming the key and what is allowed.
     """
-    tau = check_positive_int("strategy.tau", tau)
-    if outer not in OUTER_RULES:
-        raise ValueError(f"strategy.outer={outer!r} is unknown; choose one of {', '.join(OUTER_RULES)}")
-    outer_lr = _check_float("outer_lr", outer_lr, 0.0, math.inf, lo_open=True, hi_open=True)
-    outer_momentum = _check_float("outer_momentum", outer_momentum, 0.0, 1.0, hi_open=True)
-    if not isinstance(outer_nesterov, bool):
-        raise ValueError(f"strategy.outer_nesterov must be true or false, got {outer_nesterov!r}")
+    tau = check_int("strategy.tau", tau)
+    check_choice("strategy.outer", outer, OUTER_RULES)
+    outer_lr = check_float("strategy.outer_lr", outer_lr, 0.0, math.inf, lo_open=True, hi_open=True)
+    outer_momentum = check_momentum("strategy.outer_momentum", outer_momentum)
+    check_bool("strategy.outer_nesterov", outer_nesterov)
     if outer_nesterov and outer_momentum == 0 and outer == "nesterov":
         outer_nesterov = False  # Nesterov without momentum is plain SGD
-    fragments = check_positive_int("strategy.fragments", fragments)
+    fragments = check_int("strategy.fragments", fragments)
     if tau % fragments:
         raise ValueError(
             f"strategy.tau={tau} must be a multiple of strategy.fragments={fragments} "
@@ -211,11 +206,11 @@ def validate_diloco_options(
         )
     slot = tau // fragments
     delay = fragment_sync_delay
-    if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay < slot:
+    if not is_int(delay) or not 0 <= delay < slot:
         raise ValueError(
             f"strategy.fragment_sync_delay must be an integer in [0, tau / fragments = {slot}), got {delay!r}"
         )
-    alpha = _check_float("fragment_update_alpha", fragment_update_alpha, 0.0, 1.0)
+    alpha = check_float("strategy.fragment_update_alpha", fragment_update_alpha, 0.0, 1.0)
     return {
         "tau": tau,
         "outer": outer,
@@ -291,7 +286,7 @@ class DiLoCoStrategy(CenterStrategy):
         if alpha is not None and outer != "elastic":
             raise ValueError(f"strategy.alpha applies to strategy.outer=elastic only, got outer={outer}")
         if alpha is not None:
-            _check_float("alpha", alpha, 0.0, 1.0, lo_open=True, hi_open=True)
+            check_float("strategy.alpha", alpha, 0.0, 1.0, lo_open=True, hi_open=True)
         self._alpha_opt = alpha
         self._alpha: float | None = None
         self._memory = memory

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from easgd_lightning.utils.checks import check_float, check_positive
+
 __all__ = [
     "resolve_alpha",
     "is_exchange_step",
@@ -50,21 +52,18 @@ def resolve_alpha(
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
     if rho is not None:
-        if rho <= 0:
-            raise ValueError(f"strategy.rho must be > 0, got {rho}")
+        check_positive("strategy.rho", rho)
         if lr is None:
             raise ValueError("strategy.rho needs the optimizer's learning rate (alpha = lr * rho)")
         a = float(lr) * float(rho)
     elif beta is not None:
-        if not 0.0 < beta < 1.0:
-            raise ValueError(f"strategy.beta must be in (0, 1), got {beta}")
+        check_float("strategy.beta", beta, 0.0, 1.0, lo_open=True, hi_open=True)
         a = float(beta) / world_size
     elif alpha is not None:
         a = float(alpha)
     else:
         a = 0.9 / world_size
-    if not 0.0 < a < 1.0:
-        raise ValueError(f"strategy.alpha must be in (0, 1), got {a}")
+    check_float("strategy.alpha", a, 0.0, 1.0, lo_open=True, hi_open=True)
     if world_size * a >= 1.0:
         raise ValueError(
             f"strategy.alpha: beta = world_size * alpha must be < 1 for a stable center, "

@@ -75,6 +75,7 @@ from easgd_lightning.comm import ops
 from easgd_lightning.hooks.elastic import exchange_sum
 from easgd_lightning.strategies.base import CenterStrategy
 from easgd_lightning.strategies.registry import register_strategy
+from easgd_lightning.utils.checks import check_bool, check_choice, check_float, check_int, is_number
 from easgd_lightning.utils.renames import accepts_renamed
 
 log = logging.getLogger(__name__)
@@ -198,36 +199,23 @@ def validate_local_sgd_options(
         ValueError: naming the key and the allowed values.
     """
 
-    def _pos_int(key: str, value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"strategy.{key} must be an integer >= 1, got {value!r}")
-        return value
-
-    tau = _pos_int("tau", tau)
-    if tau_rule not in PERIOD_RULES:
-        raise ValueError(
-            f"strategy.tau_rule={tau_rule!r} is unknown; choose one of {', '.join(PERIOD_RULES)}"
-        )
-    tau_base = tau if tau_base is None else _pos_int("tau_base", tau_base)
+    tau = check_int("strategy.tau", tau)
+    check_choice("strategy.tau_rule", tau_rule, PERIOD_RULES)
+    tau_base = tau if tau_base is None else check_int("strategy.tau_base", tau_base)
     gamma = qsr_coefficient
     if tau_rule == "qsr":
-        if gamma is None or isinstance(gamma, bool) or not isinstance(gamma, (int, float)):
-            raise ValueError(
-                f"strategy.qsr_coefficient must be a number > 0 with strategy.tau_rule=qsr, got {gamma!r}"
-            )
-        if not gamma > 0 or not math.isfinite(gamma):
+        if gamma == 0 and is_number(gamma):
             raise ValueError(
                 f"strategy.qsr_coefficient must be > 0 with strategy.tau_rule=qsr, got {gamma!r} "
                 "(0 is a constant period: use strategy.tau_rule=constant)"
             )
-    elif gamma is not None and (
-        isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or gamma < 0
-    ):
-        raise ValueError(f"strategy.qsr_coefficient must be a number >= 0, got {gamma!r}")
-    if qsr_warmup_steps is not None and (
-        isinstance(qsr_warmup_steps, bool) or not isinstance(qsr_warmup_steps, int) or qsr_warmup_steps < 0
-    ):
-        raise ValueError(f"strategy.qsr_warmup_steps must be an integer >= 0, got {qsr_warmup_steps!r}")
+        try:
+            check_float("strategy.qsr_coefficient", gamma, 0.0, math.inf, lo_open=True, hi_open=True)
+        except ValueError as err:
+            raise ValueError(f"{err} (needed by strategy.tau_rule=qsr)") from None
+    else:
+        check_float("strategy.qsr_coefficient", gamma, 0.0, nullable=True)
+    check_int("strategy.qsr_warmup_steps", qsr_warmup_steps, 0, nullable=True)
     return tau, tau_rule, tau_base, float(gamma or 0.0), qsr_warmup_steps
 
 
@@ -275,17 +263,16 @@ class LocalSGDStrategy(CenterStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(compression=compression, **kwargs)
-        (self._period, self._period_rule, self._h_base, self._gamma, self._warmup_opt) = (
+        (self.tau, self.tau_rule, self.tau_base, self.qsr_coefficient, self.qsr_warmup_steps) = (
             validate_local_sgd_options(tau, tau_rule, tau_base, qsr_coefficient, qsr_warmup_steps)
         )
-        if not isinstance(cocod, bool):
-            raise ValueError(f"strategy.cocod must be true or false, got {cocod!r}")
+        check_bool("strategy.cocod", cocod)
         if cocod and compression is not None:
             raise ValueError(
                 "strategy.cocod=true needs compression=none (the compressed exchange is "
                 "blocking, so there is nothing to overlap)"
             )
-        self._overlap = cocod
+        self.cocod = cocod
         self._memory = memory
         self._compress_state: dict = {}
         # round state
@@ -306,14 +293,6 @@ class LocalSGDStrategy(CenterStrategy):
 
     # ------------------------------------------------------------------ properties
     @property
-    def tau_rule(self) -> str:
-        return self._period_rule
-
-    @property
-    def cocod(self) -> bool:
-        return self._overlap
-
-    @property
     def taus(self) -> list[int]:
         """The H of every round started so far, in order."""
         return list(self._periods)
@@ -321,8 +300,8 @@ class LocalSGDStrategy(CenterStrategy):
     # ------------------------------------------------------------------ set-up
     def _warmup_steps(self) -> int:
         if self._warmup is None:
-            if self._warmup_opt is not None:
-                self._warmup = self._warmup_opt
+            if self.qsr_warmup_steps is not None:
+                self._warmup = self.qsr_warmup_steps
             else:
                 hp = getattr(self.lightning_module, "hparams", {}) or {}
                 self._warmup = int(hp.get("warmup_steps", 0) or 0)
@@ -339,11 +318,11 @@ class LocalSGDStrategy(CenterStrategy):
     # ------------------------------------------------------------------ rounds
     def _next_period(self, optimizer: Optimizer, steps_done: int) -> int:
         """H for the round that starts after ``steps_done`` optimizer steps."""
-        if self._period_rule == "constant":
-            return self._period
+        if self.tau_rule == "constant":
+            return self.tau
         return qsr_period(
-            self._h_base,
-            self._gamma,
+            self.tau_base,
+            self.qsr_coefficient,
             self._optimizer_lr(optimizer),
             self._total_steps() - steps_done,
             warmup=steps_done < self._warmup_steps(),
@@ -378,7 +357,7 @@ class LocalSGDStrategy(CenterStrategy):
 
     def _end_round(self) -> None:
         tensors = self._elastic_tensors()
-        if self._overlap:
+        if self.cocod:
             self._overlap_boundary(tensors)
         else:
             self._average(tensors)
@@ -506,11 +485,11 @@ class LocalSGDStrategy(CenterStrategy):
     @override
     def summary_extras(self) -> dict:
         return {
-            "tau_rule": self._period_rule,
-            "tau": self._period,
-            "tau_base": self._h_base,
-            "qsr_coefficient": self._gamma,
-            "cocod": self._overlap,
+            "tau_rule": self.tau_rule,
+            "tau": self.tau,
+            "tau_base": self.tau_base,
+            "qsr_coefficient": self.qsr_coefficient,
+            "cocod": self.cocod,
             "rounds": self._rounds,
             "taus": list(self._periods),
             "comm": self._comm.as_dict(),

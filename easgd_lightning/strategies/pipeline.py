@@ -59,6 +59,7 @@ from easgd_lightning.utils.checkpoint import (
     save_checkpoint_file,
     to_plain,
 )
+from easgd_lightning.utils.checks import check_int, check_positive
 
 __all__ = ["Pipeline3DStrategy", "split_micro_batches", "resolve_optimus"]
 
@@ -173,19 +174,16 @@ class Pipeline3DStrategy(DDPStrategy):
         reject_unknown_kwargs(self, kwargs, DDPStrategy)  # the engine, not DDP, runs the model
         kwargs.setdefault("process_group_backend", None)
         super().__init__(**kwargs)
-        for key, value in (("strategy.pp", pp), ("strategy.tp", tp),
-                           ("strategy.micro_batches", micro_batches)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{key} must be a positive integer, got {value!r}")
-        if dp is not None and (isinstance(dp, bool) or not isinstance(dp, int) or dp < 1):
-            raise ValueError(f"strategy.dp must be a positive integer or null, got {dp!r}")
-        if gradient_clipping < 0:
-            raise ValueError(f"strategy.gradient_clipping must be >= 0, got {gradient_clipping}")
-        self._pp, self._tp, self._dp = pp, tp, dp
-        self._micro_batches = micro_batches
+        for key, value in (("strategy.pp", pp), ("strategy.tp", tp), ("strategy.micro_batches", micro_batches)):
+            check_int(key, value)
+        check_int("strategy.dp", dp, nullable=True)
+        self.pp, self.tp, self.dp = pp, tp, dp
+        self.micro_batches = micro_batches
         self._optimus = resolve_optimus(compression)
-        self._gradient_clipping = float(gradient_clipping)
-        self._activation_checkpoint_interval = int(activation_checkpoint_interval)
+        self.gradient_clipping = check_positive("strategy.gradient_clipping", gradient_clipping, allow_zero=True)
+        self.activation_checkpoint_interval = check_int(
+            "strategy.activation_checkpoint_interval", activation_checkpoint_interval, 0
+        )
         self._shape = {"n_layer": n_layer, "n_head": n_head, "d_model": d_model}
         self._ds_extra = dict(deepspeed_config or {})
         self._topology: Any = None
@@ -215,22 +213,22 @@ class Pipeline3DStrategy(DDPStrategy):
 
     def validate_world_size(self, world_size: int) -> None:
         """Check ``pp * tp * dp == world_size`` and the model shape (before processes start)."""
-        dp = self._dp if self._dp is not None else max(1, world_size // (self._pp * self._tp))
+        dp = self.dp if self.dp is not None else max(1, world_size // (self.pp * self.tp))
         validate_layout(
-            self._pp, self._tp, dp, world_size,
+            self.pp, self.tp, dp, world_size,
             n_layers=self._shape["n_layer"], n_heads=self._shape["n_head"],
-            d_model=self._shape["d_model"], micro_batches=self._micro_batches,
+            d_model=self._shape["d_model"], micro_batches=self.micro_batches,
         )
 
     @property
     def layout(self) -> dict[str, int]:
         """``{"pp", "tp", "dp"}`` once the world size is known."""
-        return {"pp": self._pp, "tp": self._tp, "dp": self._resolved_dp()}
+        return {"pp": self.pp, "tp": self.tp, "dp": self._resolved_dp()}
 
     def _resolved_dp(self) -> int:
-        if self._dp is not None:
-            return self._dp
-        return max(1, self.world_size // (self._pp * self._tp))
+        if self.dp is not None:
+            return self.dp
+        return max(1, self.world_size // (self.pp * self.tp))
 
     @property
     def engine(self) -> Any:
@@ -253,15 +251,15 @@ class Pipeline3DStrategy(DDPStrategy):
         ops.close_process_group_at_exit()
         dp = self._resolved_dp()
         validate_layout(
-            self._pp, self._tp, dp, self.world_size,
+            self.pp, self.tp, dp, self.world_size,
             n_layers=self._shape["n_layer"], n_heads=self._shape["n_head"],
-            d_model=self._shape["d_model"], micro_batches=self._micro_batches,
+            d_model=self._shape["d_model"], micro_batches=self.micro_batches,
         )
         if self._topology is None:
             from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
             self._topology = PipeModelDataParallelTopology(
-                num_pp=self._pp, num_mp=self._tp, num_dp=dp
+                num_pp=self.pp, num_mp=self.tp, num_dp=dp
             )
 
     @property
@@ -317,12 +315,12 @@ class Pipeline3DStrategy(DDPStrategy):
             )
         shape = dict(getattr(module, "pipeline_shape", lambda: {})() or {})
         validate_layout(
-            self._pp, self._tp, self._resolved_dp(), self.world_size,
+            self.pp, self.tp, self._resolved_dp(), self.world_size,
             n_layers=shape.get("n_layer"), n_heads=shape.get("n_head"),
-            d_model=shape.get("d_model"), micro_batches=self._micro_batches,
+            d_model=shape.get("d_model"), micro_batches=self.micro_batches,
         )
         pipe = module.configure_pipeline(
-            self._topology, activation_checkpoint_interval=self._activation_checkpoint_interval
+            self._topology, activation_checkpoint_interval=self.activation_checkpoint_interval
         )
         optimizer = None
         if fitting:
@@ -334,16 +332,16 @@ class Pipeline3DStrategy(DDPStrategy):
                 )
             optimizer = self.optimizers[0]
         batch_size = getattr(trainer.datamodule, "batch_size", None) if trainer.datamodule else None
-        if batch_size is not None and batch_size % self._micro_batches != 0:
+        if batch_size is not None and batch_size % self.micro_batches != 0:
             raise ValueError(
                 f"data.batch_size ({batch_size}) must be a multiple of strategy.micro_batches "
-                f"({self._micro_batches})"
+                f"({self.micro_batches})"
             )
-        micro_batch_size = (batch_size or self._micro_batches) // self._micro_batches
-        clip = self._gradient_clipping or float(trainer.gradient_clip_val or 0.0)
+        micro_batch_size = (batch_size or self.micro_batches) // self.micro_batches
+        clip = self.gradient_clipping or float(trainer.gradient_clip_val or 0.0)
         config = deepspeed_config(
             micro_batch_size=micro_batch_size,
-            micro_batches=self._micro_batches,
+            micro_batches=self.micro_batches,
             dp=self._resolved_dp(),
             gradient_clipping=clip,
             extra=self._ds_extra,
@@ -355,7 +353,7 @@ class Pipeline3DStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         batch = args[0] if args else kwargs["batch"]
-        chunks = split_micro_batches(batch, self._micro_batches)
+        chunks = split_micro_batches(batch, self.micro_batches)
         loss = self._engine.train_batch(iter(chunks))
         self.local_steps += 1
         self._recent_losses = (self._recent_losses + [float(loss)])[-10:]
@@ -378,7 +376,7 @@ class Pipeline3DStrategy(DDPStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         batch = args[0] if args else kwargs["batch"]
-        chunks = split_micro_batches(batch, self._micro_batches)
+        chunks = split_micro_batches(batch, self.micro_batches)
         loss = self._engine.eval_batch(iter(chunks), num_micro_batches=len(chunks))
         self.lightning_module.log(
             "val/loss", loss, prog_bar=True, on_step=False, on_epoch=True, sync_dist=True,
@@ -426,7 +424,7 @@ class Pipeline3DStrategy(DDPStrategy):
         ops.barrier(kind="control")
         if self.is_global_zero:
             meta = {k: v for k, v in checkpoint.items() if k not in _SHARD_KEYS}
-            meta["pipeline_3d"] = {**self.layout, "micro_batches": self._micro_batches}
+            meta["pipeline_3d"] = {**self.layout, "micro_batches": self.micro_batches}
             save_checkpoint_file(meta, path / _META)
 
     @override
@@ -455,7 +453,7 @@ class Pipeline3DStrategy(DDPStrategy):
             )
         meta = load_checkpoint_file(path / _META)
         saved = meta.get("pipeline_3d", {})
-        now = {**self.layout, "micro_batches": self._micro_batches}
+        now = {**self.layout, "micro_batches": self.micro_batches}
         if any(saved.get(k) != now[k] for k in ("pp", "tp")):
             raise ValueError(
                 f"checkpoint {path} was written with strategy.pp={saved.get('pp')} "

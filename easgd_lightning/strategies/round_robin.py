@@ -27,8 +27,9 @@ from typing_extensions import override
 
 from easgd_lightning.comm import ops
 from easgd_lightning.strategies import elastic
-from easgd_lightning.strategies.base import CenterStrategy, check_positive_int
+from easgd_lightning.strategies.base import CenterStrategy
 from easgd_lightning.strategies.registry import register_strategy
+from easgd_lightning.utils.checks import check_int
 
 __all__ = ["RoundRobinEASGDStrategy"]
 
@@ -64,9 +65,9 @@ class RoundRobinEASGDStrategy(CenterStrategy):
                 "use compression=none (compressed elastic differences: sync_easgd, async_easgd, async_measgd)"
             )
         super().__init__(**kwargs)
-        self._tau = check_positive_int("strategy.tau", tau)
+        self.tau = check_int("strategy.tau", tau)
         self._set_moving_rate_options(alpha, beta, rho)
-        self._record_order = record_order
+        self.record_order = record_order
         # bounded: the most recent rounds are enough to inspect the order
         self.service_log: deque[tuple[int, int, float]] = deque(maxlen=_LOG_LEN)
         self.exchange_times: deque[tuple[int, float]] = deque(maxlen=_LOG_LEN)
@@ -84,13 +85,13 @@ class RoundRobinEASGDStrategy(CenterStrategy):
         """Master: apply one worker's elastic difference to the center and return it."""
         diff = elastic.elastic_difference(x, self._center, self._alpha)
         elastic.apply_center_update(self._center, diff)
-        if self._record_order:
+        if self.record_order:
             self.service_log.append((self._local_steps, rank, time.time()))
         return diff
 
     @override
     def _exchange_step(self, take_step: Callable[[], Any], optimizer: Optimizer) -> Any:
-        if not elastic.is_exchange_step(self._local_steps, self._tau):
+        if not elastic.is_exchange_step(self._local_steps, self.tau):
             return take_step()
         x = self._elastic_flat()  # the resident buffer: sent without a copy
         if self.global_rank == MASTER:
@@ -114,7 +115,7 @@ class RoundRobinEASGDStrategy(CenterStrategy):
     @override
     def summary_extras(self) -> dict:
         extras = {
-            "tau": self._tau,
+            "tau": self.tau,
             "alpha": self._alpha,
             "master_rank": MASTER,
             "exchange_times": list(self.exchange_times),

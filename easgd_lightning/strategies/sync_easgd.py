@@ -44,8 +44,9 @@ from typing_extensions import override
 
 from easgd_lightning.hooks.elastic import PendingSum, start_exchange_sum
 from easgd_lightning.strategies import elastic
-from easgd_lightning.strategies.base import CenterStrategy, check_positive_int
+from easgd_lightning.strategies.base import CenterStrategy
 from easgd_lightning.strategies.registry import register_strategy
+from easgd_lightning.utils.checks import check_bool, check_int
 
 __all__ = ["SyncEASGDStrategy"]
 
@@ -85,11 +86,9 @@ class SyncEASGDStrategy(CenterStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(compression=compression, **kwargs)
-        self._tau = check_positive_int("strategy.tau", tau)
+        self.tau = check_int("strategy.tau", tau)
         self._set_moving_rate_options(alpha, beta, rho)
-        if not isinstance(overlap, bool):
-            raise ValueError(f"strategy.overlap must be true or false, got {overlap!r}")
-        self._overlap = overlap
+        self.overlap = check_bool("strategy.overlap", overlap)
         self._memory = memory
         self._compress_state: dict = {}
         self._diff: torch.Tensor | None = None  # d, reused every exchange
@@ -98,16 +97,8 @@ class SyncEASGDStrategy(CenterStrategy):
         self._overlapped = 0  # exchanges still in flight when the next difference was formed
 
     @property
-    def tau(self) -> int:
-        return self._tau
-
-    @property
     def alpha(self) -> float | None:
         return self._alpha
-
-    @property
-    def overlap(self) -> bool:
-        return self._overlap
 
     @property
     def exchanges_overlapped(self) -> int:
@@ -120,7 +111,7 @@ class SyncEASGDStrategy(CenterStrategy):
 
     @override
     def _exchange_step(self, take_step: Callable[..., Any], optimizer: Optimizer) -> Any:
-        if not elastic.is_exchange_step(self._local_steps, self._tau):
+        if not elastic.is_exchange_step(self._local_steps, self.tau):
             return take_step()
         out = self._step_forming_difference(take_step)
         with torch.no_grad():
@@ -136,7 +127,7 @@ class SyncEASGDStrategy(CenterStrategy):
             shapes=[t.shape for t in self._elastic_tensors()],
             layout=self._comm,
         )
-        if not self._overlap:
+        if not self.overlap:
             self._complete_exchange()
         return out
 
@@ -188,10 +179,10 @@ class SyncEASGDStrategy(CenterStrategy):
     @override
     def summary_extras(self) -> dict:
         return {
-            "tau": self._tau,
+            "tau": self.tau,
             "alpha": self._alpha,
             "beta": (self._alpha or 0) * self.world_size,
-            "overlap": self._overlap,
+            "overlap": self.overlap,
             "exchanges_overlapped": self._overlapped,
             "comm": self._comm.as_dict(),
         }

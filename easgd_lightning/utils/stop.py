@@ -5,6 +5,11 @@ deadlock against ranks that never join, so here a signal is just recorded; the t
 loop acts on it at the next step boundary (``easgd_lightning.callbacks.SignalStop``).
 A hard deadline bounds the graceful stop: ``grace_s`` seconds after the first signal
 the process ends itself with ``os._exit(128 + signal)``, whatever it was doing.
+
+A wait that may never end when the peers stop (a fault-tolerant worker's quorum, whose
+peers got the same signal and left) runs inside :func:`interruptible`: there a stop
+signal also raises at once, ending the wait (a lock wait in the main thread is
+interrupted by a signal), instead of waiting out the grace.
 """
 
 from __future__ import annotations
@@ -12,12 +17,15 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
-__all__ = ["install_stop_handlers", "stop_signal", "request_stop", "exit_code_for", "grace_s", "STOP_SIGNALS"]
+__all__ = ["install_stop_handlers", "stop_signal", "request_stop", "exit_code_for", "grace_s", "interruptible",
+           "STOP_SIGNALS"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
-_state: dict = {"signal": None, "grace_s": 30.0, "timer": None}
+_state: dict = {"signal": None, "grace_s": 30.0, "timer": None, "raise": None}
 
 
 def grace_s() -> float:
@@ -51,6 +59,21 @@ def request_stop(signum: int) -> None:
 
 def _handler(signum, _frame) -> None:
     request_stop(signum)
+    if _state["raise"] is not None:  # inside interruptible(): end the wait now
+        raise _state["raise"]()
+
+
+@contextmanager
+def interruptible(error: Callable[[], BaseException]) -> Iterator[None]:
+    """Inside the block a stop signal raises ``error()`` in the main thread (besides setting
+    the flag); a stop requested before the block raises on entry. Not reentrant."""
+    if _state["signal"] is not None:
+        raise error()
+    _state["raise"] = error
+    try:
+        yield
+    finally:
+        _state["raise"] = None
 
 
 def install_stop_handlers(grace_s: float = 30.0) -> None:

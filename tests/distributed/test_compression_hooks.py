@@ -21,7 +21,7 @@ def _run(tmp_path: Path, world: int, scenarios: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
-    return _run(tmp_path_factory.mktemp("two"), 2, "aggregate,ddp,ddp_dgc,elastic,elastic_split,csc")
+    return _run(tmp_path_factory.mktemp("two"), 2, "aggregate,ddp,ddp_dgc,ddp_cast,elastic,elastic_split,csc")
 
 
 def _check_aggregate(ranks: list[dict]) -> None:
@@ -78,6 +78,24 @@ def test_ddp_hook_dgc_keeps_momentum_on_dense_tensors(two_ranks):
         res = rank["ddp_dgc"]
         assert max(res["err"]) < 1e-5, res
         assert max(res["momentum_effect"][1:]) > 1e-3, res  # not the plain gradient
+
+
+def test_ddp_bf16_fp16_run_as_the_overlapped_cast_hook(two_ranks):
+    """The dense 16-bit baselines of the benchmarks (issue 29): bf16 / fp16 in DDP run the
+    asynchronous cast hook, per bucket, with the sum of the ranks' 16-bit g / p for tensors
+    of >= min_numel elements (fp32 for the others and in the warm-up iteration), 2 bytes an
+    element on the wire; the hook returns while the peer has not launched its all-reduce."""
+    for rank in two_ranks:
+        res = rank["ddp_cast"]
+        for name in ("bf16", "fp16"):
+            rec = res[name]
+            assert "cast_allreduce_hook" in rec["hook"], rec["hook"]
+            assert max(rec["err"]) < 1e-6, (name, rec["err"])
+            assert rec["sent"] == rec["expected_sent"], (name, rec)
+            assert rec["stats"]["compressor"] == name and rec["stats"]["compressed_calls"] > 0
+            assert rec["stats"]["compressed_tensors"] == 2 * 2 and rec["stats"]["dense_tensors"] == 2 * 2
+        assert res["done_at_return"] is False
+        assert res["direct_err"] < 1e-6
 
 
 def test_elastic_exchange_sums_transmitted_and_keeps_residual(two_ranks):

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from bench import cluster
+from bench._scenarios import BEST_DENSE
 
 REPO = Path(__file__).resolve().parents[2]
 #: the harness, as the README runs it (from the repository root)
@@ -538,14 +539,15 @@ def test_only_configs_runs_exactly_the_rows_given() -> None:
 def test_plan_preset_compares_the_planner_with_everything_and_nothing() -> None:
     """``--scenario plan``: dense, then per codec (topk, csc) compress-everything and the
     SeCoPa planner (the same row plus compression.plan=secopa), on mixed layer widths;
-    each planned row judged against its compress-everything twin and ddp/none."""
+    each planned row judged against its compress-everything twin and the best dense row
+    (ddp/none, ddp/bf16, ddp/fp16: the dense 16-bit rows follow ddp/none and the limit)."""
     args = cluster._parser().parse_args(["--scenario", "plan"])
     plan = cluster.resolve_settings(args, cluster.SCENARIOS["plan"])
     rows = [(c.strategy, c.compression, c.overrides) for c in plan.configs]
     every = ("compression.min_numel=0",)
     csc = ("compression.chunk_size=1024", *every)
     assert rows == [
-        ("ddp", "none", ()), ("limit", "none", ()),
+        ("ddp", "none", ()), ("limit", "none", ()), ("ddp", "bf16", every), ("ddp", "fp16", every),
         ("ddp", "topk", every), ("ddp", "topk", (*every, "compression.plan=secopa")),
         ("ddp", "csc", csc), ("ddp", "csc", (*csc, "compression.plan=secopa")),
     ]
@@ -553,7 +555,9 @@ def test_plan_preset_compares_the_planner_with_everything_and_nothing() -> None:
     targets = cluster.SCENARIOS["plan"].targets
     assert len(targets) == 4 and all("compression.plan=secopa" in t.row for t in targets)
     labels = {cluster.BenchConfig(*r).label for r in rows}
-    assert {cluster.parse_configs(t.ref)[0].label for t in targets} <= labels
+    twins = [t for t in targets if t.ref != BEST_DENSE]
+    assert {cluster.parse_configs(t.ref)[0].label for t in twins} <= labels
+    assert len(twins) == 2  # the other two: against the best dense row, resolved per run
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import pytest
 
 from tests.helpers import REPO, compose, run_cli
 
-RECIPES = sorted(p.stem for p in (REPO / "easgd_lightning" / "conf" / "recipe" / "nlp3d").glob("*.yaml"))
+RECIPES = sorted(p.stem for p in (REPO / "recipes" / "nlp3d").glob("*.yaml"))
 
 
 def test_all_recipes_listed():
@@ -30,7 +30,7 @@ def test_recipe_composes_and_validates(name):
     assert cfg.strategy.pp * cfg.strategy.tp * cfg.strategy.dp == world
     assert cfg.data.batch_size % cfg.strategy.micro_batches == 0
     validate_config(cfg, hardware=False)  # layout and model shape checked without starting processes
-    text = (REPO / "easgd_lightning" / "conf" / "recipe" / "nlp3d" / f"{name}.yaml").read_text()
+    text = (REPO / "recipes" / "nlp3d" / f"{name}.yaml").read_text()
     assert "easgd-train" in text or "torchrun" in text  # each recipe says how to launch it
 
 

@@ -20,7 +20,7 @@ import yaml
 from tests.helpers import REPO, run_cli, train_summary
 from tests.helpers import compose as _compose
 
-RECIPE_DIR = REPO / "easgd_lightning" / "conf" / "recipe" / "imagenet"
+RECIPE_DIR = REPO / "recipes" / "imagenet"
 RECIPES = ["alexnet_gpu", "alexnet_knl", "googlenet_gpu", "googlenet_knl", "resnet50_gpu", "resnet50_knl"]
 #: trained through the CLI: each model once, gpu and knl (bf16-mixed / CPU precision) both
 TRAINED = ["alexnet_knl", "googlenet_gpu", "resnet50_knl"]

@@ -1,8 +1,9 @@
 """An installed ``easgd-train`` runs from any directory: nothing is read from the source tree.
 
-The test builds a wheel from a copy of the package sources, installs it (``--no-deps``) into
-a fresh venv made by this interpreter, and runs the venv's ``easgd-train`` console script
-from an empty directory with ``PYTHONPATH`` unset. Installing torch, Lightning and DeepSpeed
+The test builds a wheel from a copy of the package sources and the top-level config tree
+(``conf/``, ``recipes/``, mapped into the package by ``build_hooks.py``), installs it
+(``--no-deps``) into a fresh venv made by this interpreter, and runs the venv's
+``easgd-train`` console script from an empty directory with ``PYTHONPATH`` unset. Installing torch, Lightning and DeepSpeed
 from scratch would take minutes, so the venv sees them through a ``.pth`` file naming the
 site-packages of the interpreter running the tests (``sysconfig`` of ``sys.prefix``); a
 path added by a ``.pth`` file is no site directory, so the editable install of the source
@@ -57,10 +58,10 @@ def installed(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("wheel")
     src = root / "src"  # a copy, so the build writes nothing into the checkout
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "build_hooks.py", "MANIFEST.in"):
         shutil.copy2(REPO / name, src / name)
-    shutil.copytree(REPO / "easgd_lightning", src / "easgd_lightning",  # no library built in place
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so"))
+    for name in ("easgd_lightning", "hydra_plugins", "conf", "recipes"):  # no library built in place
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so"))
     dist = root / "dist"
     _ok(_run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
               "-q", "-w", dist, src], cwd=root))
@@ -80,23 +81,44 @@ def installed(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_wheel_holds_the_config_tree_and_the_recipes(installed):
+    """The top-level conf/ and recipes/ (their one source) are in the wheel, mapped at build time
+    to easgd_lightning/conf/ and easgd_lightning/conf/recipe/ (build_hooks.py)."""
     names = set(zipfile.ZipFile(installed["wheel"]).namelist())
-    shipped = {str(p.relative_to(REPO)) for p in (REPO / "easgd_lightning" / "conf").rglob("*")
-               if p.suffix in (".yaml", ".md")}
+    shipped = {f"easgd_lightning/{dest}/{p.relative_to(REPO / src)}"
+               for src, dest in (("conf", "conf"), ("recipes", "conf/recipe"))
+               for p in (REPO / src).rglob("*") if p.suffix in (".yaml", ".md", ".py")}
     assert "easgd_lightning/conf/train.yaml" in shipped
+    assert "easgd_lightning/conf/__init__.py" in shipped  # pkg:// needs it
     assert "easgd_lightning/conf/recipe/imagenet/alexnet_knl.yaml" in shipped
     assert "easgd_lightning/conf/recipe/nlp3d/gpt_tiny_pp2.yaml" in shipped
     assert shipped <= names, sorted(shipped - names)
+    assert not [n for n in names if n.startswith(("conf/", "recipes/", "build_hooks"))]
+
+
+#: from outside the checkout: where the installed package finds its tree, and a recipe of
+#: each family composed by the command-line checker (the tree as a directory)
+TREE_CHECK = """
+import easgd_lightning, hydra
+from easgd_lightning.config_tree import CONF_DIR, CONF_PATH, RECIPES_DIR
+from easgd_lightning.cli.overrides import compose_checked
+print(easgd_lightning.__file__, CONF_DIR, CONF_PATH, RECIPES_DIR, hydra.__file__)
+for recipe in ("imagenet/alexnet_knl", "nlp3d/gpt_tiny_pp2_dp2_optimus"):
+    cfg = compose_checked([f"recipe={recipe}"])
+    print(recipe, cfg.strategy.name, cfg.model.name, cfg.compression.name)
+"""
 
 
 def test_installed_package_and_config_tree_live_in_the_venv(installed, tmp_path):
-    code = ("import easgd_lightning, easgd_lightning.conf as c, hydra; "
-            "print(easgd_lightning.__file__); print(c.CONF_DIR); print(hydra.__file__)")
-    pkg, conf, hydra_file = _ok(_run([installed["python"], "-c", code], cwd=tmp_path)).stdout.split()
+    lines = _ok(_run([installed["python"], "-c", TREE_CHECK], cwd=tmp_path)).stdout.splitlines()
+    pkg, conf, config_path, recipes, hydra_file = lines[0].split()
     assert Path(pkg).is_relative_to(installed["site"]), pkg
     assert Path(conf) == installed["site"] / "easgd_lightning" / "conf"
+    assert config_path == "pkg://easgd_lightning.conf"
+    assert Path(recipes) == installed["site"] / "easgd_lightning" / "conf" / "recipe"
     assert not Path(conf).is_relative_to(REPO)
     assert not Path(hydra_file).is_relative_to(installed["venv"])  # dependencies: the .pth file
+    assert lines[1:] == ["imagenet/alexnet_knl sync_easgd alexnet none",
+                         "nlp3d/gpt_tiny_pp2_dp2_optimus pipeline_3d gpt optimus_cc"]
 
 
 def test_installed_easgd_train_runs_from_an_empty_directory(installed, tmp_path):
@@ -146,6 +168,7 @@ def test_installed_easgd_train_runs_from_an_empty_directory(installed, tmp_path)
     sources = yaml.safe_load((work / "run" / ".hydra" / "hydra.yaml").read_text())["hydra"]["runtime"]["config_sources"]
     paths = {s["provider"]: s["path"] for s in sources}
     assert paths["main"] == "easgd_lightning.conf" and paths.get("hydra.searchpath in command-line") == str(user)
+    assert "easgd-lightning recipes" not in paths  # the checkout's recipes plugin stays out of a wheel
 
 
 #: from outside the checkout: where the kernels come from, and two codecs whose kernels are

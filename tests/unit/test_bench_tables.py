@@ -82,3 +82,111 @@ def test_lowband_targets_read_bytes_to_target_and_the_largest_exchange():
     assert verdicts[(LOWBAND_4BIT, "100x vs ddp/none")] == ("PASS", pytest.approx(200.0))
     assert verdicts[(LOWBAND_STREAMING, "3x vs diloco/none")] == ("PASS", pytest.approx(1_129_512 / 328_704))
     assert verdicts[(LOWBAND_4BIT, "3x vs ddp/none")] == ("MISS", pytest.approx(2.0))
+
+
+def _spec_row(spec, status="ok", **figures):
+    strategy, rest = spec.split("/", 1)
+    compression, *overrides = rest.split(";")
+    return {"strategy": strategy, "compression": compression, "overrides": overrides, "status": status, **figures}
+
+
+def test_best_dense_is_the_fastest_completed_of_ddp_none_bf16_fp16():
+    """Issue 29: the reference is the least figure among the dense rows that completed;
+    rows that change the exchange (comm.*) or training (optim.*) are not baselines."""
+    from bench._scenarios import BF16_ROW, FP16_ROW
+    from bench._tables import best_dense, is_dense, row_spec
+
+    rows = [
+        _spec_row("ddp/none", step_time_s=0.30, time_to_target_s=40.0),
+        _spec_row(BF16_ROW, step_time_s=0.18, time_to_target_s=None),
+        _spec_row(FP16_ROW, step_time_s=0.20, time_to_target_s=25.0),
+        _spec_row("ddp/none;comm.hierarchy=node", step_time_s=0.05),  # the row under test
+        _spec_row("ddp/bf16;optim.momentum=0", step_time_s=0.01),
+        _spec_row("ddp/powersgd", step_time_s=0.02),
+    ]
+    assert [is_dense(r) for r in rows] == [True, True, True, False, False, False]
+    assert row_spec(best_dense(rows)) == BF16_ROW
+    assert row_spec(best_dense(rows, "time_to_target_s")) == FP16_ROW  # bf16 never got there
+    rows[1]["status"] = "failed (rc=[1, 1])"
+    assert row_spec(best_dense(rows)) == FP16_ROW
+    assert best_dense([rows[1], *rows[3:]]) is None
+
+
+def test_throughput_and_tta_tables_name_their_reference_and_keep_the_fp32_ratio():
+    from bench._scenarios import BF16_ROW, FP16_ROW
+    from bench._tables import finish_table
+
+    rows = [
+        _spec_row("ddp/none", step_time_s=0.40, samples_per_s=100.0),
+        _spec_row("limit/none", step_time_s=0.05, samples_per_s=800.0),
+        _spec_row(BF16_ROW, step_time_s=0.25, samples_per_s=160.0),
+        _spec_row(FP16_ROW, step_time_s=0.26, samples_per_s=155.0),
+        _spec_row("ddp/powersgd", step_time_s=0.10, samples_per_s=400.0),
+    ]
+    scenario = {
+        "name": "quick", "workers": 2, "steps": 20, "warmup_steps": 2, "workload": [], "extra": [],
+        "link": {"rate_mbit": 100.0, "latency_ms": 0.1, "latency_emulated": False},
+        "machine": {"cpus": 2, "platform": "linux"}, "date": "today", "command": "bench/cluster.py",
+    }
+    md = finish_table(rows, scenario, ())
+    assert scenario["reference"]["row"] == BF16_ROW
+    assert scenario["reference"]["candidates"] == {"ddp/none": 0.40, BF16_ROW: 0.25, FP16_ROW: 0.26}
+    assert f"- reference: {BF16_ROW} (best dense" in md
+    assert rows[4]["ratio"]["step_time_s"] == pytest.approx(0.10 / 0.25)
+    assert rows[4]["ratio"]["samples_per_s"] == pytest.approx(400.0 / 160.0)
+    assert rows[4]["x_vs_none"] == pytest.approx(0.10 / 0.40)
+    assert "| 0.40x | 0.25x |" in md  # powersgd: x against bf16, then x vs ddp/none
+    tta = [
+        _spec_row("ddp/none", time_to_target_s=40.0),
+        _spec_row(BF16_ROW, time_to_target_s=30.0),
+        _spec_row(FP16_ROW, time_to_target_s=32.0),
+        _spec_row("sync_easgd/topk", time_to_target_s=10.0),
+    ]
+    tta_scenario = dict(scenario, kind="tta", epochs=4, target_acc=0.95)
+    md = finish_table(tta, tta_scenario, ())
+    assert tta_scenario["reference"]["row"] == BF16_ROW and f"- reference: {BF16_ROW}" in md
+    assert tta[3]["speedup"] == pytest.approx(3.0) and tta[3]["speedup_vs_none"] == pytest.approx(4.0)
+
+
+def test_best_dense_targets_resolve_per_run_and_say_against_which_row():
+    """A target with ref BEST_DENSE (the presets' former ref="ddp/none") is judged against
+    the best dense row of that run, for its own figure, and names it."""
+    from bench._scenarios import BEST_DENSE, DGC_ROW, FP16_ROW, SCENARIOS, Target
+    from bench._tables import evaluate_targets
+
+    rows = [
+        _spec_row("ddp/none", step_time_s=0.40),
+        _spec_row(FP16_ROW, step_time_s=0.30),
+        _spec_row(DGC_ROW, step_time_s=0.125),
+    ]
+    (speed,) = [t for t in evaluate_targets(rows, SCENARIOS["default"].targets) if t["kind"] == "speedup"]
+    assert speed["ref"] == FP16_ROW and speed["short"] == "2x vs ddp/fp16"
+    assert speed["measured"] == pytest.approx(0.30 / 0.125) and speed["status"] == "PASS"
+    assert f"{FP16_ROW} ({BEST_DENSE})" in speed["target"]
+    # only ddp/none ran: the same verdict as before issue 29
+    (speed,) = [t for t in evaluate_targets([rows[0], rows[2]], SCENARIOS["default"].targets) if t["kind"] == "speedup"]
+    assert speed["short"] == "2x vs ddp/none" and speed["measured"] == pytest.approx(0.40 / 0.125)
+    # no dense row at all: n/a, not a ratio against something else
+    (speed,) = [t for t in evaluate_targets([rows[2]], SCENARIOS["default"].targets) if t["kind"] == "speedup"]
+    assert speed["status"] == f"n/a: {BEST_DENSE} not run" and speed["measured"] is None
+    # time to target: no dense row got there; the one that trained shortest bounds it
+    target = Target("sync_easgd/topk", "speedup", ">=", 2.0, ref=BEST_DENSE, figure="time_to_target_s")
+    tta = [
+        _spec_row("ddp/none", time_to_target_s=None, train_time_s=60.0),
+        _spec_row(FP16_ROW, time_to_target_s=None, train_time_s=30.0),
+        _spec_row("sync_easgd/topk", time_to_target_s=10.0),
+    ]
+    (got,) = evaluate_targets(tta, [target])
+    assert got["ref"] == FP16_ROW and got["status"].startswith("PASS") and "> 3.00x" in got["status"]
+
+
+def test_async_time_to_accuracy_names_the_best_dense_row():
+    from bench.async_time_to_accuracy import summarise
+
+    def run(t):
+        return [{"roles": ["worker"] * 3, "steps": [10], "time_to_target": t, "val_acc": 0.9, "bytes_sent": 1e6}]
+
+    md = summarise({"sync_easgd": run(8.0), "ddp": run(6.0), "ddp/bf16": run(4.0), "ddp/fp16": run(None),
+                    "async_easgd": run(2.0)}, 0.9)
+    assert "reference: ddp/bf16 (best dense: the soonest of ddp, ddp/bf16, ddp/fp16)" in md
+    assert "| async_easgd | 3 | [10] | 2.00 | 0.25 | 0.50 |" in md

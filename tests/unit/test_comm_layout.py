@@ -33,12 +33,12 @@ def test_fusion_threshold_is_mib() -> None:
 @pytest.mark.parametrize(
     "opts,message",
     [
-        ({"fusion_mb": -1}, "comm.fusion_mb: must be a number >= 0"),
-        ({"fusion_mb": "big"}, "comm.fusion_mb: must be a number >= 0"),
-        ({"hierarchy": "tree"}, "comm.hierarchy: 'tree' is unknown; choose one of flat, node"),
-        ({"procs_per_node": 0}, "comm.procs_per_node: must be an integer >= 1 or null"),
-        ({"allreduce": "tree"}, "comm.allreduce: 'tree' is unknown; choose one of ring, switch"),
-        ({"aggregator": "rank1"}, "comm.aggregator: 'rank1' is unknown; choose one of rank0, external"),
+        ({"fusion_mb": -1}, "comm.fusion_mb must be a number of MiB >= 0"),
+        ({"fusion_mb": "big"}, "comm.fusion_mb must be a number of MiB >= 0"),
+        ({"hierarchy": "tree"}, "comm.hierarchy must be one of ['flat', 'node'], got 'tree'"),
+        ({"procs_per_node": 0}, "comm.procs_per_node must be an integer >= 1 or null"),
+        ({"allreduce": "tree"}, "comm.allreduce must be one of ['ring', 'switch'], got 'tree'"),
+        ({"aggregator": "rank1"}, "comm.aggregator must be one of ['rank0', 'external'], got 'rank1'"),
         ({"allreduce": "switch", "hierarchy": "node"}, "comm.allreduce: switch sums every process's bucket itself"),
         ({"fusion": 1}, "comm.fusion: not a comm option; the options are fusion_mb, hierarchy, procs_per_node, allreduce, aggregator"),
     ],

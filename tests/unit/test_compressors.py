@@ -35,7 +35,7 @@ from easgd_lightning.hooks.compressors.sidco import (
 from easgd_lightning.hooks.compressors.sketch import build_sketch, peel_decode, sketch_hashes
 from tests.helpers import SoloCollective
 
-CONF = Path(__file__).resolve().parents[2] / "easgd_lightning" / "conf" / "compression"
+CONF = Path(__file__).resolve().parents[2] / "conf" / "compression"
 
 
 
@@ -642,7 +642,7 @@ def test_adaptive_measures_the_link_from_the_collective_it_is_handed(monkeypatch
 @pytest.mark.parametrize(
     "name,params,key",
     [
-        ("topk", {"ratio": 1.5}, "compression.ratio must be in (0, 1], got 1.5"),
+        ("topk", {"ratio": 1.5}, "compression.ratio must be a number in (0, 1], got 1.5"),
         ("topk", {"ratio": 0}, "compression.ratio"),
         ("randomk", {"ratio": -0.1}, "compression.ratio"),
         ("dgc", {"ratio": 2}, "compression.ratio"),

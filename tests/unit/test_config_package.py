@@ -13,7 +13,8 @@ import pytorch_lightning as pl
 from easgd_lightning.cli.build import ConfigError, validate_config
 from easgd_lightning.cli.overrides import check_command_line, compose_checked
 from easgd_lightning.cli.trainer_config import build_trainer, check_trainer_keys
-from easgd_lightning.conf import CONF_DIR, CONF_PACKAGE
+from easgd_lightning.config_tree import CONF_DIR, CONF_PATH, RECIPES_DIR, locate
+from hydra_plugins.easgd_lightning_recipes.source import checkout_recipes
 
 
 @pytest.fixture
@@ -25,12 +26,40 @@ def user_conf(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_config_tree_is_package_data() -> None:
-    package_dir = Path(__file__).resolve().parents[2] / "easgd_lightning"
-    assert Path(CONF_DIR) == package_dir / "conf"
+def test_a_checkout_reads_its_top_level_conf_and_recipes() -> None:
+    repo = Path(__file__).resolve().parents[2]
+    assert (Path(CONF_DIR), CONF_PATH, Path(RECIPES_DIR)) == (repo / "conf", str(repo / "conf"), repo / "recipes")
     assert (Path(CONF_DIR) / "train.yaml").is_file()
-    assert (Path(CONF_DIR) / "recipe" / "imagenet" / "alexnet_knl.yaml").is_file()
-    assert CONF_PACKAGE == "pkg://easgd_lightning.conf"
+    assert (Path(RECIPES_DIR) / "imagenet" / "alexnet_knl.yaml").is_file()
+    assert not list((repo / "easgd_lightning").rglob("*.yaml"))  # one source: no copy inside the package
+    assert checkout_recipes(f"file://{CONF_DIR}") == repo / "recipes"  # the plugin mounts them as recipe/
+    cfg = compose_checked(["recipe=imagenet/alexnet_knl"])
+    assert (cfg.strategy.name, cfg.model.name, cfg.data.name) == ("sync_easgd", "alexnet", "imagenet")
+
+
+def test_the_config_tree_is_located_by_the_package_directory(tmp_path: Path) -> None:
+    """The rule of ``locate``: the package's own conf/ (a wheel), else the checkout's."""
+    checkout, package = tmp_path / "checkout", tmp_path / "checkout" / "easgd_lightning"
+    (checkout / "conf").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match=r"^easgd-lightning's config tree is missing: neither .*$"):
+        locate(package)
+    (checkout / "conf" / "train.yaml").write_text("seed: 0\n")
+    assert locate(package) == (checkout / "conf", str(checkout / "conf"), checkout / "recipes")
+    (package / "conf").mkdir(parents=True)
+    (package / "conf" / "train.yaml").write_text("seed: 0\n")  # a wheel's layout wins
+    assert locate(package) == (package / "conf", "pkg://easgd_lightning.conf", package / "conf" / "recipe")
+
+
+def test_the_recipes_plugin_leaves_other_config_directories_alone(tmp_path: Path) -> None:
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "recipes").mkdir()
+    assert checkout_recipes(str(tmp_path / "conf")) is None  # no easgd_lightning/ beside it
+    (tmp_path / "easgd_lightning").mkdir()
+    (tmp_path / "easgd_lightning" / "config_tree.py").write_text("")
+    assert checkout_recipes(str(tmp_path / "conf")) == tmp_path / "recipes"
+    assert checkout_recipes(f"file://{tmp_path / 'conf'}") == tmp_path / "recipes"
+    assert checkout_recipes("pkg://easgd_lightning.conf") is None  # an installed wheel
+    assert checkout_recipes(str(tmp_path / "recipes")) is None
 
 
 def test_a_users_directory_adds_options_and_recipes(user_conf: Path) -> None:

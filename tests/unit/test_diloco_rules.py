@@ -74,8 +74,8 @@ def test_schedule_one_fragment_every_tau_over_f_steps_in_turn() -> None:
 @pytest.mark.parametrize(
     "change,message",
     [
-        ({"tau": 0}, "strategy.tau must be a positive integer"),
-        ({"outer": "adam"}, "strategy.outer='adam' is unknown; choose one of nesterov, average, elastic"),
+        ({"tau": 0}, "strategy.tau must be an integer >= 1"),
+        ({"outer": "adam"}, "strategy.outer must be one of ['nesterov', 'average', 'elastic'], got 'adam'"),
         ({"outer_lr": -1.0}, "strategy.outer_lr must be a number in (0, inf)"),
         ({"outer_lr": float("nan")}, "strategy.outer_lr must be a number in (0, inf)"),
         ({"outer_momentum": True}, "strategy.outer_momentum must be a number in [0, 1)"),

@@ -29,7 +29,7 @@ def test_tp_must_divide_heads():
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
 def test_degrees_must_be_positive_integers(bad):
-    with pytest.raises(ValueError, match="strategy.pp must be a positive integer"):
+    with pytest.raises(ValueError, match="strategy.pp must be an integer >= 1"):
         validate_layout(bad, 1, 1, 1)
 
 
@@ -44,7 +44,7 @@ def test_strategy_checks_layout_before_processes_start():
         Pipeline3DStrategy(pp=3, n_layer=2).validate_world_size(3)
     with pytest.raises(ValueError, match=r"strategy.tp \(3\) must divide model.n_head \(4\)"):
         Pipeline3DStrategy(tp=3, n_head=4).validate_world_size(3)
-    with pytest.raises(ValueError, match="strategy.micro_batches must be a positive integer"):
+    with pytest.raises(ValueError, match="strategy.micro_batches must be an integer >= 1"):
         Pipeline3DStrategy(micro_batches=0)
 
 

@@ -138,8 +138,8 @@ BAD += [
 # tests/e2e/test_cli_foundation.py and test_async_cli.py, and one CLI run each in
 # tests/e2e/test_compression_convergence.py)
 BAD += [
-    (["strategy=sync_easgd", "strategy.tau=0"], "strategy.tau", "a positive integer, got 0"),
-    (["strategy=easgd_round_robin", "strategy.tau=-2"], "strategy.tau", "a positive integer, got -2"),
+    (["strategy=sync_easgd", "strategy.tau=0"], "strategy.tau", "an integer >= 1, got 0"),
+    (["strategy=easgd_round_robin", "strategy.tau=-2"], "strategy.tau", "an integer >= 1, got -2"),
     (["strategy=sync_easgd", "strategy.alpha=1.5"], "strategy.alpha", "in (0, 1), got 1.5"),
     (["strategy=sync_easgd", "strategy.alpha=0"], "strategy.alpha", "in (0, 1), got 0"),
     (["strategy=sync_easgd", "strategy.alpha=0.7", "trainer.devices=2"], "strategy.alpha",
@@ -157,8 +157,8 @@ BAD += [
     (["launcher.start_method=forkserver"], "launcher.start_method", "choose one of auto, fork, spawn"),
     (["trainer.accelerator=gpu", "launcher.start_method=fork"], "launcher.start_method",
      "cannot start GPU ranks"),
-    (["strategy=async_easgd", "trainer.devices=4", "strategy.tau=0"], "strategy.tau", "a positive integer"),
-    (["strategy=hogwild_easgd", "strategy.tau=-1"], "strategy.tau", "a positive integer"),
+    (["strategy=async_easgd", "trainer.devices=4", "strategy.tau=0"], "strategy.tau", "an integer >= 1"),
+    (["strategy=hogwild_easgd", "strategy.tau=-1"], "strategy.tau", "an integer >= 1"),
     (["strategy=async_measgd", "trainer.devices=4", "strategy.momentum=1.0"], "strategy.momentum", "in [0, 1)"),
     (["strategy=async_msgd", "trainer.devices=4", "strategy.momentum=-0.5"], "strategy.momentum", "in [0, 1)"),
     (["strategy=hogwild_sgd", "strategy.momentum=1.2"], "strategy.momentum", "in [0, 1)"),
@@ -200,8 +200,8 @@ BAD += [
     (["strategy=local_sgd", "compression=sgc"], "compression=sgc", "use strategy=ddp with compression=sgc"),
     (["compression=powersgd", "compression.rank=0"], "compression.rank", "an integer >= 1, got 0"),
     # DiLoCo's options (strategies/diloco.py)
-    (["strategy=diloco", "strategy.tau=0"], "strategy.tau", "positive integer"),
-    (["strategy=diloco", "strategy.outer=adam"], "strategy.outer", "nesterov, average, elastic"),
+    (["strategy=diloco", "strategy.tau=0"], "strategy.tau", "an integer >= 1"),
+    (["strategy=diloco", "strategy.outer=adam"], "strategy.outer", "one of ['nesterov', 'average', 'elastic'], got 'adam'"),
     (["strategy=diloco", "strategy.outer_lr=0"], "strategy.outer_lr", "(0, inf)"),
     (["strategy=diloco", "strategy.outer_momentum=1.0"], "strategy.outer_momentum", "[0, 1)"),
     (["strategy=diloco", "strategy.outer_nesterov=maybe"], "strategy.outer_nesterov", "true or false"),

@@ -38,6 +38,7 @@ from easgd_lightning.hooks.compressors.sketch import SketchCompressor
 from easgd_lightning.hooks.compressors.sparse_gc import SparseGCCompressor
 from easgd_lightning.hooks.compressors.sparseloco import SparseLoCoCompressor
 from easgd_lightning.hooks.compressors.topk import TopKCompressor
+from easgd_lightning.utils.checks import check_bool
 from easgd_lightning.utils.renames import renamed_kwargs
 
 __all__ = [
@@ -204,9 +205,7 @@ def build_compressor(
 def _build(name: str | None, **params) -> Compressor:
     if name is None:
         name = "none"
-    two_way = params.pop("two_way", False)
-    if not isinstance(two_way, bool):
-        raise ValueError(f"compression.two_way must be true or false, got {two_way!r}")
+    two_way = check_bool("compression.two_way", params.pop("two_way", False))
     if two_way:
         from easgd_lightning.hooks.compressors.two_way import TwoWayCompressor
 

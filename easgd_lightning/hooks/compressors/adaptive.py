@@ -32,6 +32,7 @@ from easgd_lightning.hooks.compressors.base import (
     Payload,
     check_bool,
     check_int,
+    check_momentum,
     check_positive,
     check_ratio,
     index_dtype_for,
@@ -101,23 +102,20 @@ class AdaptiveCompressor(SparseCompressor):
         memory: bool | None = None,
     ) -> None:
         super().__init__(min_numel=min_numel, memory=memory)
-        self.budget = check_positive("budget", budget)
-        self.min_ratio = check_ratio("min_ratio", min_ratio)
-        self.max_ratio = check_ratio("max_ratio", max_ratio)
+        self.budget = check_positive("compression.budget", budget)
+        self.min_ratio = check_ratio("compression.min_ratio", min_ratio)
+        self.max_ratio = check_ratio("compression.max_ratio", max_ratio)
         if self.min_ratio > self.max_ratio:
             raise ValueError(
                 f"compression.min_ratio ({min_ratio}) must be <= compression.max_ratio ({max_ratio})"
             )
-        s = float(smoothing)
-        if not 0.0 <= s < 1.0:
-            raise ValueError(f"compression.smoothing must be in [0, 1), got {smoothing!r}")
-        self.smoothing = s
-        self.bandwidth = None if bandwidth is None else check_positive("bandwidth", bandwidth)
+        self.smoothing = check_momentum("compression.smoothing", smoothing)
+        self.bandwidth = None if bandwidth is None else check_positive("compression.bandwidth", bandwidth)
         self.compute_time = (
-            None if compute_time is None else check_positive("compute_time", compute_time)
+            None if compute_time is None else check_positive("compression.compute_time", compute_time)
         )
-        self.sample_size = check_int("sample_size", sample_size, 1)
-        self.exact = check_bool("exact", exact)
+        self.sample_size = check_int("compression.sample_size", sample_size, 1)
+        self.exact = check_bool("compression.exact", exact)
         self._bw: float | None = None
         self._ct: float | None = None
         self._numels: dict[int, int] = {}

@@ -57,6 +57,15 @@ from typing import ClassVar, Literal, Protocol
 
 import torch
 
+from easgd_lightning.utils.checks import (  # re-exported: the compressors' vocabulary
+    check_bool,
+    check_choice,
+    check_int,
+    check_momentum,
+    check_positive,
+    check_ratio,
+)
+
 __all__ = [
     "DEFAULT_MIN_NUMEL",
     "Payload",
@@ -222,10 +231,10 @@ class Compressor(ABC):
     worker_state: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, *, min_numel: int | None = None, memory: bool | None = None) -> None:
-        self.min_numel = DEFAULT_MIN_NUMEL if min_numel is None else check_int("min_numel", min_numel, 0)
+        self.min_numel = DEFAULT_MIN_NUMEL if min_numel is None else check_int("compression.min_numel", min_numel, 0)
         if memory is None:
             memory = self.default_memory
-        check_bool("memory", memory)
+        check_bool("compression.memory", memory)
         if memory and not self.allows_memory:
             raise ValueError(self.memory_error())
         self.memory = memory
@@ -476,64 +485,6 @@ def num_selected(numel: int, ratio: float) -> int:
         return 0
     k = math.ceil(ratio * numel - 1e-9)
     return max(1, min(numel, k))
-
-
-def check_ratio(key: str, value, *, allow_one: bool = True) -> float:
-    """``compression.<key>`` must be a number in (0, 1]; returns it as float."""
-    hi = "1]" if allow_one else "1)"
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"compression.{key} must be a number in (0, {hi}, got {value!r}") from None
-    if not (0.0 < v <= 1.0) or (not allow_one and v == 1.0) or math.isnan(v):
-        raise ValueError(f"compression.{key} must be in (0, {hi}, got {value!r}")
-    return v
-
-
-def check_momentum(key: str, value) -> float:
-    """``compression.<key>`` must be a momentum factor in [0, 1); returns it as float."""
-    try:
-        m = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"compression.{key} must be a number in [0, 1), got {value!r}") from None
-    if not 0.0 <= m < 1.0:
-        raise ValueError(f"compression.{key} must be in [0, 1), got {value!r}")
-    return m
-
-
-def check_int(key: str, value, minimum: int) -> int:
-    """``compression.<key>`` must be an integer >= ``minimum``; returns it."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
-        raise ValueError(f"compression.{key} must be an integer >= {minimum}, got {value!r}")
-    if int(value) < minimum:
-        raise ValueError(f"compression.{key} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def check_positive(key: str, value, *, allow_zero: bool = False) -> float:
-    """``compression.<key>`` must be a number > 0 (>= 0 with ``allow_zero``)."""
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        v = float("nan")
-    if math.isnan(v) or isinstance(value, bool) or v < 0 or (v == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"compression.{key} must be a number {bound}, got {value!r}")
-    return v
-
-
-def check_bool(key: str, value) -> bool:
-    """``compression.<key>`` must be true or false (a bool, not 0 / 1 or a string)."""
-    if not isinstance(value, bool):
-        raise ValueError(f"compression.{key} must be true or false, got {value!r}")
-    return value
-
-
-def check_choice(key: str, value, choices) -> str:
-    """``compression.<key>`` must be one of ``choices``."""
-    if value not in choices:
-        raise ValueError(f"compression.{key} must be one of {list(choices)}, got {value!r}")
-    return value
 
 
 def index_dtype_for(numel: int) -> torch.dtype:

@@ -75,8 +75,8 @@ class CSCCompressor(Compressor):
     def __init__(self, ratio: float = 0.1, *, chunk_size: int = 32768,
                  min_numel: int | None = None, memory: bool | None = None) -> None:
         super().__init__(min_numel=min_numel, memory=memory)
-        self.ratio = check_ratio("ratio", ratio)
-        self.chunk_size = check_int("chunk_size", chunk_size, 1)
+        self.ratio = check_ratio("compression.ratio", ratio)
+        self.chunk_size = check_int("compression.chunk_size", chunk_size, 1)
 
     # compress / decompress: one rank alone (its own top chunks); ``aggregate`` agrees the
     # selection across ranks first

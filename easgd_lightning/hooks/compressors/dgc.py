@@ -275,20 +275,20 @@ class DGCCompressor(SparseCompressor):
         memory: bool | None = None,
     ) -> None:
         super().__init__(min_numel=min_numel, memory=memory)
-        self.ratio = check_ratio("ratio", ratio)
-        self.momentum = check_momentum("momentum", momentum)
-        self.nesterov = check_bool("nesterov", nesterov)
-        self.clip_norm = None if clip_norm is None else check_positive("clip_norm", clip_norm)
+        self.ratio = check_ratio("compression.ratio", ratio)
+        self.momentum = check_momentum("compression.momentum", momentum)
+        self.nesterov = check_bool("compression.nesterov", nesterov)
+        self.clip_norm = None if clip_norm is None else check_positive("compression.clip_norm", clip_norm)
         self.warmup_ratios = tuple(
-            check_ratio("warmup_ratios[]", r) for r in (warmup_ratios or ())
+            check_ratio("compression.warmup_ratios[]", r) for r in (warmup_ratios or ())
         )
-        self.warmup_ratio_steps = check_int("warmup_ratio_steps", warmup_ratio_steps, 0)
+        self.warmup_ratio_steps = check_int("compression.warmup_ratio_steps", warmup_ratio_steps, 0)
         self.warmup_ratio_epochs = (
             None if warmup_ratio_epochs is None
-            else check_positive("warmup_ratio_epochs", warmup_ratio_epochs, allow_zero=True)
+            else check_positive("compression.warmup_ratio_epochs", warmup_ratio_epochs, allow_zero=True)
         )
-        self.sample_ratio = check_ratio("sample_ratio", sample_ratio)
-        self.max_rounds = check_int("max_rounds", max_rounds, 1)
+        self.sample_ratio = check_ratio("compression.sample_ratio", sample_ratio)
+        self.max_rounds = check_int("compression.max_rounds", max_rounds, 1)
         self._rule = SelectRule(self.sample_ratio, self.max_rounds)
         self._steps_per_epoch: int | None = None
         #: clipping and momentum correction apply (gradients); False under the elastic
@@ -361,7 +361,7 @@ class DGCCompressor(SparseCompressor):
 
     def set_steps_per_epoch(self, steps: int) -> None:
         """Turn ``warmup_ratio_epochs`` into steps (called by a strategy that knows the epoch size)."""
-        self._steps_per_epoch = check_int("steps_per_epoch", steps, 1)
+        self._steps_per_epoch = check_int("compression.steps_per_epoch", steps, 1)
 
     @property
     def total_warmup_steps(self) -> int:

@@ -269,9 +269,7 @@ class GCompCompressor(Compressor):
 
     def __init__(self, mantissa_bits: int = 7, *, min_numel: int | None = None, memory: bool | None = None) -> None:
         super().__init__(min_numel=min_numel, memory=memory)
-        self.mantissa_bits = check_int("mantissa_bits", mantissa_bits, 0)
-        if self.mantissa_bits > 52:
-            raise ValueError(f"compression.mantissa_bits must be an integer in [0, 52], got {mantissa_bits!r}")
+        self.mantissa_bits = check_int("compression.mantissa_bits", mantissa_bits, 0, 52)
 
     def compress(self, tensor: torch.Tensor, state: dict) -> Payload:
         flat = tensor.reshape(-1)

@@ -165,14 +165,14 @@ class LGCCompressor(Compressor):
         memory: bool | None = None,
     ) -> None:
         super().__init__(min_numel=min_numel, memory=memory)
-        self.ratio = check_ratio("ratio", ratio)
-        self.code_ratio = check_ratio("code_ratio", code_ratio)
-        self.coder_warmup_steps = check_int("coder_warmup_steps", coder_warmup_steps, 2)
-        self.max_error = check_positive("max_error", max_error)
-        self.style = check_choice("style", style, STYLES)
-        self.hidden = check_int("hidden", hidden, 1)
-        self.block = check_int("block", block, 1)
-        self.train_iters = check_int("train_iters", train_iters, 1)
+        self.ratio = check_ratio("compression.ratio", ratio)
+        self.code_ratio = check_ratio("compression.code_ratio", code_ratio)
+        self.coder_warmup_steps = check_int("compression.coder_warmup_steps", coder_warmup_steps, 2)
+        self.max_error = check_positive("compression.max_error", max_error)
+        self.style = check_choice("compression.style", style, STYLES)
+        self.hidden = check_int("compression.hidden", hidden, 1)
+        self.block = check_int("compression.block", block, 1)
+        self.train_iters = check_int("compression.train_iters", train_iters, 1)
         self.phase_steps = {1: 0, 2: 0}  # steps per phase, over all tensors
 
     def run_stats(self) -> dict:

@@ -153,10 +153,10 @@ class PowerSGDCompressor(Compressor):
         memory: bool | None = None,
     ) -> None:
         super().__init__(min_numel=min_numel, memory=memory)
-        self.rank = check_int("rank", rank, 1)
-        self.warm_start = check_bool("warm_start", warm_start)
-        self.seed = check_int("seed", seed, 0)
-        self.matrix_view = check_choice("matrix_view", matrix_view, MATRIX_VIEWS)
+        self.rank = check_int("compression.rank", rank, 1)
+        self.warm_start = check_bool("compression.warm_start", warm_start)
+        self.seed = check_int("compression.seed", seed, 0)
+        self.matrix_view = check_choice("compression.matrix_view", matrix_view, MATRIX_VIEWS)
 
     # ------------------------------------------------------------------ helpers
     def factor_shapes(self, shape: Sequence[int]) -> tuple[tuple[int, int], tuple[int, int]] | None:

@@ -324,12 +324,12 @@ class QSGDCompressor(Compressor):
         memory: bool | None = None,
     ) -> None:
         super().__init__(min_numel=min_numel, memory=memory)
-        self.levels = check_int("levels", levels, 1)
-        self.bucket_size = check_int("bucket_size", bucket_size, 0)
-        self.coding = check_choice("coding", coding, CODINGS)
+        self.levels = check_int("compression.levels", levels, 1)
+        self.bucket_size = check_int("compression.bucket_size", bucket_size, 0)
+        self.coding = check_choice("compression.coding", coding, CODINGS)
         self.width = level_width(self.levels)
         self._decode_scratch: dict = {}  # the unpacked int8 levels of the decode being run
-        self.seed = None if seed is None else check_int("seed", seed, 0)
+        self.seed = None if seed is None else check_int("compression.seed", seed, 0)
         self._stream_seed: int | None = self.seed
 
     def _noise_words(self, state: dict) -> tuple[int, int]:

@@ -115,9 +115,9 @@ class RandomKCompressor(Compressor):
         memory: bool | None = None,
     ) -> None:
         super().__init__(min_numel=min_numel, memory=memory)
-        self.ratio = check_ratio("ratio", ratio)
-        self.unbiased = check_bool("unbiased", unbiased)
-        self.seed = check_int("seed", seed, 0)
+        self.ratio = check_ratio("compression.ratio", ratio)
+        self.unbiased = check_bool("compression.unbiased", unbiased)
+        self.seed = check_int("compression.seed", seed, 0)
 
     def compress(self, tensor: torch.Tensor, state: dict) -> Payload:
         flat = tensor.reshape(-1)

@@ -193,11 +193,11 @@ class RedSyncCompressor(SparseCompressor):
         memory: bool | None = None,
     ) -> None:
         super().__init__(min_numel=min_numel, memory=memory)
-        self.ratio = check_ratio("ratio", ratio)
-        self.method = check_choice("method", method, METHODS)
-        self.bisect_min_numel = check_int("bisect_min_numel", bisect_min_numel, 0)
-        self.max_iters = check_int("max_iters", max_iters, 1)
-        self.reuse_steps = check_int("reuse_steps", reuse_steps, 1)
+        self.ratio = check_ratio("compression.ratio", ratio)
+        self.method = check_choice("compression.method", method, METHODS)
+        self.bisect_min_numel = check_int("compression.bisect_min_numel", bisect_min_numel, 0)
+        self.max_iters = check_int("compression.max_iters", max_iters, 1)
+        self.reuse_steps = check_int("compression.reuse_steps", reuse_steps, 1)
 
     def method_for(self, numel: int) -> str:
         """The variant used for a tensor of ``numel`` elements."""

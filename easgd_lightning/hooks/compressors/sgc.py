@@ -81,9 +81,9 @@ class SGCCompressor(Compressor):
         memory: bool | None = None,
     ) -> None:
         super().__init__(min_numel=min_numel, memory=memory)
-        self.threshold = check_ratio("threshold", threshold)
-        self.max_skip = check_int("max_skip", max_skip, 0)
-        self.sample_size = check_int("sample_size", sample_size, 1)
+        self.threshold = check_ratio("compression.threshold", threshold)
+        self.max_skip = check_int("compression.max_skip", max_skip, 0)
+        self.sample_size = check_int("compression.sample_size", sample_size, 1)
 
     def compress(self, tensor: torch.Tensor, state: dict) -> Payload:
         """The dense tensor (what an aggregation sends)."""

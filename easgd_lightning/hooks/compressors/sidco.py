@@ -286,13 +286,13 @@ class SIDCoCompressor(SparseCompressor):
         memory: bool | None = None,
     ) -> None:
         super().__init__(min_numel=min_numel, memory=memory)
-        self.ratio = check_ratio("ratio", ratio)
-        self.distribution = check_choice("distribution", distribution, DISTRIBUTIONS)
-        self.stages = check_int("stages", stages, 1)
-        self.first_stage_ratio = check_ratio("first_stage_ratio", first_stage_ratio, allow_one=False)
-        self.adapt_every = check_int("adapt_every", adapt_every, 0)
-        self.tolerance = check_positive("tolerance", tolerance)
-        self.sample_size = check_int("sample_size", sample_size, 0)
+        self.ratio = check_ratio("compression.ratio", ratio)
+        self.distribution = check_choice("compression.distribution", distribution, DISTRIBUTIONS)
+        self.stages = check_int("compression.stages", stages, 1)
+        self.first_stage_ratio = check_ratio("compression.first_stage_ratio", first_stage_ratio, allow_one=False)
+        self.adapt_every = check_int("compression.adapt_every", adapt_every, 0)
+        self.tolerance = check_positive("compression.tolerance", tolerance)
+        self.sample_size = check_int("compression.sample_size", sample_size, 0)
         self.max_stages = max_stages(self.ratio)
 
     def select(self, flat: torch.Tensor, state: dict) -> torch.Tensor:

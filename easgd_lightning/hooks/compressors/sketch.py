@@ -29,7 +29,6 @@ from easgd_lightning.hooks.compressors.base import (
     Compressor,
     Payload,
     check_int,
-    check_positive,
     check_ratio,
     pack_bits,
     run_rounds,
@@ -37,6 +36,7 @@ from easgd_lightning.hooks.compressors.base import (
     unpack_bits,
 )
 from easgd_lightning.hooks.compressors.topk import topk_indices
+from easgd_lightning.utils.checks import check_float
 
 __all__ = [
     "SketchCompressor",
@@ -174,13 +174,11 @@ class SketchCompressor(Compressor):
         memory: bool | None = None,
     ) -> None:
         super().__init__(min_numel=min_numel, memory=memory)
-        self.ratio = check_ratio("ratio", ratio)
-        self.rows = check_int("rows", rows, 1)
-        self.overhead = check_positive("overhead", overhead)
-        if self.overhead < 1.0:
-            raise ValueError(f"compression.overhead must be >= 1.0, got {overhead!r}")
-        self.seed = check_int("seed", seed, 0)
-        self.max_core = check_int("max_core", max_core, 0)
+        self.ratio = check_ratio("compression.ratio", ratio)
+        self.rows = check_int("compression.rows", rows, 1)
+        self.overhead = check_float("compression.overhead", overhead, 1.0)
+        self.seed = check_int("compression.seed", seed, 0)
+        self.max_core = check_int("compression.max_core", max_core, 0)
 
     def _width(self, union: int) -> int:
         return max(1, math.ceil(self.overhead * union / self.rows))

@@ -82,10 +82,10 @@ class SparseGCCompressor(SparseCompressor):
         memory: bool | None = None,
     ) -> None:
         super().__init__(min_numel=min_numel, memory=memory)
-        self.ratio = check_ratio("ratio", ratio)
-        self.momentum = check_momentum("momentum", momentum)
-        self.local_update = check_bool("local_update", local_update)
-        self.sample_ratio = check_ratio("sample_ratio", sample_ratio)
+        self.ratio = check_ratio("compression.ratio", ratio)
+        self.momentum = check_momentum("compression.momentum", momentum)
+        self.local_update = check_bool("compression.local_update", local_update)
+        self.sample_ratio = check_ratio("compression.sample_ratio", sample_ratio)
         self._rule = SelectRule(self.sample_ratio)
         self.gradient_mode = False
 

@@ -83,9 +83,9 @@ class TopKCompressor(SparseCompressor):
         memory: bool | None = None,
     ) -> None:
         super().__init__(min_numel=min_numel, memory=memory)
-        self.ratio = check_ratio("ratio", ratio)
-        self.sample_size = check_int("sample_size", sample_size, 1)
-        self.exact = check_bool("exact", exact)
+        self.ratio = check_ratio("compression.ratio", ratio)
+        self.sample_size = check_int("compression.sample_size", sample_size, 1)
+        self.exact = check_bool("compression.exact", exact)
 
     def select(self, flat: torch.Tensor, state: dict) -> torch.Tensor:
         return topk_indices(flat, self.ratio, exact=self.exact, sample_size=self.sample_size)

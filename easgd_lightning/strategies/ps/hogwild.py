@@ -111,7 +111,7 @@ class _HogwildMixin:
             alpha=self._alpha or 0.0,
             n_params=self._n_params,
             liveness=self._liveness,
-            stop_policy=self._stop_policy,
+            stop_policy=self.stop_policy,
             interrupted=self._interrupted_by,
         )
 
@@ -121,7 +121,7 @@ class _HogwildMixin:
 
     def _after_step(self) -> None:
         super()._after_step()
-        every = self._checkpoint_every_s
+        every = self.checkpoint_every_s
         if self._writes_center and every is not None and self._center_ckpt_file is not None:
             now = time.monotonic()
             if now - self._last_center_ckpt >= every:
@@ -165,7 +165,7 @@ class HogwildEASGDStrategy(_HogwildMixin, AsyncCenterStrategy):
                  rho: float | None = None, server: str | None = None, shm_dir: str | None = None,
                  **kwargs: Any) -> None:
         self._reject_unknown(kwargs)
-        self._server_mode = server  # _check_nodes (called by the base) needs it
+        self.server = server  # _check_nodes (called by the base) needs it
         super().__init__(tau=tau, alpha=alpha, beta=beta, rho=rho, server=server, **kwargs)
         self._init_hogwild(shm_dir)
 
@@ -189,6 +189,6 @@ class HogwildSGDStrategy(_HogwildMixin, AsyncCenterStrategy):
     def __init__(self, lr: float | None = None, momentum: float = 0.0, server: str | None = None,
                  shm_dir: str | None = None, **kwargs: Any) -> None:
         self._reject_unknown(kwargs)
-        self._server_mode = server
+        self.server = server
         super().__init__(lr=lr, momentum=momentum, server=server, **kwargs)
         self._init_hogwild(shm_dir)

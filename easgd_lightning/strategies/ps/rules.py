@@ -41,7 +41,6 @@ __all__ = [
     "nesterov_lookahead",
     "nesterov_velocity_update",
     "sgd_update",
-    "check_momentum",
     "bind_views",
     "optimizer_step_on",
     "momentum_buffers",
@@ -51,17 +50,6 @@ __all__ = [
     "CLI_TERMS",
     "api_terms",
 ]
-
-
-def check_momentum(key: str, value: object) -> float:
-    """A momentum in [0, 1).
-
-    Raises:
-        ValueError: naming ``key`` when ``value`` is not a number in [0, 1).
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) < 1.0:
-        raise ValueError(f"{key} must be a number in [0, 1), got {value!r}")
-    return float(value)
 
 
 @torch.no_grad()

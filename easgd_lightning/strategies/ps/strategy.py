@@ -110,7 +110,7 @@ from easgd_lightning.hooks.compressors.dgc import release_optimizer_momentum
 from easgd_lightning.strategies import elastic
 from easgd_lightning.strategies.base import (
     CenterStrategy,
-    check_positive_int,
+    check_moving_rate,
     flatten,
     unflatten_into,
 )
@@ -122,6 +122,13 @@ from easgd_lightning.strategies.ps.server import ParameterServer, worker_channel
 from easgd_lightning.strategies.ps.shards import shard_bounds
 from easgd_lightning.strategies.ps.transport import CenterTransport
 from easgd_lightning.strategies.registry import reject_unknown_kwargs
+from easgd_lightning.utils.checks import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_momentum,
+    check_positive,
+)
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +261,7 @@ class AsyncCenterStrategy(CenterStrategy):
         **kwargs: Any,
     ) -> None:
         name = self.strategy_name
-        self._servers = _check_servers(name, servers, compression, ft_hint)
+        self.servers = _check_servers(name, servers, compression, ft_hint)
         self._push_compression: tuple | None = None
         if compression is not None:
             if self.lockfree:
@@ -270,40 +277,30 @@ class AsyncCenterStrategy(CenterStrategy):
                     "with the dense d; set compression.two_way=false"
                 )
         super().__init__(**kwargs)
-        self._tau = check_positive_int("strategy.tau", tau)
-        for key, value in (("alpha", alpha), ("beta", beta)):
-            if value is not None and not (isinstance(value, (int, float)) and 0.0 < float(value) < 1.0):
-                raise ValueError(f"strategy.{key} must be in (0, 1), got {value!r}")
-        if rho is not None and not (isinstance(rho, (int, float)) and float(rho) > 0):
-            raise ValueError(f"strategy.rho must be > 0, got {rho!r}")
+        self.tau = check_int("strategy.tau", tau)
+        check_moving_rate(alpha, beta, rho)
         self._alpha_opt, self._beta_opt, self._rho_opt = alpha, beta, rho
         self._alpha: float | None = None
-        self._momentum = rules.check_momentum("strategy.momentum", 0.0 if momentum is None else momentum)
-        if lr is not None and not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0):
-            raise ValueError(f"strategy.lr must be a positive number or null, got {lr!r}")
-        self._lr = None if lr is None else float(lr)
+        self.momentum = check_momentum("strategy.momentum", 0.0 if momentum is None else momentum)
+        self.lr = check_positive("strategy.lr", lr, nullable=True)
         if server not in (None, "dedicated"):
             raise ValueError(
                 f"strategy.server={server!r} is not supported; choose 'dedicated' (the last rank serves)"
                 + (" or null (shared memory on one node)" if self.lockfree else "")
             )
-        self._server_mode = server
-        if stop_policy not in STOP_POLICIES:
-            raise ValueError(f"strategy.stop_policy={stop_policy!r}; choose one of {', '.join(STOP_POLICIES)}")
-        self._stop_policy = stop_policy
-        for key, value in (("max_time_s", max_time_s), ("worker_timeout_s", worker_timeout_s),
-                           ("checkpoint_every_s", checkpoint_every_s)):
-            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
-                raise ValueError(f"strategy.{key} must be a positive number of seconds or null, got {value!r}")
-        if not (isinstance(heartbeat_s, (int, float)) and heartbeat_s > 0):
-            raise ValueError(f"strategy.heartbeat_s must be > 0 seconds, got {heartbeat_s!r}")
-        self._max_time_s = max_time_s
-        self._worker_timeout_opt = worker_timeout_s
-        self._heartbeat_s = float(heartbeat_s)
-        self._checkpoint_every_s = checkpoint_every_s
-        self._checkpoint_path = checkpoint_path
-        self._overlap = bool(overlap)
-        self._num_nodes_hint = num_nodes_hint
+        self.server = server
+        self.stop_policy = check_choice("strategy.stop_policy", stop_policy, STOP_POLICIES)
+        self.max_time_s = check_positive("strategy.max_time_s", max_time_s, nullable=True, unit="seconds")
+        self._worker_timeout_opt = check_positive(
+            "strategy.worker_timeout_s", worker_timeout_s, nullable=True, unit="seconds"
+        )
+        self.heartbeat_s = check_positive("strategy.heartbeat_s", heartbeat_s, unit="seconds")
+        self.checkpoint_every_s = check_positive(
+            "strategy.checkpoint_every_s", checkpoint_every_s, nullable=True, unit="seconds"
+        )
+        self.checkpoint_path = checkpoint_path
+        self.overlap = check_bool("strategy.overlap", overlap)
+        self.num_nodes_hint = num_nodes_hint
         self._check_nodes(num_nodes_hint)
         self._from_cli = optim_hint is not None  # refusals name the CLI's keys, else the API's
         hinted = _optimizer_from_hint(optim_hint)
@@ -355,7 +352,7 @@ class AsyncCenterStrategy(CenterStrategy):
         if not self.uses_server:
             raise ValueError(f"{self.strategy_name} with strategy.server=null has no server to re-admit a "
                              "restarted worker; use strategy.server=dedicated")
-        _check_servers(self.strategy_name, self._servers, None, "torchft")
+        _check_servers(self.strategy_name, self.servers, None, "torchft")
         self._rejoin, self._late = True, late
 
     @property
@@ -415,17 +412,17 @@ class AsyncCenterStrategy(CenterStrategy):
         if self.rule != "sgd":
             return
         problem = None
-        if self.server_momentum and self._momentum > 0:
+        if self.server_momentum and self.momentum > 0:
             had_none = isinstance(optimizer, torch.optim.SGD) and any(
                 not float(g.get("momentum", 0.0) or 0.0) for g in optimizer.param_groups)
-            problem = rules.check_sgd_momentum(optimizer, self._momentum, who, terms)
+            problem = rules.check_sgd_momentum(optimizer, self.momentum, who, terms)
             if problem is None and had_none and warn:
                 where = "server" if self.uses_server else "workers"
                 rank_zero_warn(
-                    f"{who} applies heavy-ball momentum {self._momentum} at the {where} ({terms['momentum']}); "
-                    f"the optimizer's momentum 0 was set to {self._momentum}. For plain SGD set {terms['no_momentum']}"
+                    f"{who} applies heavy-ball momentum {self.momentum} at the {where} ({terms['momentum']}); "
+                    f"the optimizer's momentum 0 was set to {self.momentum}. For plain SGD set {terms['no_momentum']}"
                 )
-        problem = problem or rules.check_fixed_lr(optimizer, self._lr, who, terms)
+        problem = problem or rules.check_fixed_lr(optimizer, self.lr, who, terms)
         if problem:
             raise ValueError(problem)
 
@@ -435,7 +432,7 @@ class AsyncCenterStrategy(CenterStrategy):
     # ------------------------------------------------------------------ roles
     @property
     def uses_server(self) -> bool:
-        return self._server_mode is not None
+        return self.server is not None
 
     @property
     def server_rank(self) -> int | None:
@@ -445,23 +442,20 @@ class AsyncCenterStrategy(CenterStrategy):
     @property
     def server_ranks(self) -> list[int]:
         """The last ``strategy.servers`` ranks, server j holding shard j (:mod:`.shards`)."""
-        return list(range(self.world_size - self._servers, self.world_size)) if self.uses_server else []
+        return list(range(self.world_size - self.servers, self.world_size)) if self.uses_server else []
 
     @property
-    def servers(self) -> int:
-        return self._servers if self.uses_server else 0
+    def _n_servers(self) -> int:
+        """How many ranks serve (0: Hogwild on shared memory)."""
+        return self.servers if self.uses_server else 0
 
     @property
     def is_server(self) -> bool:
-        return self.uses_server and self.global_rank >= self.world_size - self._servers
+        return self.uses_server and self.global_rank >= self.world_size - self.servers
 
     @property
     def num_workers(self) -> int:
-        return self.world_size - self.servers
-
-    @property
-    def tau(self) -> int:
-        return self._tau
+        return self.world_size - self._n_servers
 
     @property
     def alpha(self) -> float | None:
@@ -470,7 +464,7 @@ class AsyncCenterStrategy(CenterStrategy):
     def validate_world_size(self, world: int) -> None:
         """Called by the CLI before launch: at least 2 workers beside the servers, and no
         more servers than workers (``strategy.servers``)."""
-        servers = self.servers
+        servers = self._n_servers
         need = servers + 2
         if world < need:
             role = f"2 workers + {servers} parameter server{'s' if servers > 1 else ''}" if servers else "2 workers"
@@ -699,7 +693,7 @@ class AsyncCenterStrategy(CenterStrategy):
         self._center = flat.clone()
         self._liveness = Liveness(
             f"easgd_async/{int(token)}", self.global_rank,
-            interval_s=self._heartbeat_s, dead_after_s=self._worker_timeout_s,
+            interval_s=self.heartbeat_s, dead_after_s=self._worker_timeout_s,
         ).start()
         self._setup_checkpoint_file(trainer)
         if self.uses_server:  # every rank, in the same order (a collective)
@@ -707,7 +701,7 @@ class AsyncCenterStrategy(CenterStrategy):
             workers = list(range(self.num_workers))
             self._shard_channels = [worker_channels(s, workers, timeout) for s in self.server_ranks]
             self._channels = self._shard_channels[-1]
-            if self._servers > 1:
+            if self.servers > 1:
                 self._servers_group = ops.new_group(self.server_ranks, timeout=timeout)
         if self._rejoin and self.is_server:  # where restarted workers find the run
             rejoin.publish_session(self._liveness.store_client(), self._liveness.prefix, self.global_rank,
@@ -736,7 +730,7 @@ class AsyncCenterStrategy(CenterStrategy):
         timeout_s = compat.process_group_timeout(self)
         store = rejoin.run_store(timeout_s)
         session = rejoin.read_session(store, timeout_s)
-        self._liveness = Liveness(session["prefix"], late.rank, interval_s=self._heartbeat_s,
+        self._liveness = Liveness(session["prefix"], late.rank, interval_s=self.heartbeat_s,
                                   dead_after_s=self._worker_timeout_s).start()
         group = rejoin.request_admission(store, late.rank, late.attempt, timedelta(seconds=timeout_s))
         self._channels = {late.rank: group}
@@ -759,8 +753,8 @@ class AsyncCenterStrategy(CenterStrategy):
         self._detach(trainer)
 
     def _setup_checkpoint_file(self, trainer) -> None:
-        if self._checkpoint_path:
-            self._center_ckpt_file = Path(self._checkpoint_path)
+        if self.checkpoint_path:
+            self._center_ckpt_file = Path(self.checkpoint_path)
             return
         callback = getattr(trainer, "checkpoint_callback", None)
         dirpath = getattr(callback, "dirpath", None)
@@ -769,7 +763,7 @@ class AsyncCenterStrategy(CenterStrategy):
     def _shards(self) -> list[tuple[int, int]]:
         """Each server's ``[lo, hi)`` of the flat center (:func:`~.shards.shard_bounds`)."""
         sizes = [p.numel() for p in self.lightning_module.parameters()]
-        return shard_bounds(self.rule, sizes, self._center.numel(), max(1, self._servers))
+        return shard_bounds(self.rule, sizes, self._center.numel(), max(1, self.servers))
 
     def _shard_params(self, lo: int, hi: int) -> tuple[int, int]:
         """The parameter tensors ``[a, b)`` that start in ``[lo, hi)`` (parameter-aligned
@@ -783,9 +777,9 @@ class AsyncCenterStrategy(CenterStrategy):
 
     def _make_transport(self, trainer, token: int) -> None:
         """Server: build the server loop (of its shard); workers: a client of the server(s)."""
-        sharded = self._servers > 1
+        sharded = self.servers > 1
         if self.is_server:
-            j = self.global_rank - (self.world_size - self._servers)
+            j = self.global_rank - (self.world_size - self.servers)
             lo, hi = self._shards()[j]
             params = list(self.lightning_module.parameters()) if self.rule == "sgd" else None
             if sharded and params is not None:
@@ -799,15 +793,15 @@ class AsyncCenterStrategy(CenterStrategy):
                 n_params=max(0, min(hi, self._n_params) - lo),
                 rule=self.rule,
                 alpha=self._alpha or 0.0,
-                lr=self._lr,
+                lr=self.lr,
                 optimizer=self.optimizers[0] if self.rule == "sgd" else None,
                 params=params,
                 lockfree=self.lockfree,
                 liveness=self._liveness,
-                stop_policy=self._stop_policy,
+                stop_policy=self.stop_policy,
                 kind=self.comm_kind,
                 on_checkpoint=self._write_center_checkpoint if self._center_ckpt_file and not sharded else None,
-                checkpoint_every_s=self._checkpoint_every_s,
+                checkpoint_every_s=self.checkpoint_every_s,
                 interrupted=self._interrupted_by,
                 replies=self._compressed_side(compressed.ServerReplies, list(range(self.num_workers))),
                 channels=self._shard_channels[j],
@@ -875,7 +869,7 @@ class AsyncCenterStrategy(CenterStrategy):
         if release_optimizer_momentum([optimizer]) and self.global_rank == 0:
             rank_zero_warn(
                 f"{self.strategy_name} applies its own Nesterov momentum (strategy.momentum="
-                f"{self._momentum}); the optimizer's momentum was set to 0 so it is not applied twice"
+                f"{self.momentum}); the optimizer's momentum was set to 0 so it is not applied twice"
             )
 
     # ------------------------------------------------------------------ training
@@ -902,7 +896,7 @@ class AsyncCenterStrategy(CenterStrategy):
         (padded to the longest shard): it waits, bounded by ``timeout_s``, for the other
         servers to end serving. Without ``gather`` (serving was interrupted), or when the
         gather fails (a server died), the set-up center with this server's own shard in it."""
-        if self._servers == 1:
+        if self.servers == 1:
             return self._server.center
         own = self._center.clone()
         own[self._shard[0] : self._shard[1]] = self._server.center
@@ -940,14 +934,14 @@ class AsyncCenterStrategy(CenterStrategy):
     def _elastic_exchange(self, take_step: Callable[[], Any], optimizer: Optimizer) -> Any:
         tensors = self._elastic_tensors()
         pending, diff = None, None
-        if elastic.is_exchange_step(self._local_steps, self._tau):
+        if elastic.is_exchange_step(self._local_steps, self.tau):
             pending = self._transport.begin_elastic(flatten(tensors), self._local_steps, self._optimizer_lr(optimizer))
             self._exchanges += 1
-            if not self._overlap:
+            if not self.overlap:
                 diff, pending = self._transport.end_elastic(pending), None
         x_look = None
         if self._velocity is not None:
-            x_look = rules.nesterov_lookahead(flatten(tensors), self._velocity, self._momentum)
+            x_look = rules.nesterov_lookahead(flatten(tensors), self._velocity, self.momentum)
             unflatten_into(x_look, tensors)
         out = take_step()
         with torch.no_grad():
@@ -976,9 +970,9 @@ class AsyncCenterStrategy(CenterStrategy):
         returns w. Hogwild SGD on shared memory: the worker's optimizer steps here and its
         displacement is added to the shared w without a lock."""
         params = list(self.lightning_module.parameters())
-        if self._lr is not None:
+        if self.lr is not None:
             for group in optimizer.param_groups:
-                group["lr"] = self._lr
+                group["lr"] = self.lr
         if self._transport.steps_locally:
             before = flatten(params)
             out = compute()
@@ -998,12 +992,12 @@ class AsyncCenterStrategy(CenterStrategy):
         trainer = self.lightning_module.trainer
         if self._late is not None:
             self._late_worker_step(trainer)
-        if self._transport is not None and self._transport.stop and self._stop_policy == "first":
+        if self._transport is not None and self._transport.stop and self.stop_policy == "first":
             self._stop_reason = self._stop_reason or "another worker finished (stop_policy=first)"
             trainer.should_stop = True
-        if self._max_time_s is not None and self._fit_start is not None:
-            if time.monotonic() - self._fit_start >= self._max_time_s:
-                self._stop_reason = self._stop_reason or f"max_time_s={self._max_time_s} reached"
+        if self.max_time_s is not None and self._fit_start is not None:
+            if time.monotonic() - self._fit_start >= self.max_time_s:
+                self._stop_reason = self._stop_reason or f"max_time_s={self.max_time_s} reached"
                 trainer.should_stop = True
 
     def _late_worker_step(self, trainer) -> None:
@@ -1149,10 +1143,10 @@ class AsyncCenterStrategy(CenterStrategy):
             "role": "server" if self.is_server else "worker",
             "server_rank": self.server_rank,
             "server_ranks": self.server_ranks,
-            "tau": self._tau if self.rule == "elastic" else None,
+            "tau": self.tau if self.rule == "elastic" else None,
             "alpha": self._alpha,
-            "momentum": self._momentum,
-            "stop_policy": self._stop_policy,
+            "momentum": self.momentum,
+            "stop_policy": self.stop_policy,
         })
         if self._rejoin:
             extras["ft"] = self._ft_report()
@@ -1168,7 +1162,7 @@ class AsyncCenterStrategy(CenterStrategy):
                 service_order=list(srv.service_log)[-400:],
                 lockfree=srv.lockfree,
                 resumed=self._resumed,
-                center_checkpoint=str(self._center_ckpt_file) if self._center_ckpt_file and self._servers == 1 else None,
+                center_checkpoint=str(self._center_ckpt_file) if self._center_ckpt_file and self.servers == 1 else None,
                 shard=list(self._shard),
             )
         else:
@@ -1210,7 +1204,7 @@ def _check_servers(name: str, servers: Any, compression: Any, ft: str | None) ->
     Raises:
         ValueError: naming ``strategy.servers``.
     """
-    servers = check_positive_int("strategy.servers", servers)
+    servers = check_int("strategy.servers", servers)
     if servers > 1 and compression is not None:
         raise ValueError(f"strategy.servers={servers}: {name} does not shard compressed pushes yet; use "
                          "compression=none or strategy.servers=1")

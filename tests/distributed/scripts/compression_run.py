@@ -7,6 +7,7 @@ gathered here with plain ``torch.distributed.all_gather`` and writes the compari
 OUT/rank{r}.json; the test asserts on those files.
 """
 
+import datetime
 import json
 import math
 import os
@@ -131,6 +132,17 @@ def _topk_dense(t: torch.Tensor, k: int) -> torch.Tensor:
     return out.view_as(t)
 
 
+def _batch_with_reference(model: nn.Module, ref_model: nn.Module, rank: int, it: int):
+    """This rank's batch of iteration ``it``; ``ref_model`` (a copy of ``model``'s weights)
+    holds the dense gradients of that batch."""
+    g = torch.Generator().manual_seed(10 * rank + it)
+    x, y = torch.randn(16, 20, generator=g), torch.randint(0, 10, (16,), generator=g)
+    ref_model.load_state_dict(model.state_dict())
+    ref_model.zero_grad()
+    nn.functional.cross_entropy(ref_model(x), y).backward()
+    return x, y
+
+
 def scenario_ddp(rank: int, world: int) -> dict:
     comp = build_compressor("topk", ratio=0.01, exact=True, min_numel=1000)
     model = Net()
@@ -142,12 +154,8 @@ def scenario_ddp(rank: int, world: int) -> dict:
     out = {"iterations": []}
     meter = get_meter().by_kind["data_parallel"]
     for it in range(4):
-        g = torch.Generator().manual_seed(10 * rank + it)
-        x, y = torch.randn(16, 20, generator=g), torch.randint(0, 10, (16,), generator=g)
         # reference: this rank's dense gradient, compressed by hand, gathered, averaged
-        ref_model.load_state_dict(model.state_dict())
-        ref_model.zero_grad()
-        nn.functional.cross_entropy(ref_model(x), y).backward()
+        x, y = _batch_with_reference(model, ref_model, rank, it)
         expected = {}
         expected_sent = 0
         for name, p in ref_model.named_parameters():
@@ -334,6 +342,90 @@ def scenario_csc(rank: int, world: int) -> dict:
         out["local_err"] = float((local.reshape(-1) - torch.where(ref != 0, x, 0.0)).abs().max())
         out["chosen"].append(state["chosen"].tolist())
         out["ref_chosen"].append(ref_chosen)
+    return out
+
+
+class _Bucket:
+    """A bucket as DDP hands it to a comm hook (buffer, per-tensor views, last flag), for
+    calling the hook outside a backward pass."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self._buf = torch.cat([t.reshape(-1) for t in tensors])
+        self._views, offset = [], 0
+        for t in tensors:
+            self._views.append(self._buf[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+    def buffer(self) -> torch.Tensor:
+        return self._buf
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._views
+
+    def is_last(self) -> bool:
+        return True
+
+
+def _cast_reference(contribs: list[torch.Tensor], dtype: torch.dtype | None, world: int) -> torch.Tensor:
+    """sum over ranks of dtype(g_r / p) in that dtype's arithmetic, as fp32 (dtype None: the
+    fp32 mean), from this rank's gathered dense gradients."""
+    if dtype is None:
+        return torch.stack(contribs).mean(0)
+    total = (contribs[0] / world).to(dtype)
+    for c in contribs[1:]:
+        total = total + (c / world).to(dtype)
+    return total.float()
+
+
+def scenario_ddp_cast(rank: int, world: int) -> dict:
+    """bf16 / fp16 through DDP as the overlapped cast hook: (1) in a real DDP backward over
+    several buckets (10 kB each), each tensor of >= 1000 elements averaged as the sum of
+    the ranks' 16-bit g / p, the others in fp32 (warm-up iteration all fp32), against the
+    gathered dense gradients, with the bytes on the wire; (2) the hook called with a
+    bucket returns before the peer has even launched its all-reduce (rank 1 launches only
+    once rank 0's hook has returned): nothing waits inside the hook."""
+    from easgd_lightning.hooks.ddp import CastHookState, cast_allreduce_hook
+    from easgd_lightning.hooks.memory import NoMemory
+
+    out: dict = {}
+    meter = get_meter().by_kind["data_parallel"]
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        model, ref_model = Net(), Net()
+        ddp = DistributedDataParallel(model, bucket_cap_mb=0.01)
+        state = register_compression_hook(ddp, build_compressor(name, min_numel=1000), warmup_steps=1)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        rec = {"hook": str(ddp._get_ddp_logging_data().get("comm_hook", "")), "err": [], "sent": [], "expected_sent": []}
+        for it in range(3):
+            x, y = _batch_with_reference(model, ref_model, rank, it)
+            expected, sent = {}, 0
+            for pname, p in ref_model.named_parameters():
+                cast = it > 0 and p.numel() >= 1000
+                expected[pname] = _cast_reference(gather(p.grad), dtype if cast else None, world)
+                sent += p.numel() * (2 if cast else 4)
+            before = meter.bytes_sent
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            rec["sent"].append(meter.bytes_sent - before)
+            rec["expected_sent"].append(sent)
+            rec["err"].append(max(float((p.grad - expected[n]).abs().max()) for n, p in model.named_parameters()))
+            opt.step()
+        rec["stats"] = state.compression_stats()
+        out[name] = rec
+    # (2) the hook does not wait for its all-reduce
+    store = dist.distributed_c10d._get_default_store()
+    state = CastHookState(build_compressor("fp16", min_numel=0), NoMemory(), warmup_steps=0)
+    state._inflight = []  # not inside a backward: no engine callback to queue
+    tensors = [torch.randn(300, 20, generator=torch.Generator().manual_seed(rank)), torch.randn(10)]
+    bucket = _Bucket(tensors)
+    if rank != 0:
+        store.wait(["cast_hook_returned"], datetime.timedelta(seconds=60))
+    fut = cast_allreduce_hook(state, bucket)
+    out["done_at_return"] = fut.done()
+    if rank == 0:
+        store.set("cast_hook_returned", "1")
+    mean = fut.wait()
+    ref = _cast_reference(gather(torch.cat([t.reshape(-1) for t in tensors])), torch.float16, world)
+    out["direct_err"] = float((mean - ref).abs().max())
     return out
 
 
