@@ -166,8 +166,8 @@ BAD += [
     (["strategy=async_easgd", "trainer.devices=2"], "trainer.devices", "it needs at least 3 processes"),
     (["strategy=async_easgd", "trainer.devices=4", "strategy.server=thread"], "strategy.server", "choose 'dedicated'"),
     # strategy.servers (a sharded center): an integer >= 1, at most the workers, what does not shard yet
-    (["strategy=async_easgd", "trainer.devices=4", "strategy.servers=0"], "strategy.servers", "a positive integer, got 0"),
-    (["strategy=async_sgd", "trainer.devices=4", "strategy.servers=abc"], "strategy.servers", "a positive integer"),
+    (["strategy=async_easgd", "trainer.devices=4", "strategy.servers=0"], "strategy.servers", "an integer >= 1, got 0"),
+    (["strategy=async_sgd", "trainer.devices=4", "strategy.servers=abc"], "strategy.servers", "an integer >= 1, got 'abc'"),
     (["strategy=async_msgd", "trainer.devices=5", "strategy.servers=3"], "strategy.servers",
      "at most as many servers as workers; 5 processes give 2 workers"),
     (["strategy=async_measgd", "trainer.devices=3", "strategy.servers=2"], "trainer.devices",
