@@ -33,6 +33,8 @@ CASES = [
     (["faults.crash_at_step=2"], "faults.crash_at_step: set faults.crash_rank too"),
     (["strategy=async_easgd", "trainer.devices=3", "faults.crash_rank=2", "faults.crash_at_step=2"],
      "faults.crash_rank: rank 2 is strategy=async_easgd's parameter server, which never takes a training step"),
+    (["strategy=async_sgd", "trainer.devices=5", "strategy.servers=3"],
+     "strategy.servers=3: async_sgd needs at most as many servers as workers; 5 processes give 2 workers"),
 ]
 
 
