@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tests.helpers import run_cli
 
-_TWO_OPT = "model=gpt_tiny model.builder=tests.unit.test_validation:two_optimizers strategy=sync_easgd"
+_TWO_OPT = "model=gpt_tiny model.builder=tests.unit.cli.test_validation:two_optimizers strategy=sync_easgd"
 
 INPUTS = [
     # accepted silently before

@@ -148,7 +148,7 @@ class CompressedDDPStrategy(CompressedDDPMixin, DDPStrategy):
         """Register our compression hook on the DDP model, on every device (Lightning's own
         step registers hooks on CUDA only). Overrides a private Lightning step by name:
         :data:`~easgd_lightning.compat.lightning.DDP_HOOKS_STEP`, checked by
-        ``tests/unit/test_compat_lightning.py``."""
+        ``tests/unit/compat/test_compat_lightning.py``."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         self._register_hook(self.model, getattr(trainer, "default_root_dir", None))
         if self._resume_rank_state is not None:

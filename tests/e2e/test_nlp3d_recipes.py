@@ -35,7 +35,7 @@ def test_recipe_composes_and_validates(name):
 
 
 # bad layouts (pp * tp * dp, pp > n_layer, tp not dividing n_head) fail before any process:
-# tests/unit/test_validation.py
+# tests/unit/cli/test_validation.py
 
 
 @pytest.mark.slow

@@ -121,7 +121,7 @@ def manual_pipeline(cfg, dm) -> pl.LightningModule:
     return module
 
 
-_USER = "model.builder=tests.unit.test_validation:"
+_USER = "model.builder=tests.unit.cli.test_validation:"
 BAD += [
     # what the strategy cannot train, known before launch from the module built on the meta device
     (["model=gpt_tiny", f"{_USER}two_optimizers", "strategy=sync_easgd"], "model=gpt",
@@ -165,6 +165,19 @@ BAD += [
     (["strategy=hogwild_sgd", "trainer.num_nodes=2"], "strategy.server", "needs a parameter server"),
     (["strategy=async_easgd", "trainer.devices=2"], "trainer.devices", "it needs at least 3 processes"),
     (["strategy=async_easgd", "trainer.devices=4", "strategy.server=thread"], "strategy.server", "choose 'dedicated'"),
+    # strategy.servers (a sharded center): an integer >= 1, at most the workers, what does not shard yet
+    (["strategy=async_easgd", "trainer.devices=4", "strategy.servers=0"], "strategy.servers", "an integer >= 1, got 0"),
+    (["strategy=async_sgd", "trainer.devices=4", "strategy.servers=abc"], "strategy.servers", "an integer >= 1, got 'abc'"),
+    (["strategy=async_msgd", "trainer.devices=5", "strategy.servers=3"], "strategy.servers",
+     "at most as many servers as workers; 5 processes give 2 workers"),
+    (["strategy=async_measgd", "trainer.devices=3", "strategy.servers=2"], "trainer.devices",
+     "needs at least 4 processes (2 workers + 2 parameter servers)"),
+    (["strategy=async_easgd", "trainer.devices=4", "strategy.servers=2", "compression=topk"], "strategy.servers",
+     "does not shard compressed pushes yet"),
+    (["strategy=async_easgd", "trainer.devices=4", "strategy.servers=2", "ft=torchft"], "strategy.servers",
+     "re-admits restarted workers (ft=torchft) with one server only"),
+    (["strategy=hogwild_easgd", "trainer.devices=4", "+strategy.servers=2"], "strategy.servers",
+     "valid keys of strategy (strategy=hogwild_easgd)"),
     (["strategy=async_easgd", "trainer.devices=4", "compression=fp16"], "compression.name",
      "compresses its pushes with one of"),
     (["strategy=hogwild_easgd", "trainer.devices=3", "compression=topk"], "compression",

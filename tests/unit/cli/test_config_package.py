@@ -27,7 +27,7 @@ def user_conf(tmp_path: Path) -> Path:
 
 
 def test_a_checkout_reads_its_top_level_conf_and_recipes() -> None:
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     assert (Path(CONF_DIR), CONF_PATH, Path(RECIPES_DIR)) == (repo / "conf", str(repo / "conf"), repo / "recipes")
     assert (Path(CONF_DIR) / "train.yaml").is_file()
     assert (Path(RECIPES_DIR) / "imagenet" / "alexnet_knl.yaml").is_file()
