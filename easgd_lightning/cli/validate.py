@@ -292,7 +292,7 @@ def _check_search_and_groups(cfg: Any) -> None:
 
 
 def _check_threads_and_logger(cfg: Any) -> None:
-    """``threads_per_process`` (a positive integer or null) and ``logger.name``."""
+    """``threads_per_process`` (an integer >= 1 or null) and ``logger.name``."""
     with config_errors():
         check_int("threads_per_process", cfg.get("threads_per_process"), 1, nullable=True)
     logger = cfg.logger.get("name")
