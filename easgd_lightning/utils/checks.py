@@ -133,40 +133,33 @@ def _as_list(value: Any) -> list | None:
     return list(value)
 
 
-def _check_list(key: str, value: Any, item_ok: Any, what: str, nullable: bool, allow_empty: bool) -> list | None:
+def _check_list(
+    key: str, value: Any, kind: tuple[Any, str, type], lo: float | None, nullable: bool, allow_empty: bool
+) -> list | None:
+    """``value`` as a list of ``kind`` = (predicate, plural name, cast), each >= ``lo``."""
     if value is None and nullable:
         return None
+    is_kind, what, cast = kind
     items = _as_list(value)
-    if items is None or (not items and not allow_empty) or not all(item_ok(v) for v in items):
-        raise _fail(key, f"{'a' if allow_empty else 'a non-empty'} list of {what}", value, nullable)
-    return items
+    if items is None or (not items and not allow_empty) or not all(is_kind(v) and _in_range(v, lo, None) for v in items):
+        raise _fail(key, f"{'a' if allow_empty else 'a non-empty'} list of {_allowed(what, lo, None)}", value, nullable)
+    return [cast(v) for v in items]
 
 
 def check_int_list(
     key: str, value: Any, minimum: int | None = 1, *, nullable: bool = False, allow_empty: bool = False
 ) -> list[int] | None:
     """``key`` must be a non-empty list (empty too with ``allow_empty``) of integers >=
-    ``minimum``.
-
-    Raises:
-        ValueError: ``"<key> must be a non-empty list of integers >= 1, got [0]"``.
-    """
-    items = _check_list(key, value, lambda v: is_int(v) and _in_range(v, minimum, None),
-                        _allowed("integers", minimum, None), nullable, allow_empty)
-    return None if items is None else [int(v) for v in items]
+    ``minimum``; ``"<key> must be a non-empty list of integers >= 1, got [0]"``."""
+    return _check_list(key, value, (is_int, "integers", int), minimum, nullable, allow_empty)
 
 
 def check_number_list(
     key: str, value: Any, lo: float | None = None, *, nullable: bool = False, allow_empty: bool = False
 ) -> list[float] | None:
-    """``key`` must be a non-empty list (empty too with ``allow_empty``) of numbers >= ``lo``.
-
-    Raises:
-        ValueError: ``"<key> must be a list of numbers >= 0 or null, got [-1]"``.
-    """
-    items = _check_list(key, value, lambda v: is_number(v) and _in_range(v, lo, None),
-                        _allowed("numbers", lo, None), nullable, allow_empty)
-    return None if items is None else [float(v) for v in items]
+    """``key`` must be a non-empty list (empty too with ``allow_empty``) of numbers >= ``lo``;
+    ``"<key> must be a list of numbers >= 0 or null, got [-1]"``."""
+    return _check_list(key, value, (is_number, "numbers", float), lo, nullable, allow_empty)
 
 
 def check_interval(
