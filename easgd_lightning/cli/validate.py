@@ -54,17 +54,19 @@ __all__ = [
 
 
 def _check_fault_ranks_step(cfg: Any, strategy: Any, world: int) -> None:
-    """A fault on a rank that never takes a training step (the parameter server of the
-    asynchronous strategies: the last rank) would never fire."""
+    """A fault on a rank that never takes a training step (a parameter server of the
+    asynchronous strategies: the last ``strategy.servers`` ranks) would never fire."""
     if not getattr(strategy, "uses_server", False):
         return
-    server = world - 1
+    first_server = world - int(getattr(strategy, "servers", 1) or 1)
     faults = cfg.get("faults", {}) or {}
     for key in ("slow_rank", "crash_rank", "nan_rank"):
-        if faults.get(key) == server:
+        rank = faults.get(key)
+        if isinstance(rank, int) and not isinstance(rank, bool) and first_server <= rank < world:
             raise ConfigError(
-                f"faults.{key}: rank {server} is strategy={cfg.strategy.get('name')}'s parameter server, which "
-                f"never takes a training step, so the fault would never fire; choose a worker rank in [0, {server - 1}]"
+                f"faults.{key}: rank {rank} is strategy={cfg.strategy.get('name')}'s parameter server, which "
+                f"never takes a training step, so the fault would never fire; choose a worker rank in "
+                f"[0, {first_server - 1}]"
             )
 
 

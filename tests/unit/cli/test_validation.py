@@ -229,6 +229,10 @@ BAD += [
      "faults.crash_rank", "rank 2 is strategy=async_easgd's parameter server, which never takes a training step"),
     (["strategy=async_sgd", "trainer.devices=3", "faults.slow_rank=2", "faults.slow_ms=10"], "faults.slow_rank",
      "choose a worker rank in [0, 1]"),
+    # with two servers (the last two ranks) the first of them too
+    (["strategy=async_easgd", "trainer.devices=5", "strategy.servers=2", "faults.crash_rank=3", "faults.crash_at_step=2"],
+     "faults.crash_rank", "rank 3 is strategy=async_easgd's parameter server, which never takes a training step, "
+     "so the fault would never fire; choose a worker rank in [0, 2]"),
     (["strategy=pipeline_3d", "model=gpt_tiny", "data=text", "trainer.precision=64-true"], "trainer.precision",
      "strategy=pipeline_3d runs in fp32: set trainer.precision=32-true, got 64-true"),
     (["recipe=nlp3d/gpt_tiny_pp2", "trainer.precision=bf16-mixed"], "trainer.precision", "runs in fp32"),
