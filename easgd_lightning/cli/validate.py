@@ -39,7 +39,7 @@ from easgd_lightning.cli.values import (
     threads_warning,
     validate_values,
 )
-from easgd_lightning.utils.checks import check_int, check_positive
+from easgd_lightning.utils.checks import check_int, check_positive, is_int
 from easgd_lightning.utils.errors import ConfigError, config_errors
 
 log = logging.getLogger("easgd_lightning")
@@ -62,7 +62,7 @@ def _check_fault_ranks_step(cfg: Any, strategy: Any, world: int) -> None:
     faults = cfg.get("faults", {}) or {}
     for key in ("slow_rank", "crash_rank", "nan_rank"):
         rank = faults.get(key)
-        if isinstance(rank, int) and not isinstance(rank, bool) and first_server <= rank < world:
+        if is_int(rank) and first_server <= rank < world:
             raise ConfigError(
                 f"faults.{key}: rank {rank} is strategy={cfg.strategy.get('name')}'s parameter server, which "
                 f"never takes a training step, so the fault would never fire; choose a worker rank in "
