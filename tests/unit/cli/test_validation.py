@@ -225,6 +225,12 @@ BAD += [
     (["faults.crash_at_step=0", "faults.crash_rank=1"], "faults.crash_at_step", "an integer >= 1 or null, got 0"),
     (["faults.slow_ms=abc"], "faults.slow_ms", "a number >= 0 or null, got 'abc'"),
     (["faults.slow_ms=-5"], "faults.slow_ms", "a number >= 0 or null, got -5"),
+    # issue 28 item 4: every value through utils.checks (num_nodes refused a bool only by luck)
+    (["trainer.num_nodes=true"], "trainer.num_nodes", "an integer >= 1, got True"),
+    (["faults.kill_rank=1"], "faults.kill_rank", "set faults.kill_at_step too"),
+    (["faults.kill_rank=1", "faults.kill_at_step=0"], "faults.kill_at_step", "an integer >= 1 or null, got 0"),
+    (["trainer.limit_val_batches=-1"], "trainer.limit_val_batches",
+     "an integer >= 0 or a fraction in (0, 1] or null, got -1"),
     (["strategy=async_easgd", "trainer.devices=3", "faults.crash_rank=2", "faults.crash_at_step=2"],
      "faults.crash_rank", "rank 2 is strategy=async_easgd's parameter server, which never takes a training step"),
     (["strategy=async_sgd", "trainer.devices=3", "faults.slow_rank=2", "faults.slow_ms=10"], "faults.slow_rank",
