@@ -90,3 +90,18 @@ def test_optimus_scenario_runs_its_two_rows_and_judges_tokens_and_loss():
     assert loss["measured"] == pytest.approx(0.04) and loss["status"] == "PASS"
     assert f"{OPTIMUS_CC} 4096 tokens/s" in md and "pipeline_3d/optimus_cc `compression.dp_rank=8`" in md and "loss gap <= 5%" in md
     assert tokens_per_s(None, 64) is None
+
+
+def test_sc17_table_reads_the_projection_from_costmodel_json(tmp_path):
+    """``--costmodel``: the projection ``bench.costmodel`` stored in costmodel.json; nothing
+    (None: the table says how to get one) where neither it nor its inputs exist."""
+    import json
+
+    from bench.cluster import costmodel_sc17
+
+    path = tmp_path / "costmodel.json"
+    assert costmodel_sc17(path) is None and costmodel_sc17(None) is None
+    table = {"knl": {"sync_easgd/none (SC17 tree)": {"64": 0.9, "512": 0.8, "4096": 0.7}}}
+    path.write_text(json.dumps({"projection": {"table": table, "sc17": {"workers": 4253, "efficiency": 0.915}}}))
+    record = costmodel_sc17(path)
+    assert record["efficiency"] == {"64": 0.9, "512": 0.8, "4096": 0.7} and record["source"] == str(path)
