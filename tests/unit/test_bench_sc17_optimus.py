@@ -105,3 +105,13 @@ def test_sc17_table_reads_the_projection_from_costmodel_json(tmp_path):
     path.write_text(json.dumps({"projection": {"table": table, "sc17": {"workers": 4253, "efficiency": 0.915}}}))
     record = costmodel_sc17(path)
     assert record["efficiency"] == {"64": 0.9, "512": 0.8, "4096": 0.7} and record["source"] == str(path)
+
+
+def test_sc17_calibration_steps_down_at_most_tenfold_per_probe():
+    """8 ranks on 2 cores: round-robin at 1 Gbit/s read 1 - limit/step = -34% (the limit's
+    ranks all compute at once); the odds model would jump to 1.2 Mbit/s, the cap to 100."""
+    from bench._runs import sc17_next_rate
+
+    assert sc17_next_rate(1000.0, -0.34, 0.87) == 100.0
+    assert sc17_next_rate(1000.0, 0.6, 0.87) == 190.0  # within the cap: the odds model
+    assert sc17_next_rate(100.0, 0.5, 0.87, max_drop=2.0) == 50.0
