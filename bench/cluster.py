@@ -24,7 +24,8 @@ Every throughput scenario also runs a ``limit`` row: the same hosts, workers and
 with no communication at all; each row's ``efficiency`` is the limit's step time over its
 own. Scenarios (``--scenario``, several comma-separated run one after the other): ``quick``,
 ``default``, ``sc17`` (link rate calibrated until round-robin EASGD communicates >= 87% of
-its time) and ``tta`` (time to a validation accuracy); each prints its targets as PASS/MISS.
+its time; ``--hosts 8`` for 8 hosts), ``optimus`` (pipeline_3d with and without Optimus-CC),
+``tta`` (time to a validation accuracy) and others; each prints its targets as PASS/MISS.
 
 Usage (as root)::
 
