@@ -245,6 +245,22 @@ TTA_CONFIGS = (
 )
 
 
+# A sharded center (issue 29 section 1, strategy.servers): on the 4 hosts of tta, async_easgd
+# with 2 servers (2 workers + 2 servers, each server one half of the center on its own host
+# link) beside the single server (3 workers + 1 server).
+TTA_SHARDED = "async_easgd/none;strategy.tau=4;strategy.servers=2"
+TTA_CONFIGS += f",{TTA_SHARDED}"
+
+
+# Step time of async_easgd with 1 server against 4 (issue 29 section 1): 8 single-process
+# hosts; strategy.servers=4 is 4 workers + 4 servers, one per host, each pushing a quarter of
+# the center over its own link; strategy.servers=1 is 7 workers + 1 server, all through one
+# host link. Target: S=4's step >= 1.5x faster (compare samples/s too: the rows train 7 and
+# 4 workers; the same 4 workers with one server: --workers 5 --only-configs, README).
+SHARDS_ONE = "async_easgd/none;strategy.servers=1"
+SHARDS_FOUR = "async_easgd/none;strategy.servers=4"
+
+
 # Hierarchical reduction (issue 13 section 3): 2 hosts x 2 processes, each dense exchange
 # flat (one all-reduce over the 4 ranks) against comm.hierarchy=node (reduce to the host's
 # leader over its loopback, leaders all-reduce over the link, broadcast on the host).
@@ -488,6 +504,21 @@ SCENARIOS: dict[str, Scenario] = {
         kind="tta",
         epochs=12,
         target_acc=0.95,
+        timeout_s=600.0,
+    ),
+    "shards": Scenario(
+        name="shards",
+        description=(
+            "8 hosts, 100 Mbit/s, the wide digits MLP: async_easgd with one parameter server "
+            "(7 workers) against strategy.servers=4 (4 workers, 4 servers on their own hosts)"
+        ),
+        workers=8,
+        rate_mbit=100.0,
+        workload=WIDE_MLP_WORKLOAD,
+        configs=f"{DENSE_CONFIGS},{SHARDS_ONE},{SHARDS_FOUR}",
+        targets=(Target(SHARDS_FOUR, "speedup", ">=", 1.5, ref=SHARDS_ONE),),
+        steps=60,
+        warmup_steps=10,
         timeout_s=600.0,
     ),
     "optimus": Scenario(

@@ -193,7 +193,7 @@ class LastFirstCheckpoint(ModelCheckpoint):
     epoch. In this order a kill in between leaves ``last.ckpt`` the newest, never older.
     Overrides Lightning's two private write steps by name
     (:data:`~easgd_lightning.compat.lightning.CHECKPOINT_TOPK_STEP`, ``CHECKPOINT_LAST_STEP``;
-    checked by ``tests/unit/test_compat_lightning.py``).
+    checked by ``tests/unit/compat/test_compat_lightning.py``).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tests.helpers import run_cli
 
-_TWO_OPT = "model=gpt_tiny model.builder=tests.unit.test_validation:two_optimizers strategy=sync_easgd"
+_TWO_OPT = "model=gpt_tiny model.builder=tests.unit.cli.test_validation:two_optimizers strategy=sync_easgd"
 
 INPUTS = [
     # accepted silently before
@@ -72,7 +72,7 @@ def _row_in_process(args: str) -> tuple[str, int, bool, str]:
     import logging
 
     import easgd_lightning.cli.train  # noqa: F401  (registers the recipe resolvers)
-    from easgd_lightning.cli.build import ConfigError, validate_config
+    from easgd_lightning.cli.validate import ConfigError, validate_config
 
     records: list[str] = []
     handler = logging.Handler(logging.WARNING)

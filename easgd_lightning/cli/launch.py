@@ -51,6 +51,9 @@ from typing import Any
 
 from easgd_lightning.cli import forkserver
 from easgd_lightning.cli.forkserver import RankProcess
+from easgd_lightning.cli.rules import strategy_spec_of
+from easgd_lightning.cli.summary import read_rank_reports
+from easgd_lightning.cli.values import START_METHODS, resolve_start_method
 
 __all__ = [
     "LaunchOutcome",
@@ -368,55 +371,19 @@ def lost_rank_records(outcome: LaunchOutcome) -> list[dict]:
     return records
 
 
-# ---------------------------------------------------------------------------- start method
-START_METHODS = ("auto", "fork", "spawn")
 
 
-def _uses_gpu(cfg: Any) -> bool:
-    accelerator = str(cfg.trainer.get("accelerator", "cpu")).lower()
-    if accelerator in ("gpu", "cuda"):
-        return True
-    if accelerator == "auto":
-        import torch
-
-        return torch.cuda.is_available()
-    return False
 
 
-def resolve_start_method(cfg: Any) -> str:
-    """``launcher.start_method`` of ``cfg`` as ``fork`` or ``spawn`` (``auto``: fork on Linux
-    for a CPU run, spawn for a GPU one).
-
-    Raises:
-        ValueError: an unknown method, or ``fork`` where it cannot work (one line, naming
-            the key).
-    """
-    launcher = cfg.get("launcher") or {}
-    method = launcher.get("start_method", "auto")
-    if method not in START_METHODS:
-        raise ValueError(f"launcher.start_method={method!r} is unknown; choose one of {', '.join(START_METHODS)}")
-    linux = sys.platform.startswith("linux")
-    gpu = _uses_gpu(cfg)
-    if method == "fork" and gpu:
-        raise ValueError(
-            "launcher.start_method=fork cannot start GPU ranks (a process forked after CUDA is "
-            "initialised is broken); use spawn or auto"
-        )
-    if method == "fork" and not linux:
-        raise ValueError("launcher.start_method=fork needs Linux; use spawn or auto")
-    if method == "auto":
-        return "fork" if linux and not gpu else "spawn"
-    return method
 
 
 def preload_modules(cfg: Any) -> list[str]:
     """What the fork server imports before forking this run's ranks, beyond what every rank
     imports (:data:`easgd_lightning.cli.forkserver.WORKER_MODULES`): what validating the
-    config imported here (the data set's and the model's modules), and DeepSpeed for
-    ``pipeline_3d``."""
+    config imported here (the data set's and the model's modules), and what the strategy's
+    registry entry asks for (``preload_modules``: DeepSpeed for ``pipeline_3d``)."""
     names = forkserver.imported_since_start()
-    if cfg.strategy.get("name") == "pipeline_3d":
-        names.append("easgd_lightning.parallel.engine")  # imports deepspeed
+    names.extend(strategy_spec_of(cfg).preload)
     return names
 
 
@@ -462,8 +429,6 @@ def _signal_group(proc: subprocess.Popen | RankProcess, sig: int) -> None:
 
 
 def _report_of(out_dir: Path, rank: int, run_id: str) -> dict | None:
-    from easgd_lightning.cli.worker import read_rank_reports
-
     return read_rank_reports(out_dir, rank + 1, run_id)[rank]
 
 
@@ -488,34 +453,11 @@ def spawn_and_supervise(
         log.info("no fork server in this process: the ranks are spawned")
     # the store's thread lives in this process only: the fork server was forked before it
     store = _rendezvous_store(timeout_s)
-    env = dict(os.environ)
-    env.pop("EASGD_PARENT_PID", None)  # set for each forked rank by the fork server only
-    env.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(store.port),
-        TORCHELASTIC_USE_AGENT_STORE="True",  # every rank is a client of the launcher's store
-        WORLD_SIZE=str(world),
-        NODE_RANK="0",
-        EASGD_RUN_ID=run_id,
-        EASGD_LAUNCHER_PID=str(os.getpid()),
-        EASGD_STOP_GRACE_S=str(grace),
-    )
+    env = _launch_env(store.port, world, run_id, grace)
     procs: list[subprocess.Popen | RankProcess] = []
     try:
         for rank in range(world):
-            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            if server is not None:
-                procs.append(server.start([_WORKER_FILE, str(cfg_file), str(out_dir)], rank_env, os.getcwd(),
-                                          list(preload or ())))
-                continue
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "easgd_lightning.cli.worker", str(cfg_file), str(out_dir)],
-                    env=rank_env,
-                    stdin=subprocess.DEVNULL,  # in their own session, a read from the terminal would stop them
-                    start_new_session=True,
-                )
-            )
+            procs.append(_start_rank(rank, env, server, cfg_file, out_dir, preload))
         from easgd_lightning.utils.atomic import atomic_write_json
 
         atomic_write_json(out_dir / "ranks" / "launch.json", {  # who is who, for users and tests
@@ -525,14 +467,50 @@ def spawn_and_supervise(
         })
         return _supervise(procs, out_dir, timeout_s, grace, run_id, signals, store)
     finally:
-        for p in procs:  # whatever happened above, nothing we started outlives the launcher
-            if p.poll() is None:
-                _signal_group(p, signal.SIGKILL)
-                try:
-                    p.wait(timeout=10)
-                except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not refusable
-                    log.error("rank pid %d did not die after SIGKILL", p.pid)
+        _kill_leftovers(procs)  # whatever happened above, nothing we started outlives the launcher
         del store
+
+
+def _launch_env(port: int, world: int, run_id: str, grace: float) -> dict[str, str]:
+    """The environment every rank gets (its ``RANK`` / ``LOCAL_RANK`` aside)."""
+    env = dict(os.environ)
+    env.pop("EASGD_PARENT_PID", None)  # set for each forked rank by the fork server only
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",  # every rank is a client of the launcher's store
+        WORLD_SIZE=str(world),
+        NODE_RANK="0",
+        EASGD_RUN_ID=run_id,
+        EASGD_LAUNCHER_PID=str(os.getpid()),
+        EASGD_STOP_GRACE_S=str(grace),
+    )
+    return env
+
+
+def _start_rank(rank: int, env: dict[str, str], server: Any, cfg_file: Path, out_dir: Path,
+                preload: list[str] | None) -> subprocess.Popen | RankProcess:
+    """Rank ``rank``: forked by ``server`` (when there is one) or spawned, in its own session."""
+    rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+    if server is not None:
+        return server.start([_WORKER_FILE, str(cfg_file), str(out_dir)], rank_env, os.getcwd(), list(preload or ()))
+    return subprocess.Popen(
+        [sys.executable, "-m", "easgd_lightning.cli.worker", str(cfg_file), str(out_dir)],
+        env=rank_env,
+        stdin=subprocess.DEVNULL,  # in their own session, a read from the terminal would stop them
+        start_new_session=True,
+    )
+
+
+def _kill_leftovers(procs: list[subprocess.Popen | RankProcess]) -> None:
+    """SIGKILL every rank still running (bounded wait for each)."""
+    for p in procs:
+        if p.poll() is None:
+            _signal_group(p, signal.SIGKILL)
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not refusable
+                log.error("rank pid %d did not die after SIGKILL", p.pid)
 
 
 def _read_lost(store, world: int) -> dict[int, dict]:
@@ -549,101 +527,135 @@ def _supervise(
     procs: list[subprocess.Popen | RankProcess], out_dir: Path, timeout_s: float, grace: float, run_id: str,
     signals: LauncherSignals, store=None,
 ) -> LaunchOutcome:
-    world = len(procs)
-    t0 = time.monotonic()
-    lost_read = -_LOST_POLL_S
-    done = [False] * world
-    stopped_since: list[float | None] = [None] * world
-    outcome = LaunchOutcome(exit_codes=[None] * world)
-    failed_at: float | None = None  # when the first failure was seen (the survivors' clock)
-    term_at: float | None = None  # when SIGTERM went to the ranks still alive
-    kill_at: float | None = None
-    forwarded = 0
-    while True:
-        now = time.monotonic()
-        for r, p in enumerate(procs):
-            if done[r]:
-                continue
-            code = p.poll()
-            if code is not None:
-                done[r] = True
-                outcome.exit_codes[r] = code
-                if code != 0 and r not in outcome.killed_ranks:
-                    rep = _report_of(out_dir, r, run_id) or {}
-                    outcome.failures.append({
-                        "rank": r, "t_s": round(now - t0, 2), **describe_returncode(code),
-                        "error": rep.get("error"),
-                        # a rank we told to stop, or one that lost a peer, is not the cause
-                        "consequence": bool(rep.get("peer_error")) or term_at is not None,
-                        "after_interrupt": bool(signals.received),
-                    })
-                continue
-            if _proc_state(p.pid) in ("T", "t"):
-                stopped_since[r] = stopped_since[r] or now
-                if now - stopped_since[r] >= timeout_s:
-                    log.error("rank %d has been stopped for %.0fs (timeout_s): killing it", r, now - stopped_since[r])
-                    outcome.failures.append({
-                        "rank": r, "t_s": round(stopped_since[r] - t0, 2), "state": "stopped",
-                        "error": f"process stopped for {timeout_s:g}s", "consequence": False,
-                        "after_interrupt": bool(signals.received),
-                    })
-                    outcome.killed_ranks.append(r)
-                    _signal_group(p, signal.SIGKILL)
-            else:
-                stopped_since[r] = None
-        alive = [r for r in range(world) if not done[r]]
-        # declarations count until the launcher itself signals the ranks (then ranks leave
-        # because they were told to, and that is not a loss the run went on without)
-        if store is not None and term_at is None and (now - lost_read >= _LOST_POLL_S or not alive):
-            lost_read = now
-            declared = _read_lost(store, world)  # a declaration may also be withdrawn
-            for r in sorted(set(declared) - set(outcome.lost)):
-                log.warning("rank %d was declared lost (%s); the run goes on without it", r, declared[r].get("cause"))
-            outcome.lost = declared
-        if not alive:
-            break
-        if outcome.lost and all(r in outcome.lost for r in alive):  # nobody waits for them any more
-            for r in alive:
-                if r not in outcome.killed_ranks:
-                    stopped = _proc_state(procs[r].pid) in ("T", "t")
-                    log.warning("rank %d was declared lost and is still running (%s): SIGKILL", r,
-                                "stopped" if stopped else "not stopped")
-                    outcome.failures.append({
-                        "rank": r, "t_s": round(now - t0, 2), "state": "stopped" if stopped else "lost",
-                        "error": "declared lost and still running at the end of the run", "consequence": False,
-                        "after_interrupt": bool(signals.received),
-                    })
-                    outcome.killed_ranks.append(r)
-                    _signal_group(procs[r], signal.SIGKILL)
-        untolerated = [f for f in outcome.failures
-                       if f["rank"] not in outcome.lost and (now - t0) - f["t_s"] >= _DECLARE_S]
-        if not untolerated:
-            failed_at = None
-        elif failed_at is None and not signals.received:  # after a signal: stopping, said once
-            failed_at = now
-            log.warning("a worker failed; the others get up to %.0fs (timeout_s) to finish", timeout_s)
-        # the launcher was signalled: forward once, escalate on a second signal
-        if len(signals.received) > forwarded:
-            forwarded = len(signals.received)
-            if forwarded == 1:
-                sig = signals.received[0]
-                log.warning("received %s: stopping the workers (up to %.0fs)", signal.Signals(sig).name, grace)
-                for r in alive:
-                    _signal_group(procs[r], sig)
-                    _signal_group(procs[r], signal.SIGCONT)
-                term_at = term_at or now
-            elif kill_at is None:
-                kill_at = now
-        if failed_at is not None and term_at is None and now - failed_at >= timeout_s:
-            log.error("ranks %s still running %.0fs after a failure: SIGTERM", alive, timeout_s)
-            for r in alive:
-                _signal_group(procs[r], signal.SIGTERM)
-                _signal_group(procs[r], signal.SIGCONT)
-            term_at = now
-        kill_at = kill_after_grace(procs, alive, outcome.killed_ranks, term_at, kill_at, grace, now, "rank")
+    """Poll the ranks until every one has exited (module doc: the rules)."""
+    watch = _Supervisor(procs, out_dir, timeout_s, grace, run_id, signals, store)
+    while watch.step(time.monotonic()):
         time.sleep(_POLL_S)
-    outcome.interrupted_by = signals.first
-    return outcome
+    watch.outcome.interrupted_by = signals.first
+    return watch.outcome
+
+
+class _Supervisor:
+    """The state of one launch's watch over its ranks; :meth:`step` is one poll."""
+
+    def __init__(self, procs: list[subprocess.Popen | RankProcess], out_dir: Path, timeout_s: float, grace: float,
+                 run_id: str, signals: LauncherSignals, store: Any) -> None:
+        self.procs, self.out_dir, self.run_id, self.signals, self.store = procs, out_dir, run_id, signals, store
+        self.timeout_s, self.grace = timeout_s, grace
+        world = len(procs)
+        self.t0 = time.monotonic()
+        self.lost_read = -_LOST_POLL_S
+        self.done = [False] * world
+        self.stopped_since: list[float | None] = [None] * world
+        self.outcome = LaunchOutcome(exit_codes=[None] * world)
+        self.failed_at: float | None = None  # when the first failure was seen (the survivors' clock)
+        self.term_at: float | None = None  # when SIGTERM went to the ranks still alive
+        self.kill_at: float | None = None
+        self.forwarded = 0
+
+    def step(self, now: float) -> bool:
+        """One poll at ``now``; False once every rank has exited."""
+        for r, p in enumerate(self.procs):
+            if not self.done[r]:
+                self._poll_rank(r, p, now)
+        alive = [r for r in range(len(self.procs)) if not self.done[r]]
+        self._read_declarations(now, alive)
+        if not alive:
+            return False
+        self._kill_lost_still_running(now, alive)
+        self._track_failure(now)
+        self._forward_signals(now, alive)
+        if self.failed_at is not None and self.term_at is None and now - self.failed_at >= self.timeout_s:
+            log.error("ranks %s still running %.0fs after a failure: SIGTERM", alive, self.timeout_s)
+            for r in alive:
+                _signal_group(self.procs[r], signal.SIGTERM)
+                _signal_group(self.procs[r], signal.SIGCONT)
+            self.term_at = now
+        self.kill_at = kill_after_grace(self.procs, alive, self.outcome.killed_ranks, self.term_at, self.kill_at,
+                                        self.grace, now, "rank")
+        return True
+
+    def _failure(self, r: int, t_s: float, **fields: Any) -> None:
+        self.outcome.failures.append({"rank": r, "t_s": round(t_s, 2), **fields,
+                                      "after_interrupt": bool(self.signals.received)})
+
+    def _poll_rank(self, r: int, p: subprocess.Popen | RankProcess, now: float) -> None:
+        """Record rank ``r``'s exit (a failure unless 0 or killed by us); kill it when it has
+        been stopped (SIGSTOP) for ``timeout_s``."""
+        code = p.poll()
+        if code is not None:
+            self.done[r] = True
+            self.outcome.exit_codes[r] = code
+            if code != 0 and r not in self.outcome.killed_ranks:
+                rep = _report_of(self.out_dir, r, self.run_id) or {}
+                # a rank we told to stop, or one that lost a peer, is not the cause
+                self._failure(r, now - self.t0, **describe_returncode(code), error=rep.get("error"),
+                              consequence=bool(rep.get("peer_error")) or self.term_at is not None)
+            return
+        if _proc_state(p.pid) not in ("T", "t"):
+            self.stopped_since[r] = None
+            return
+        since = self.stopped_since[r] = self.stopped_since[r] or now
+        if now - since >= self.timeout_s:
+            log.error("rank %d has been stopped for %.0fs (timeout_s): killing it", r, now - since)
+            self._failure(r, since - self.t0, state="stopped", error=f"process stopped for {self.timeout_s:g}s",
+                          consequence=False)
+            self.outcome.killed_ranks.append(r)
+            _signal_group(p, signal.SIGKILL)
+
+    def _read_declarations(self, now: float, alive: list[int]) -> None:
+        """The ranks declared lost (comm/liveness.py), read every ``_LOST_POLL_S``; they count
+        until the launcher itself signals the ranks (then ranks leave because they were told
+        to, and that is not a loss the run went on without)."""
+        if self.store is None or self.term_at is not None or (now - self.lost_read < _LOST_POLL_S and alive):
+            return
+        self.lost_read = now
+        declared = _read_lost(self.store, len(self.procs))  # a declaration may also be withdrawn
+        for r in sorted(set(declared) - set(self.outcome.lost)):
+            log.warning("rank %d was declared lost (%s); the run goes on without it", r, declared[r].get("cause"))
+        self.outcome.lost = declared
+
+    def _kill_lost_still_running(self, now: float, alive: list[int]) -> None:
+        """When every rank left is declared lost, nobody waits for them any more: SIGKILL."""
+        lost = self.outcome.lost
+        if not lost or not all(r in lost for r in alive):
+            return
+        for r in alive:
+            if r in self.outcome.killed_ranks:
+                continue
+            stopped = _proc_state(self.procs[r].pid) in ("T", "t")
+            log.warning("rank %d was declared lost and is still running (%s): SIGKILL", r,
+                        "stopped" if stopped else "not stopped")
+            self._failure(r, now - self.t0, state="stopped" if stopped else "lost",
+                          error="declared lost and still running at the end of the run", consequence=False)
+            self.outcome.killed_ranks.append(r)
+            _signal_group(self.procs[r], signal.SIGKILL)
+
+    def _track_failure(self, now: float) -> None:
+        """Start (or reset) the survivors' ``timeout_s`` clock on a failure not tolerated
+        (a rank not declared lost within ``_DECLARE_S``)."""
+        untolerated = [f for f in self.outcome.failures
+                       if f["rank"] not in self.outcome.lost and (now - self.t0) - f["t_s"] >= _DECLARE_S]
+        if not untolerated:
+            self.failed_at = None
+        elif self.failed_at is None and not self.signals.received:  # after a signal: stopping, said once
+            self.failed_at = now
+            log.warning("a worker failed; the others get up to %.0fs (timeout_s) to finish", self.timeout_s)
+
+    def _forward_signals(self, now: float, alive: list[int]) -> None:
+        """The launcher was signalled: forward the first signal once, escalate on a second."""
+        if len(self.signals.received) <= self.forwarded:
+            return
+        self.forwarded = len(self.signals.received)
+        if self.forwarded == 1:
+            sig = self.signals.received[0]
+            log.warning("received %s: stopping the workers (up to %.0fs)", signal.Signals(sig).name, self.grace)
+            for r in alive:
+                _signal_group(self.procs[r], sig)
+                _signal_group(self.procs[r], signal.SIGCONT)
+            self.term_at = self.term_at or now
+        elif self.kill_at is None:
+            self.kill_at = now
 
 
 def remove_stray_temp_files(out_dir: Path) -> list[Path]:

@@ -28,8 +28,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from easgd_lightning.cli.build import ConfigError
 from easgd_lightning.config_tree import CONF_DIR
+from easgd_lightning.utils.errors import ConfigError
 from easgd_lightning.utils.renames import apply_renames, rename_override_line
 
 __all__ = ["check_command_line", "compose_checked", "hydra_settings", "CONF_DIR"]

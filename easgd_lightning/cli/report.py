@@ -308,16 +308,16 @@ def _costmodel(root: Path, out: Path) -> list[str]:
 
 def _trial_label(summary: dict) -> str:
     """``compression knob=value tau=T`` of a search trial, from its resolved config."""
-    from easgd_lightning.cli.search import KNOBS
+    from easgd_lightning.cli.search import knob
 
     cfg = summary.get("config") or {}
     comp, strategy = cfg.get("compression") or {}, cfg.get("strategy") or {}
     name = comp.get("name", summary.get("compression"))
     parts = [str(name)]
-    knob = KNOBS.get(name)
-    if knob is not None and comp.get(knob[0]) is not None:
-        value = comp[knob[0]]
-        parts.append(f"{knob[0]}={value:.3g}" if isinstance(value, float) else f"{knob[0]}={value}")
+    key = knob(name)
+    if key is not None and comp.get(key) is not None:
+        value = comp[key]
+        parts.append(f"{key}={value:.3g}" if isinstance(value, float) else f"{key}={value}")
     if strategy.get("tau") is not None:
         parts.append(f"tau={strategy['tau']}")
     return " ".join(parts)

@@ -22,7 +22,8 @@ from typing import Any
 
 __all__ = [
     "OBJECTIVES",
-    "KNOBS",
+    "knob",
+    "searchable",
     "check_search",
     "compression_space",
     "objective",
@@ -33,13 +34,26 @@ __all__ = [
 
 OBJECTIVES = ("val_acc", "pareto")
 
-#: compression name -> (its knob, the kind of values it takes)
-KNOBS: dict[str, tuple[str, str]] = {
-    **{name: ("ratio", "ratio") for name in ("topk", "randomk", "dgc", "redsync", "sidco", "sparseloco", "sketch",
-                                             "csc", "sparse_gc")},
-    "powersgd": ("rank", "rank"), "acpsgd": ("rank", "rank"),
-    "qsgd": ("levels", "levels"),
-}
+
+
+def knob(name: str) -> str | None:
+    """The parameter a search varies for compression ``name``: its class's ``search_knob``
+    (``ratio``, ``rank`` or ``levels``; the compressor registry's), None for none or an
+    unknown name."""
+    from easgd_lightning.hooks.compressors import compressor_class
+
+    try:
+        return compressor_class(name).search_knob
+    except ValueError:
+        return None
+
+
+def searchable() -> list[str]:
+    """The compressions a search may choose: every registered one but the pipeline-only
+    codecs (class attribute ``pipeline_only``)."""
+    from easgd_lightning.hooks.compressors import compressor_class, compressor_names
+
+    return [n for n in compressor_names() if not compressor_class(n).pipeline_only]
 
 
 class SearchError(ValueError):
@@ -59,8 +73,6 @@ def check_search(search: Any) -> None:
     Raises:
         SearchError: one line naming the key and what is allowed.
     """
-    from easgd_lightning.hooks import compressor_names
-
     if search is None:
         return
     if search.get("objective") not in OBJECTIVES:
@@ -69,7 +81,7 @@ def check_search(search: Any) -> None:
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0):
         raise SearchError(f"search.bytes_budget must be a number of bytes > 0 or null, got {budget!r}")
     names = list(search.get("compressions") or [])
-    allowed = [n for n in compressor_names() if n != "optimus_cc"]
+    allowed = searchable()
     bad = [n for n in names if n not in allowed]
     if not names or bad:
         raise SearchError(
@@ -87,16 +99,14 @@ def compression_space(cfg: Any, trial: Any) -> None:
     """The sweeper's ``custom_search_space``: suggest the compressor, its knob and tau."""
     search = cfg.search
     name = trial.suggest_categorical("compression", list(search.compressions))
-    knob = KNOBS.get(name)
-    if knob is not None:
-        key, kind = knob
-        if kind == "ratio":
-            lo, hi = search.ratio
-            trial.suggest_float(f"compression.{key}", float(lo), float(hi), log=True)
-        elif kind == "rank":
-            trial.suggest_categorical(f"compression.{key}", list(search.ranks))
-        else:
-            trial.suggest_categorical(f"compression.{key}", list(search.levels))
+    key = knob(name)
+    if key == "ratio":
+        lo, hi = search.ratio
+        trial.suggest_float(f"compression.{key}", float(lo), float(hi), log=True)
+    elif key == "rank":
+        trial.suggest_categorical(f"compression.{key}", list(search.ranks))
+    elif key is not None:
+        trial.suggest_categorical(f"compression.{key}", list(search.levels))
     if "tau" in cfg.strategy:
         trial.suggest_categorical("strategy.tau", list(search.taus))
 

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from easgd_lightning.cli.build import ConfigError
+from easgd_lightning.utils.errors import ConfigError
 
 __all__ = ["GroupRule", "target_path", "target_arguments", "check_group", "instantiate_group"]
 

@@ -32,10 +32,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from easgd_lightning import ft
 from easgd_lightning.cli import forkserver, launch
-from easgd_lightning.cli.build import ConfigError, validate_config
 from easgd_lightning.cli.resolvers import register_resolvers
 from easgd_lightning.cli.summary import SWEEP_JOBS as _SWEEP_JOBS
 from easgd_lightning.cli.summary import build_summary, write_summary
+from easgd_lightning.cli.validate import ConfigError, validate_config
 from easgd_lightning.cli.worker import (
     current_run_id,
     read_rank_reports,
@@ -98,7 +98,7 @@ def _share_reports(report: dict, out_dir: Path, rank: int) -> bool:
     summary to it instead of waiting for reports that never reach their own directory)."""
     import torch.distributed as dist
 
-    from easgd_lightning.cli.worker import rank_file
+    from easgd_lightning.cli.summary import rank_file
     from easgd_lightning.comm import ops
     from easgd_lightning.utils.atomic import atomic_write_json
 
@@ -158,7 +158,7 @@ def _launch_local(cfg_yaml: str, out_dir: Path, world: int, timeout_s: float, ru
 
 
 def _wait_for_rank_files(out_dir: Path, world: int, timeout_s: float) -> None:
-    from easgd_lightning.cli.worker import rank_file
+    from easgd_lightning.cli.summary import rank_file
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -311,7 +311,7 @@ def _report_wait_s(timeout_s: float) -> float:
 def _summarize_external_run(resolved: dict, out_dir: Path, rank: int, world: int, started: float,
                             wait_s: float, resume: dict | None = None) -> dict[str, Any]:
     """Write ``summary.json`` if this rank is the lowest that reported; returns it ({} if not)."""
-    from easgd_lightning.cli.worker import rank_file
+    from easgd_lightning.cli.summary import rank_file
 
     run_id = current_run_id()
     _wait_for_rank_files(out_dir, world, wait_s)

@@ -16,7 +16,6 @@ Run as ``python -m easgd_lightning.cli.worker CONFIG.yaml RUN_DIR`` by the local
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -26,6 +25,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from easgd_lightning.cli.summary import current_run_id, rank_file, read_rank_reports, report_run_id
 from easgd_lightning.utils import stop
 from easgd_lightning.utils.atomic import atomic_write_json
 from easgd_lightning.utils.procs import freeze_at_exit
@@ -35,21 +35,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-def rank_file(out_dir: str | Path, rank: int) -> Path:
-    return Path(out_dir) / "ranks" / f"rank{rank}.json"
-
-
-def current_run_id() -> str | None:
-    """This run's id: ``EASGD_RUN_ID`` (the local launcher sets it), else torchrun's
-    ``TORCHELASTIC_RUN_ID``, else SLURM's job and step ids, else None."""
-    for key in ("EASGD_RUN_ID", "TORCHELASTIC_RUN_ID"):
-        if os.environ.get(key):
-            return os.environ[key]
-    if os.environ.get("SLURM_JOB_ID"):
-        return f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', '0')}"
-    return None
 
 
 def _sweep_dir(out_dir: Path) -> Path | None:
@@ -153,84 +138,24 @@ def _train_loss_on_shard(module, dm, rank: int, world: int) -> tuple[float, int]
 def run_worker(cfg, out_dir: str | Path) -> dict:
     """Train on this rank (rank/world from the environment) and write its report."""
     import pytorch_lightning as pl
-    import torch
 
     import easgd_lightning  # noqa: F401  (registers strategy names)
-    from easgd_lightning.callbacks import (
-        CommMetricsCallback,
-        EpochPrinter,
-        FaultInjectionCallback,
-        LastFirstCheckpoint,
-        SignalStop,
-        TrainClockCallback,
-        ValHistoryCallback,
-    )
     from easgd_lightning.cli.build import build_model_and_data, build_strategy
     from easgd_lightning.cli.trainer_config import build_trainer
     from easgd_lightning.comm import reset_meter
-    from easgd_lightning.guards import NaNFaultInjection, NonFiniteLossGuard
     from easgd_lightning.utils.checkpoint_io import VerifiedCheckpointIO
     from easgd_lightning.utils.quiet import quiet_third_party
 
     quiet_third_party()
-
     out_dir = Path(out_dir)
-    from easgd_lightning import ft
-
-    ft_ctx = late = None
-    from easgd_lightning.ft.config import rejoins_natively
-
-    if ft.enabled(cfg) and rejoins_natively(cfg):  # the server re-admits restarted workers (strategies/ps/rejoin.py)
-        from easgd_lightning.ft.worker import ENV_ATTEMPT
-        from easgd_lightning.strategies.ps.rejoin import prepare_late_start
-
-        late = prepare_late_start(cfg, str(out_dir), int(os.environ.get(ENV_ATTEMPT, "0")))
-    elif ft.enabled(cfg):  # this worker is its own replica group (easgd_lightning/ft/worker.py)
-        from easgd_lightning.ft.worker import prepare
-
-        ft_ctx = prepare(cfg, str(out_dir))
+    ft_ctx, late = _prepare_ft(cfg, out_dir)
     rank = int(os.environ.get("RANK", "0"))
-    threads = cfg.get("threads_per_process") or int(os.environ.get("OMP_NUM_THREADS", "1") or 1)
-    os.environ["OMP_NUM_THREADS"] = str(threads)  # for processes this rank starts (loaders)
-    torch.set_num_threads(int(threads))
+    _set_threads(cfg)
     meter = reset_meter()
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     module, dm = build_model_and_data(cfg)
-    strategy = build_strategy(cfg)
-    if ft_ctx is not None:
-        from easgd_lightning.ft.strategies import attach
-
-        strategy = attach(strategy, ft_ctx)
-    elif ft.enabled(cfg):
-        strategy.enable_rejoin(late)
-    val_history = ValHistoryCallback()
-    train_clock = TrainClockCallback()
-    stopper = SignalStop(str(out_dir / "checkpoints") if cfg.checkpoint.enabled else None)
-    callbacks: list = [
-        stopper,
-        CommMetricsCallback(every=int(cfg.trainer.get("log_every_n_steps", 10))),
-        val_history,
-        train_clock,
-        FaultInjectionCallback(**dict(cfg.get("faults") or {})),
-        NonFiniteLossGuard(allow=bool(cfg.get("allow_nonfinite_loss", False)),
-                           explosion_factor=cfg.get("loss_explosion_factor")),
-        NaNFaultInjection(**dict(cfg.get("faults") or {})),
-    ]
-    if not cfg.trainer.get("enable_progress_bar", True):
-        callbacks.append(EpochPrinter(label=f"{cfg.strategy.name}/{cfg.compression.name}"))
-    if cfg.checkpoint.enabled:
-        callbacks.append(
-            LastFirstCheckpoint(
-                dirpath=str(out_dir / "checkpoints"),
-                filename="epoch{epoch:03d}",
-                auto_insert_metric_name=False,
-                save_last=True,
-                save_top_k=-1,
-                every_n_epochs=int(cfg.checkpoint.every_n_epochs),
-                # a restarted worker 0 replaces its first start's files (last.ckpt: the newest center)
-                enable_version_counter=late is None,
-            )
-        )
+    strategy = _with_ft(cfg, build_strategy(cfg), ft_ctx, late)
+    callbacks, stopper, val_history, train_clock = _callbacks(cfg, out_dir, late)
     trainer = build_trainer(  # every trainer key is a Trainer argument (cli/trainer_config.py)
         cfg,
         strategy=strategy,
@@ -252,6 +177,97 @@ def run_worker(cfg, out_dir: str | Path) -> dict:
         if isinstance(err, SystemExit) and not err.code:  # stopped by another rank's signal
             raise SystemExit(1) from err
         raise
+
+
+def _prepare_ft(cfg, out_dir: Path) -> tuple[Any, Any]:
+    """(ft context, late start) of this worker under ``ft=torchft`` ((None, None) without):
+    a restarted worker that a server re-admits gets a late start (strategies/ps/rejoin.py);
+    otherwise the worker is its own replica group (easgd_lightning/ft/worker.py)."""
+    from easgd_lightning import ft
+    from easgd_lightning.ft.config import rejoins_natively
+
+    if ft.enabled(cfg) and rejoins_natively(cfg):
+        from easgd_lightning.ft.worker import ENV_ATTEMPT
+        from easgd_lightning.strategies.ps.rejoin import prepare_late_start
+
+        return None, prepare_late_start(cfg, str(out_dir), int(os.environ.get(ENV_ATTEMPT, "0")))
+    if ft.enabled(cfg):
+        from easgd_lightning.ft.worker import prepare
+
+        return prepare(cfg, str(out_dir)), None
+    return None, None
+
+
+def _with_ft(cfg, strategy, ft_ctx, late):
+    """``strategy`` under ``ft=torchft``: wrapped for its replica group, or told it may be a
+    late start; as it is without ft."""
+    from easgd_lightning import ft
+
+    if ft_ctx is not None:
+        from easgd_lightning.ft.strategies import attach
+
+        return attach(strategy, ft_ctx)
+    if ft.enabled(cfg):
+        strategy.enable_rejoin(late)
+    return strategy
+
+
+def _set_threads(cfg) -> None:
+    """``threads_per_process`` (null: ``$OMP_NUM_THREADS``, else 1) torch threads, and the
+    same for the processes this rank starts (data loaders)."""
+    import torch
+
+    threads = cfg.get("threads_per_process") or int(os.environ.get("OMP_NUM_THREADS", "1") or 1)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(int(threads))
+
+
+def _callbacks(cfg, out_dir: Path, late) -> tuple[list, Any, Any, Any]:
+    """(the Trainer's callbacks, the signal stopper, the validation history, the train clock)."""
+    from easgd_lightning.callbacks import (
+        CommMetricsCallback,
+        EpochPrinter,
+        FaultInjectionCallback,
+        SignalStop,
+        TrainClockCallback,
+        ValHistoryCallback,
+    )
+    from easgd_lightning.guards import NaNFaultInjection, NonFiniteLossGuard
+
+    val_history = ValHistoryCallback()
+    train_clock = TrainClockCallback()
+    stopper = SignalStop(str(out_dir / "checkpoints") if cfg.checkpoint.enabled else None)
+    callbacks: list = [
+        stopper,
+        CommMetricsCallback(every=int(cfg.trainer.get("log_every_n_steps", 10))),
+        val_history,
+        train_clock,
+        FaultInjectionCallback(**dict(cfg.get("faults") or {})),
+        NonFiniteLossGuard(allow=bool(cfg.get("allow_nonfinite_loss", False)),
+                           explosion_factor=cfg.get("loss_explosion_factor")),
+        NaNFaultInjection(**dict(cfg.get("faults") or {})),
+    ]
+    if not cfg.trainer.get("enable_progress_bar", True):
+        callbacks.append(EpochPrinter(label=f"{cfg.strategy.name}/{cfg.compression.name}"))
+    if cfg.checkpoint.enabled:
+        callbacks.append(_checkpoint_callback(cfg, out_dir, late))
+    return callbacks, stopper, val_history, train_clock
+
+
+def _checkpoint_callback(cfg, out_dir: Path, late):
+    """Checkpoints every ``checkpoint.every_n_epochs`` into ``out_dir/checkpoints``."""
+    from easgd_lightning.callbacks import LastFirstCheckpoint
+
+    return LastFirstCheckpoint(
+        dirpath=str(out_dir / "checkpoints"),
+        filename="epoch{epoch:03d}",
+        auto_insert_metric_name=False,
+        save_last=True,
+        save_top_k=-1,
+        every_n_epochs=int(cfg.checkpoint.every_n_epochs),
+        # a restarted worker 0 replaces its first start's files (last.ckpt: the newest center)
+        enable_version_counter=late is None,
+    )
 
 
 def _failure_report(rank: int, err: BaseException, stopper) -> dict:
@@ -427,7 +443,7 @@ def worker_main(argv: list[str] | None = None) -> None:
         leave_if_quorum_pending(done.code if isinstance(done.code, int) else 1)
         raise
     except BaseException as err:  # failed before the trainer existed: still say why
-        if not rank_file(args[1], rank).exists() or _report_run_id(rank_file(args[1], rank)) != current_run_id():
+        if not rank_file(args[1], rank).exists() or report_run_id(rank_file(args[1], rank)) != current_run_id():
             atomic_write_json(rank_file(args[1], rank), {
                 "rank": rank, "run_id": current_run_id(), "status": "failed",
                 "error": f"{type(err).__name__}: {err}", "signal": None, "peer_error": False,
@@ -440,26 +456,8 @@ def worker_main(argv: list[str] | None = None) -> None:
         sys.exit(code)
 
 
-def _report_run_id(path: Path) -> str | None:
-    try:
-        return json.loads(path.read_text()).get("run_id")
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
-def read_rank_reports(out_dir: str | Path, world: int, run_id: str | None = None) -> list[dict | None]:
-    """The rank reports of ``out_dir``; with ``run_id``, a report of another run counts as missing."""
-    reports: list[dict | None] = []
-    for r in range(world):
-        path = rank_file(out_dir, r)
-        try:
-            rep = json.loads(path.read_text()) if path.exists() else None
-        except (OSError, ValueError):
-            rep = None
-        if rep is not None and run_id is not None and rep.get("run_id") != run_id:
-            rep = None
-        reports.append(rep)
-    return reports
 
 
 if __name__ == "__main__":

@@ -31,11 +31,12 @@ from typing import Any
 import torch.distributed as dist
 
 from easgd_lightning.compat import lightning as compat
+from easgd_lightning.utils.atomic import atomic_write_json
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Liveness", "CancellableWait", "SignalWatch", "SIGNAL_GRACE_S", "interruption", "LOST_KEY", "read_lost",
-           "RUN_STORE_ENV", "run_store_address", "GONE_KEY"]
+           "RUN_STORE_ENV", "run_store_address", "GONE_KEY", "write_join_record"]
 
 #: a receive must never time out: that closes the process group
 LONG_WAIT = timedelta(days=7)
@@ -364,3 +365,11 @@ class SignalWatch:
         os.close(w)
 
 
+def write_join_record(run_dir: str, rank: int, attempt: int, info: dict) -> None:
+    """A start's join (its first committed or served exchange), for the launcher: one file per
+    start (``ranks/ft/rank<R>.attempt<A>.json``: every rejoin reaches the summary, also one of a
+    start killed again later) and the rank's latest (``ranks/ft/rank<R>.json``)."""
+    record = {"rank": rank, "attempt": attempt, "pid": os.getpid(), **info}
+    folder = os.path.join(run_dir, "ranks", "ft")
+    atomic_write_json(os.path.join(folder, f"rank{rank}.attempt{attempt}.json"), record)
+    atomic_write_json(os.path.join(folder, f"rank{rank}.json"), record)

@@ -5,7 +5,7 @@ module (and :mod:`easgd_lightning.parallel.deepspeed_compat`, which does the sam
 DeepSpeed's pipeline engine) the package reads, imports and patches no private name of
 pytorch_lightning, lightning_fabric or torch.distributed. The one exception is a method a
 subclass must define under Lightning's private name to replace it; each such override is
-listed in :data:`PRIVATE_OVERRIDES`. ``tests/unit/test_compat_lightning.py`` asserts that
+listed in :data:`PRIVATE_OVERRIDES`. ``tests/unit/compat/test_compat_lightning.py`` asserts that
 each name still exists with the signature and behaviour relied on here, and that no class
 of the package overrides a private Lightning method not listed, so an upgrade that changes
 one fails there, by name, instead of hanging a distributed run. (Two torch autograd /

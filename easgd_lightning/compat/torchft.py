@@ -12,7 +12,7 @@ has passed; :func:`live_replicas` reads it (the start barrier under an external 
 ``socket.gethostname()`` and keeps its server in ``_server``: :func:`http_transport` gives it
 the worker's advertised host instead. The Manager's quorum runs on an executor thread whose
 future is ``_quorum_future`` (:func:`quorum_pending`: still inside a call to the lighthouse,
-which the interpreter's exit would wait for). ``tests/unit/test_compat_torchft.py`` checks these against the installed torchft.
+which the interpreter's exit would wait for). ``tests/unit/compat/test_compat_torchft.py`` checks these against the installed torchft.
 """
 
 from __future__ import annotations

@@ -70,8 +70,8 @@ def check_ft(cfg: Any, world: int) -> None:
         ConfigError: one line naming the ``ft.`` key (or the option ``ft=torchft`` cannot
             serve) and what is allowed.
     """
-    from easgd_lightning.cli.build import ConfigError
     from easgd_lightning.ft import FT_NAMES
+    from easgd_lightning.utils.errors import ConfigError
 
     ft = cfg.get("ft") or {}
     name = ft.get("name", "none")
@@ -140,7 +140,7 @@ def check_ft(cfg: Any, world: int) -> None:
 def _check_common(ft: Any, workers: int, quorum: bool = True) -> None:
     """The keys every ``ft=torchft`` run reads (``workers``: how many may be restarted;
     ``quorum``: torchft's quorum decides who takes part, not a parameter server)."""
-    from easgd_lightning.cli.build import ConfigError
+    from easgd_lightning.utils.errors import ConfigError
 
     mr = ft.get("min_replicas", 1)
     if not is_int(mr) or not 1 <= mr <= workers:

@@ -84,8 +84,8 @@ def placement(cfg: Any, env: dict[str, str]) -> Placement:
     Raises:
         ConfigError: one line naming the key or the launcher option to change.
     """
-    from easgd_lightning.cli.build import ConfigError
     from easgd_lightning.ft.config import rejoins_natively
+    from easgd_lightning.utils.errors import ConfigError
 
     ft, world = cfg.ft, _world(cfg)
     if rejoins_natively(cfg):
@@ -127,7 +127,7 @@ def check_own_launcher(cfg: Any) -> None:
     Raises:
         ConfigError: one line.
     """
-    from easgd_lightning.cli.build import ConfigError
+    from easgd_lightning.utils.errors import ConfigError
 
     if cfg.ft.get("replica_id") is not None:
         raise ConfigError("ft.replica_id: only under torchrun (one torchrun per worker); easgd-train's own launcher "
@@ -144,7 +144,7 @@ def _wait_answering(address: str, bound_s: float) -> bool:
 
 
 def _no_lighthouse(key: str, bound_s: float):
-    from easgd_lightning.cli.build import ConfigError
+    from easgd_lightning.utils.errors import ConfigError
 
     return ConfigError(f"{key}: nothing answers there within {bound_s:.0f}s (ft.quorum_timeout_s); start it first "
                        "(python -m easgd_lightning.ft.lighthouse), or check the address")
@@ -231,7 +231,7 @@ def torchrun_record(rank: int, rep: dict | None) -> dict:
 
 
 def _merge_torchrun(cfg: Any, resolved: dict, out_dir: Path, p: Placement, wait_s: float, started: float) -> dict:
-    from easgd_lightning.cli.worker import current_run_id, read_rank_reports
+    from easgd_lightning.cli.summary import current_run_id, read_rank_reports
 
     deadline = time.monotonic() + wait_s
     while True:  # no run-id filter: each torchrun has its own (the module doc: earlier reports removed)
@@ -265,9 +265,9 @@ def _published_lighthouse(ft_dir: Path, run_id: str | None, bound_s: float) -> s
 
 
 def _slurm_task(cfg: Any, resolved: dict, out_dir: Path, p: Placement) -> dict:
-    from easgd_lightning.cli.build import ConfigError
-    from easgd_lightning.cli.worker import current_run_id
+    from easgd_lightning.cli.summary import current_run_id
     from easgd_lightning.ft.lighthouse import LighthouseProcess
+    from easgd_lightning.utils.errors import ConfigError
 
     ft, run_id, started = cfg.ft, current_run_id(), time.time()
     ft_dir = out_dir / "ranks" / "ft"
@@ -321,7 +321,7 @@ def _supervise_worker(cfg: Any, resolved: dict, out_dir: Path, p: Placement, add
     from omegaconf import OmegaConf
 
     from easgd_lightning.cli import launch as L
-    from easgd_lightning.cli.worker import read_rank_reports
+    from easgd_lightning.cli.summary import read_rank_reports
     from easgd_lightning.utils.atomic import atomic_write_text
 
     cfg_file = out_dir / "ranks" / "ft" / f"config{p.replica}.yaml"
@@ -392,7 +392,7 @@ def _task_records(ft_dir: Path, tasks: int, run_id: str | None, bound_s: float) 
 
 def _merge_records(cfg: Any, resolved: dict, out_dir: Path, world: int, records: list[dict], address: str,
                    run_id: str | None, started: float, lighthouse_lost: bool) -> dict:
-    from easgd_lightning.cli.worker import read_rank_reports
+    from easgd_lightning.cli.summary import read_rank_reports
 
     reports = read_rank_reports(out_dir, world, run_id)
     return _write_summary(cfg, resolved, out_dir, reports, records, address, run_id, started, lighthouse_lost)

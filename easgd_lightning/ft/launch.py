@@ -473,8 +473,7 @@ def train_local_ft(cfg: Any, resolved: dict, cfg_yaml: str, out_dir: Path, world
                    run_id: str, signals: L.LauncherSignals, start_method: str, preload: list[str]) -> dict:
     """``easgd-train``'s local run under ``ft=torchft``: launch, merge the reports, write
     summary.json (its ``ft`` part: :func:`ft_summary`); returns the summary."""
-    from easgd_lightning.cli.summary import write_summary
-    from easgd_lightning.cli.worker import read_rank_reports
+    from easgd_lightning.cli.summary import read_rank_reports, write_summary
     from easgd_lightning.utils.atomic import atomic_write_text
 
     cfg_file = out_dir / "ranks" / "config.yaml"

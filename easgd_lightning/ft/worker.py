@@ -45,12 +45,11 @@ import torch
 
 from easgd_lightning.compat.torchft import quorum_id, quorum_pending, quorum_ranks
 from easgd_lightning.utils import stop
-from easgd_lightning.utils.atomic import atomic_write_json
 
 log = logging.getLogger(__name__)
 
 __all__ = ["FTContext", "FTSession", "NoPeerToRecover", "prepare", "current", "failure_fields", "replica_name",
-           "tensor_bytes", "write_join_record"]
+           "tensor_bytes"]
 
 #: the launcher sets these for every worker under ft=torchft
 ENV_ATTEMPT = "EASGD_FT_ATTEMPT"
@@ -183,17 +182,9 @@ class FTContext:
 
     def mark_joined(self, info: dict) -> None:
         """Tell the launcher this start has committed its first exchange (and its pid)."""
+        from easgd_lightning.comm.liveness import write_join_record
+
         write_join_record(self.run_dir, self.rank, self.attempt, {"started_at": self.started, **info})
-
-
-def write_join_record(run_dir: str, rank: int, attempt: int, info: dict) -> None:
-    """A start's join (its first committed or served exchange), for the launcher: one file per
-    start (``ranks/ft/rank<R>.attempt<A>.json``: every rejoin reaches the summary, also one of a
-    start killed again later) and the rank's latest (``ranks/ft/rank<R>.json``)."""
-    record = {"rank": rank, "attempt": attempt, "pid": os.getpid(), **info}
-    folder = os.path.join(run_dir, "ranks", "ft")
-    atomic_write_json(os.path.join(folder, f"rank{rank}.attempt{attempt}.json"), record)
-    atomic_write_json(os.path.join(folder, f"rank{rank}.json"), record)
 
 
 def prepare(cfg: Any, run_dir: str) -> FTContext:

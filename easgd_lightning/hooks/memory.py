@@ -20,6 +20,7 @@ import torch
 
 from easgd_lightning.hooks.compressors._native import add_into
 from easgd_lightning.hooks.compressors.base import offer_residual, take_residual_written
+from easgd_lightning.utils.checkpoint import register_state_object
 from easgd_lightning.utils.checks import check_float
 
 __all__ = ["Memory", "ResidualMemory", "NoMemory", "make_memory"]
@@ -49,10 +50,12 @@ class Memory:
         pass
 
 
+@register_state_object
 class NoMemory(Memory):
     """No error feedback: the compressor's error is dropped."""
 
 
+@register_state_object
 class ResidualMemory(Memory):
     """Keeps e = compensated - transmitted per key and adds it to the next input.
 

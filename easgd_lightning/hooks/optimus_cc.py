@@ -382,6 +382,7 @@ class OptimusCCCompressor(Compressor):
 
     name = "optimus_cc"
     aggregation = "allgather"
+    pipeline_only = True
 
     def __init__(
         self,

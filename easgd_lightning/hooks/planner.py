@@ -55,6 +55,7 @@ from easgd_lightning.comm import ops
 from easgd_lightning.utils.checks import check_choice, check_int
 
 __all__ = [
+    "NO_PLAN",
     "PLANS",
     "Line",
     "fit_line",
@@ -72,7 +73,9 @@ __all__ = [
 ]
 
 #: ``compression.plan`` values: ``none`` (the fixed ``min_numel`` policy) or ``secopa``
-PLANS = ("none", "secopa")
+#: ``compression.plan`` of no planning (the ``min_numel`` policy)
+NO_PLAN = "none"
+PLANS = (NO_PLAN, "secopa")
 
 #: meter kind of the planner's probes (kept apart from the training traffic)
 PLAN_KIND = "plan"

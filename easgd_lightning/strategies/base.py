@@ -32,6 +32,7 @@ What the base provides:
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -57,6 +58,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "CenterStrategy",
+    "optimizer_steps_per_epoch",
     "flatten",
     "unflatten_into",
     "check_moving_rate",
@@ -149,6 +151,14 @@ def check_one_optimizer(strategy: Any, count: int) -> None:
         )
 
 
+def optimizer_steps_per_epoch(trainer) -> int | None:
+    """ceil(training batches / accumulate_grad_batches), None when the epoch length is unknown."""
+    batches = getattr(trainer, "num_training_batches", None)
+    if batches is None or not math.isfinite(batches) or batches <= 0:
+        return None
+    return math.ceil(int(batches) / max(1, int(getattr(trainer, "accumulate_grad_batches", 1))))
+
+
 class CenterStrategy(DDPStrategy):
     """Base of the strategies whose deliverable is a center variable.
 
@@ -171,6 +181,18 @@ class CenterStrategy(DDPStrategy):
     #: why ``easgd_lightning.fabric`` refuses the strategy, in one clause (None: it runs
     #: under Lightning Fabric, its exchange driven by a hand-written loop's optimizer step)
     fabric_refusal: str | None = None
+    #: alpha = lr * rho from the optimizer's lr: checked with optim.lr before launch
+    #: (:meth:`check_optimizer_lr`)
+    alpha_from_lr = False
+
+    @classmethod
+    def check_optimizer_lr(cls, options: Any, world_size: int, lr: float) -> None:
+        """Raise ValueError (one line naming the key) when the strategy options ``options``
+        (``alpha``, ``beta``, ``rho``) give no valid alpha with the optimizer's ``lr`` on
+        ``world_size`` workers; nothing to check unless ``alpha_from_lr``."""
+        if cls.alpha_from_lr:
+            elastic.resolve_alpha(world_size=world_size, alpha=options.get("alpha"), beta=options.get("beta"),
+                                  rho=options.get("rho"), lr=lr)
 
     def __init__(self, *, compression: Any = None, comm: Any = None, **kwargs: Any) -> None:
         reject_unknown_kwargs(self, kwargs, DDPStrategy)  # no DDP wrapper would read them
@@ -262,8 +284,6 @@ class CenterStrategy(DDPStrategy):
     def on_train_start(self) -> None:
         """The compressor learns it serves an elastic exchange (DGC: no gradient rules, its
         warm-up in this rank's optimizer steps and the Trainer's epochs)."""
-        from easgd_lightning.strategies.ddp import optimizer_steps_per_epoch  # (ddp imports base)
-
         super().on_train_start()
         self.bind_compressor(optimizer_steps_per_epoch(self.lightning_module.trainer))
 

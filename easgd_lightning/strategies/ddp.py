@@ -16,7 +16,6 @@ bucket inside the node first (dense hook; not with a compressor).
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import torch.distributed as dist
@@ -28,21 +27,13 @@ from typing_extensions import override
 from easgd_lightning.comm import ops
 from easgd_lightning.compat.lightning import PATH, process_group_timeout
 from easgd_lightning.hooks.ddp import check_allreduce, register_compression_hook
-from easgd_lightning.strategies.base import comm_layout_for, open_comm
+from easgd_lightning.strategies.base import comm_layout_for, open_comm, optimizer_steps_per_epoch
 from easgd_lightning.strategies.registry import register_strategy, reject_unknown_kwargs
 from easgd_lightning.utils.checkpoint import check_saved_world_size
 
 log = logging.getLogger(__name__)
 
 __all__ = ["CompressedDDPStrategy", "CompressedDDPMixin", "optimizer_steps_per_epoch"]
-
-
-def optimizer_steps_per_epoch(trainer) -> int | None:
-    """ceil(training batches / accumulate_grad_batches), None when the epoch length is unknown."""
-    batches = getattr(trainer, "num_training_batches", None)
-    if batches is None or not math.isfinite(batches) or batches <= 0:
-        return None
-    return math.ceil(int(batches) / max(1, int(getattr(trainer, "accumulate_grad_batches", 1))))
 
 
 class CompressedDDPMixin:
@@ -128,7 +119,12 @@ class CompressedDDPStrategy(CompressedDDPMixin, DDPStrategy):
     """
 
     strategy_name = "ddp_compressed"
+    #: the Hydra option (conf/strategy/ddp.yaml, strategy.name=ddp): Lightning's "ddp" stays its own
+    config_name = "ddp"
     min_world_size = 1
+    #: the compressor runs in the DDP gradient hook: on the gradients of trainable
+    #: parameters, with the SeCoPa planner (compression.plan) there
+    gradient_hook = True
 
     def __init__(
         self, compression: Any = None, hook_options: dict | None = None, comm: Any = None, **kwargs: Any
@@ -152,7 +148,7 @@ class CompressedDDPStrategy(CompressedDDPMixin, DDPStrategy):
         """Register our compression hook on the DDP model, on every device (Lightning's own
         step registers hooks on CUDA only). Overrides a private Lightning step by name:
         :data:`~easgd_lightning.compat.lightning.DDP_HOOKS_STEP`, checked by
-        ``tests/unit/test_compat_lightning.py``."""
+        ``tests/unit/compat/test_compat_lightning.py``."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         self._register_hook(self.model, getattr(trainer, "default_root_dir", None))
         if self._resume_rank_state is not None:

@@ -148,6 +148,13 @@ class Pipeline3DStrategy(DDPStrategy):
 
     strategy_name = "pipeline_3d"
     min_world_size = 1
+    #: what the CLI checks before launch (strategies/registry.py, StrategySpec): the model's
+    #: pipeline form, fp32 (setup refuses other precision plugins), a checkpoint directory
+    #: of per-stage shards completed by meta.pt; the fork server imports DeepSpeed once
+    module_method = ("configure_pipeline", "pipeline form", "use model=gpt_tiny or a recipe=nlp3d/... recipe")
+    required_precision = ("32-true", "fp32")
+    checkpoint_index = _META
+    preload_modules = ("easgd_lightning.parallel.engine",)
     supports_final_validate = True
     #: why ``easgd_lightning.fabric`` refuses it
     fabric_refusal = (

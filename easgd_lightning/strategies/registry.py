@@ -21,6 +21,8 @@ __all__ = [
     "StrategySpec",
     "StrategyProtocol",
     "register_strategy",
+    "config_strategy_spec",
+    "strategy_modules",
     "strategy_spec",
     "strategy_specs",
     "strategy_names",
@@ -44,6 +46,19 @@ class StrategySpec:
             config gives; ``name`` aside).
         min_world_size: the fewest processes the strategy runs with.
         description: the first line of the class docstring.
+        config_name: the Hydra option (``conf/strategy/<config_name>.yaml``) and the
+            ``strategy.name`` it sets, where it differs from ``name`` (class attribute
+            ``config_name``; Lightning's own ``ddp`` keeps its name, ours is ``ddp_compressed``).
+        module_method: ``(method, what it is, the fix)``: a LightningModule method the
+            strategy needs (class attribute ``module_method``; None: none), refused before
+            launch for a model without it.
+        required_precision: ``(trainer.precision, its short name)``: the one precision it
+            runs in (class attribute ``required_precision``; None: any).
+        checkpoint_index: the file that makes a checkpoint directory complete, for a
+            strategy that checkpoints a directory of shards (class attribute
+            ``checkpoint_index``; None: one Lightning checkpoint file).
+        preload: modules the launcher's fork server imports once before forking the ranks
+            (class attribute ``preload_modules``; e.g. DeepSpeed's).
     """
 
     name: str
@@ -51,6 +66,11 @@ class StrategySpec:
     options: tuple[str, ...]
     min_world_size: int
     description: str
+    config_name: str = ""
+    module_method: tuple[str, str, str] | None = None
+    required_precision: tuple[str, str] | None = None
+    checkpoint_index: str | None = None
+    preload: tuple[str, ...] = ()
 
 
 @runtime_checkable
@@ -111,6 +131,11 @@ def register_strategy(name: str, *, options: Iterable[str] | None = None) -> Cal
             options=keys,
             min_world_size=int(getattr(cls, "min_world_size", 1)),
             description=_first_doc_line(cls),
+            config_name=getattr(cls, "config_name", None) or name,
+            module_method=getattr(cls, "module_method", None),
+            required_precision=getattr(cls, "required_precision", None),
+            checkpoint_index=getattr(cls, "checkpoint_index", None),
+            preload=tuple(getattr(cls, "preload_modules", ())),
         )
         return cls
 
@@ -124,9 +149,25 @@ def _register_self(cls: type, registry: Any) -> None:
         registry.register(cls.strategy_name, cls, description=_first_doc_line(cls))
 
 
+def strategy_modules() -> list[str]:
+    """The modules of the strategies package, by their files (``strategies/*.py`` and its
+    subpackages): where a strategy class registers itself. A new strategy is a new module
+    here; no list names it."""
+    import pkgutil
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    prefix = __name__.rsplit(".", 1)[0] + "."
+    return sorted(m.name for m in pkgutil.walk_packages([str(here)], prefix) if m.name != __name__)
+
+
 def _load() -> None:
-    """Import the strategy modules (their decorators fill the registry)."""
-    import easgd_lightning.strategies  # noqa: F401
+    """Import the strategy modules (their decorators fill the registry): found by their files
+    (:func:`strategy_modules`), not imported by name, so this module imports no strategy."""
+    import importlib
+
+    for name in strategy_modules():
+        importlib.import_module(name)
 
 
 def strategy_specs() -> dict[str, StrategySpec]:
@@ -150,6 +191,17 @@ def strategy_spec(name: Any) -> StrategySpec:
     if name not in specs:
         raise ValueError(f"strategy.name={name!r} is unknown; choose one of {', '.join(specs)}")
     return specs[name]
+
+
+def config_strategy_spec(name: Any) -> StrategySpec:
+    """The strategy a config's ``strategy.name`` names: its Hydra option name
+    (:attr:`StrategySpec.config_name`) or its registered name.
+
+    Raises:
+        ValueError: ``strategy.name=...: unknown; choose one of ...`` (one line).
+    """
+    by_config = {spec.config_name: spec for spec in strategy_specs().values()}
+    return by_config[name] if name in by_config else strategy_spec(name)
 
 
 def check_options(name: str, keys: Iterable[str]) -> None:

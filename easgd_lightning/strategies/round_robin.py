@@ -48,6 +48,7 @@ class RoundRobinEASGDStrategy(CenterStrategy):
     """
 
     strategy_name = "easgd_round_robin"
+    alpha_from_lr = True
 
     def __init__(
         self,

@@ -73,6 +73,7 @@ class SyncEASGDStrategy(CenterStrategy):
 
     strategy_name = "sync_easgd"
     hierarchical = True
+    alpha_from_lr = True
 
     def __init__(
         self,

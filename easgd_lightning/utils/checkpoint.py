@@ -37,6 +37,7 @@ __all__ = [
     "CheckpointError",
     "to_plain",
     "from_plain",
+    "register_state_object",
     "content_digest",
     "save_checkpoint_file",
     "load_checkpoint_file",
@@ -58,29 +59,34 @@ class CheckpointError(ValueError):
 
 
 # ---------------------------------------------------------------------- state <-> plain
+#: NAME -> (class, to_state, from_state(state, device)): the objects besides tensors and
+#: plain data that checkpointed state may hold, registered by the modules that define them
+#: (:func:`register_state_object`; hooks/memory.py: the attach points' residual memories)
+_REGISTERED: dict[str, tuple[type, Any, Any]] = {}
+
+
+def register_state_object(cls: type) -> type:
+    """Class decorator: :func:`to_plain` / :func:`from_plain` carry instances of ``cls``
+    (built with no argument, restored with ``load_state_dict`` from its ``state_dict``)
+    under the class name."""
+    def build(state, device):
+        obj = cls()
+        obj.load_state_dict(from_plain(state, device))
+        return obj
+
+    _REGISTERED[cls.__name__] = (cls, lambda o: to_plain(o.state_dict()), build)
+    return cls
+
+
 def _object_codecs() -> dict[str, tuple[type, Any, Any]]:
-    """NAME -> (class, to_state, from_state(state, device)) for the objects attach points
-    keep in their state."""
-    from easgd_lightning.hooks.memory import NoMemory, ResidualMemory
-
-    def _memory(cls):
-        def build(state, device):
-            mem = cls()
-            mem.load_state_dict(from_plain(state, device))
-            return mem
-
-        return cls, lambda m: to_plain(m.state_dict()), build
-
+    """NAME -> (class, to_state, from_state(state, device)): the registered objects and
+    ``torch.Generator``."""
     def _generator_from(state, device):
         gen = torch.Generator(device="cpu")
         gen.set_state(state)
         return gen
 
-    return {
-        "ResidualMemory": _memory(ResidualMemory),
-        "NoMemory": _memory(NoMemory),
-        "Generator": (torch.Generator, lambda g: g.get_state().clone(), _generator_from),
-    }
+    return {**_REGISTERED, "Generator": (torch.Generator, lambda g: g.get_state().clone(), _generator_from)}
 
 
 def to_plain(obj: Any, where: str = "state") -> Any:
@@ -111,7 +117,7 @@ def to_plain(obj: Any, where: str = "state") -> Any:
             return {_OBJECT: name, "state": encode(obj)}
     raise TypeError(
         f"{where} holds a {type(obj).__module__}.{type(obj).__name__}; checkpoint state must "
-        "be tensors and plain data (add it to easgd_lightning.utils.checkpoint)"
+        "be tensors and plain data (or a class registered with easgd_lightning.utils.checkpoint.register_state_object)"
     )
 
 

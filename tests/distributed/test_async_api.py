@@ -12,7 +12,7 @@ launcher starting the other ranks (tests/distributed/scripts/async_api_run.py).
   none on the other worker or the server.
 * 5 runs side by side with a ``StepLR`` scheduler each end with exit status 0 (the
   exit-time abort, "terminate called without an active exception", exit 134, was 1 in 3);
-  the mechanism is checked deterministically in tests/unit/test_liveness_exit.py.
+  the mechanism is checked deterministically in tests/unit/comm/test_liveness_exit.py.
 """
 
 from __future__ import annotations

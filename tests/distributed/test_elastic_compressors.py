@@ -6,7 +6,7 @@ exchanges' dense bytes must be those of the flat buffer, and where it is cheap t
 are checked against a reference: GComp's lossless mode gives the uncompressed run's center,
 ACP-SGD sends one factor per exchange (P, then Q), and DGC under an elastic strategy has no
 momentum (its u stays 0, the optimizer keeps its own) and warms up over the Trainer's epochs
-counted in optimizer steps. (``sgc`` is refused by both strategies: tests/unit/test_sgc.py.)
+counted in optimizer steps. (``sgc`` is refused by both strategies: tests/unit/hooks/compressors/test_sgc.py.)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Real gloo processes: compression.two_way's reduce-scatter of compressed shards (an
 all-to-all) and all-gather of the owners' shards give every rank the same result, that of
-the single-process reference of tests/unit/test_two_way.py, and the meter counts what the
+the single-process reference of tests/unit/hooks/compressors/test_two_way.py, and the meter counts what the
 all-to-all really moved: the pieces for the other owners (their lengths as headers), then
 this rank's shard payload."""
 
@@ -13,7 +13,7 @@ import torch
 
 from easgd_lightning.hooks import build_compressor
 from tests.helpers import launch_ranks
-from tests.unit.test_two_way import grads_for, reference, topk_reference
+from tests.unit.hooks.compressors.test_two_way import grads_for, reference, topk_reference
 
 SCRIPT = Path(__file__).parent / "scripts" / "two_way_run.py"
 N, STEPS = 1001, 5  # 1001 = 3 * 333 + 2: uneven shards on 2, 3 and 4 ranks

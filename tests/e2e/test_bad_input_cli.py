@@ -1,7 +1,7 @@
 """Bad input through the real ``easgd-train``: exit status 2, exactly one
 ``easgd-train: error:`` line naming the key, no traceback, no worker started.
 
-The full table of cases runs in-process in tests/unit/test_validation.py; these are one
+The full table of cases runs in-process in tests/unit/cli/test_validation.py; these are one
 of each kind: an unknown key (checked before Hydra composes), a value, what the module
 built on the meta device cannot do, and a sweep with an unknown group option.
 """
@@ -21,7 +21,7 @@ from tests.helpers import one_error_line as _one_error_line
 CASES = [
     (["+trainer.max_epocs=3"], "trainer.max_epocs: unknown key; did you mean trainer.max_epochs?"),
     (["optim.lr=-1"], "optim.lr: must be a number > 0, got -1"),
-    (["model=gpt_tiny", "model.builder=tests.unit.test_validation:two_optimizers", "strategy=sync_easgd"],
+    (["model=gpt_tiny", "model.builder=tests.unit.cli.test_validation:two_optimizers", "strategy=sync_easgd"],
      "model=gpt: configure_optimizers returns 2 optimizers; strategy=sync_easgd drives exactly 1"),
     # issue 31 item 5: a traceback (TypeError; an embedding index error in every worker), a
     # failure after the workers started, and Hydra's 3 lines before the clear one
@@ -33,6 +33,8 @@ CASES = [
     (["faults.crash_at_step=2"], "faults.crash_at_step: set faults.crash_rank too"),
     (["strategy=async_easgd", "trainer.devices=3", "faults.crash_rank=2", "faults.crash_at_step=2"],
      "faults.crash_rank: rank 2 is strategy=async_easgd's parameter server, which never takes a training step"),
+    (["strategy=async_sgd", "trainer.devices=5", "strategy.servers=3"],
+     "strategy.servers=3: async_sgd needs at most as many servers as workers; 5 processes give 2 workers"),
 ]
 
 

@@ -103,7 +103,7 @@ def test_resume_reaches_the_same_train_loss(tmp_path: Path) -> None:
     assert resumed["val_acc"] == full["val_acc"]
 
 
-# bad input: in-process in tests/unit/test_validation.py; the CLI itself (exit 2, one line,
+# bad input: in-process in tests/unit/cli/test_validation.py; the CLI itself (exit 2, one line,
 # no worker): tests/e2e/test_bad_input_cli.py
 
 

@@ -119,4 +119,4 @@ def test_dgc_warmup_epochs_and_its_own_momentum_through_the_trainer(tmp_path: Pa
         assert 0.7 * nominal < sent < 1.4 * nominal, (sent, nominal)
 
 
-# bad compression values: in-process in tests/unit/test_validation.py
+# bad compression values: in-process in tests/unit/cli/test_validation.py

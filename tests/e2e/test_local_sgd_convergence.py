@@ -60,8 +60,8 @@ def test_local_sgd_converges_on_digits(tmp_path: Path, case: str) -> None:
         assert s["comm"]["by_kind"]["model_averaging"]["time_s"] > 0
 
 
-# bad options: on the constructor in tests/unit/test_local_sgd_rules.py, through the config
-# in tests/unit/test_validation.py (in-process, as the CLI checks them before any process)
+# bad options: on the constructor in tests/unit/strategies/test_local_sgd_rules.py, through the config
+# in tests/unit/cli/test_validation.py (in-process, as the CLI checks them before any process)
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ def test_all_recipes_listed():
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_composes_and_validates(name):
-    from easgd_lightning.cli.build import validate_config
+    from easgd_lightning.cli.validate import validate_config
 
     cfg = compose([f"recipe=nlp3d/{name}"])
     assert cfg.strategy.name == "pipeline_3d"
@@ -35,7 +35,7 @@ def test_recipe_composes_and_validates(name):
 
 
 # bad layouts (pp * tp * dp, pp > n_layer, tp not dividing n_head) fail before any process:
-# tests/unit/test_validation.py
+# tests/unit/cli/test_validation.py
 
 
 @pytest.mark.slow

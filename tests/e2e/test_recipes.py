@@ -109,7 +109,7 @@ def test_recipe_composes_with_the_papers_values(recipe: str) -> None:
 @pytest.mark.parametrize("strategy", ["ddp", "sync_easgd", "easgd_round_robin"])
 def test_recipe_composes_with_any_strategy(strategy: str) -> None:
     """Recipes carry no strategy-specific keys, so strategy sweeps over a recipe validate."""
-    from easgd_lightning.cli.build import validate_config
+    from easgd_lightning.cli.validate import validate_config
 
     cfg = _compose(["recipe=imagenet/googlenet_knl", f"strategy={strategy}", "data.synthetic=true",
                     "trainer.devices=2"])
@@ -146,7 +146,7 @@ def test_slurm_launcher_configs(launcher: str, gpus: int | None) -> None:
 
 
 def test_missing_data_root_is_a_config_error() -> None:
-    from easgd_lightning.cli.build import ConfigError, validate_config
+    from easgd_lightning.cli.validate import ConfigError, validate_config
 
     with pytest.raises(ConfigError, match=r"data\.root is not set.*train/<class>/<image>"):
         validate_config(_compose(["recipe=imagenet/alexnet_gpu", "trainer.accelerator=cpu", "trainer.devices=2"]))
@@ -155,7 +155,7 @@ def test_missing_data_root_is_a_config_error() -> None:
 def test_bad_data_root_is_a_config_error(tmp_path: Path) -> None:
     """In-process, as easgd-train checks it before any process (the CLI's exit 2 and single
     line for a value error: tests/e2e/test_bad_input_cli.py)."""
-    from easgd_lightning.cli.build import ConfigError, validate_config
+    from easgd_lightning.cli.validate import ConfigError, validate_config
 
     with pytest.raises(ConfigError) as err:
         validate_config(_compose(["recipe=imagenet/alexnet_knl", f"data.root={tmp_path / 'nope'}"]))

@@ -178,7 +178,7 @@ def test_cli_refuses_bad_resume_before_launch(tmp_path: Path, ddp_checkpoint: Pa
             data = data[: len(data) // 3]
         path.write_bytes(bytes(data))
     if damage != "corrupt":  # in-process: the check easgd-train runs before launch
-        from easgd_lightning.cli.build import ConfigError, validate_config
+        from easgd_lightning.cli.validate import ConfigError, validate_config
 
         with pytest.raises(ConfigError) as err:
             validate_config(compose([*COMMON, *overrides, f"checkpoint.resume={path}"]))

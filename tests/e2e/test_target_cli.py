@@ -1,5 +1,5 @@
 """A user's own strategy class through the real CLI: ``strategy._target_`` names a subclass
-(defined in tests/unit/test_targets.py) in a config directory of one's own
+(defined in tests/unit/cli/test_targets.py) in a config directory of one's own
 (``hydra.searchpath``), with an argument of its own; two ranks train on digits and the
 summary shows that this class ran, with the user's value."""
 
@@ -15,7 +15,7 @@ def test_a_users_strategy_subclass_runs_through_the_cli(tmp_path: Path) -> None:
     (conf / "strategy").mkdir(parents=True)
     (conf / "strategy" / "noted.yaml").write_text(
         "defaults:\n  - sync_easgd\n  - _self_\n"
-        "_target_: tests.unit.test_targets.NotedSyncEASGD\n"
+        "_target_: tests.unit.cli.test_targets.NotedSyncEASGD\n"
         "note: lab-7\n"
     )
     summary = train_summary(
@@ -26,5 +26,5 @@ def test_a_users_strategy_subclass_runs_through_the_cli(tmp_path: Path) -> None:
     assert summary["strategy"] == "sync_easgd" and summary["world_size"] == 2  # the name stays
     extras = summary["extras"]
     assert [e.get("note") for e in extras] == ["lab-7", "lab-7"]  # the subclass ran, on both ranks
-    assert summary["config"]["strategy"]["_target_"] == "tests.unit.test_targets.NotedSyncEASGD"
+    assert summary["config"]["strategy"]["_target_"] == "tests.unit.cli.test_targets.NotedSyncEASGD"
     assert summary["steps_per_rank"] == [4, 4]

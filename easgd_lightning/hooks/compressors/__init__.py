@@ -55,6 +55,7 @@ __all__ = [
     "FP16Compressor",
     "GCompCompressor",
     "LGCCompressor",
+    "NO_COMPRESSION",
     "NoneCompressor",
     "Payload",
     "PowerSGDCompressor",
@@ -75,6 +76,9 @@ __all__ = [
     "register_compressor",
     "tensor_bytes",
 ]
+
+#: ``compression.name`` of no compression (the strategies' own dense exchange)
+NO_COMPRESSION = NoneCompressor.name
 
 #: config name -> class
 COMPRESSORS: dict[str, type[Compressor]] = {}

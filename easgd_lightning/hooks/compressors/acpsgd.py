@@ -59,6 +59,7 @@ class ACPSGDCompressor(PowerSGDCompressor):
     """
 
     name = "acpsgd"
+    search_knob = "rank"
     aggregation = "allreduce"
     exchange_rounds = 1  # P or Q, alternating by step
     default_memory = True

@@ -229,6 +229,14 @@ class Compressor(ABC):
     #: rank; a worker that joins a running training (``ft=torchft``) starts them empty, as
     #: it starts the attach point's residual memory, instead of counting a peer's twice.
     worker_state: ClassVar[tuple[str, ...]] = ()
+    #: the parameter a compression search varies (cli/search.py): ``ratio`` (log-uniform in
+    #: ``search.ratio``), ``rank`` (one of ``search.ranks``), ``levels`` (one of
+    #: ``search.levels``); None: the search varies nothing of it
+    search_knob: ClassVar[str | None] = None
+    #: True for a codec only a pipeline strategy applies (Optimus-CC: strategy=pipeline_3d
+    #: reads its settings): no search chooses it, and the attach points' ``min_numel`` rule
+    #: does not describe where it engages
+    pipeline_only: ClassVar[bool] = False
 
     def __init__(self, *, min_numel: int | None = None, memory: bool | None = None) -> None:
         self.min_numel = DEFAULT_MIN_NUMEL if min_numel is None else check_int("compression.min_numel", min_numel, 0)

@@ -68,6 +68,7 @@ class CSCCompressor(Compressor):
     """
 
     name = "csc"
+    search_knob = "ratio"
     aggregation = "allreduce"
     exchange_rounds = 2  # the chunk scores, then the chosen chunks
     default_memory = True

@@ -255,6 +255,7 @@ class DGCCompressor(SparseCompressor):
     """
 
     name = "dgc"
+    search_knob = "ratio"
     default_memory = False
     allows_memory = False  # v, the accumulated velocity, is DGC's residual
     worker_state = ("u", "v")  # momentum correction and accumulation: this worker's own

@@ -138,6 +138,7 @@ class PowerSGDCompressor(Compressor):
     """
 
     name = "powersgd"
+    search_knob = "rank"
     aggregation = "allreduce"
     exchange_rounds = 2  # P, then Q
     default_memory = True

@@ -310,6 +310,7 @@ class QSGDCompressor(Compressor):
     """
 
     name = "qsgd"
+    search_knob = "levels"
     aggregation = "allgather"
     default_memory = False
 

@@ -102,6 +102,7 @@ class RandomKCompressor(Compressor):
     """
 
     name = "randomk"
+    search_knob = "ratio"
     aggregation = "allreduce"
     default_memory = True
 

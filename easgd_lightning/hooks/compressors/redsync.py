@@ -180,6 +180,7 @@ class RedSyncCompressor(SparseCompressor):
     """
 
     name = "redsync"
+    search_knob = "ratio"
 
     def __init__(
         self,

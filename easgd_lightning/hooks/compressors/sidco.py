@@ -271,6 +271,7 @@ class SIDCoCompressor(SparseCompressor):
     """
 
     name = "sidco"
+    search_knob = "ratio"
 
     def __init__(
         self,

@@ -158,6 +158,7 @@ class SketchCompressor(Compressor):
     """
 
     name = "sketch"
+    search_knob = "ratio"
     aggregation = "allreduce"
     exchange_rounds = 2  # the bitmap OR, then the sketch sum
     default_memory = True

@@ -67,6 +67,7 @@ class SparseGCCompressor(SparseCompressor):
     """
 
     name = "sparse_gc"
+    search_knob = "ratio"
     default_memory = False
     allows_memory = False  # v, the accumulated delayed gradient, is the residual
     worker_state = ("u", "v")  # (M, the global momentum, is the same on every rank)

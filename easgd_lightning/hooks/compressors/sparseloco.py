@@ -60,6 +60,7 @@ class SparseLoCoCompressor(TopKCompressor):
     """
 
     name = "sparseloco"
+    search_knob = "ratio"
 
     def compress(self, tensor: torch.Tensor, state: dict) -> Payload:
         flat = tensor.reshape(-1)

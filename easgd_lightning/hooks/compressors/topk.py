@@ -72,6 +72,7 @@ class TopKCompressor(SparseCompressor):
     """
 
     name = "topk"
+    search_knob = "ratio"
 
     def __init__(
         self,

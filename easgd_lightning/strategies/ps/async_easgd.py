@@ -29,6 +29,11 @@ in :mod:`easgd_lightning.strategies.ps.rules`):
   so the optimizer must be ``torch.optim.SGD`` with momentum 0 or mu (refused otherwise);
   over momentum 0 it warns once (rank 0) that it applies mu.
 
+``servers=S`` (all four): the center is cut into S contiguous shards, held by the last S
+ranks, one each (:mod:`easgd_lightning.strategies.ps.shards`); a worker sends shard j of
+every push to server j, all S in flight together, and each server applies the rule above
+to its shard.
+
 The machinery (dedicated server rank, liveness, stopping, checkpoints) is
 :class:`~easgd_lightning.strategies.ps.strategy.AsyncCenterStrategy`'s.
 """
@@ -43,7 +48,7 @@ from easgd_lightning.strategies.registry import register_strategy
 __all__ = ["AsyncEASGDStrategy", "AsyncMEASGDStrategy", "AsyncSGDStrategy", "AsyncMSGDStrategy"]
 
 _COMMON = ("stop_policy", "max_time_s", "worker_timeout_s", "heartbeat_s", "checkpoint_every_s",
-           "checkpoint_path", "server")
+           "checkpoint_path", "server", "servers")
 
 
 @register_strategy("async_easgd")
@@ -55,6 +60,8 @@ class AsyncEASGDStrategy(AsyncCenterStrategy):
         alpha: moving rate in (0, 1); or ``beta`` (= p * alpha over the p workers) or ``rho``
             (alpha = lr * rho). Default beta = 0.9.
         server: ``"dedicated"`` (the last rank serves; the only mode).
+        servers: S >= 1 servers, the last S ranks, server j holding the j-th contiguous shard
+            of the center (:mod:`~easgd_lightning.strategies.ps.shards`); at most the workers.
         stop_policy: ``"first"`` (stop everyone when the first worker finishes) or ``"all"``.
         max_time_s: optional wall-clock budget per worker.
         worker_timeout_s: heartbeat silence after which a rank is dead (default min(30, timeout/2)).

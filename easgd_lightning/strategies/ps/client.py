@@ -31,9 +31,10 @@ from easgd_lightning.strategies.ps.protocol import (
     TAG_REQ_DATA,
     from_blob,
 )
+from easgd_lightning.strategies.ps.shards import merge_states
 from easgd_lightning.strategies.ps.transport import CenterTransport
 
-__all__ = ["ServerClient", "ServerTransport"]
+__all__ = ["ServerClient", "ServerTransport", "ShardedTransport"]
 
 
 class _Pending:
@@ -120,11 +121,13 @@ class ServerClient:
             works.append(ops.irecv(reply, self.server, kind=self.kind, tag=TAG_REP_DATA, **self._channel))
         return _Pending(works, reply_hdr, reply, (hdr, payload))
 
-    def end(self, pending: _Pending) -> torch.Tensor:
+    def end(self, pending: _Pending, meter: bool = True) -> torch.Tensor:
         """Wait for a request's reply; returns its payload (and records stop / updates).
 
         The meter gets the request's whole time, from :meth:`begin`, and as exposed only
-        this wait: between ``begin`` and ``end`` the worker computes (SC17 overlap)."""
+        this wait: between ``begin`` and ``end`` the worker computes (SC17 overlap).
+        ``meter`` False: the caller charges the time (requests to several servers in flight
+        together, :class:`ShardedTransport`)."""
         waited_from = time.perf_counter()
         try:
             for work in pending.works:
@@ -135,7 +138,8 @@ class ServerClient:
         except RuntimeError as err:
             raise self._error(err) from err
         done = time.perf_counter()
-        get_meter().add_time(self.kind, done - pending.start, exposed=done - waited_from)
+        if meter:
+            get_meter().add_time(self.kind, done - pending.start, exposed=done - waited_from)
         self.updates = int(pending.reply_hdr[1])
         self.stop = self.stop or bool(pending.reply_hdr[2])
         return pending.reply
@@ -245,3 +249,79 @@ class ServerTransport(CenterTransport):
 
     def finish(self, step: int) -> torch.Tensor:
         return self.client.finish(step)
+
+
+class ShardedTransport(CenterTransport):
+    """Worker-side exchange with S parameter servers (``strategy.servers=S``), server j
+    holding the contiguous shard ``bounds[j]`` of the flat center
+    (:mod:`~easgd_lightning.strategies.ps.shards`).
+
+    Every exchange sends shard j of the payload to server j, all S requests issued before
+    waiting on any reply (they travel in parallel, each on its own worker-server channel),
+    and concatenates the replies in shard order. A reply of each server is its rule applied
+    to its shard, so the whole reply is what one server would return, shard by shard. The
+    meter gets one time per exchange (from the first send to the last reply; exposed: the
+    wait), not S overlapping ones. Stop: once any server says so.
+
+    Args:
+        clients: one :class:`ServerClient` per server, in shard order (``like``: its shard).
+        bounds: each shard's ``[lo, hi)`` in the flat center.
+        param_ranges: each shard's parameter tensors ``[a, b)`` (the SGD rule's has-gradient
+            mask of a request carries only its shard's); None for the elastic rule.
+        n_groups: the optimizer's parameter groups (their learning rates lead the extras).
+    """
+
+    steps_locally = False
+
+    def __init__(self, clients: list[ServerClient], bounds: list[tuple[int, int]],
+                 param_ranges: list[tuple[int, int]] | None = None, n_groups: int = 0) -> None:
+        self.clients, self.bounds = clients, bounds
+        self.param_ranges, self.n_groups = param_ranges, n_groups
+        self.kind = clients[0].kind
+        self.push = None  # compressed pushes are not sharded (the strategy refuses them)
+
+    @property
+    def stop(self) -> bool:
+        return any(c.stop for c in self.clients)
+
+    def _shard_extras(self, extras: list[float] | None, j: int) -> list[float] | None:
+        if extras is None or self.param_ranges is None:
+            return extras
+        a, b = self.param_ranges[j]
+        return extras[: self.n_groups] + extras[self.n_groups + a : self.n_groups + b]
+
+    def _begin(self, op: int, payload: torch.Tensor | None, step: int, lr: float = 0.0,
+               extras: list[float] | None = None) -> tuple:
+        start = time.perf_counter()
+        pending = [c.begin(op, None if payload is None else payload[lo:hi], step, lr,
+                           extras=self._shard_extras(extras, j))
+                   for j, (c, (lo, hi)) in enumerate(zip(self.clients, self.bounds))]
+        return start, pending
+
+    def _end(self, handle: tuple) -> torch.Tensor:
+        start, pending = handle
+        waited_from = time.perf_counter()
+        parts = [c.end(p, meter=False) for c, p in zip(self.clients, pending)]
+        done = time.perf_counter()
+        get_meter().add_time(self.kind, done - start, exposed=done - waited_from)
+        return torch.cat(parts)
+
+    def begin_elastic(self, x: torch.Tensor, step: int, lr: float) -> Any:
+        return self._begin(OP_ELASTIC, x, step, lr)
+
+    def end_elastic(self, handle: Any) -> torch.Tensor:
+        return self._end(handle)
+
+    def push_gradient(self, g: torch.Tensor, step: int, extras: list[float]) -> torch.Tensor:
+        return self._end(self._begin(OP_GRAD, g, step, extras=extras))
+
+    def pull(self, step: int) -> torch.Tensor:
+        return self._end(self._begin(OP_PULL, None, step))
+
+    def pull_state(self, step: int) -> dict:
+        states = [c.pull_state(step) for c in self.clients]
+        numels = [c.n_params for c in self.clients]
+        return merge_states(states, numels)
+
+    def finish(self, step: int) -> torch.Tensor:
+        return torch.cat([c.finish(step) for c in self.clients])

@@ -189,7 +189,7 @@ class LateStart:
 
     def mark_joined(self, info: dict) -> None:
         """Tell the launcher this start has been served (the file ``ft/launch.py`` reads)."""
-        from easgd_lightning.ft.worker import write_join_record
+        from easgd_lightning.comm.liveness import write_join_record
 
         write_join_record(self.run_dir, self.rank, self.attempt, {"started_at": self.started, "healed": True, **info})
 

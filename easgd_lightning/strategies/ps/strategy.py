@@ -112,13 +112,14 @@ from easgd_lightning.strategies.base import (
     CenterStrategy,
     check_moving_rate,
     flatten,
+    optimizer_steps_per_epoch,
     unflatten_into,
 )
-from easgd_lightning.strategies.ddp import optimizer_steps_per_epoch
 from easgd_lightning.strategies.ps import compressed, rejoin, rules
-from easgd_lightning.strategies.ps.client import ServerClient, ServerTransport
+from easgd_lightning.strategies.ps.client import ServerClient, ServerTransport, ShardedTransport
 from easgd_lightning.strategies.ps.protocol import request_extras, request_header_size
 from easgd_lightning.strategies.ps.server import ParameterServer, worker_channels
+from easgd_lightning.strategies.ps.shards import shard_bounds
 from easgd_lightning.strategies.ps.transport import CenterTransport
 from easgd_lightning.strategies.registry import reject_unknown_kwargs
 from easgd_lightning.utils.checks import (
@@ -140,7 +141,7 @@ __all__ = ["AsyncCenterStrategy", "local_metrics", "STOP_POLICIES"]
 _PASSED_ON = (
     "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io",
     "precision_plugin", "process_group_backend", "timeout", "start_method",
-    "num_nodes_hint", "optim_hint", "compression",
+    "num_nodes_hint", "optim_hint", "ft_hint", "compression",
 )
 STOP_POLICIES = ("first", "all")
 
@@ -245,6 +246,7 @@ class AsyncCenterStrategy(CenterStrategy):
         momentum: float | None = None,
         lr: float | None = None,
         server: str | None = "dedicated",
+        servers: int = 1,
         stop_policy: str = "first",
         max_time_s: float | None = None,
         worker_timeout_s: float | None = None,
@@ -254,10 +256,12 @@ class AsyncCenterStrategy(CenterStrategy):
         overlap: bool = True,
         num_nodes_hint: int | None = None,
         optim_hint: dict | None = None,
+        ft_hint: str | None = None,
         compression: Any = None,
         **kwargs: Any,
     ) -> None:
         name = self.strategy_name
+        self.servers = _check_servers(name, servers, compression, ft_hint)
         self._push_compression: tuple | None = None
         if compression is not None:
             if self.lockfree:
@@ -307,6 +311,8 @@ class AsyncCenterStrategy(CenterStrategy):
         self._finished = False
         self._server: ParameterServer | None = None
         self._channels: dict = {}  # worker rank -> its process group with the server
+        self._shard_channels: list[dict] = []  # strategy.servers > 1: per server, as _channels
+        self._servers_group = None  # strategy.servers > 1: the servers' group (the final gather)
         self._transport: CenterTransport | None = None
         self._liveness: Liveness | None = None
         self._velocity: torch.Tensor | None = None
@@ -319,6 +325,7 @@ class AsyncCenterStrategy(CenterStrategy):
         self._center_ckpt_file: Path | None = None
         self._last_center_ckpt = 0.0
         self._error: str | None = None
+        self._shard: tuple[int, int] = (0, 0)  # a server: its [lo, hi) of the flat center
         self._scored: dict | None = None  # the center (and server state) of the last validation
         self._signals = SignalWatch(f"{name} rank ?", on_signal=self._pass_signal_on)
         self._interrupted: int | None = None
@@ -345,6 +352,7 @@ class AsyncCenterStrategy(CenterStrategy):
         if not self.uses_server:
             raise ValueError(f"{self.strategy_name} with strategy.server=null has no server to re-admit a "
                              "restarted worker; use strategy.server=dedicated")
+        _check_servers(self.strategy_name, self.servers, None, "torchft")
         self._rejoin, self._late = True, late
 
     @property
@@ -366,7 +374,8 @@ class AsyncCenterStrategy(CenterStrategy):
         """Extra constructor arguments from the full config (the CLI calls this)."""
         optim = cfg.get("optim") or {}
         hint = {k: optim.get(k) for k in ("optimizer", "lr", "momentum", "weight_decay")}
-        return {"num_nodes_hint": int(cfg.trainer.get("num_nodes", 1) or 1), "optim_hint": hint}
+        ft = str((cfg.get("ft") or {}).get("name", "none"))
+        return {"num_nodes_hint": int(cfg.trainer.get("num_nodes", 1) or 1), "optim_hint": hint, "ft_hint": ft}
 
     def _check_optimizer(self, optimizer: Optimizer, *, cli: bool = True, warn: bool = False) -> None:
         """Refuse (one line, before training) an optimizer this strategy would not run as given.
@@ -427,31 +436,50 @@ class AsyncCenterStrategy(CenterStrategy):
 
     @property
     def server_rank(self) -> int | None:
+        """The last rank: the server (with ``strategy.servers`` > 1, the last shard's)."""
         return self.world_size - 1 if self.uses_server else None
 
     @property
+    def server_ranks(self) -> list[int]:
+        """The last ``strategy.servers`` ranks, server j holding shard j (:mod:`.shards`)."""
+        return list(range(self.world_size - self.servers, self.world_size)) if self.uses_server else []
+
+    @property
+    def _n_servers(self) -> int:
+        """How many ranks serve (0: Hogwild on shared memory)."""
+        return self.servers if self.uses_server else 0
+
+    @property
     def is_server(self) -> bool:
-        return self.uses_server and self.global_rank == self.world_size - 1
+        return self.uses_server and self.global_rank >= self.world_size - self.servers
 
     @property
     def num_workers(self) -> int:
-        return self.world_size - 1 if self.uses_server else self.world_size
+        return self.world_size - self._n_servers
 
     @property
     def alpha(self) -> float | None:
         return self._alpha
 
     def validate_world_size(self, world: int) -> None:
-        """Called by the CLI before launch."""
-        need = 3 if self.uses_server else 2
+        """Called by the CLI before launch: at least 2 workers beside the servers, and no
+        more servers than workers (``strategy.servers``)."""
+        servers = self._n_servers
+        need = servers + 2
         if world < need:
-            role = "2 workers + 1 parameter server" if self.uses_server else "2 workers"
+            role = f"2 workers + {servers} parameter server{'s' if servers > 1 else ''}" if servers else "2 workers"
             raise ValueError(
                 f"trainer.devices: {self.strategy_name} needs at least {need} processes ({role}), got {world}"
             )
+        if servers > world - servers:
+            raise ValueError(
+                f"strategy.servers={servers}: {self.strategy_name} needs at most as many servers as workers; "
+                f"{world} processes give {world - servers} workers (choose strategy.servers <= {world // 2}, "
+                "or more trainer.devices / trainer.num_nodes)"
+            )
         if self.rule == "elastic" and self._rho_opt is None:
             elastic.resolve_alpha(
-                world_size=world - 1 if self.uses_server else world,
+                world_size=world - servers,
                 alpha=self._alpha_opt, beta=self._beta_opt,
             )
 
@@ -493,7 +521,8 @@ class AsyncCenterStrategy(CenterStrategy):
         if stage is not None and stage != RunningStage.TRAINING:
             return {"num_replicas": 1, "rank": 0}
         if self.uses_server:
-            return {"num_replicas": self.world_size - 1, "rank": min(self.global_rank, self.world_size - 2)}
+            workers = self.num_workers
+            return {"num_replicas": workers, "rank": min(self.global_rank, workers - 1)}
         return super().distributed_sampler_kwargs
 
     @override
@@ -669,7 +698,11 @@ class AsyncCenterStrategy(CenterStrategy):
         self._setup_checkpoint_file(trainer)
         if self.uses_server:  # every rank, in the same order (a collective)
             timeout = timedelta(seconds=compat.process_group_timeout(self))
-            self._channels = worker_channels(self.server_rank, list(range(self.world_size - 1)), timeout)
+            workers = list(range(self.num_workers))
+            self._shard_channels = [worker_channels(s, workers, timeout) for s in self.server_ranks]
+            self._channels = self._shard_channels[-1]
+            if self.servers > 1:
+                self._servers_group = ops.new_group(self.server_ranks, timeout=timeout)
         if self._rejoin and self.is_server:  # where restarted workers find the run
             rejoin.publish_session(self._liveness.store_client(), self._liveness.prefix, self.global_rank,
                                    self.world_size)
@@ -727,28 +760,51 @@ class AsyncCenterStrategy(CenterStrategy):
         dirpath = getattr(callback, "dirpath", None)
         self._center_ckpt_file = Path(dirpath) / "center.ckpt" if dirpath else None
 
+    def _shards(self) -> list[tuple[int, int]]:
+        """Each server's ``[lo, hi)`` of the flat center (:func:`~.shards.shard_bounds`)."""
+        sizes = [p.numel() for p in self.lightning_module.parameters()]
+        return shard_bounds(self.rule, sizes, self._center.numel(), max(1, self.servers))
+
+    def _shard_params(self, lo: int, hi: int) -> tuple[int, int]:
+        """The parameter tensors ``[a, b)`` that start in ``[lo, hi)`` (parameter-aligned
+        shards: they end in it too)."""
+        starts = [0]
+        for p in self.lightning_module.parameters():
+            starts.append(starts[-1] + p.numel())
+        last = hi >= self._center.numel()  # the last shard also takes empty tensors at the very end
+        inside = [i for i in range(len(starts) - 1) if lo <= starts[i] and (starts[i] < hi or last)]
+        return (inside[0], inside[-1] + 1) if inside else (0, 0)
+
     def _make_transport(self, trainer, token: int) -> None:
-        """Server: build the server loop; workers: a client of it."""
+        """Server: build the server loop (of its shard); workers: a client of the server(s)."""
+        sharded = self.servers > 1
         if self.is_server:
+            j = self.global_rank - (self.world_size - self.servers)
+            lo, hi = self._shards()[j]
+            params = list(self.lightning_module.parameters()) if self.rule == "sgd" else None
+            if sharded and params is not None:
+                a, b = self._shard_params(lo, hi)
+                params = params[a:b]
+            self._shard = (lo, hi)
             self._server = ParameterServer(
                 rank=self.global_rank,
-                workers=list(range(self.world_size - 1)),
-                center=self._center,
-                n_params=self._n_params,
+                workers=list(range(self.num_workers)),
+                center=self._center[lo:hi].clone() if sharded else self._center,
+                n_params=max(0, min(hi, self._n_params) - lo),
                 rule=self.rule,
                 alpha=self._alpha or 0.0,
                 lr=self.lr,
                 optimizer=self.optimizers[0] if self.rule == "sgd" else None,
-                params=list(self.lightning_module.parameters()) if self.rule == "sgd" else None,
+                params=params,
                 lockfree=self.lockfree,
                 liveness=self._liveness,
                 stop_policy=self.stop_policy,
                 kind=self.comm_kind,
-                on_checkpoint=self._write_center_checkpoint if self._center_ckpt_file else None,
+                on_checkpoint=self._write_center_checkpoint if self._center_ckpt_file and not sharded else None,
                 checkpoint_every_s=self.checkpoint_every_s,
                 interrupted=self._interrupted_by,
-                replies=self._compressed_side(compressed.ServerReplies, list(range(self.world_size - 1))),
-                channels=self._channels,
+                replies=self._compressed_side(compressed.ServerReplies, list(range(self.num_workers))),
+                channels=self._shard_channels[j],
                 rejoin_store=self._liveness.store_client if self._rejoin else None,
                 rejoin_timeout=timedelta(seconds=compat.process_group_timeout(self)),
                 rejoin_wait_s=compat.process_group_timeout(self),
@@ -757,18 +813,41 @@ class AsyncCenterStrategy(CenterStrategy):
                 srv = self._resume_state.get("server") or {}
                 self._server.load_state_dict(srv)
                 self._resumed = _describe_resume(self._center, srv)
+        elif sharded:
+            self._transport = self._sharded_transport()
         else:
             self._transport = ServerTransport(self._server_client(self._center),
                                               push=self._compressed_side(compressed.WorkerPush))
 
-    def _server_client(self, like: torch.Tensor, peer: int | None = None) -> ServerClient:
-        """This worker's client of the server, on its channel (``peer``: the server's rank in
-        it when it is a pair group)."""
+    def _sharded_transport(self) -> ShardedTransport:
+        """A worker's clients of the S servers, client j on its channel to server j, its
+        payload shard j (:class:`~.client.ShardedTransport`)."""
+        bounds = self._shards()
+        params = list(self.lightning_module.parameters())
+        ranges = [self._shard_params(lo, hi) for lo, hi in bounds] if self.rule == "sgd" else None
+        clients = []
+        for j, (server, (lo, hi)) in enumerate(zip(self.server_ranks, bounds)):
+            mine = params[ranges[j][0] : ranges[j][1]] if ranges else params
+            clients.append(self._server_client(self._center[lo:hi], server=server, params=mine,
+                                               n_params=max(0, min(hi, self._n_params) - lo),
+                                               group=self._shard_channels[j].get(self.global_rank)))
+        groups = len(self.optimizers[0].param_groups) if self.rule == "sgd" else 0
+        return ShardedTransport(clients, bounds, ranges, groups)
+
+    def _server_client(self, like: torch.Tensor, peer: int | None = None, *, server: int | None = None,
+                       params: list[torch.Tensor] | None = None, n_params: int | None = None,
+                       group: Any = None) -> ServerClient:
+        """This worker's client of the server (or, sharded, of ``server`` for the shard
+        ``like`` of ``params``), on its channel (``peer``: the server's rank in it when it is
+        a pair group)."""
         sgd = self.rule == "sgd"
-        header = request_header_size(self.optimizers[0] if sgd else None, list(self.lightning_module.parameters()))
-        return ServerClient(self.world_size - 1, like, self.world_size, n_params=self._n_params,
+        params = list(self.lightning_module.parameters()) if params is None else params
+        header = request_header_size(self.optimizers[0] if sgd else None, params)
+        return ServerClient(self.world_size - 1 if server is None else server, like, self.world_size,
+                            n_params=self._n_params if n_params is None else n_params,
                             kind=self.comm_kind, liveness=self._liveness, header_size=header,
-                            interrupted=self._interrupted_by, group=self._channels.get(self.global_rank), peer=peer)
+                            interrupted=self._interrupted_by,
+                            group=self._channels.get(self.global_rank) if group is None else group, peer=peer)
 
     def _compressed_side(self, cls, *workers):
         """This rank's half of compressed pushes (None without compression): the worker's
@@ -805,9 +884,34 @@ class AsyncCenterStrategy(CenterStrategy):
         if self.is_server:
             try:
                 self._server.serve()
-            finally:
-                self._center = self._server.center
+            except BaseException:  # interrupted or failed: no wait for the other servers
+                self._center = self._server_center(gather=False)
+                raise
+            self._center = self._server_center(gather=True)
             self.lightning_module.trainer.should_stop = True
+
+    def _server_center(self, gather: bool) -> torch.Tensor:
+        """A server's center after serving: its own, with one server. With a sharded center
+        (``gather``) the whole final center, gathered from the S servers over their own group
+        (padded to the longest shard): it waits, bounded by ``timeout_s``, for the other
+        servers to end serving. Without ``gather`` (serving was interrupted), or when the
+        gather fails (a server died), the set-up center with this server's own shard in it."""
+        if self.servers == 1:
+            return self._server.center
+        own = self._center.clone()
+        own[self._shard[0] : self._shard[1]] = self._server.center
+        if not gather:
+            return own
+        bounds = self._shards()
+        mine = torch.zeros(max(hi - lo for lo, hi in bounds), dtype=self._center.dtype)
+        mine[: self._server.center.numel()] = self._server.center.detach().cpu()
+        try:
+            parts = ops.all_gather(mine, kind=self.comm_kind, group=self._servers_group)
+        except RuntimeError as err:
+            log.warning("server rank %d: could not gather the other shards of the center (%s); its module holds "
+                        "its own shard only", self.global_rank, err)
+            return own
+        return torch.cat([part[: hi - lo] for part, (lo, hi) in zip(parts, bounds)]).to(own.device)
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
@@ -987,6 +1091,7 @@ class AsyncCenterStrategy(CenterStrategy):
             "workers": [],
             "world_size": self.world_size,
             "server_rank": self.server_rank,
+            "server_ranks": self.server_ranks,
         }
 
     @override
@@ -1037,6 +1142,7 @@ class AsyncCenterStrategy(CenterStrategy):
         extras.update({
             "role": "server" if self.is_server else "worker",
             "server_rank": self.server_rank,
+            "server_ranks": self.server_ranks,
             "tau": self.tau if self.rule == "elastic" else None,
             "alpha": self._alpha,
             "momentum": self.momentum,
@@ -1056,7 +1162,8 @@ class AsyncCenterStrategy(CenterStrategy):
                 service_order=list(srv.service_log)[-400:],
                 lockfree=srv.lockfree,
                 resumed=self._resumed,
-                center_checkpoint=str(self._center_ckpt_file) if self._center_ckpt_file else None,
+                center_checkpoint=str(self._center_ckpt_file) if self._center_ckpt_file and self.servers == 1 else None,
+                shard=list(self._shard),
             )
         else:
             extras.update(exchanges=self._exchanges, stop_reason=self._stop_reason or "own epochs/steps done")
@@ -1087,6 +1194,24 @@ class AsyncCenterStrategy(CenterStrategy):
             self._liveness.stop()
         self._signals.stop()
         super().teardown()
+
+
+def _check_servers(name: str, servers: Any, compression: Any, ft: str | None) -> int:
+    """``strategy.servers``: an integer >= 1 (at most the workers: :meth:`validate_world_size`);
+    above 1, refused in one line with what does not shard yet (compressed pushes, the
+    re-admission of restarted workers under ``ft=torchft``).
+
+    Raises:
+        ValueError: naming ``strategy.servers``.
+    """
+    servers = check_int("strategy.servers", servers)
+    if servers > 1 and compression is not None:
+        raise ValueError(f"strategy.servers={servers}: {name} does not shard compressed pushes yet; use "
+                         "compression=none or strategy.servers=1")
+    if servers > 1 and ft == "torchft":
+        raise ValueError(f"strategy.servers={servers}: {name} re-admits restarted workers (ft=torchft) with one "
+                         "server only; use strategy.servers=1 or ft=none")
+    return servers
 
 
 def _estimated_steps(trainer) -> int:

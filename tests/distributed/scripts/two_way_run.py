@@ -5,7 +5,7 @@ Usage: two_way_run.py OUT N STEPS CASE[,CASE...]   (CASE = topk | redsync | sign
 Each case runs STEPS exchanges of one float64 tensor of N entries through
 ``TwoWayCompressor.aggregate`` on a :class:`ProcessGroupCollective` (residual memory as the
 attach points keep it); rank r's gradients are those of
-:func:`tests.unit.test_two_way.grads_for`. The rank saves, per case and step, its result,
+:func:`tests.unit.hooks.compressors.test_two_way.grads_for`. The rank saves, per case and step, its result,
 its state's byte figures, what the meter counted for the case's kind, and the bytes its
 all-to-all really moved (measured on the tensors it sent and got back). The case
 ``exchange`` runs top-k two-way through the attach points' exchange
@@ -24,7 +24,7 @@ from easgd_lightning.hooks import build_compressor
 from easgd_lightning.hooks._exchange import exchange_tensors
 from easgd_lightning.hooks.collective import ProcessGroupCollective
 from easgd_lightning.hooks.memory import ResidualMemory
-from tests.unit.test_two_way import grads_for
+from tests.unit.hooks.compressors.test_two_way import grads_for
 
 SMALL = 37
 CASES = {

@@ -20,7 +20,7 @@ from easgd_lightning.hooks.compressors.two_way import (
 from easgd_lightning.hooks.memory import ResidualMemory
 from easgd_lightning.utils.checkpoint import from_plain, to_plain
 from tests.helpers import SoloCollective
-from tests.unit.test_acpsgd import ThreadRanks
+from tests.unit.hooks.compressors.test_acpsgd import ThreadRanks
 
 
 def topk(x: torch.Tensor, ratio: float) -> torch.Tensor:

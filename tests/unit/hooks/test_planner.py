@@ -149,8 +149,9 @@ def test_config_keys_reach_the_built_compressor_and_bad_values_are_one_line():
     """compression.plan / replan_steps / max_partitions are easgd-train's own keys: set on
     the compressor it builds (two_way: on the wrapper, which the hook gets)."""
     import easgd_lightning.cli.train  # noqa: F401  (registers the recipe resolvers)
-    from easgd_lightning.cli.build import ConfigError, build_compression, validate_config
+    from easgd_lightning.cli.build import ConfigError, build_compression
     from easgd_lightning.cli.overrides import compose_checked
+    from easgd_lightning.cli.validate import validate_config
 
     cfg = compose_checked(["compression=topk", "compression.plan=secopa", "compression.replan_steps=7",
                            "compression.two_way=true"])
@@ -170,8 +171,8 @@ def test_a_plan_is_refused_before_launch_where_no_ddp_hook_reads_it(strategy):
     """compression.plan=secopa is read by the compressed DDP hook only: the elastic and
     local-SGD exchanges would ignore it silently, so easgd-train stops in one line."""
     import easgd_lightning.cli.train  # noqa: F401  (registers the recipe resolvers)
-    from easgd_lightning.cli.build import ConfigError, validate_config
     from easgd_lightning.cli.overrides import compose_checked
+    from easgd_lightning.cli.validate import ConfigError, validate_config
 
     validate_config(compose_checked(["strategy=ddp", "compression=topk", "compression.plan=secopa"]), hardware=False)
     validate_config(compose_checked([f"strategy={strategy}", "compression=topk"]), hardware=False)

@@ -1,5 +1,5 @@
 """Checkpoint state and integrity (easgd_lightning/utils/checkpoint.py) and the pre-launch
-``checkpoint.resume`` check (easgd_lightning/cli/build.py:check_resume), in-process."""
+``checkpoint.resume`` check (easgd_lightning/cli/resume.py:check_resume), in-process."""
 
 from __future__ import annotations
 
@@ -228,7 +228,7 @@ def _written(tmp_path: Path, strategy: str = "sync_easgd", world: int = 2, hidde
 
 
 def _resume_error(overrides: list[str]) -> str:
-    from easgd_lightning.cli.build import ConfigError, validate_config
+    from easgd_lightning.cli.validate import ConfigError, validate_config
 
     with pytest.raises(ConfigError) as err:
         validate_config(_compose(overrides))
@@ -238,7 +238,7 @@ def _resume_error(overrides: list[str]) -> str:
 
 
 def test_resume_of_a_matching_checkpoint_validates(tmp_path: Path) -> None:
-    from easgd_lightning.cli.build import validate_config
+    from easgd_lightning.cli.validate import validate_config
 
     path = _written(tmp_path)
     validate_config(_compose(["strategy=sync_easgd", f"checkpoint.resume={path}"]))
@@ -247,10 +247,11 @@ def test_resume_of_a_matching_checkpoint_validates(tmp_path: Path) -> None:
 def test_mlp_state_matches_the_real_module() -> None:
     """The hand-written shapes above are those of model=mlp on digits (else the refusal
     tests below would pass for the wrong reason)."""
-    from easgd_lightning.cli.build import _meta_module, build_data
+    from easgd_lightning.cli.build import build_data
+    from easgd_lightning.cli.validate import meta_module
 
     cfg = _compose([])
-    module = _meta_module(cfg, build_data(cfg))
+    module = meta_module(cfg, build_data(cfg))
     assert {k: tuple(v.shape) for k, v in module.state_dict().items()} == {
         k: tuple(v.shape) for k, v in _mlp_state().items()
     }
@@ -299,7 +300,7 @@ def _pipeline_dir(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("damage", ["none", "no_meta", "corrupted_shard", "truncated_shard"])
 def test_resume_of_a_pipeline_directory_is_verified_before_launch(tmp_path: Path, damage: str) -> None:
-    from easgd_lightning.cli.build import validate_config
+    from easgd_lightning.cli.validate import validate_config
     from easgd_lightning.utils.checkpoint import verify_checkpoint_dir
 
     d = _pipeline_dir(tmp_path)

@@ -20,10 +20,10 @@ from easgd_lightning.cli.build import (
     build_compression,
     build_model_and_data,
     build_strategy,
-    validate_config,
 )
 from easgd_lightning.cli.overrides import CONF_DIR, compose_checked
 from easgd_lightning.cli.targets import target_arguments, target_path
+from easgd_lightning.cli.validate import validate_config
 from easgd_lightning.data import DATA_NAMES, datamodule_target
 from easgd_lightning.data.digits import DigitsDataModule
 from easgd_lightning.hooks.compressors import TopKCompressor, compressor_class

@@ -35,7 +35,7 @@ from easgd_lightning.hooks.compressors.sidco import (
 from easgd_lightning.hooks.compressors.sketch import build_sketch, peel_decode, sketch_hashes
 from tests.helpers import SoloCollective
 
-CONF = Path(__file__).resolve().parents[2] / "conf" / "compression"
+CONF = Path(__file__).resolve().parents[4] / "conf" / "compression"
 
 
 

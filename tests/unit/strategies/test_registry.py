@@ -35,8 +35,7 @@ EXPECTED = {  # name -> fewest processes, written out here independently of the 
 def _config_file(name: str) -> Path:
     """conf/strategy/<option>.yaml of a registered name (Hydra's option may differ)."""
     files = {yaml.safe_load(f.read_text())["name"]: f for f in sorted(Path(CONF_DIR, "strategy").glob("*.yaml"))}
-    hydra_name = {v: k for k, v in build._HYDRA_NAMES.items()}.get(name, name)
-    return files[name] if name in files else files[hydra_name]
+    return files[name] if name in files else files[SPECS[name].config_name]
 
 
 def test_every_strategy_is_registered_once_with_its_minimum_world_size() -> None:

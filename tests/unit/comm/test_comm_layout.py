@@ -82,8 +82,8 @@ def test_messages_per_step_in_the_summary() -> None:
 )
 def test_the_switch_is_refused_where_it_cannot_sum(overrides, message) -> None:
     import easgd_lightning.cli.train  # noqa: F401  (registers the recipe resolvers)
-    from easgd_lightning.cli.build import validate_config
     from easgd_lightning.cli.overrides import compose_checked
+    from easgd_lightning.cli.validate import validate_config
 
     validate_config(compose_checked(["strategy=ddp", "comm.allreduce=switch"]), hardware=False)
     with pytest.raises(ConfigError) as err:

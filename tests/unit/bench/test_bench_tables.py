@@ -190,3 +190,15 @@ def test_async_time_to_accuracy_names_the_best_dense_row():
                     "async_easgd": run(2.0)}, 0.9)
     assert "reference: ddp/bf16 (best dense: the soonest of ddp, ddp/bf16, ddp/fp16)" in md
     assert "| async_easgd | 3 | [10] | 2.00 | 0.25 | 0.50 |" in md
+
+
+def test_shards_target_is_the_one_server_step_over_the_four_server_step():
+    """``--scenario shards`` (issue 29 section 1): async_easgd with 4 servers judged by its
+    per-step speedup over the same strategy with one server."""
+    from bench._scenarios import SCENARIOS, SHARDS_FOUR, SHARDS_ONE
+    from bench._tables import evaluate_targets
+
+    rows = [_spec_row("ddp/none", step_time_s=0.5), _spec_row(SHARDS_ONE, step_time_s=0.30),
+            _spec_row(SHARDS_FOUR, step_time_s=0.12)]
+    (got,) = evaluate_targets(rows, SCENARIOS["shards"].targets)
+    assert got["ref"] == SHARDS_ONE and got["measured"] == pytest.approx(2.5) and got["status"].startswith("PASS")

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 import easgd_lightning.cli.train  # noqa: F401  (registers the recipe resolvers)
-from easgd_lightning.cli.build import ConfigError, validate_config
 from easgd_lightning.cli.overrides import CONF_DIR, check_command_line, compose_checked
+from easgd_lightning.cli.validate import ConfigError, validate_config
 
 # (overrides, the line's key, a fragment saying what is allowed)
 BAD = [
@@ -121,7 +121,7 @@ def manual_pipeline(cfg, dm) -> pl.LightningModule:
     return module
 
 
-_USER = "model.builder=tests.unit.test_validation:"
+_USER = "model.builder=tests.unit.cli.test_validation:"
 BAD += [
     # what the strategy cannot train, known before launch from the module built on the meta device
     (["model=gpt_tiny", f"{_USER}two_optimizers", "strategy=sync_easgd"], "model=gpt",
@@ -165,6 +165,19 @@ BAD += [
     (["strategy=hogwild_sgd", "trainer.num_nodes=2"], "strategy.server", "needs a parameter server"),
     (["strategy=async_easgd", "trainer.devices=2"], "trainer.devices", "it needs at least 3 processes"),
     (["strategy=async_easgd", "trainer.devices=4", "strategy.server=thread"], "strategy.server", "choose 'dedicated'"),
+    # strategy.servers (a sharded center): an integer >= 1, at most the workers, what does not shard yet
+    (["strategy=async_easgd", "trainer.devices=4", "strategy.servers=0"], "strategy.servers", "an integer >= 1, got 0"),
+    (["strategy=async_sgd", "trainer.devices=4", "strategy.servers=abc"], "strategy.servers", "an integer >= 1, got 'abc'"),
+    (["strategy=async_msgd", "trainer.devices=5", "strategy.servers=3"], "strategy.servers",
+     "at most as many servers as workers; 5 processes give 2 workers"),
+    (["strategy=async_measgd", "trainer.devices=3", "strategy.servers=2"], "trainer.devices",
+     "needs at least 4 processes (2 workers + 2 parameter servers)"),
+    (["strategy=async_easgd", "trainer.devices=4", "strategy.servers=2", "compression=topk"], "strategy.servers",
+     "does not shard compressed pushes yet"),
+    (["strategy=async_easgd", "trainer.devices=4", "strategy.servers=2", "ft=torchft"], "strategy.servers",
+     "re-admits restarted workers (ft=torchft) with one server only"),
+    (["strategy=hogwild_easgd", "trainer.devices=4", "+strategy.servers=2"], "strategy.servers",
+     "valid keys of strategy (strategy=hogwild_easgd)"),
     (["strategy=async_easgd", "trainer.devices=4", "compression=fp16"], "compression.name",
      "compresses its pushes with one of"),
     (["strategy=hogwild_easgd", "trainer.devices=3", "compression=topk"], "compression",
@@ -216,6 +229,10 @@ BAD += [
      "faults.crash_rank", "rank 2 is strategy=async_easgd's parameter server, which never takes a training step"),
     (["strategy=async_sgd", "trainer.devices=3", "faults.slow_rank=2", "faults.slow_ms=10"], "faults.slow_rank",
      "choose a worker rank in [0, 1]"),
+    # with two servers (the last two ranks) the first of them too
+    (["strategy=async_easgd", "trainer.devices=5", "strategy.servers=2", "faults.crash_rank=3", "faults.crash_at_step=2"],
+     "faults.crash_rank", "rank 3 is strategy=async_easgd's parameter server, which never takes a training step, "
+     "so the fault would never fire; choose a worker rank in [0, 2]"),
     (["strategy=pipeline_3d", "model=gpt_tiny", "data=text", "trainer.precision=64-true"], "trainer.precision",
      "strategy=pipeline_3d runs in fp32: set trainer.precision=32-true, got 64-true"),
     (["recipe=nlp3d/gpt_tiny_pp2", "trainer.precision=bf16-mixed"], "trainer.precision", "runs in fp32"),
@@ -392,7 +409,7 @@ def test_threads_beyond_the_cores_warn_naming_the_override(caplog: pytest.LogCap
     """Issue 31 item 6: recipe=imagenet/alexnet_knl (4 ranks x 16 threads, 2 loaders each) on
     a small machine warns before launch, naming what fits it; within the cores, or with one
     thread per rank (nothing to lower), it does not."""
-    from easgd_lightning.cli.build import threads_warning
+    from easgd_lightning.cli.values import threads_warning
 
     knl = compose_checked(["recipe=imagenet/alexnet_knl", "data.synthetic=true"])
     line = threads_warning(knl, cores=2)

@@ -8,7 +8,7 @@ import torch
 
 from easgd_lightning.hooks import build_compressor
 from easgd_lightning.hooks.compressors.sgc import sgc_decision
-from tests.unit.test_acpsgd import ThreadRanks
+from tests.unit.hooks.compressors.test_acpsgd import ThreadRanks
 
 
 def run_two_ranks(comp, grads_per_rank, steps):

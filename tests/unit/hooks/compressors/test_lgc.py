@@ -13,7 +13,7 @@ import torch
 from easgd_lightning.hooks import build_compressor
 from easgd_lightning.hooks.compressors.lgc import BlockAutoencoder
 from easgd_lightning.utils.checkpoint import to_plain
-from tests.unit.test_acpsgd import ThreadRanks
+from tests.unit.hooks.compressors.test_acpsgd import ThreadRanks
 
 
 def test_block_autoencoder_shapes():

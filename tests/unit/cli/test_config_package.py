@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 
-from easgd_lightning.cli.build import ConfigError, validate_config
 from easgd_lightning.cli.overrides import check_command_line, compose_checked
 from easgd_lightning.cli.trainer_config import build_trainer, check_trainer_keys
+from easgd_lightning.cli.validate import ConfigError, validate_config
 from easgd_lightning.config_tree import CONF_DIR, CONF_PATH, RECIPES_DIR, locate
 from hydra_plugins.easgd_lightning_recipes.source import checkout_recipes
 
@@ -27,7 +27,7 @@ def user_conf(tmp_path: Path) -> Path:
 
 
 def test_a_checkout_reads_its_top_level_conf_and_recipes() -> None:
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     assert (Path(CONF_DIR), CONF_PATH, Path(RECIPES_DIR)) == (repo / "conf", str(repo / "conf"), repo / "recipes")
     assert (Path(CONF_DIR) / "train.yaml").is_file()
     assert (Path(RECIPES_DIR) / "imagenet" / "alexnet_knl.yaml").is_file()
