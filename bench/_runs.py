@@ -56,19 +56,27 @@ BENCH_OVERRIDES = (
 )
 
 
-def sc17_next_rate(rate_mbit: float, share: float, wanted: float, margin: float = 0.85) -> float:
+def sc17_next_rate(
+    rate_mbit: float, share: float, wanted: float, margin: float = 0.85, max_drop: float = 10.0
+) -> float:
     """The next link rate to probe so that round-robin EASGD reaches ``wanted`` comm share.
 
     Model: per step, compute K is fixed and communication C scales with 1 / rate, so the
     share s = C / (C + K) has odds s / (1 - s) proportional to 1 / rate. The rate that
     gives the wanted odds is ``rate * odds(share) / odds(wanted)``; ``margin`` (< 1) aims
-    a little below it, and the result is rounded down to two significant digits.
+    a little below it, never more than ``max_drop`` times below ``rate_mbit``, and the
+    result is rounded down to two significant digits. (The cap: with more ranks than cores
+    the limit step, every rank computing at once, can be longer than round-robin's, whose
+    workers take turns; the share then reads <= 0, which says nothing about the odds -- 8
+    hosts on 2 cores at 1 Gbit/s read -34%, and the odds model sent the next probe to
+    1.2 Mbit/s.)
 
     Args:
         rate_mbit: the rate just probed.
         share: the comm share measured there (clipped to [0.01, 0.99]).
         wanted: the comm share to reach.
         margin: factor applied to the model's rate.
+        max_drop: the next rate is at least ``rate_mbit / max_drop``.
 
     Returns:
         The next rate in Mbit/s (at least 1).
@@ -76,7 +84,7 @@ def sc17_next_rate(rate_mbit: float, share: float, wanted: float, margin: float 
     s = min(max(share, 0.01), 0.99)
     odds = s / (1.0 - s)
     target_odds = wanted / (1.0 - wanted)
-    rate = rate_mbit * odds / target_odds * margin
+    rate = max(rate_mbit * odds / target_odds * margin, rate_mbit / max_drop)
     if rate <= 1.0:
         return 1.0
     digits = 10 ** (len(str(int(rate))) - 2)

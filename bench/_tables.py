@@ -14,6 +14,7 @@ from bench._scenarios import (
     BEST_DENSE,
     DENSE_CODECS,
     LIMIT,
+    SC17_OF_BOUND,
     SHARE_KINDS,
     Target,
     one_config,
@@ -120,6 +121,10 @@ def evaluate_targets(rows: list[dict], targets: Sequence[Target]) -> list[dict]:
             elif t.kind == "comm_bound":
                 eff = row.get("efficiency")
                 value = None if eff is None else 1.0 - eff
+            elif t.kind == "of_bound":
+                value = row.get("of_bound")
+            elif t.kind == "loss_gap":
+                value = loss_gap(row.get("final_loss"), found[ref].get("final_loss"))
             else:
                 mine, theirs = row.get(t.figure), found[ref].get(t.figure)
                 value = theirs / mine if mine and theirs is not None else None
@@ -200,6 +205,35 @@ def ring_bound(workers: int, nbytes: float, rate_mbit: float, limit_step_s: floa
         "min_exposed_share": exposed / best,
         "baseline_step_s": baseline_step_s,
     }
+
+
+def share_of_bound(baseline_step_s: float | None, step_s: float | None, bound: dict | None) -> float | None:
+    """A row's per-step speedup over the baseline (``baseline_step_s`` / ``step_s``) as a
+    share of :func:`ring_bound`'s ``max_speedup`` (1.0: the row reaches the bound); None
+    when a figure is missing."""
+    if not (baseline_step_s and step_s and bound and bound.get("max_speedup")):
+        return None
+    return baseline_step_s / step_s / bound["max_speedup"]
+
+
+def add_of_bound(rows: list[dict], scenario: dict) -> dict | None:
+    """The sc17 bound (:func:`sc17_bound`) and, on each completed ``sync_easgd/none`` row,
+    ``of_bound``: its speedup over round-robin as a share of it (:func:`share_of_bound`)."""
+    bound = sc17_bound(rows, scenario)
+    rr = next((r for r in rows if r.get("status") == "ok" and (r["strategy"], r["compression"])
+               == ("easgd_round_robin", "none")), None)
+    for row in rows:
+        if row.get("status") == "ok" and (row["strategy"], row["compression"]) == ("sync_easgd", "none"):
+            row["of_bound"] = share_of_bound(rr and rr.get("step_time_s"), row.get("step_time_s"), bound)
+    return bound
+
+
+def loss_gap(loss: float | None, ref_loss: float | None) -> float | None:
+    """|loss - ref_loss| / ref_loss (issue 5's Optimus-CC bound: <= 5% of the uncompressed
+    run's loss after the same steps); None when either is missing or ``ref_loss`` is 0."""
+    if loss is None or not ref_loss:
+        return None
+    return abs(loss - ref_loss) / abs(ref_loss)
 
 
 def max_speedup_at_share(bound: dict, share: float) -> float:
@@ -585,7 +619,11 @@ def render_markdown(rows: list[dict], scenario: dict) -> str:
     lines += [_throughput_row(r, by_row, scenario, mixed=share == "comm share") for r in rows]
     bound = sc17_bound(rows, scenario) if scenario.get("name") == "sc17" else None
     if bound:
-        lines += ["", _sc17_bound_md(bound, scenario)]
+        lines += ["", _sc17_bound_md(bound, scenario, rows)]
+    if scenario.get("name") == "sc17":
+        lines += ["", sc17_projection_md(scenario.get("costmodel_sc17"))]
+    if any(r.get("tokens_per_s") is not None for r in rows):
+        lines += ["", _tokens_md(rows)]
     return "\n".join(lines + _targets_md(targets)) + "\n"
 
 
@@ -642,10 +680,18 @@ def _throughput_row(r: dict, by_row: dict[str, list[dict]], scenario: dict, *, m
     return "| " + " | ".join(cells) + " |"
 
 
-def _sc17_bound_md(bound: dict, scenario: dict) -> str:
-    """The sc17 scenario's bandwidth bound on Sync EASGD's speedup (:func:`sc17_bound`)."""
+def _sc17_bound_md(bound: dict, scenario: dict, rows: Sequence[dict] = ()) -> str:
+    """The sc17 scenario's bandwidth bound on Sync EASGD's speedup (:func:`sc17_bound`), and
+    each sync_easgd row's measured speedup as a share of it (``of_bound``)."""
+    measured = [
+        f"{row_spec(r)}: {bound['baseline_step_s'] / r['step_time_s']:.2f}x measured, "
+        f"{100 * r['of_bound']:.0f}% of the bound"
+        for r in rows
+        if r.get("of_bound") is not None
+    ]
     return (
-        f"Bandwidth bound: the ring all-reduce of sync_easgd's difference moves 2(p-1)/p of "
+        f"Bandwidth bound ({scenario['workers']} workers): the ring all-reduce of sync_easgd's "
+        f"difference moves 2(p-1)/p of "
         f"it over each link, {1e3 * bound['wire_s']:.1f} ms at {scenario['link']['rate_mbit']:g} "
         f"Mbit/s; with the limit step ({fmt_figure(bound['limit_step_s'], 's')} s) "
         f"hidden perfectly, no sync_easgd step is shorter than {fmt_figure(bound['best_step_s'], 's')} s: "
@@ -653,7 +699,58 @@ def _sc17_bound_md(bound: dict, scenario: dict) -> str:
         f"{100 * bound['min_exposed_share']:.0f}% at that step). At least "
         f"{1e3 * bound['min_exposed_s']:.1f} ms of every step waits on the wire, so an exposed "
         f"share <= 14% needs a speedup <= {max_speedup_at_share(bound, 0.14):.2f}x."
+        + (f" Measured: {'; '.join(measured)} (target >= {100 * SC17_OF_BOUND:.0f}% of the bound)." if measured else "")
     )
+
+
+#: the cost model's projection curve of SC17's Sync EASGD (tree all-reduce), on the layout
+#: of their 4253 KNL cores (``bench.costmodel.projection``)
+SC17_CURVE = ("knl", "sync_easgd/none (SC17 tree)")
+
+
+def sc17_projection(projection: dict, source: str) -> dict | None:
+    """SC17's row of a cost-model projection (``bench.costmodel.projection.project``'s
+    output): the projected weak-scaling efficiency of Sync EASGD with SC17's tree on the
+    KNL layout at each tabled worker count, beside SC17's own point; None when the
+    projection has no such row (no dense sync_easgd row was measured)."""
+    layout, label = SC17_CURVE
+    effs = (projection.get("table") or {}).get(layout, {}).get(label)
+    if not effs:
+        return None
+    return {"source": source, "layout": layout, "row": label, "efficiency": dict(effs),
+            "sc17": projection.get("sc17"), "note": projection.get("note")}
+
+
+def sc17_projection_md(record: dict | None) -> str:
+    """The line under the sc17 table: :func:`sc17_projection`'s row, or how to get one."""
+    if not record:
+        return (
+            "Cost model's SC17 row: not available (no bench/results/costmodel/costmodel.json or "
+            "costmodel_inputs.json with a sync_easgd/none row; run `python -m bench.costmodel "
+            "--measure`, or name one with `--costmodel PATH`)."
+        )
+    effs = ", ".join(f"{p} workers {100 * e:.1f}%" for p, e in record["efficiency"].items())
+    point = record.get("sc17") or {}
+    return (
+        f"Cost model's SC17 row ({record['source']}; {record.get('note') or 'a model projection'}): "
+        f"{record['row']} on the {record['layout']} layout, weak-scaling efficiency {effs}; "
+        f"SC17 measured {100 * point.get('efficiency', float('nan')):.1f}% on "
+        f"{point.get('workers')} KNL cores."
+    )
+
+
+def tokens_per_s(samples_per_s: float | None, seq_len: int | None) -> float | None:
+    """Tokens per second of a language-model row: samples/s x tokens per sample."""
+    return samples_per_s * seq_len if samples_per_s is not None and seq_len else None
+
+
+def _tokens_md(rows: Sequence[dict]) -> str:
+    """Tokens/s of each row that has them (the optimus scenario), with the final loss."""
+    return "Tokens/s (samples/s x data.seq_len): " + "; ".join(
+        f"{row_spec(r)} {fmt_figure(r['tokens_per_s'], 'num')} tokens/s, loss {fmt_figure(r.get('final_loss'), 'num')}"
+        for r in rows
+        if r.get("tokens_per_s") is not None
+    ) + "."
 
 
 def render_tta_markdown(rows: list[dict], scenario: dict) -> str:
@@ -726,6 +823,8 @@ def finish_table(rows: list[dict], scenario: dict, targets: Sequence[Target]) ->
         add_tta_speedup(rows)
     else:
         add_efficiency(rows)
+        if scenario.get("name") == "sc17":
+            add_of_bound(rows, scenario)
     scenario["reference"] = reference_record(rows, figure)
     scenario["targets"] = evaluate_targets(rows, targets)
     return render_markdown(rows, scenario)

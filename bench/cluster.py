@@ -24,7 +24,8 @@ Every throughput scenario also runs a ``limit`` row: the same hosts, workers and
 with no communication at all; each row's ``efficiency`` is the limit's step time over its
 own. Scenarios (``--scenario``, several comma-separated run one after the other): ``quick``,
 ``default``, ``sc17`` (link rate calibrated until round-robin EASGD communicates >= 87% of
-its time) and ``tta`` (time to a validation accuracy); each prints its targets as PASS/MISS.
+its time; ``--hosts 8`` for 8 hosts), ``optimus`` (pipeline_3d with and without Optimus-CC),
+``tta`` (time to a validation accuracy) and others; each prints its targets as PASS/MISS.
 
 Usage (as root)::
 
@@ -121,8 +122,10 @@ from bench._tables import (  # noqa: F401
     render_tta_markdown,
     row_from_summary,
     row_spec,
+    sc17_projection,
     steady_figures,
     time_to_target,
+    tokens_per_s,
     train_clock,
 )
 
@@ -181,7 +184,8 @@ def _scenario_options(p: argparse.ArgumentParser) -> None:
         + ". Default: default. The options below replace the preset's values.",
     )
     p.add_argument("--quick", action="store_true", help="same as --scenario quick")
-    p.add_argument("--workers", type=int, default=None, help="hosts (default: the preset's)")
+    p.add_argument("--workers", "--hosts", dest="workers", type=int, default=None,
+                   help="hosts (default: the preset's; --hosts is the same option)")
     p.add_argument(
         "--procs-per-host",
         type=int,
@@ -268,6 +272,13 @@ def _harness_options(p: argparse.ArgumentParser) -> None:
         "not of a rank's own start and exit",
     )
     p.add_argument("--port", type=int, default=29500, help="first rendezvous port")
+    p.add_argument(
+        "--costmodel",
+        type=Path,
+        default=REPO / "bench" / "results" / "costmodel" / "costmodel.json",
+        help="sc17: the cost model's costmodel.json (or costmodel_inputs.json) whose projection's "
+        "SC17 row the table prints (default: python -m bench.costmodel's output)",
+    )
     p.add_argument("--subnet", default="10.77.0", help="private /24 prefix behind the bridge")
 
 
@@ -335,7 +346,7 @@ def scenario_names(text: str | None, quick: bool) -> list[str]:
 def resolve_settings(args: argparse.Namespace, preset: Scenario) -> Settings:
     """The preset, each value replaced by the command line's where one was given."""
     configs = parse_configs(args.configs or preset.configs)
-    if getattr(args, "only_configs", False):
+    if getattr(args, "only_configs", False) or preset.only_configs:
         rows = list(configs)  # parse_configs dropped exact duplicates
     else:
         base = next((c for c in configs if c.key == BASELINE and not c.overrides), BenchConfig(*BASELINE))
@@ -488,12 +499,50 @@ def run_scenario(args: argparse.Namespace, settings: Settings, argv: Sequence[st
         scenario = _start_scenario(args, cluster, settings, argv, out)
         rows = [_run_row(args, cluster, settings, k, out) for k in range(len(settings.configs))]
         scenario["loadavg_after"] = loadavg()
+        if preset.name == "sc17":
+            scenario["costmodel_sc17"] = costmodel_sc17(getattr(args, "costmodel", None))
+        add_tokens(rows)
         md = finish_table(rows, scenario, preset.targets)
         _write(out, "cluster", {"scenario": scenario, "rows": rows}, md)
         print()
         print(md)
         print(f"[cluster] wrote {out / 'cluster.json'} and {out / 'cluster.md'}")
         return (0 if all(r["status"] == "ok" for r in rows) else 1), md
+
+
+def costmodel_sc17(path: Path | None) -> dict | None:
+    """SC17's row of the cost model's projection (``bench._tables.sc17_projection``): from
+    ``costmodel.json`` (``bench.costmodel.report.analyse`` stores ``project``'s output
+    there), else from the ``costmodel_inputs.json`` beside it (fitted and projected here by
+    ``bench.costmodel``'s own ``fit`` and ``project``); None when neither exists."""
+    if path is None:
+        return None
+    inputs_path = path if path.name == "costmodel_inputs.json" else path.with_name("costmodel_inputs.json")
+    if path != inputs_path and path.is_file():
+        return sc17_projection(json.loads(path.read_text())["projection"], str(path))
+    if not inputs_path.is_file():
+        return None
+    from bench.costmodel import fit, project
+    from bench.costmodel.terms import emulated_burst_bytes
+
+    inputs = json.loads(inputs_path.read_text())
+    model = fit(inputs["probe"], cpus=inputs.get("cpus"), burst=emulated_burst_bytes)
+    return sc17_projection(project(model, inputs), str(inputs_path))
+
+
+def add_tokens(rows: list[dict]) -> None:
+    """``tokens_per_s`` on each completed row whose run trained a sequence model
+    (``data.seq_len`` in its summary's config): samples/s x seq_len."""
+    for row in rows:
+        if row.get("status") != "ok" or not row.get("run_dir"):
+            continue
+        try:
+            summary = json.loads((Path(row["run_dir"]) / "summary.json").read_text())
+        except (OSError, ValueError):
+            continue
+        seq_len = ((summary.get("config") or {}).get("data") or {}).get("seq_len")
+        if isinstance(seq_len, int) and seq_len > 0:
+            row["tokens_per_s"] = tokens_per_s(row.get("samples_per_s"), seq_len)
 
 
 def _start_scenario(args: argparse.Namespace, cluster: EmulatedCluster, settings: Settings,

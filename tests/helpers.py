@@ -125,16 +125,19 @@ _cli_server = None
 
 def cli_server():
     """The test session's fork server for ``easgd-train`` runs (:func:`run_cli`): a fresh
-    interpreter that has imported ``easgd_lightning.cli.train``. None with
-    ``EASGD_TEST_SPAWN_CLI=1`` (a fresh interpreter per run)."""
+    interpreter that has imported ``easgd_lightning.cli.train`` and what its validation and
+    its ranks import later (Lightning, the data modules: the package imports them lazily, so
+    a forked run would import them again, seconds each). None with ``EASGD_TEST_SPAWN_CLI=1``
+    (a fresh interpreter per run)."""
     global _cli_server
     if os.environ.get("EASGD_TEST_SPAWN_CLI") == "1" or not sys.platform.startswith("linux"):
         return None
     if _cli_server is None or not _cli_server.alive():
         from easgd_lightning.cli import forkserver
 
-        _cli_server = forkserver.spawn_server(("easgd_lightning.cli.train", "easgd_lightning.cli.overrides"),
-                                              env=base_env())
+        modules = ("easgd_lightning.cli.train", "easgd_lightning.cli.overrides", "easgd_lightning.cli.validate",
+                   "easgd_lightning.data", *forkserver.WORKER_MODULES)
+        _cli_server = forkserver.spawn_server(tuple(dict.fromkeys(modules)), env=base_env())
         atexit.register(_cli_server.close)
     return _cli_server
 

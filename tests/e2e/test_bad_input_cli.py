@@ -72,14 +72,18 @@ def _chattr(flag: str, path: Path) -> bool:
 
 @pytest.fixture(scope="module")
 def answers(tmp_path_factory) -> dict:
-    """Every command of this file, each a fresh interpreter, run side by side (one core busy
-    importing each, as in test_wheel_install): {case id or "sweep": (its directory, the
-    CompletedProcess)}; each test checks its own as when they ran one after the other."""
+    """Every command of this file: {case id or "sweep": (its directory, the CompletedProcess)};
+    each test checks its own as when they ran one after the other. The command itself (a
+    fresh ``python -m easgd_lightning.cli.train``: the first case and both sweeps, side by
+    side in threads) and the rest forked from the session's CLI server (the same ``main()``,
+    argv, environment and directory; one after the other: the server takes one request at a
+    time), while the fresh ones import."""
     root = tmp_path_factory.mktemp("bad_input")
     dirs = {" ".join(o): root / f"case{i}" / "run" for i, (o, _) in enumerate(CASES)}
-    jobs = {key: (lambda run=run, o=o: run_cli([f"hydra.run.dir={run}", "logger=none", *o], check=False,
-                                                 timeout=120, fresh=True))
-            for (key, run), (o, _) in zip(dirs.items(), CASES)}
+    jobs = {key: (lambda run=run, o=o, i=i: run_cli([f"hydra.run.dir={run}", "logger=none", *o], check=False,
+                                                      timeout=120, fresh=i == 0))
+            for i, ((key, run), (o, _)) in enumerate(zip(dirs.items(), CASES))}
+    fresh = {next(iter(dirs)), "sweep", "sweep lr"}
     dirs["sweep"] = root / "sweep"
     jobs["sweep"] = lambda: _sweep(dirs["sweep"])
     dirs["sweep lr"] = root / "sweep_lr"  # the first job is good, the second is not
@@ -94,12 +98,13 @@ def answers(tmp_path_factory) -> dict:
             continue
         arg = f"hydra.run.dir={value.format(tmp=tmp)}"
         dirs[f"dir {key}"] = tmp
-        jobs[f"dir {key}"] = lambda arg=arg: run_cli(["logger=none", arg], check=False, timeout=120, fresh=True,
-                                                      cwd=root)
+        jobs[f"dir {key}"] = lambda arg=arg: run_cli(["logger=none", arg], check=False, timeout=120, cwd=root)
     try:
-        with ThreadPoolExecutor(4) as pool:
-            futures = {key: pool.submit(job) for key, job in jobs.items()}
-            return {key: (dirs[key], f.result()) for key, f in futures.items()}
+        with ThreadPoolExecutor(3) as pool:
+            futures = {key: pool.submit(jobs[key]) for key in fresh}
+            done = {key: job() for key, job in jobs.items() if key not in fresh}
+            done.update({key: f.result() for key, f in futures.items()})
+            return {key: (dirs[key], done[key]) for key in jobs}
     finally:
         if immutable:
             _chattr("-i", tmp / "immutable")
