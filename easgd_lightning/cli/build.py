@@ -27,8 +27,8 @@ from easgd_lightning.cli.rules import (
     strategy_rule,
 )
 from easgd_lightning.cli.targets import check_group, instantiate_group
-from easgd_lightning.cli.values import need_bool
-from easgd_lightning.utils.errors import ConfigError
+from easgd_lightning.utils.checks import check_bool
+from easgd_lightning.utils.errors import ConfigError, config_errors
 
 log = logging.getLogger("easgd_lightning")
 
@@ -64,13 +64,10 @@ def build_compression(cfg: Any):
     from easgd_lightning.hooks.planner import NO_PLAN, check_plan_options
 
     rule = compression_rule(cfg)
-    two_way = cfg.compression.get("two_way", False)
-    need_bool("compression.two_way", two_way)
     plan = {key: cfg.compression.get(key, default) for key, default in zip(PLAN_KEYS, (NO_PLAN, 0, 8))}
-    try:
+    with config_errors():
+        two_way = check_bool("compression.two_way", cfg.compression.get("two_way", False))
         check_plan_options(**plan)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
     if check_group(cfg, rule) is rule.base and compression_name(cfg) == NO_COMPRESSION:
         return None  # dense: the strategies' own uncompressed path
     compressor = _instantiate(cfg, rule)

@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from easgd_lightning.cli.rules import strategy_spec_of
-from easgd_lightning.cli.values import is_int
+from easgd_lightning.utils.checks import is_int
 from easgd_lightning.utils.errors import ConfigError
 
 log = logging.getLogger("easgd_lightning")

@@ -20,6 +20,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from easgd_lightning.utils.checks import (
+    check_choice,
+    check_int_list,
+    check_interval,
+    check_positive,
+)
+
 __all__ = [
     "OBJECTIVES",
     "knob",
@@ -60,13 +67,6 @@ class SearchError(ValueError):
     """A bad ``search.*`` value (the CLI prints it as its one error line)."""
 
 
-def _positive_ints(key: str, values: Any) -> list[int]:
-    values = list(values or [])
-    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
-        raise SearchError(f"search.{key} must be a non-empty list of integers >= 1, got {values!r}")
-    return values
-
-
 def check_search(search: Any) -> None:
     """Check ``search.*`` before any trial.
 
@@ -75,11 +75,14 @@ def check_search(search: Any) -> None:
     """
     if search is None:
         return
-    if search.get("objective") not in OBJECTIVES:
-        raise SearchError(f"search.objective={search.get('objective')!r} is unknown; choose one of {', '.join(OBJECTIVES)}")
-    budget = search.get("bytes_budget")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0):
-        raise SearchError(f"search.bytes_budget must be a number of bytes > 0 or null, got {budget!r}")
+    try:
+        check_choice("search.objective", search.get("objective"), OBJECTIVES)
+        check_positive("search.bytes_budget", search.get("bytes_budget"), nullable=True, unit="bytes")
+        check_interval("search.ratio", search.get("ratio"), 0.0, 1.0, lo_open=True)
+        for key in ("ranks", "levels", "taus"):
+            check_int_list(f"search.{key}", search.get(key), 1)
+    except ValueError as err:
+        raise SearchError(str(err)) from None
     names = list(search.get("compressions") or [])
     allowed = searchable()
     bad = [n for n in names if n not in allowed]
@@ -87,12 +90,6 @@ def check_search(search: Any) -> None:
         raise SearchError(
             f"search.compressions must name compressors, got {bad[0] if bad else names!r}; choose from {', '.join(allowed)}"
         )
-    lo, hi = (list(search.get("ratio") or []) + [None, None])[:2]
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (lo, hi)) or not 0 < lo < hi <= 1:
-        raise SearchError(f"search.ratio must be [low, high] with 0 < low < high <= 1, got {list(search.get('ratio') or [])!r}")
-    _positive_ints("ranks", search.get("ranks"))
-    _positive_ints("levels", search.get("levels"))
-    _positive_ints("taus", search.get("taus"))
 
 
 def compression_space(cfg: Any, trial: Any) -> None:

@@ -39,7 +39,8 @@ from easgd_lightning.cli.values import (
     threads_warning,
     validate_values,
 )
-from easgd_lightning.utils.errors import ConfigError
+from easgd_lightning.utils.checks import check_int, check_positive, is_int
+from easgd_lightning.utils.errors import ConfigError, config_errors
 
 log = logging.getLogger("easgd_lightning")
 
@@ -61,7 +62,7 @@ def _check_fault_ranks_step(cfg: Any, strategy: Any, world: int) -> None:
     faults = cfg.get("faults", {}) or {}
     for key in ("slow_rank", "crash_rank", "nan_rank"):
         rank = faults.get(key)
-        if isinstance(rank, int) and not isinstance(rank, bool) and first_server <= rank < world:
+        if is_int(rank) and first_server <= rank < world:
             raise ConfigError(
                 f"faults.{key}: rank {rank} is strategy={cfg.strategy.get('name')}'s parameter server, which "
                 f"never takes a training step, so the fault would never fire; choose a worker rank in "
@@ -238,12 +239,9 @@ def _check_names(cfg: Any) -> None:
 def _check_world(cfg: Any) -> int:
     """The number of processes (``trainer.devices`` x ``trainer.num_nodes``), at least the
     strategy's fewest (its registry entry)."""
-    devices = cfg.trainer.devices
-    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
-        raise ConfigError(f"trainer.devices must be a positive integer, got {devices!r}")
-    nodes = cfg.trainer.get("num_nodes", 1)
-    if not isinstance(nodes, int) or nodes < 1:
-        raise ConfigError(f"trainer.num_nodes must be a positive integer, got {nodes!r}")
+    with config_errors():
+        devices = check_int("trainer.devices", cfg.trainer.devices, 1)
+        nodes = check_int("trainer.num_nodes", cfg.trainer.get("num_nodes", 1), 1)
     world = devices * nodes
     name = cfg.strategy.get("name")
     need = spec_of(name).min_world_size
@@ -260,36 +258,25 @@ def _check_launcher_and_faults(cfg: Any, world: int) -> None:
     the ``ft`` group."""
     from easgd_lightning.ft.config import check_ft
 
-    timeout = cfg.get("timeout_s", 300)
-    if not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ConfigError(f"timeout_s must be > 0 seconds, got {timeout!r}")
-    try:
+    with config_errors():
+        check_positive("timeout_s", cfg.get("timeout_s", 300), unit="seconds")
         resolve_start_method(cfg)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
     check_fault_values(cfg)
     _check_fault_ranks(cfg, world)
     check_ft(cfg, world)  # the ft group (ft=none: nothing to check)
-    faults = cfg.get("faults", {}) or {}
-    if (faults.get("slow_ms") or 0) < 0:
-        raise ConfigError(f"faults.slow_ms must be >= 0, got {faults.get('slow_ms')}")
 
 
+@config_errors()
 def _check_fault_ranks(cfg: Any, world: int) -> None:
-    """Every ``faults.*_rank`` is a rank of the world, with its step where it needs one."""
+    """Every ``faults.*_rank`` is a rank of the world (an integer in [0, world - 1]), with
+    its step where it needs one (the step's type: :func:`check_fault_values`)."""
     faults = cfg.get("faults", {}) or {}
     for key in ("slow_rank", "crash_rank", "nan_rank", "kill_rank"):
-        r = faults.get(key)
-        if r is not None and not (isinstance(r, int) and 0 <= r < world):
-            raise ConfigError(f"faults.{key} must be a rank in [0, {world - 1}], got {r!r}")
-    if faults.get("crash_rank") is not None and not (
-        isinstance(faults.get("crash_at_step"), int) and faults.get("crash_at_step") >= 1
-    ):
-        raise ConfigError("faults.crash_at_step must be a step >= 1 when faults.crash_rank is set")
-    if faults.get("kill_rank") is not None and not (
-        isinstance(faults.get("kill_at_step"), int) and faults.get("kill_at_step") >= 1
-    ):
-        raise ConfigError("faults.kill_at_step must be a step >= 1 when faults.kill_rank is set")
+        check_int(f"faults.{key}", faults.get(key), 0, world - 1, nullable=True)
+    for rank, step, what in (("crash_rank", "crash_at_step", "crashes"), ("kill_rank", "kill_at_step", "is killed")):
+        if faults.get(rank) is not None and faults.get(step) is None:
+            raise ConfigError(f"faults.{rank}: set faults.{step} too (the step >= 1 at which rank "
+                              f"{faults.get(rank)} {what}); without it nothing happens")
 
 
 def _check_search_and_groups(cfg: Any) -> None:
@@ -307,10 +294,9 @@ def _check_search_and_groups(cfg: Any) -> None:
 
 
 def _check_threads_and_logger(cfg: Any) -> None:
-    """``threads_per_process`` (a positive integer or null) and ``logger.name``."""
-    threads = cfg.get("threads_per_process")
-    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
-        raise ConfigError(f"threads_per_process must be a positive integer or null, got {threads!r}")
+    """``threads_per_process`` (an integer >= 1 or null) and ``logger.name``."""
+    with config_errors():
+        check_int("threads_per_process", cfg.get("threads_per_process"), 1, nullable=True)
     logger = cfg.logger.get("name")
     if logger not in LOGGERS:
         raise ConfigError(f"logger.name={logger!r} is unknown; choose one of {', '.join(LOGGERS)}")

@@ -16,7 +16,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from easgd_lightning.utils.checks import is_int, is_number
+from easgd_lightning.utils.checks import check_int, check_positive
+from easgd_lightning.utils.errors import ConfigError, config_errors
 
 __all__ = ["FT_KEYS", "FT_STRATEGIES", "FT_NATIVE", "check_ft", "lighthouse_address", "rejoins_natively"]
 
@@ -52,7 +53,7 @@ def lighthouse_address(value: str) -> str:
     """
     m = _ADDRESS.match(str(value).strip())
     if not m or not 0 < int(m.group(2)) < 65536:
-        raise ValueError(f"ft.lighthouse: must be null or host:port (or http://host:port), got {value!r}")
+        raise ValueError(f"ft.lighthouse must be host:port (or http://host:port) or null, got {value!r}")
     return f"http://{m.group(1)}:{m.group(2)}"
 
 
@@ -71,12 +72,11 @@ def check_ft(cfg: Any, world: int) -> None:
             serve) and what is allowed.
     """
     from easgd_lightning.ft import FT_NAMES
-    from easgd_lightning.utils.errors import ConfigError
 
     ft = cfg.get("ft") or {}
     name = ft.get("name", "none")
     if name not in FT_NAMES:
-        raise ConfigError(f"ft.name: {name!r} is unknown; choose one of {', '.join(FT_NAMES)}")
+        raise ConfigError(f"ft.name={name!r} is unknown; choose one of {', '.join(FT_NAMES)}")
     if name == "none":
         return
     unknown = sorted(set(ft.keys()) - set(FT_KEYS))
@@ -142,23 +142,17 @@ def _check_common(ft: Any, workers: int, quorum: bool = True) -> None:
     ``quorum``: torchft's quorum decides who takes part, not a parameter server)."""
     from easgd_lightning.utils.errors import ConfigError
 
-    mr = ft.get("min_replicas", 1)
-    if not is_int(mr) or not 1 <= mr <= workers:
-        raise ConfigError(f"ft.min_replicas: must be an integer in [1, {workers}] (the workers), got {mr!r}")
+    with config_errors():
+        mr = check_int("ft.min_replicas", ft.get("min_replicas", 1), 1, workers)  # at most the workers
+        check_int("ft.replica_id", ft.get("replica_id"), 0, workers - 1, nullable=True)
+        check_int("ft.max_restarts", ft.get("max_restarts", 3), 0)
+        for key, default in (("quorum_timeout_s", 60), ("collective_timeout_s", 10), ("heartbeat_timeout_s", 2),
+                             ("join_timeout_s", 10)):
+            check_positive(f"ft.{key}", ft.get(key, default), unit="seconds")
+    heartbeat, quorum_s = ft.get("heartbeat_timeout_s", 2), ft.get("quorum_timeout_s", 60)
+    if heartbeat >= quorum_s:
+        raise ConfigError(f"ft.heartbeat_timeout_s must be < ft.quorum_timeout_s ({quorum_s}), got {heartbeat!r}")
     if quorum and mr == workers > 1:  # torchft: a joiner is not a participant of the exchange it heals in
         raise ConfigError(f"ft.min_replicas={mr}: with every worker required a restarted worker could never rejoin "
                           f"(it contributes nothing to the exchange it rejoins in); use at most {workers - 1}")
-    replica = ft.get("replica_id")
-    if replica is not None and not (is_int(replica) and 0 <= replica < workers):
-        raise ConfigError(f"ft.replica_id: must be null or an integer in [0, {workers - 1}] (the workers), got {replica!r}")
-    restarts = ft.get("max_restarts", 3)
-    if not is_int(restarts) or restarts < 0:
-        raise ConfigError(f"ft.max_restarts: must be an integer >= 0, got {restarts!r}")
-    for key, default in (("quorum_timeout_s", 60), ("collective_timeout_s", 10), ("heartbeat_timeout_s", 2),
-                         ("join_timeout_s", 10)):
-        value = ft.get(key, default)
-        if not is_number(value) or not value > 0:
-            raise ConfigError(f"ft.{key}: must be a number of seconds > 0, got {value!r}")
-    if ft.get("heartbeat_timeout_s", 2) >= ft.get("quorum_timeout_s", 60):
-        raise ConfigError(f"ft.heartbeat_timeout_s: must be < ft.quorum_timeout_s ({ft.get('quorum_timeout_s', 60)}), "
-                          f"got {ft.get('heartbeat_timeout_s')!r}")
+

@@ -6,8 +6,23 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError"]
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = ["ConfigError", "config_errors"]
 
 
 class ConfigError(ValueError):
     """A bad configuration value; the message names the key and what is allowed."""
+
+
+@contextmanager
+def config_errors() -> Iterator[None]:
+    """Within it, a ``ValueError`` of a check (:mod:`easgd_lightning.utils.checks`) is
+    re-raised as a :class:`ConfigError` with the same one line."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except ValueError as err:
+        raise ConfigError(str(err)) from None

@@ -288,12 +288,12 @@ def test_lighthouse_killed_ends_the_run_cleanly(tmp_path: Path) -> None:
 
 # -------------------------------------------------------------------------- refusals
 REFUSALS = [
-    (["ft.min_replicas=0"], "ft.min_replicas: must be an integer in [1, 3]"),
+    (["ft.min_replicas=0"], "ft.min_replicas must be an integer in [1, 3], got 0"),
     (["ft.min_replicas=3"], "ft.min_replicas=3: with every worker required a restarted worker could never rejoin"),
     (["ft.replica_id=0"], "ft.replica_id: only under torchrun (one torchrun per worker)"),
-    (["ft.replica_id=3"], "ft.replica_id: must be null or an integer in [0, 2]"),
-    (["ft.max_restarts=-1"], "ft.max_restarts: must be an integer >= 0"),
-    (["ft.lighthouse=nowhere"], "ft.lighthouse: must be null or host:port"),
+    (["ft.replica_id=3"], "ft.replica_id must be an integer in [0, 2] or null, got 3"),
+    (["ft.max_restarts=-1"], "ft.max_restarts must be an integer >= 0, got -1"),
+    (["ft.lighthouse=nowhere"], "ft.lighthouse must be host:port (or http://host:port) or null, got 'nowhere'"),
     (["strategy=pipeline_3d"], "ft=torchft: strategy=pipeline_3d cannot survive a lost worker"),
     (["strategy=easgd_round_robin"], "ft=torchft: strategy=easgd_round_robin cannot survive a lost worker"),
     (["strategy=diloco", "strategy.fragments=2"], "ft=torchft: strategy.fragments=2 is not supported with strategy=diloco"),

@@ -16,7 +16,7 @@ GOOD = {"objective": "val_acc", "bytes_budget": None, "compressions": ["none", "
 @pytest.mark.parametrize(
     "change,message",
     [
-        ({"objective": "loss"}, "search.objective='loss' is unknown; choose one of val_acc, pareto"),
+        ({"objective": "loss"}, "search.objective must be one of ['val_acc', 'pareto'], got 'loss'"),
         ({"compressions": ["topk", "bogus"]}, "search.compressions must name compressors, got 'bogus'"),
         ({"compressions": []}, "search.compressions must name compressors"),
         ({"ratio": [0.3, 0.1]}, "search.ratio must be [low, high] with 0 < low < high <= 1"),

@@ -125,7 +125,7 @@ def test_ft_torchft_accepts_the_parameter_server_family(overrides: list[str]) ->
     (["strategy=hogwild_easgd", "trainer.devices=3"],
      "ft=torchft: strategy=hogwild_easgd cannot survive a lost worker (Hogwild workers on shared memory"),
     (["strategy=async_easgd", "trainer.devices=4", "ft.min_replicas=4"],
-     "ft.min_replicas: must be an integer in [1, 3] (the workers)"),
+     "ft.min_replicas must be an integer in [1, 3], got 4"),
     (["strategy=async_easgd", "trainer.devices=4", "ft.lighthouse=localhost:29510"],
      "ft.lighthouse: strategy=async_easgd uses no torchft lighthouse"),
     (["strategy=async_sgd", "trainer.devices=4", "checkpoint.resume=x.ckpt"],

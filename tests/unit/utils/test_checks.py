@@ -14,7 +14,11 @@ from easgd_lightning.utils.checks import (
     check_choice,
     check_float,
     check_int,
+    check_int_list,
+    check_int_or_fraction,
+    check_interval,
     check_momentum,
+    check_number_list,
     check_positive,
     check_ratio,
     is_int,
@@ -37,6 +41,7 @@ def _refused(check, *args, **kwargs) -> str:
         ((None,), {}, -7, -7),
         ((), {}, np.int64(3), 3),
         ((), {"nullable": True}, None, None),
+        ((), {"also": (-1,)}, -1, -1),  # a sentinel outside the range ("no limit")
     ],
 )
 def test_check_int_accepts(args, kwargs, value, expected) -> None:
@@ -56,6 +61,8 @@ def test_check_int_accepts(args, kwargs, value, expected) -> None:
         ((None, 4), {}, 5, "strategy.tau must be an integer <= 4, got 5"),
         ((None,), {}, 1.5, "strategy.tau must be an integer, got 1.5"),
         ((), {"nullable": True}, -1, "strategy.tau must be an integer >= 1 or null, got -1"),
+        ((), {"also": (-1,)}, 0, "strategy.tau must be an integer >= 1 or -1, got 0"),
+        ((), {"also": (-1,), "nullable": True}, True, "strategy.tau must be an integer >= 1 or -1 or null, got True"),
     ],
 )
 def test_check_int_refuses(args, kwargs, value, line) -> None:
@@ -120,8 +127,46 @@ def test_check_bool() -> None:
 def test_check_choice() -> None:
     assert check_choice("k", "b", ("a", "b")) == "b"
     assert check_choice("k", None, [None, "a"]) is None
+    assert check_choice("k", None, ["a"], nullable=True) is None
     line = _refused(check_choice, "compression.plan", "x", ("none", "secopa"))
     assert line == "compression.plan must be one of ['none', 'secopa'], got 'x'"
+    line = _refused(check_choice, "k", "x", ("norm", "value"), nullable=True)
+    assert line == "k must be one of ['norm', 'value'] or null, got 'x'"
+
+
+def test_check_int_or_fraction() -> None:
+    """Lightning's limit_*_batches: an int counts batches, a float in (0, 1] is a fraction."""
+    assert check_int_or_fraction("k", 3) == 3 and check_int_or_fraction("k", 0.5) == 0.5
+    assert check_int_or_fraction("k", 1.0) == 1.0 and check_int_or_fraction("k", 0, 0) == 0
+    assert check_int_or_fraction("k", None, nullable=True) is None
+    for value in (0, 1.5, 0.0, True, "0.5"):
+        assert _refused(check_int_or_fraction, "trainer.limit_train_batches", value) == (
+            f"trainer.limit_train_batches must be an integer >= 1 or a fraction in (0, 1], got {value!r}"
+        )
+    assert _refused(check_int_or_fraction, "k", -1, 0, nullable=True) == (
+        "k must be an integer >= 0 or a fraction in (0, 1] or null, got -1"
+    )
+
+
+def test_check_lists() -> None:
+    assert check_int_list("k", (1, np.int64(4))) == [1, 4] and check_int_list("k", None, nullable=True) is None
+    assert check_number_list("k", [], 0, allow_empty=True) == [] and check_number_list("k", [0, 2.5], 0) == [0.0, 2.5]
+    for value in ([], [0, 4], ["a"], [True], 3, "12", {"a": 1}):
+        assert _refused(check_int_list, "search.taus", value) == (
+            f"search.taus must be a non-empty list of integers >= 1, got {value!r}"
+        )
+    assert _refused(check_number_list, "optim.milestones", [1, -1], 0, nullable=True, allow_empty=True) == (
+        "optim.milestones must be a list of numbers >= 0 or null, got [1, -1]"
+    )
+
+
+def test_check_interval() -> None:
+    assert check_interval("k", [0.001, 0.3], 0.0, 1.0, lo_open=True) == (0.001, 0.3)
+    assert check_interval("k", (0.5, 1), 0.0, 1.0, lo_open=True) == (0.5, 1.0)
+    for value in ([0.3, 0.1], [0.0, 0.1], [0.1, 1.5], [0.1], [0.1, "a"], [0.1, True], None):
+        assert _refused(check_interval, "search.ratio", value, 0.0, 1.0, lo_open=True) == (
+            f"search.ratio must be [low, high] with 0 < low < high <= 1, got {value!r}"
+        )
 
 
 def test_predicates() -> None:
@@ -137,6 +182,8 @@ def test_every_message_has_the_one_shape() -> None:
         _refused(check_int, "a.b", 0), _refused(check_float, "a.b", -1, 0.0),
         _refused(check_positive, "a.b", 0), _refused(check_ratio, "a.b", 2),
         _refused(check_momentum, "a.b", 1), _refused(check_bool, "a.b", 1),
-        _refused(check_choice, "a.b", "z", ["y"]),
+        _refused(check_choice, "a.b", "z", ["y"]), _refused(check_int_or_fraction, "a.b", 2.0),
+        _refused(check_int_list, "a.b", []), _refused(check_number_list, "a.b", [-1], 0),
+        _refused(check_interval, "a.b", [1, 0], 0.0, 1.0),
     ]
     assert all(shape.match(line) for line in lines), lines
