@@ -30,7 +30,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from easgd_lightning.compat import lightning as compat
 from easgd_lightning.utils.atomic import atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -235,13 +234,21 @@ def _heartbeat_store():
     address = run_store_address()
     if address:
         return dist.TCPStore(*address, is_master=False, timeout=timedelta(seconds=HEARTBEAT_STORE_TIMEOUT_S))
-    return compat.default_store()
+    return _group_store()
 
 
 def _default_store():
     address = run_store_address()
     if address:
         return dist.TCPStore(*address, is_master=False, timeout=timedelta(seconds=30))
+    return _group_store()
+
+
+def _group_store():
+    """The default process group's store (imported here: the compat module imports Lightning,
+    which a fault-tolerant worker's join record must not wait for)."""
+    from easgd_lightning.compat import lightning as compat
+
     return compat.default_store()
 
 

@@ -223,6 +223,14 @@ def leave_if_quorum_pending(code: int) -> None:
     os._exit(code & 0xFF)
 
 
+def _sigterm_exception() -> BaseException:
+    """Lightning's ``SIGTERMException`` (imported when a stop happens: not on the quorum's path,
+    where an import would delay a worker's first exchange by seconds)."""
+    from pytorch_lightning.utilities.exceptions import SIGTERMException
+
+    return SIGTERMException()
+
+
 def current() -> FTContext | None:
     """This worker's context (None unless :func:`prepare` ran in this process)."""
     return _CURRENT
@@ -393,9 +401,7 @@ class FTSession:
         Raises:
             RuntimeError: the quorum failed (e.g. the lighthouse is gone).
         """
-        from pytorch_lightning.utilities.exceptions import SIGTERMException
-
-        with stop.interruptible(SIGTERMException):
+        with stop.interruptible(_sigterm_exception):
             try:
                 for call in calls:
                     call()

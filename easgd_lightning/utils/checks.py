@@ -98,8 +98,8 @@ def check_int(
         ``int(value)`` (or None when ``nullable`` and ``value`` is None).
 
     Raises:
-        ValueError: ``"<key> must be an integer >= 1, got 0"`` (``in [lo, hi]`` with both
-        bounds, ``or -1`` for each of ``also``, ``or null`` with ``nullable``).
+        ValueError: ``"<key> must be an integer >= 1, got 0"`` (``in [lo, hi]`` with
+            both bounds, ``or -1`` for each of ``also``, ``or null`` with ``nullable``).
     """
     if value is None and nullable:
         return None
