@@ -421,11 +421,17 @@ def casts_whole_tensors(compressor: Compressor, memory: Memory, plan: str | None
 
 
 def _segments(sizes: list[int], keep) -> list[tuple[int, int]]:
-    """(offset, length) in the bucket of every tensor whose size ``keep(size)`` accepts."""
-    out, offset = [], 0
+    """(offset, length) runs of the bucket covering every tensor whose size ``keep(size)``
+    accepts, adjacent tensors merged into one run (one copy per run on the hot path: a bucket
+    whose tensors are all kept is one run)."""
+    out: list[tuple[int, int]] = []
+    offset = 0
     for n in sizes:
         if keep(n):
-            out.append((offset, n))
+            if out and sum(out[-1]) == offset:
+                out[-1] = (out[-1][0], out[-1][1] + n)
+            else:
+                out.append((offset, n))
         offset += n
     return out
 
@@ -472,8 +478,9 @@ def cast_allreduce_hook(
             (_segments(sizes, lambda n: n < state.min_numel), buf.dtype),
             (_segments(sizes, lambda n: n >= state.min_numel), wire),
         ]
-        state.totals.dense_tensors += len(parts[0][0])
-        state.totals.compressed_tensors += len(parts[1][0])
+        compressed = sum(n >= state.min_numel for n in sizes)
+        state.totals.dense_tensors += len(sizes) - compressed
+        state.totals.compressed_tensors += compressed
     sent = [(segs, _gather(buf, segs, dtype)) for segs, dtype in parts if segs]
     futs = [
         ops.all_reduce_async(msg, kind=state.kind, group=state.group,
