@@ -42,7 +42,7 @@ import threading
 import time
 import traceback
 
-from easgd_lightning.utils.procs import pid_alive
+from easgd_lightning.utils.procs import exit_now, pid_alive
 
 __all__ = ["ForkServer", "RankProcess", "start_server", "spawn_server", "current_server", "stop_server",
            "imported_since_start", "WORKER_MODULES", "WORKER_ENTRY"]
@@ -465,20 +465,7 @@ def _exit_status(code) -> int:
 def _exit(code: int) -> None:
     """End the rank as the interpreter would: join its threads, run the exit handlers
     (DataLoader workers, loggers), flush, then leave without running the launcher's code."""
-    try:
-        threading._shutdown()  # type: ignore[attr-defined] - waits for non-daemon threads, as at exit
-    except Exception:  # noqa: BLE001
-        pass
-    try:
-        atexit._run_exitfuncs()
-    except Exception:  # noqa: BLE001
-        pass
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001
-            pass
-    os._exit(code)
+    exit_now(code)
 
 
 if __name__ == "__main__":  # spawn_server: REQUESTS_FD STATUS_FD PARENT_PID MODULE...

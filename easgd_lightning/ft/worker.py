@@ -45,6 +45,7 @@ import torch
 
 from easgd_lightning.compat.torchft import quorum_id, quorum_pending, quorum_ranks
 from easgd_lightning.utils import stop
+from easgd_lightning.utils.procs import exit_now
 
 log = logging.getLogger(__name__)
 
@@ -213,14 +214,8 @@ def leave_if_quorum_pending(code: int) -> None:
     interpreter's exit for up to ``ft.quorum_timeout_s``. Returns otherwise."""
     if _CURRENT is None or not _CURRENT.quorum_pending:
         return
-    import atexit
-    import sys
-
     log.info("ft: leaving without waiting for the pending quorum request")
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(code & 0xFF)
+    exit_now(code, join_threads=False)
 
 
 def _sigterm_exception() -> BaseException:

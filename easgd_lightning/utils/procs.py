@@ -11,7 +11,7 @@ import os
 import signal
 from collections.abc import Iterator
 
-__all__ = ["freeze_at_exit", "pid_alive", "stop_signals_held"]
+__all__ = ["exit_now", "freeze_at_exit", "pid_alive", "stop_signals_held"]
 
 _freeze_registered = False
 
@@ -54,3 +54,21 @@ def freeze_at_exit() -> None:
     if not _freeze_registered:
         atexit.register(gc.freeze)
         _freeze_registered = True
+
+
+def exit_now(code: int, *, join_threads: bool = True) -> None:
+    """End this process as the interpreter would, without returning to the caller's code: join
+    the non-daemon threads (``join_threads``; skipped where one is stuck in a call that would
+    hold the exit), run the exit handlers, flush, then ``os._exit(code)``."""
+    import sys
+    import threading
+
+    if join_threads:
+        with contextlib.suppress(Exception):
+            threading._shutdown()  # type: ignore[attr-defined] - waits for non-daemon threads, as at exit
+    with contextlib.suppress(Exception):
+        atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code & 0xFF)
