@@ -11,7 +11,10 @@ calls :func:`register_compression_hook` itself, so the hook runs on CPU/gloo as 
   message, the others error-compensated and compressed; all-reduce for linear payloads,
   all-gather of (index, value) for sparse ones). The exchange runs synchronously inside
   the hook, writes the averaged gradients into the bucket and returns a completed
-  future. The first ``warmup_steps`` iterations are dense (DDP rebuilds its buckets after
+  future. With a codec that runs over whole buffers (``fused_segments``: top-k, DGC) and
+  no SeCoPa plan, the bucket buffer itself is the exchange's flat buffer
+  (:mod:`easgd_lightning.hooks._fused`): one codec call, one message, the mean written
+  back into the bucket in place. The first ``warmup_steps`` iterations are dense (DDP rebuilds its buckets after
   the first iteration, like PyTorch's PowerSGD ``start_powerSGD_iter``); compressor and
   residual state is keyed by parameter name, so it survives the rebuild.
 * A 16-bit cast (``fp16``, ``bf16``) without residuals or a plan (and not under
@@ -59,6 +62,7 @@ from easgd_lightning.comm import ops
 from easgd_lightning.comm.managed import ManagedGroup
 from easgd_lightning.hooks import planner
 from easgd_lightning.hooks._exchange import ExchangeStats, exchange_tensors
+from easgd_lightning.hooks._fused import fusable, layout_for, start_exchange_flat
 from easgd_lightning.hooks.collective import ProcessGroupCollective
 from easgd_lightning.hooks.compressors.base import Compressor
 from easgd_lightning.hooks.compressors.none import NoneCompressor
@@ -340,6 +344,27 @@ class CompressionHookState:
         return self.param_names.get(id(param)) or f"bucket{bucket_index}.{pos}"
 
 
+def _exchange_per_tensor(state: CompressionHookState, buf: torch.Tensor, grads: list, keys: list) -> ExchangeStats:
+    """The bucket's tensors exchanged one by one (:func:`~easgd_lightning.hooks._exchange.
+    exchange_tensors`), their means written into the bucket."""
+    means, stats = exchange_tensors(
+        grads,
+        keys,
+        state.compressor,
+        state.memory,
+        state.tensor_states,
+        state.collective,
+        min_numel=state.min_numel,
+        plan=state.active_plan,
+    )
+    for g, m in zip(grads, means):
+        if g.data_ptr() != m.data_ptr():
+            g.copy_(m)
+    if grads and grads[0].data_ptr() != buf.data_ptr():  # not views: write back
+        torch.cat([g.reshape(-1) for g in grads], out=buf)
+    return stats
+
+
 def compressed_allreduce_hook(
     state: CompressionHookState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
@@ -365,23 +390,17 @@ def compressed_allreduce_hook(
         params = bucket.parameters()
         idx = bucket.index()
         keys = [state._key(p, idx, i) for i, p in enumerate(params)]
-        means, stats = exchange_tensors(
-            grads,
-            keys,
-            state.compressor,
-            state.memory,
-            state.tensor_states,
-            state.collective,
-            min_numel=state.min_numel,
-            plan=state.active_plan,
-        )
-        for g, m in zip(grads, means):
-            if g.data_ptr() != m.data_ptr():
-                g.copy_(m)
+        if grads and grads[0].data_ptr() == buf.data_ptr() and fusable(
+            state.compressor, state.collective, state.active_plan
+        ):  # the bucket is the flat buffer: one codec call, the mean written into it
+            layout = layout_for(state.tensor_states, [g.shape for g in grads], keys, state.min_numel)
+            _, _, stats = start_exchange_flat(
+                buf, layout, state.compressor, state.memory, state.tensor_states, state.collective, out=buf
+            ).finish()
+        else:
+            stats = _exchange_per_tensor(state, buf, grads, keys)
         state.bucket_stats.setdefault(idx, ExchangeStats()).add(stats)
         state.totals.add(stats)
-        if grads and grads[0].data_ptr() != buf.data_ptr():  # not views: write back
-            torch.cat([g.reshape(-1) for g in grads], out=buf)
     if bucket.is_last():
         state.iteration += 1
         state._new_iteration = True

@@ -22,7 +22,10 @@ layout the dense buffer is one message.
 :class:`PendingSum` whose ``wait()`` gives the sum (Sync EASGD's overlap). Uncompressed it
 is a non-blocking all-reduce in place on ``diff`` (leave ``diff`` alone until ``wait``);
 compressed, :func:`~easgd_lightning.hooks._exchange.start_exchange_tensors` compresses
-and updates the residual at once and waits, decompresses and sums in ``wait``.
+and updates the residual at once and waits, decompresses and sums in ``wait``; a codec
+that runs over whole buffers (``fused_segments``: top-k, DGC) exchanges ``diff`` as one
+flat buffer instead (:mod:`easgd_lightning.hooks._fused`: one codec call, one message,
+the same numbers).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch.distributed as dist
 from easgd_lightning.comm import ops
 from easgd_lightning.comm.layout import CommLayout
 from easgd_lightning.hooks._exchange import start_exchange_tensors
+from easgd_lightning.hooks._fused import fusable, layout_for, start_exchange_flat
 from easgd_lightning.hooks.collective import ProcessGroupCollective
 from easgd_lightning.hooks.compressors.base import scratch_buffer, scratch_of
 from easgd_lightning.hooks.compressors.none import NoneCompressor
@@ -165,6 +169,8 @@ def start_exchange_sum(
     memory = _memory_for(compressor, memory, state)
     pieces, keys = _pieces(diff, shapes, key, scratch_of(state))
     collective = _collective_for(state, group, kind, None if layout is None else layout.fusion_bytes)
+    if fusable(compressor, collective) and diff.is_contiguous():
+        return _start_fused_sum(diff, pieces, keys, compressor, memory, state, collective, key, keep_local)
     pending = start_exchange_tensors(pieces, keys, compressor, memory, state, collective, want_locals=keep_local)
     ready = keep_local and all(m is not None for m in pending.locals)  # multi-round codecs: at finish
     local = torch.cat([m.reshape(-1) for m in pending.locals]).view_as(diff) if ready else None
@@ -183,6 +189,23 @@ def start_exchange_sum(
 
     result = PendingSum(finish, local)
     return result
+
+
+def _start_fused_sum(diff, pieces, keys, compressor, memory, state, collective, key, keep_local) -> PendingSum:
+    """:func:`start_exchange_sum` over ``diff`` as one flat buffer
+    (:func:`~easgd_lightning.hooks._fused.start_exchange_flat`); the sum is the mean times
+    the world size, as the per-tensor path forms it."""
+    layout = layout_for(state, [p.shape for p in pieces], keys, compressor.min_numel)
+    pending = start_exchange_flat(diff.reshape(-1), layout, compressor, memory, state, collective, want_local=keep_local)
+    world = collective.world_size
+
+    def finish() -> torch.Tensor:
+        mean, _, _ = pending.finish()
+        out = scratch_buffer(scratch_of(state), f"{key}.sum", diff.numel(), diff.dtype, diff.device)
+        return torch.mul(mean, world, out=out).view_as(diff)
+
+    local = None if pending.local is None else pending.local.clone().view_as(diff)
+    return PendingSum(finish, local)
 
 
 def exchange_sum(diff: torch.Tensor, *, return_local: bool = False, **options):

@@ -12,6 +12,12 @@ to the compressor (:func:`~easgd_lightning.hooks.compressors.base.offer_residual
 ``update`` turns p into the next residual in place (p -= transmitted), or keeps it as it
 is when the compressor already wrote p - C(p) into it. The stored residual does not change
 between ``compensate`` and ``update``.
+
+Fused exchanges (:mod:`easgd_lightning.hooks._fused`) compensate a whole flat buffer at once
+(``compensate_runs``): one residual for the exchange, under its group key, of the buffer's
+size (only the compressed runs are meaningful). ``residual(key)`` of a member tensor is a
+view of it, and ``state_dict`` writes it per member tensor, so checkpoints keep their
+per-tensor form and a per-tensor residual (an older checkpoint) joins the group on first use.
 """
 
 from __future__ import annotations
@@ -32,6 +38,12 @@ class Memory:
     def compensate(self, key, tensor: torch.Tensor) -> torch.Tensor:
         """The tensor to compress for ``key`` (``tensor`` plus what is owed)."""
         return tensor
+
+    def compensate_runs(self, key, flat: torch.Tensor, runs, members) -> torch.Tensor:
+        """The 1-D buffer to compress for the group ``key`` of a fused exchange: ``flat`` plus
+        what is owed, on the (offset, length) ``runs`` (other entries are not to be read);
+        ``members`` are the (key, offset, shape) of its tensors."""
+        return flat
 
     def update(self, key, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
         """Record what ``transmitted`` (the decompressed local contribution) left out."""
@@ -69,6 +81,8 @@ class ResidualMemory(Memory):
         self.residuals: dict = {}
         self._spare: dict = {}  # key -> buffer the next compensate writes p into
         self._pending: dict = {}  # key -> the p handed out by compensate, until update
+        self._members: dict = {}  # group key -> (key, offset, shape) of its tensors
+        self._member_of: dict = {}  # tensor key -> (group key, offset, shape)
 
     def compensate(self, key, tensor: torch.Tensor) -> torch.Tensor:
         res = self.residuals.get(key)
@@ -89,6 +103,58 @@ class ResidualMemory(Memory):
         offer_residual(p)
         return p
 
+    def compensate_runs(self, key, flat: torch.Tensor, runs, members) -> torch.Tensor:
+        if self._members.get(key) != members:
+            self._members[key] = members
+            self._member_of.update({m: (key, off, shape) for m, off, shape in members})
+        res = self.residuals.get(key)
+        if res is None or res.shape != flat.shape:
+            res = self._join_members(key, flat, members)
+        if res is None:
+            p = flat.detach().clone()
+        else:
+            p = self._spare.pop(key, None)
+            if p is None or p.shape != flat.shape or p.dtype != flat.dtype or p.device != flat.device:
+                p = torch.empty_like(flat)
+            res = res.to(device=flat.device, dtype=flat.dtype)
+            for off, n in runs:
+                if self.decay == 1.0:
+                    add_into(p[off : off + n], flat[off : off + n].detach(), res[off : off + n])
+                else:
+                    torch.mul(res[off : off + n], self.decay, out=p[off : off + n]).add_(flat[off : off + n].detach())
+        self._pending[key] = p
+        offer_residual(p)
+        return p
+
+    def _join_members(self, key, flat: torch.Tensor, members) -> torch.Tensor | None:
+        """The group residual from its members' per-tensor residuals (zeros where a member
+        has none; None when none has one); the per-tensor entries are dropped."""
+        names = {m for m, _, _ in members}
+        for group, others in list(self._members.items()):  # another group holds some: split it
+            if group != key and names.intersection(m for m, _, _ in others):
+                self._split(group)
+        found = [(off, self.residuals.pop(m)) for m, off, _ in members if m in self.residuals]
+        for m, _, _ in members:
+            self._spare.pop(m, None)
+        if not found:
+            return None
+        res = torch.zeros_like(flat)
+        for off, r in found:
+            res[off : off + r.numel()] = r.reshape(-1).to(res.dtype)
+        self.residuals[key] = res
+        return res
+
+    def _split(self, group) -> None:
+        """Turn the fused group's residual back into per-tensor residuals (copies)."""
+        members = self._members.pop(group)
+        res = self.residuals.pop(group, None)
+        self._spare.pop(group, None)
+        for m, off, shape in members:
+            if self._member_of.get(m, (None,))[0] == group:
+                del self._member_of[m]
+            if res is not None:
+                self.residuals[m] = res[off : off + shape.numel()].view(shape).clone()
+
     def update(self, key, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
         written = take_residual_written(compensated)
         if self._pending.get(key) is not compensated:  # not our buffer: the plain rule
@@ -103,8 +169,26 @@ class ResidualMemory(Memory):
             self._spare[key] = old
 
     def residual(self, key) -> torch.Tensor | None:
-        """The stored residual for ``key`` (None before the first update)."""
-        return self.residuals.get(key)
+        """The stored residual for ``key`` (None before the first update); for a member
+        tensor of a fused group, a view of the group's residual."""
+        res = self.residuals.get(key)
+        if res is None and key in self._member_of:
+            group, off, shape = self._member_of[key]
+            flat = self.residuals.get(group)
+            if flat is not None:
+                return flat[off : off + shape.numel()].view(shape)
+        return res
+
+    def _per_tensor(self) -> dict:
+        """Every residual by tensor key: a fused group's split into its members (views)."""
+        out = {}
+        for key, res in self.residuals.items():
+            members = self._members.get(key)
+            if members is None:
+                out[key] = res
+            else:
+                out.update({m: res[off : off + shape.numel()].view(shape) for m, off, shape in members})
+        return out
 
     def adopt(self, key, residual: torch.Tensor) -> None:
         """Take ``residual`` (not a copy) as what is owed for ``key``: for a caller that
@@ -119,7 +203,7 @@ class ResidualMemory(Memory):
     def state_dict(self) -> dict:
         """The decay and a copy of every residual (the spare and pending buffers are
         scratch: rebuilt on demand, never checkpointed)."""
-        return {"decay": self.decay, "residuals": {k: v.clone() for k, v in self.residuals.items()}}
+        return {"decay": self.decay, "residuals": {k: v.clone() for k, v in self._per_tensor().items()}}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` returned (copies of its residuals)."""
@@ -127,11 +211,15 @@ class ResidualMemory(Memory):
         self.residuals = {k: v.clone() for k, v in state.get("residuals", {}).items()}
         self._spare.clear()
         self._pending.clear()
+        self._members.clear()
+        self._member_of.clear()
 
     def reset(self) -> None:
         self.residuals.clear()
         self._spare.clear()
         self._pending.clear()
+        self._members.clear()
+        self._member_of.clear()
 
 
 def make_memory(compressor=None) -> Memory:

@@ -21,7 +21,7 @@ def _run(tmp_path: Path, world: int, scenarios: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
-    return _run(tmp_path_factory.mktemp("two"), 2, "aggregate,ddp,ddp_dgc,ddp_cast,elastic,elastic_split,csc")
+    return _run(tmp_path_factory.mktemp("two"), 2, "aggregate,ddp,ddp_dgc,ddp_cast,elastic,elastic_split,csc,fused")
 
 
 def _check_aggregate(ranks: list[dict]) -> None:
@@ -78,6 +78,21 @@ def test_ddp_hook_dgc_keeps_momentum_on_dense_tensors(two_ranks):
         res = rank["ddp_dgc"]
         assert max(res["err"]) < 1e-5, res
         assert max(res["momentum_effect"][1:]) > 1e-3, res  # not the plain gradient
+
+
+def test_fused_exchange_equals_the_per_tensor_exchange_bitwise(two_ranks):
+    """One codec call over the flat buffer and one message per exchange (issue 29), with
+    each tensor's own rule: top-k (sampled threshold, residual memory), DGC with momentum
+    (dense tensors keep theirs) and DGC on elastic differences give bitwise the means,
+    residuals and u, v of the per-tensor exchange, over three steps, the third resumed
+    from the per-tensor side's checkpoint."""
+    for rank in two_ranks:
+        for name, rec in rank["fused"].items():
+            assert all(rec["mean_equal"]) and all(rec["state_equal"]), (name, rec)
+            assert rec["calls"][1:] == [1, 1], (name, rec["calls"])  # one all-gather per exchange (the first: +1 round, capacity 0)
+            assert min(rec["scale"]) > 0.01, (name, rec["scale"])
+            residuals = ["t1", "t3", "t4"] if name == "topk" else []  # per tensor, as before
+            assert rec["checkpoint_keys"] == residuals, (name, rec["checkpoint_keys"])
 
 
 def test_ddp_bf16_fp16_run_as_the_overlapped_cast_hook(two_ranks):

@@ -977,3 +977,215 @@ static int cmp_desc_u64(const void *a, const void *b) {
     }
 DEF_KTH_ABS(float, uint32_t, 32, 0x7f800000u, cmp_desc_u32, f32)
 DEF_KTH_ABS(double, uint64_t, 64, 0x7ff0000000000000ull, cmp_desc_u64, f64)
+
+/* ------------------------------------------------ segmented selection (the fused exchange) */
+
+/* One call over the compressed segments of a flat buffer (hooks/_fused.py): each segment
+ * keeps its own rule -- its own sample, threshold and k -- exactly as the per-tensor kernels
+ * above compute them for that tensor alone; the survivors of every segment go to one output
+ * (indices relative to the buffer, ascending within a segment, segments in order). */
+
+/* the k-th largest of m non-negative float bit patterns (1 <= k <= m), a[] reordered
+ * (Hoare's selection; unsigned order = value order, NaN above +inf) */
+#define DEF_KTH_BITS(U, SFX)                                                                \
+    static U kth_bits_##SFX(U *a, int64_t m, int64_t k) {                                  \
+        int64_t lo = 0, hi = m - 1, want = k - 1; /* want-th in descending order */        \
+        while (lo < hi) {                                                                   \
+            U pivot = a[lo + (hi - lo) / 2];                                                \
+            int64_t i = lo, j = hi;                                                         \
+            while (i <= j) {                                                                \
+                while (a[i] > pivot) i++;                                                   \
+                while (a[j] < pivot) j--;                                                   \
+                if (i <= j) { U t = a[i]; a[i] = a[j]; a[j] = t; i++; j--; }                \
+            }                                                                               \
+            if (want <= j) hi = j;                                                          \
+            else if (want >= i) lo = i;                                                     \
+            else return a[want];                                                            \
+        }                                                                                   \
+        return a[want];                                                                     \
+    }
+DEF_KTH_BITS(uint32_t, f32)
+DEF_KTH_BITS(uint64_t, f64)
+
+/* The k-th largest |s_j| of the sample s[0], s[stride], ... (m entries; work: m entries of
+ * scratch), NaN when ``poison`` and the sample holds a NaN (torch.topk(...).values.min()
+ * then is NaN; torch.kthvalue is a plain order statistic: poison = 0). */
+#define DEF_SAMPLE_KTH(T, U, BITS, INF, SFX)                                                \
+    static T sample_kth_##SFX(const T *s, int64_t stride, int64_t m, int64_t k, int poison, \
+                              U *work) {                                                    \
+        const U mask = ~((U)1 << (BITS - 1));                                               \
+        int nan = 0;                                                                        \
+        for (int64_t j = 0; j < m; j++) {                                                   \
+            U u;                                                                            \
+            memcpy(&u, s + j * stride, sizeof u);                                           \
+            u &= mask;                                                                      \
+            nan |= u > (U)(INF);                                                            \
+            work[j] = u;                                                                    \
+        }                                                                                   \
+        T out;                                                                              \
+        if (nan && poison) return (T)NAN;                                                   \
+        U bits = kth_bits_##SFX(work, m, k);                                                \
+        memcpy(&out, &bits, sizeof out);                                                    \
+        return out;                                                                         \
+    }
+DEF_SAMPLE_KTH(float, uint32_t, 32, 0x7f800000u, f32)
+DEF_SAMPLE_KTH(double, uint64_t, 64, 0x7ff0000000000000ull, f64)
+
+/* Gradient dropping per segment (topk.topk_select on each tensor alone): segment s is
+ * x[off[s] : off[s] + len[s]]; its threshold is the (ks[s] + 1)-th largest |x| of the
+ * sample x[off], x[off + stride[s]], ... (m[s] entries; ``poison[s]``: the torch.topk
+ * regime, where a NaN in the sample makes it NaN), -1 when ks[s] = -1 (keep all above -1),
+ * and ks[s] = -2 keeps every entry (k >= n). Selects |x| > thr; writes at most cap
+ * survivors (int64 indices relative to x) and returns how many there are in all; with
+ * ``zero_sent`` and when all fit, the sent entries of x are set to 0 (the residual). */
+#define DEF_TOPK_SEGMENTS(T, U, SFX)                                                        \
+    int64_t topk_segments_##SFX(T *x, int64_t nseg, const int64_t *off, const int64_t *len,\
+                                const int64_t *stride, const int64_t *m, const int64_t *ks, \
+                                const int64_t *poison, int zero_sent, int64_t cap,          \
+                                int64_t *idx, T *val, U *work) {                            \
+        int64_t c = 0;                                                                      \
+        for (int64_t s = 0; s < nseg; s++) {                                                \
+            const T *seg = x + off[s];                                                      \
+            int64_t room = c < cap ? cap - c : 0, got;                                      \
+            int64_t *oi = idx + (c < cap ? c : 0);                                          \
+            T *ov = val + (c < cap ? c : 0);                                                \
+            if (ks[s] == -2) {                                                              \
+                got = len[s];                                                               \
+                for (int64_t i = 0; i < len[s] && i < room; i++) { oi[i] = i; ov[i] = seg[i]; } \
+            } else {                                                                        \
+                T thr = ks[s] == -1 ? (T)-1 : sample_kth_##SFX(seg, stride[s], m[s], ks[s] + 1, \
+                                                                (int)poison[s], work);      \
+                got = select_abs_##SFX(seg, len[s], thr, 0, room, oi, ov);                  \
+            }                                                                               \
+            int64_t wrote = got < room ? got : room;                                        \
+            for (int64_t j = 0; j < wrote; j++) oi[j] += off[s];                            \
+            c += got;                                                                       \
+        }                                                                                   \
+        if (zero_sent && c <= cap)                                                          \
+            for (int64_t j = 0; j < c; j++) x[idx[j]] = 0;                                  \
+        return c;                                                                           \
+    }
+DEF_TOPK_SEGMENTS(float, uint32_t, f32)
+DEF_TOPK_SEGMENTS(double, uint64_t, f64)
+
+/* survivors of one DGC round into a growing buffer: (idx, val) of |v| >= thr, *cap grown
+ * (realloc) until they fit; returns the count, -1 when memory runs out */
+#define DEF_GROW_SELECT(T, SFX)                                                             \
+    static int64_t grow_select_##SFX(const T *v, int64_t n, T thr, int64_t **idx, T **val, \
+                                     int64_t *cap) {                                        \
+        for (;;) {                                                                          \
+            int64_t c = select_abs_##SFX(v, n, thr, 1, *cap, *idx, *val);                   \
+            if (c <= *cap) return c;                                                        \
+            int64_t *ni = realloc(*idx, (size_t)c * sizeof(int64_t));                       \
+            if (!ni) return -1;                                                             \
+            *idx = ni;                                                                      \
+            T *nv = realloc(*val, (size_t)c * sizeof(T));                                   \
+            if (!nv) return -1;                                                             \
+            *val = nv;                                                                      \
+            *cap = c;                                                                       \
+        }                                                                                   \
+    }
+DEF_GROW_SELECT(float, f32)
+DEF_GROW_SELECT(double, f64)
+
+/* DGC per segment (dgc.momentum_select_values / dgc_select_values on each tensor alone):
+ * for segment s of u, v, g (offset off[s], length len[s]), k[s] entries wanted:
+ *   momentum m > 0: the sample |v'| at stride[s] of the corrected v, then the momentum
+ *   correction fused with round 1; m == 0 (``plain``): v <- v + g, the sample of |v|.
+ *   thr = the ks[s]-th largest of the sample (NaN if it holds one); rounds as dgc._rounds:
+ *   survivors |v| >= thr; more than upper k: the k largest |v| among them (ties at the k-th
+ *   value: the lowest indices); fewer than lower k: thr <- thr * lower and again, at most
+ *   max_rounds. k[s] >= len[s]: every entry, 0 rounds. Then u, v <- 0 at the sent entries.
+ * Output: at most cap entries (the caller reserves sum_s min(len, floor(upper k) + 1)),
+ * indices relative to the buffer; rounds[s] per segment. Returns the count, -1 on memory
+ * exhaustion (u and v may then be partly updated: the caller raises). */
+#define DEF_DGC_SEGMENTS(T, U, SFX)                                                         \
+    int64_t dgc_segments_##SFX(T *u, T *v, const T *g, int64_t nseg, const int64_t *off,   \
+                               const int64_t *len, const int64_t *k, const int64_t *stride, \
+                               const int64_t *ks, T mom, int nesterov, int plain,            \
+                               int64_t max_rounds, double upper, double lower, int64_t cap, \
+                               int64_t *idx, T *val, int64_t *rounds, T *sample, U *work) { \
+        int64_t c = 0, tcap = 1024;                                                         \
+        int64_t *ti = malloc((size_t)tcap * sizeof(int64_t));                               \
+        T *tv = malloc((size_t)tcap * sizeof(T));                                           \
+        if (!ti || !tv) { free(ti); free(tv); return -1; }                                  \
+        for (int64_t s = 0; s < nseg; s++) {                                                \
+            T *us = u + off[s], *vs = v + off[s];                                           \
+            const T *gs = g + off[s];                                                       \
+            int64_t n = len[s], kk = k[s], nnz = 0, r = 0;                                  \
+            if (kk >= n) {                                                                  \
+                if (plain) for (int64_t i = 0; i < n; i++) vs[i] = vs[i] + gs[i];           \
+                else momentum_##SFX(us, vs, gs, n, mom, nesterov);                          \
+                if (c + n > cap) { c = -1; break; }                                         \
+                for (int64_t i = 0; i < n; i++) { idx[c + i] = off[s] + i; val[c + i] = vs[i]; } \
+                nnz = n;                                                                    \
+            } else {                                                                        \
+                int64_t st = stride[s], sm = (n + st - 1) / st;                             \
+                if (plain) {                                                                \
+                    for (int64_t i = 0; i < n; i++) vs[i] = vs[i] + gs[i];                  \
+                    for (int64_t j = 0; j < sm; j++) sample[j] = fabs(vs[j * st]);          \
+                } else {                                                                    \
+                    momentum_sample_##SFX(us, vs, gs, n, st, mom, nesterov, sample);        \
+                }                                                                           \
+                T thr = sample_kth_##SFX(sample, 1, sm, ks[s], 1, work);                    \
+                for (r = 1; r <= max_rounds; r++) {                                         \
+                    if (r == 1 && !plain) {                                                 \
+                        nnz = momentum_select_##SFX(us, vs, gs, n, mom, nesterov, thr, tcap, ti, tv); \
+                        if (nnz > tcap) nnz = grow_select_##SFX(vs, n, thr, &ti, &tv, &tcap); \
+                    } else {                                                                \
+                        nnz = grow_select_##SFX(vs, n, thr, &ti, &tv, &tcap);               \
+                    }                                                                       \
+                    if (nnz < 0) break;                                                     \
+                    if ((double)nnz > upper * (double)kk) {                                 \
+                        /* the k-th largest |val| among the survivors, by bit pattern */    \
+                        U *bits = malloc((size_t)nnz * sizeof(U));                          \
+                        if (!bits) { nnz = -1; break; }                                     \
+                        for (int64_t j = 0; j < nnz; j++) {                                 \
+                            T a = fabs(tv[j]);                                              \
+                            memcpy(bits + j, &a, sizeof a);                                 \
+                        }                                                                   \
+                        U kth = kth_bits_##SFX(bits, nnz, kk);                              \
+                        int64_t above = 0, kept = 0;                                        \
+                        for (int64_t j = 0; j < nnz; j++) {                                 \
+                            T a = fabs(tv[j]);                                              \
+                            U b;                                                            \
+                            memcpy(&b, &a, sizeof b);                                       \
+                            above += b > kth;                                               \
+                        }                                                                   \
+                        int64_t ties = kk - above;                                          \
+                        for (int64_t j = 0; j < nnz; j++) {                                 \
+                            T a = fabs(tv[j]);                                              \
+                            U b;                                                            \
+                            memcpy(&b, &a, sizeof b);                                       \
+                            if (b > kth || (b == kth && ties-- > 0)) {                      \
+                                ti[kept] = ti[j];                                           \
+                                tv[kept++] = tv[j];                                         \
+                            }                                                               \
+                        }                                                                   \
+                        free(bits);                                                         \
+                        nnz = kept;                                                         \
+                        break;                                                              \
+                    }                                                                       \
+                    if ((double)nnz >= lower * (double)kk || r == max_rounds) break;        \
+                    thr = thr * (T)lower; /* torch: a float32 0-d tensor times (float)0.8 */ \
+                }                                                                           \
+                if (nnz < 0 || c + nnz > cap) { c = -1; break; }                            \
+                for (int64_t j = 0; j < nnz; j++) {                                         \
+                    idx[c + j] = off[s] + ti[j];                                            \
+                    val[c + j] = tv[j];                                                     \
+                    vs[ti[j]] = 0;                                                          \
+                    us[ti[j]] = 0;                                                          \
+                }                                                                           \
+            }                                                                               \
+            if (kk >= n) {                                                                  \
+                for (int64_t i = 0; i < n; i++) { vs[i] = 0; us[i] = 0; }                   \
+            }                                                                               \
+            rounds[s] = r;                                                                  \
+            c += nnz;                                                                       \
+        }                                                                                   \
+        free(ti);                                                                           \
+        free(tv);                                                                           \
+        return c;                                                                           \
+    }
+DEF_DGC_SEGMENTS(float, uint32_t, f32)
+DEF_DGC_SEGMENTS(double, uint64_t, f64)

@@ -83,6 +83,11 @@ for _t, _c in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
                                                  ctypes.c_void_p, ctypes.c_void_p])
     _SIGNATURES[f"momentum_sample_{_t}"] = (
         None, [ctypes.c_void_p] * 3 + [_i64, _i64, _c, ctypes.c_int, ctypes.c_void_p])
+    _SIGNATURES[f"topk_segments_{_t}"] = (
+        ctypes.c_int64, [ctypes.c_void_p, _i64] + [ctypes.c_void_p] * 6 + [ctypes.c_int, _i64] + [ctypes.c_void_p] * 3)
+    _SIGNATURES[f"dgc_segments_{_t}"] = (
+        ctypes.c_int64, [ctypes.c_void_p] * 3 + [_i64] + [ctypes.c_void_p] * 5
+        + [_c, ctypes.c_int, ctypes.c_int, _i64, ctypes.c_double, ctypes.c_double, _i64] + [ctypes.c_void_p] * 5)
     _SIGNATURES[f"randomk_gather_{_t}"] = (
         None, [ctypes.c_void_p, _i64, _i64, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int,
                ctypes.c_void_p, ctypes.c_void_p])

@@ -237,6 +237,11 @@ class Compressor(ABC):
     #: reads its settings): no search chooses it, and the attach points' ``min_numel`` rule
     #: does not describe where it engages
     pipeline_only: ClassVar[bool] = False
+    #: True for a codec that runs once over the flat buffer of a whole exchange
+    #: (``compress_segments(flat, segments, state)``, :mod:`~easgd_lightning.hooks.
+    #: compressors.segments`), each tensor keeping its own rule: the attach points then make
+    #: one codec call and one message per exchange (:mod:`easgd_lightning.hooks._fused`)
+    fused_segments: ClassVar[bool] = False
 
     def __init__(self, *, min_numel: int | None = None, memory: bool | None = None) -> None:
         self.min_numel = DEFAULT_MIN_NUMEL if min_numel is None else check_int("compression.min_numel", min_numel, 0)

@@ -28,6 +28,12 @@ Cost: the threshold comes from the sample of the corrected v, computed from u, v
 sampled entries alone; the momentum correction and the first round's count-and-gather are
 then one pass over (u, v, g) (native kernel on CPU); a further round (rare) is one pass
 that counts and gathers, and the masking writes only the sent entries of u and v.
+Fused exchange (:mod:`easgd_lightning.hooks._fused`, without ``clip_norm``, whose norm is
+per tensor): :func:`dgc_segments` runs the rule on every compressed tensor of the flat
+buffer in one native call, each tensor with its own k = ceil(density * n), sample,
+threshold and rounds (the same numbers as on each tensor alone; where more than 1.3 k
+survive, the k largest are kept, ties at the k-th magnitude broken by the lowest index,
+where ``torch.topk`` leaves the choice open); u and v are one flat buffer each.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from easgd_lightning.hooks.compressors.base import (
     scratch_buffer,
     scratch_of,
 )
+from easgd_lightning.hooks.compressors.segments import Segments
 from easgd_lightning.hooks.compressors.sparse import (
     SparseCompressor,
     select_above,
@@ -62,6 +69,7 @@ __all__ = [
     "SelectRule",
     "dgc_select_values",
     "momentum_select_values",
+    "dgc_segments",
     "clip_local",
     "momentum_correction",
     "momentum_dense",
@@ -234,6 +242,82 @@ def momentum_select_values(
     ))
     first = (idx[:c], val[:c]) if c <= cap else None  # None: recount in round 1
     return _rounds(v, k, thr, rule, scratch, first)
+
+
+def _segment_plan(segments: Segments, density: float, rule: SelectRule):
+    """The per-segment inputs of ``dgc_segments`` at ``density``: (k, sample stride, ks)
+    as int64 tensors, the output capacity, the largest sample."""
+    ks_, strides, kss, cap, most = [], [], [], 0, 1
+    for n in segments.lengths:
+        k = num_selected(n, density)
+        st = _sample_stride(n, rule.sample_ratio)
+        s = (n + st - 1) // st
+        ks_.append(k)
+        strides.append(st)
+        kss.append(max(1, min(s, math.ceil(k * s / n))))
+        cap += n if k >= n else min(n, int(rule.upper * k) + 1)
+        most = max(most, s)
+    cols = [torch.tensor(c, dtype=torch.int64) for c in (ks_, strides, kss)]
+    return (*segments.arrays(), *cols, max(cap, 1), most)
+
+
+def _dgc_segments_eager(g, u, v, segments, density, momentum, nesterov, rule, scratch):
+    """:func:`dgc_segments` as a loop of the per-tensor rule over the segments."""
+    idx, val, rounds = [], [], 0
+    for j, (off, n) in enumerate(segments):
+        gs, us, vs = g[off : off + n], u[off : off + n], v[off : off + n]
+        k = num_selected(n, density)
+        sc = scratch.setdefault(("segment", j), {})
+        if momentum > 0:
+            i, x, r = momentum_select_values(gs, us, vs, momentum, nesterov, k, rule, sc)
+        else:
+            vs.add_(gs)
+            i, x, r = dgc_select_values(vs, k, rule, sc)
+        i, x = i.long(), x.clone()
+        _native.zero_at(vs, i)
+        _native.zero_at(us, i)
+        idx.append(i + off)
+        val.append(x)
+        rounds = max(rounds, r)
+    return torch.cat(idx), torch.cat(val), rounds
+
+
+def dgc_segments(
+    g: torch.Tensor,
+    u: torch.Tensor,
+    v: torch.Tensor,
+    segments: Segments,
+    density: float,
+    momentum: float,
+    nesterov: bool,
+    rule: SelectRule = DGC_RULE,
+    scratch: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """DGC's selection on every segment of the flat g, u, v alone, at once (momentum > 0:
+    :func:`momentum_select_values`, else v <- v + g and :func:`dgc_select_values`, with
+    k = ceil(density * n) of each segment), then u, v <- 0 at the sent entries.
+
+    Returns (indices relative to the buffer, values, the most rounds a segment took).
+    One native call where the kernels apply, else a loop over the segments."""
+    scratch = {} if scratch is None else scratch
+    lib = _native.use(u, v, g)
+    if lib is None:
+        return _dgc_segments_eager(g, u, v, segments, density, momentum, nesterov, rule, scratch)
+    off, lens, k, stride, ks, cap, most = segments.cached(("dgc", density, rule), lambda: _segment_plan(segments, density, rule))
+    idx = scratch_buffer(scratch, "seg_idx", cap, torch.int64, "cpu")
+    val = scratch_buffer(scratch, "seg_val", cap, v.dtype, "cpu")
+    rounds = scratch_buffer(scratch, "seg_rounds", len(segments), torch.int64, "cpu")
+    sample = scratch_buffer(scratch, "seg_sample", most, v.dtype, "cpu")
+    work = scratch_buffer(scratch, "seg_work", most, torch.int32 if v.element_size() == 4 else torch.int64, "cpu")
+    c = int(_native.fn(lib, "dgc_segments", v.dtype)(
+        u.data_ptr(), v.data_ptr(), g.data_ptr(), len(segments), off.data_ptr(), lens.data_ptr(),
+        k.data_ptr(), stride.data_ptr(), ks.data_ptr(), momentum, int(nesterov), int(momentum == 0),
+        rule.max_rounds, rule.upper, rule.lower, cap, idx.data_ptr(), val.data_ptr(),
+        rounds.data_ptr(), sample.data_ptr(), work.data_ptr(),
+    ))
+    if c < 0:
+        raise MemoryError("dgc_segments: the native selection ran out of memory")
+    return idx[:c], val[:c], int(rounds.max())
 
 
 class DGCCompressor(SparseCompressor):
@@ -409,6 +493,31 @@ class DGCCompressor(SparseCompressor):
         state["last_density"] = density
         state["last_rounds"] = rounds
         return payload
+
+    @property
+    def fused_segments(self) -> bool:  # type: ignore[override]
+        """One call per exchange unless ``clip_norm`` (a norm per tensor) is set."""
+        return self.clip_norm is None
+
+    def compress_segments(self, flat: torch.Tensor, segments: Segments, state: dict):
+        """:meth:`compress` for every segment of the flat buffer at once (u, v: one flat
+        buffer each in ``state``; one step counter for the exchange)."""
+        step = int(state.get("step", 0))
+        state["step"] = step + 1
+        if self._step_of is not None:
+            step = max(0, int(self._step_of()))
+        v = state.get("v")
+        if v is None or v.shape != flat.shape or v.device != flat.device:
+            v = state["v"] = torch.zeros_like(flat)
+            state["u"] = torch.zeros_like(flat)
+        density = self.density(step)
+        idx, val, rounds = dgc_segments(
+            flat, state["u"], v, segments, density, self._momentum, self.nesterov, self._rule, scratch_of(state)
+        )
+        state["last_nnz"] = int(idx.numel())
+        state["last_density"] = density
+        state["last_rounds"] = rounds
+        return sparse_payload(v, idx, val)
 
     def _launch(self, tensor: torch.Tensor, state: dict, collective: Collective):
         state["world_size"] = collective.world_size

@@ -10,6 +10,10 @@ Selection helpers: :func:`count_above` counts ``|x| > thr`` in one pass and
 kernel; eager ``abs``/``nonzero``/gather elsewhere), so a threshold rule costs one counting
 pass at most before it gathers. When the compressed tensor was offered by the residual
 memory, the sent entries are zeroed in place: that is p - C(p), the next residual.
+:meth:`SparseCompressor.compress_segments` is the fused exchange's form: one payload for
+all the compressed tensors of a flat buffer, indices relative to the buffer, each tensor
+selected by its own rule (``select_segments``: a native call over all segments where the
+codec has one, else a loop over them).
 """
 
 from __future__ import annotations
@@ -31,11 +35,13 @@ from easgd_lightning.hooks.compressors.base import (
     record_sparse,
     residual_written,
     scratch_buffer,
+    scratch_of,
     sparse_out,
     start_collective,
     unpack_sparse,
     with_out,
 )
+from easgd_lightning.hooks.compressors.segments import Segments
 
 __all__ = [
     "SparseCompressor",
@@ -181,6 +187,35 @@ class SparseCompressor(Compressor):
         if may_write_residual(tensor) and flat.data_ptr() == tensor.data_ptr():
             _native.zero_at(flat, idx)  # p - C(p): the sent entries leave the residual
             residual_written(tensor)
+        return payload
+
+    def select_segments(
+        self, flat: torch.Tensor, segments: Segments, state: dict, zero_sent: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices relative to ``flat``, values) of :meth:`select_values` on each segment
+        alone (a loop; codecs with a native segmented rule override it); with ``zero_sent``
+        the sent entries of ``flat`` are set to 0."""
+        scratch = scratch_of(state)
+        idx, val = [], []
+        for j, (off, n) in enumerate(segments):
+            i, v = self.select_values(flat[off : off + n], scratch.setdefault(("segment", j), {}))
+            idx.append(i.long() + off)
+            val.append(v.clone())
+        idx_all, val_all = torch.cat(idx), torch.cat(val)
+        if zero_sent:
+            _native.zero_at(flat, idx_all)
+        return idx_all, val_all
+
+    def compress_segments(self, flat: torch.Tensor, segments: Segments, state: dict) -> Payload:
+        """One payload for every segment of the 1-D ``flat`` (indices relative to it),
+        each selected by its own rule; the residual is written in place when ``flat`` was
+        offered (as :meth:`compress`)."""
+        zero = may_write_residual(flat)
+        idx, val = self.select_segments(flat, segments, state, zero)
+        state["last_nnz"] = int(idx.numel())
+        payload = sparse_payload(flat, idx, val)
+        if zero:
+            residual_written(flat)
         return payload
 
     def decompress(self, payload: Payload, shape: torch.Size) -> torch.Tensor:

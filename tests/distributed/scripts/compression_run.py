@@ -1,6 +1,6 @@
 """One rank of the compression checks (launched torchrun-style by the tests).
 
-Usage: compression_run.py OUT SCENARIO[,SCENARIO...]   (aggregate | ddp | ddp_dgc | elastic | elastic_split)
+Usage: compression_run.py OUT SCENARIO[,SCENARIO...]   (aggregate | ddp | ddp_dgc | elastic | elastic_split | fused)
 
 Every scenario computes an independent reference from the *dense* local contributions
 gathered here with plain ``torch.distributed.all_gather`` and writes the comparison to
@@ -19,9 +19,17 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from easgd_lightning.comm.meter import get_meter
-from easgd_lightning.hooks import build_compressor, exchange_sum, register_compression_hook
+from easgd_lightning.hooks import (
+    build_compressor,
+    exchange_sum,
+    make_memory,
+    register_compression_hook,
+)
+from easgd_lightning.hooks._exchange import exchange_tensors
+from easgd_lightning.hooks._fused import layout_for, start_exchange_flat
 from easgd_lightning.hooks.collective import ProcessGroupCollective
 from easgd_lightning.hooks.elastic import start_exchange_sum
+from easgd_lightning.utils.checkpoint import from_plain, to_plain
 
 SHAPE = (64, 48)
 N = SHAPE[0] * SHAPE[1]
@@ -167,10 +175,10 @@ def scenario_ddp(rank: int, world: int) -> dict:
                 comp_in = p.grad + residual[name]
                 contrib = _topk_dense(comp_in, k)
                 residual[name] = comp_in - contrib
-                expected_sent += k * 8 + 8
+                expected_sent += k * 8
             expected[name] = torch.stack(gather(contrib)).mean(0)
-        if it > 0:  # the dense biases ride in the payloads' message: one more length header
-            expected_sent += 8
+        if it > 0:  # one message of two parts (the dense biases, every weight's entries): two length headers
+            expected_sent += 16
         before = meter.bytes_sent, meter.dense_bytes
         opt.zero_grad()
         nn.functional.cross_entropy(ddp(x), y).backward()
@@ -238,6 +246,77 @@ def scenario_ddp_dgc(rank: int, world: int) -> dict:
         bias_scale.append(float((expected["fc2.bias"] - torch.stack(gather(bias.grad)).mean(0)).abs().max()))
         opt.step()
     return {"err": errs, "momentum_effect": bias_scale}
+
+
+FUSED_SHAPES = [(10,), (40, 30), (30,), (20, 60), (700,), (5,)]  # dense and compressed interleaved
+FUSED_CASES = {
+    "topk": ("topk", {"ratio": 0.03, "sample_size": 500, "min_numel": 100}),
+    "dgc": ("dgc", {"ratio": 0.02, "warmup_ratio_steps": 2, "min_numel": 100}),
+    "dgc_elastic": ("dgc", {"ratio": 0.02, "warmup_ratio_steps": 0, "min_numel": 100}),
+}
+
+
+def _fused_codec(name: str):
+    kind, params = FUSED_CASES[name]
+    comp = build_compressor(kind, **params)
+    if name == "dgc_elastic":
+        comp.bind_exchange(None)  # no momentum: v <- v + d
+    return comp
+
+
+def _codec_state(states: dict, memory, keys: list[str]) -> list:
+    """Per compressed tensor: its residual and DGC's u, v (group views for the fused path)."""
+    out = []
+    for j, key in enumerate(keys):
+        if math.prod(FUSED_SHAPES[j]) < 100:
+            continue
+        res = memory.residual(key)
+        st = states.get(key)
+        if st is None:  # fused: the group's flat u, v at this tensor's offset
+            group = next(v for k, v in states.items() if k.startswith("fused:"))
+            off, n = sum(math.prod(s) for s in FUSED_SHAPES[:j]), math.prod(FUSED_SHAPES[j])
+            st = {f: group[f][off : off + n] for f in ("u", "v") if f in group}
+        out.append([None if res is None else res.reshape(-1)] + [st.get(f) for f in ("u", "v")])
+    return out
+
+
+def _same(a: list, b: list) -> bool:
+    return all((x is None and y is None) or torch.equal(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+def scenario_fused(rank: int, world: int) -> dict:
+    """The fused exchange (one codec call, one message) against the per-tensor exchange on
+    the same inputs, three steps: means, residuals and DGC's u, v bitwise equal. At the
+    third step the fused side starts from the per-tensor side's checkpoint (per-tensor
+    states: converted on first use)."""
+    keys = [f"t{j}" for j in range(len(FUSED_SHAPES))]
+    total = sum(math.prod(s) for s in FUSED_SHAPES)
+    out = {}
+    for name in FUSED_CASES:
+        comp_a, comp_b = _fused_codec(name), _fused_codec(name)
+        mem_a, mem_b = make_memory(comp_a), make_memory(comp_b)
+        states_a, states_b = {}, {}
+        coll_a = ProcessGroupCollective(kind=f"per_tensor_{name}")
+        coll_b = ProcessGroupCollective(kind=f"fused_{name}")
+        rec = {"mean_equal": [], "state_equal": [], "calls": [], "scale": []}
+        for step in range(3):
+            if step == 2:  # resume the fused side from the per-tensor side's state
+                states_b = from_plain(to_plain(states_a, "states"))
+                mem_b.load_state_dict(mem_a.state_dict())
+            flat = torch.randn(total, generator=torch.Generator().manual_seed(30 * rank + step))
+            pieces = list(torch.split(flat.clone(), [math.prod(s) for s in FUSED_SHAPES]))
+            pieces = [p.view(s) for p, s in zip(pieces, FUSED_SHAPES)]
+            means_a, _ = exchange_tensors(pieces, keys, comp_a, mem_a, states_a, coll_a)
+            calls = get_meter().by_kind[f"fused_{name}"].calls
+            layout = layout_for(states_b, FUSED_SHAPES, keys, 100)
+            mean_b, _, _ = start_exchange_flat(flat.clone(), layout, comp_b, mem_b, states_b, coll_b).finish()
+            rec["calls"].append(get_meter().by_kind[f"fused_{name}"].calls - calls)
+            rec["mean_equal"].append(torch.equal(torch.cat([m.reshape(-1) for m in means_a]), mean_b))
+            rec["state_equal"].append(_same(_codec_state(states_a, mem_a, keys), _codec_state(states_b, mem_b, keys)))
+            rec["scale"].append(float(mean_b.abs().max()))
+        rec["checkpoint_keys"] = sorted(mem_b.state_dict().get("residuals", {}))
+        out[name] = rec
+    return out
 
 
 def scenario_elastic(rank: int, world: int) -> dict:

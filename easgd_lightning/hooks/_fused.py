@@ -1,0 +1,300 @@
+"""One fused exchange per step: one codec call over one flat buffer, one message.
+
+The exchange of a flat buffer (DDP's bucket, which DDP's gradients are views of; the
+elastic difference of ``sync_easgd`` / ``local_sgd``) cut into tensors of known shapes:
+
+* the tensors under ``min_numel`` elements travel dense: their runs of the buffer are
+  copied into one message (DGC's ``dense_part`` -- its momentum -- applied to it as a
+  whole: the rule is element-wise);
+* the others are the :class:`~easgd_lightning.hooks.compressors.segments.Segments` of the
+  buffer: the memory compensates them in one buffer of the flat size
+  (:meth:`~easgd_lightning.hooks.memory.Memory.compensate_runs`, one residual for the
+  exchange) and the codec compresses all of them in one call
+  (``compressor.compress_segments``: top-k and DGC run their rule per segment inside one
+  native kernel, with each tensor's own sample, threshold and k = ceil(ratio * n), as the
+  papers define them per layer), giving one payload with indices relative to the buffer;
+* the dense message and the payload are one all-gather (one message per rank, as the
+  per-tensor path's batched gather); at the end every rank's entries are added in rank
+  order into the output (DDP: the bucket itself, no copy back) and divided by the world
+  size at the touched entries, and the dense runs get the rank-order sum of the dense
+  messages over the world size.
+
+Every number is the one the per-tensor exchange (:mod:`easgd_lightning.hooks._exchange`)
+computes for each tensor alone (the unit and distributed tests compare them bitwise), so
+the fused path is a change of speed only. It applies where ``compressor.fused_segments``
+is true (``topk``, ``dgc`` without ``clip_norm``), with no SeCoPa plan and a collective
+that batches its all-gathers (:class:`~easgd_lightning.hooks.collective.
+ProcessGroupCollective`); every other codec takes the per-tensor exchange.
+
+State: the codec's per-exchange state (DGC's u and v, one flat buffer each, and its step
+counter) lives under the exchange's group key (:attr:`FlatLayout.group`) in the attach
+point's ``states``; per-tensor entries of an older checkpoint (or of the per-tensor path)
+are moved into it on first use (:func:`group_state`), and the residual memory does the
+same for its residuals, whose checkpoint stays per tensor
+(:class:`~easgd_lightning.hooks.memory.ResidualMemory`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from easgd_lightning.hooks._exchange import ExchangeStats, _kind_totals, key_hash
+from easgd_lightning.hooks.compressors import _native
+from easgd_lightning.hooks.compressors.base import (
+    Payload,
+    index_dtype_for,
+    may_write_residual,
+    scratch_buffer,
+    scratch_of,
+    start_collective,
+    unpack_sparse,
+    with_out,
+)
+from easgd_lightning.hooks.compressors.segments import Segments
+from easgd_lightning.hooks.compressors.sparse import divide_at
+
+__all__ = ["FlatLayout", "PendingFlat", "fusable", "layout_for", "group_state", "start_exchange_flat"]
+
+
+def _runs(offsets: list[int], sizes: list[int]) -> tuple[tuple[int, int], ...]:
+    """(offset, length) runs covering the given tensors, adjacent ones merged."""
+    out: list[tuple[int, int]] = []
+    for off, n in zip(offsets, sizes):
+        if out and sum(out[-1]) == off:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        else:
+            out.append((off, n))
+    return tuple(out)
+
+
+class FlatLayout:
+    """Where each tensor of an exchange's flat buffer lies and how it travels.
+
+    Args:
+        shapes: the tensors' shapes, in buffer order (they cover the buffer).
+        keys: their state keys (parameter names; the same on every rank).
+        limit: tensors with fewer elements travel dense.
+    """
+
+    def __init__(self, shapes, keys, limit: int) -> None:
+        shapes = [torch.Size(s) for s in shapes]
+        sizes = [s.numel() for s in shapes]
+        offsets = [sum(sizes[:j]) for j in range(len(sizes))]
+        self.numel = sum(sizes)
+        dense = [j for j, n in enumerate(sizes) if n < limit]
+        comp = [j for j, n in enumerate(sizes) if n >= limit]
+        self.dense_count, self.comp_count = len(dense), len(comp)
+        self.dense_runs = _runs([offsets[j] for j in dense], [sizes[j] for j in dense])
+        self.comp_runs = _runs([offsets[j] for j in comp], [sizes[j] for j in comp])
+        self.dense_numel = sum(sizes[j] for j in dense)
+        self.segments = Segments([offsets[j] for j in comp], [sizes[j] for j in comp], self.numel)
+        tag = f"{key_hash('|'.join(map(str, keys))):08x}"
+        self.group = f"fused:{keys[comp[0]]}..{keys[comp[-1]]}#{tag}" if comp else None
+        self.dense_group = f"fused-dense:{keys[dense[0]]}..{keys[dense[-1]]}#{tag}" if dense else None
+        #: (key, offset, shape) of each compressed tensor in the buffer
+        self.members = tuple((keys[j], offsets[j], shapes[j]) for j in comp)
+        pos = [sum(sizes[i] for i in dense[:q]) for q in range(len(dense))]
+        #: (key, offset in the dense message, shape) of each dense tensor
+        self.dense_members = tuple((keys[j], p, shapes[j]) for j, p in zip(dense, pos))
+
+
+def layout_for(states: dict, shapes, keys, limit: int) -> FlatLayout:
+    """The :class:`FlatLayout` of these tensors, kept in ``states``' scratch."""
+    cache = scratch_of(states).setdefault("fused_layouts", {})
+    ident = (tuple(keys), tuple(tuple(s) for s in shapes), int(limit))
+    layout = cache.get(ident)
+    if layout is None:
+        layout = cache[ident] = FlatLayout(shapes, keys, limit)
+    return layout
+
+
+def fusable(compressor, collective, plan=None) -> bool:
+    """Whether an exchange runs fused: a codec with ``fused_segments``, no SeCoPa plan, and
+    a collective that batches all-gathers (the per-tensor path's one-message form)."""
+    return (
+        bool(getattr(compressor, "fused_segments", False))
+        and plan is None
+        and callable(getattr(collective, "batched", None))
+    )
+
+
+def _dissolve(states: dict, key: str) -> None:
+    """Split the group ``key`` back into per-tensor states (copies of its members' parts)."""
+    st = states.pop(key)
+    numel = st.get("numel")
+    for mkey, off, n in st.get("members", ()):
+        per = states.setdefault(mkey, {})
+        for name, val in st.items():
+            if name in ("members", "numel"):
+                continue
+            if isinstance(val, torch.Tensor) and val.dim() > 0 and val.numel() == numel:
+                per[name] = val[off : off + n].clone()
+            else:
+                per.setdefault(name, val)
+
+
+def group_state(states: dict, key: str, members, numel: int) -> dict:
+    """``states[key]``, the codec state of a group of tensors (its ``members``, as plain
+    data: [key, offset, numel] each, for checkpoints). Created on first use from the
+    members' per-tensor states -- a tensor entry of a member's size is placed at the
+    member's offset of a flat one of ``numel`` entries (zeros elsewhere), other entries are
+    taken from the first member that has them, and the per-tensor states are removed --
+    after dissolving any other group that holds one of them (DDP rebuilds its buckets after
+    the first iteration: the same parameters, other groups)."""
+    st = states.get(key)
+    if st is not None:
+        return st
+    names = {m[0] for m in members}
+    for other in [k for k, v in states.items() if isinstance(v, dict) and "members" in v]:
+        if names.intersection(m[0] for m in states[other]["members"]):
+            _dissolve(states, other)
+    st = states[key] = {"members": [[m, off, shape.numel()] for m, off, shape in members], "numel": numel}
+    for mkey, off, shape in members:
+        old = states.get(mkey)
+        if not isinstance(old, dict):
+            continue
+        n = shape.numel()
+        for name, val in old.items():
+            if name.startswith("_") or name in ("key_hash", "members", "numel"):
+                continue
+            if isinstance(val, torch.Tensor) and val.dim() > 0 and val.numel() == n:
+                flat = st.get(name)
+                if flat is None:
+                    flat = st[name] = torch.zeros(numel, dtype=val.dtype, device=val.device)
+                flat[off : off + n] = val.reshape(-1)
+            else:
+                st.setdefault(name, val)
+        del states[mkey]
+    return st
+
+
+class PendingFlat:
+    """A fused exchange in flight; :meth:`finish` waits and returns (mean, local, stats):
+    the mean over ranks as one flat buffer, this rank's transmitted buffer (None unless it
+    was asked for) and the exchange's :class:`~easgd_lightning.hooks._exchange.ExchangeStats`."""
+
+    def __init__(self, collective, finish, local, stats: ExchangeStats, before: tuple, busy: float) -> None:
+        self._collective, self._finish = collective, finish
+        self.local, self.stats = local, stats
+        self._before, self._busy_s = before, busy
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor | None, ExchangeStats]:
+        start = time.perf_counter()
+        mean = self._finish()
+        after = _kind_totals(self._collective.kind)
+        st, b = self.stats, self._before
+        st.bytes_sent, st.bytes_recv, st.dense_bytes = after[0] - b[0], after[1] - b[1], after[2] - b[2]
+        st.comm_time_s = after[3] - b[3]
+        busy = self._busy_s + time.perf_counter() - start
+        st.codec_time_s = max(0.0, busy - (after[4] - b[4]))
+        return mean, self.local, st
+
+
+def _dense_message(flat, layout, compressor, states, world) -> torch.Tensor:
+    """The dense runs of ``flat`` in one buffer, through the codec's ``dense_part``."""
+    scratch = scratch_of(states)
+    msg = scratch_buffer(scratch, f"dense:{layout.dense_group}", layout.dense_numel, flat.dtype, flat.device)
+    pos = 0
+    for off, n in layout.dense_runs:
+        msg[pos : pos + n] = flat[off : off + n]
+        pos += n
+    dense_part = getattr(compressor, "dense_part", None)
+    if callable(dense_part):
+        st = group_state(states, layout.dense_group, layout.dense_members, layout.dense_numel)
+        msg = dense_part(msg, st, world).reshape(-1)
+    return msg
+
+
+def _local(compressor, payload, gstate, layout, flat, dense_msg, want: bool) -> torch.Tensor:
+    """This rank's transmitted buffer: its payload decoded (and, when ``want``ed, its dense
+    message in the dense runs)."""
+    n, dt, dev = layout.numel, flat.dtype, flat.device
+    local = compressor.decompress(Payload(payload.tensors, with_out(payload.meta, gstate, "local", n, dt, dev)),
+                                  torch.Size([n])).reshape(-1)
+    if want and dense_msg is not None:
+        pos = 0
+        for off, k in layout.dense_runs:
+            local[off : off + k] = dense_msg[pos : pos + k]
+            pos += k
+    return local
+
+
+def _sum_sparse(total, rows, layout, world) -> None:
+    """total <- the rank-order sum of every rank's (index, value) entries over ``world`` on
+    the compressed runs (their other entries zeroed first)."""
+    for off, n in layout.comp_runs:
+        total[off : off + n].zero_()
+    idt = index_dtype_for(layout.numel)
+    parts = [unpack_sparse(row[-1], idt, total.dtype) for row in rows]
+    idx = torch.cat([p[0] for p in parts]).to(device=total.device, dtype=torch.int64)
+    val = torch.cat([p[1] for p in parts]).to(total.device)
+    _native.scatter_add_into(total, idx, val)
+    divide_at(total, idx, world)
+
+
+def _mean_dense(total, rows, layout, world, scratch) -> None:
+    """The dense runs of ``total`` <- the rank-order sum of the dense messages / world."""
+    summed = scratch_buffer(scratch, f"dense_sum:{layout.dense_group}", layout.dense_numel, total.dtype, total.device)
+    summed.copy_(rows[0][0])
+    for row in rows[1:]:
+        summed.add_(row[0])
+    summed /= world
+    pos = 0
+    for off, n in layout.dense_runs:
+        total[off : off + n] = summed[pos : pos + n]
+        pos += n
+
+
+def start_exchange_flat(
+    flat: torch.Tensor,
+    layout: FlatLayout,
+    compressor,
+    memory,
+    states: dict,
+    collective,
+    *,
+    want_local: bool = False,
+    out: torch.Tensor | None = None,
+) -> PendingFlat:
+    """Launch the fused exchange of the 1-D ``flat`` (module docstring): dense message,
+    compensation, one codec call, residual update and one all-gather now; the mean at
+    :meth:`PendingFlat.finish`, written into ``out`` when given (it may be ``flat`` itself:
+    ``flat`` is only read here), else into a buffer of ``states`` (valid until the next
+    exchange of this layout). ``want_local``: ``PendingFlat.local`` is this rank's
+    transmitted buffer."""
+    start = time.perf_counter()
+    kind = collective.kind
+    before = _kind_totals(kind)
+    world = collective.world_size
+    stats = ExchangeStats(compressed_tensors=layout.comp_count, dense_tensors=layout.dense_count)
+    collective.charge_dense(flat.numel() * flat.element_size(), key=layout.group or layout.dense_group)
+    dense_msg = _dense_message(flat, layout, compressor, states, world) if layout.dense_runs else None
+    parts = [] if dense_msg is None else [dense_msg]
+    payload, local, gstate = None, None, None
+    if layout.comp_count:
+        gstate = group_state(states, layout.group, layout.members, layout.numel)
+        gstate["world_size"] = world
+        p = memory.compensate_runs(layout.group, flat, layout.comp_runs, layout.members)
+        payload = compressor.compress_segments(p, layout.segments, gstate)
+        parts.extend(payload.tensors)
+        if want_local or may_write_residual(p):  # the memory needs p - local
+            local = _local(compressor, payload, gstate, layout, flat, dense_msg, want_local)
+        memory.update(layout.group, p, local)
+    elif want_local:
+        local = dense_msg.clone()
+    handle = start_collective(collective, "all_gather", parts)
+    scratch = scratch_of(states)
+
+    def finish() -> torch.Tensor:
+        rows = handle.wait()
+        total = out if out is not None else scratch_buffer(
+            scratch, f"mean:{layout.group or layout.dense_group}", layout.numel, flat.dtype, flat.device)
+        if payload is not None:
+            _sum_sparse(total, rows, layout, world)
+        if dense_msg is not None:
+            _mean_dense(total, rows, layout, world, scratch)
+        return total
+
+    return PendingFlat(collective, finish, local, stats, before, time.perf_counter() - start)

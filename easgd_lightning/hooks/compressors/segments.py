@@ -1,0 +1,67 @@
+"""The compressed tensors of one flat buffer, for codecs that run once per exchange.
+
+The fused exchange (:mod:`easgd_lightning.hooks._fused`) hands a codec the whole flat
+buffer of an exchange (DDP's bucket, the elastic difference) and a :class:`Segments`:
+tensor j is ``flat[offsets[j] : offsets[j] + lengths[j]]``. A codec that declares
+``fused_segments = True`` implements ``compress_segments(flat, segments, state)`` and
+returns one payload for all of them, indices relative to the buffer, while keeping its
+rule per tensor where the paper defines it per layer: top-k's sampled threshold and DGC's
+k = ceil(density * n), sample and refinement rounds are computed per segment, inside one
+native call (``topk_segments`` / ``dgc_segments`` in ``_kernels.c``). What a codec derives
+from the segments alone (k per segment at a density, sample strides) is computed once and
+kept (:meth:`Segments.cached`): the hot path runs no Python per tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["Segments"]
+
+
+class Segments:
+    """Tensor j of a flat buffer of ``numel`` entries is
+    ``flat[offsets[j] : offsets[j] + lengths[j]]`` (ascending, disjoint).
+
+    Args:
+        offsets: start of each tensor in the buffer.
+        lengths: its number of entries (>= 1).
+        numel: entries of the whole buffer (the segments need not cover it).
+    """
+
+    __slots__ = ("offsets", "lengths", "numel", "_cache")
+
+    def __init__(self, offsets, lengths, numel: int) -> None:
+        self.offsets = tuple(int(o) for o in offsets)
+        self.lengths = tuple(int(n) for n in lengths)
+        self.numel = int(numel)
+        if len(self.offsets) != len(self.lengths):
+            raise ValueError("Segments: one offset per length")
+        self._cache: dict = {}
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __iter__(self):
+        return iter(zip(self.offsets, self.lengths))
+
+    @property
+    def total(self) -> int:
+        """Entries in all segments together."""
+        return sum(self.lengths)
+
+    def cached(self, key, make):
+        """``make()`` computed once per ``key`` (plain data derived from the segments and the
+        codec's settings named in ``key``)."""
+        value = self._cache.get(key)
+        if value is None:
+            value = self._cache[key] = make()
+        return value
+
+    def int64(self, name: str, values) -> torch.Tensor:
+        """``values`` (one per segment) as a cached int64 CPU tensor named ``name``."""
+        return self.cached(("int64", name), lambda: torch.tensor(list(values), dtype=torch.int64))
+
+    def arrays(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(offsets, lengths) as int64 CPU tensors (for the native kernels)."""
+        return self.int64("offsets", self.offsets), self.int64("lengths", self.lengths)
