@@ -1024,6 +1024,9 @@ DEF_KTH_BITS(uint64_t, f64)
         }                                                                                   \
         T out;                                                                              \
         if (nan && poison) return (T)NAN;                                                   \
+        /* a long sample: the histogram selection of kth_largest_abs (two passes) */        \
+        if (m > 4096 && !nan && kth_largest_abs_##SFX((const T *)work, m, k, &out) == 0)      \
+            return out;                                                                     \
         U bits = kth_bits_##SFX(work, m, k);                                                \
         memcpy(&out, &bits, sizeof out);                                                    \
         return out;                                                                         \

@@ -28,23 +28,27 @@ def _as_set(idx: torch.Tensor, val: torch.Tensor) -> dict[int, float]:
     return dict(zip(idx.tolist(), val.tolist()))
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_topk_segments_equal_each_tensor_alone(native):
+#: a long segment whose whole-tensor sample takes the kernel's histogram selection
+LONG = Segments([0, 6500], [6000, 2000], 9000)
+
+
+@pytest.mark.parametrize(("native", "segs", "sample"), [(True, SEGS, 700), (False, SEGS, 700), (True, LONG, 10**5)])
+def test_topk_segments_equal_each_tensor_alone(native, segs, sample):
     g = torch.Generator().manual_seed(0)
-    flat = torch.randn(SEGS.numel, generator=g)
+    flat = torch.randn(segs.numel, generator=g)
     flat[3000:3500] = 0.5  # ties everywhere: the sample keeps its order statistic
     ref_idx, ref_val = [], []
-    for off, n in SEGS:
-        i, v = topk_select(flat[off : off + n], 0.02, sample_size=700)
+    for off, n in segs:
+        i, v = topk_select(flat[off : off + n], 0.02, sample_size=sample)
         ref_idx.append(i + off)
         ref_val.append(v)
     work = flat.clone()
     if native:
         assert _native.available()
-        idx, val = topk_segments(work, SEGS, 0.02, 700, zero_sent=True, scratch={})
+        idx, val = topk_segments(work, segs, 0.02, sample, zero_sent=True, scratch={})
     else:
         with _native.disabled():
-            idx, val = topk_segments(work, SEGS, 0.02, 700, zero_sent=True, scratch={})
+            idx, val = topk_segments(work, segs, 0.02, sample, zero_sent=True, scratch={})
     assert torch.equal(idx, torch.cat(ref_idx)) and torch.equal(val, torch.cat(ref_val))
     expect = flat.clone()
     expect[idx] = 0
