@@ -21,6 +21,7 @@ worker processes, each its own replica group with a torchft Manager (easgd_light
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -30,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import base_env, one_error_line, pid_alive, run_cli, start_cli
+from tests.helpers import base_env, one_error_line, pid_alive, run_cli, start_cli, wait_until
 
 pytest.importorskip("torchft")
 pytestmark = pytest.mark.slow
@@ -54,13 +55,7 @@ def _json(path: Path) -> dict | None:
         return None
 
 
-def _wait(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+_wait = functools.partial(wait_until, poll_s=0.05)
 
 
 def _every_pid(run_dir: Path, seen: set[int]) -> set[int]:
