@@ -13,12 +13,27 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from easgd_lightning.utils.rank_env import clean_env, free_port, rank_env
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
+
+
+#: ``pl.Trainer`` options of a test run that writes and shows nothing of its own (no
+#: checkpoints, progress bar, model summary or sanity validation) and takes its data as
+#: given (no distributed sampler)
+QUIET_TRAINER = dict(
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    num_sanity_val_steps=0,
+    use_distributed_sampler=False,
+)
 
 
 def base_env(**extra: str) -> dict[str, str]:
@@ -80,6 +95,17 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def wait_until(pred: Callable[[], bool], timeout: float, what: str, *, poll_s: float = 0.1) -> None:
+    """Return once ``pred()`` holds, checking every ``poll_s`` seconds; after ``timeout``
+    seconds raise AssertionError naming ``what`` was waited for."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def one_error_line(stderr: str) -> str:
@@ -331,6 +357,27 @@ def launch_ranks(script: Path, world: int, args: list[str], *, timeout: float = 
         if r.returncode != 0:
             raise AssertionError(f"rank failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}")
     return results
+
+
+def run_rank_scenarios(run: Callable[[str, int, int, str], Any]) -> None:
+    """One rank of a scenario script (``SCRIPT OUT NAME[,NAME...]``, torchrun-style
+    environment): joins the gloo group, runs ``run(NAME, rank, world, OUT)`` for each name in
+    order, writes ``{"world": world, NAME: result, ...}`` to ``OUT/rank<R>.json``, then waits
+    for every rank and leaves the group."""
+    import torch
+    import torch.distributed as dist
+
+    out_dir, names = sys.argv[1], sys.argv[2].split(",")
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    result: dict[str, Any] = {"world": world}
+    for name in names:
+        result[name] = run(name, rank, world, out_dir)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+        json.dump(result, fh)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -52,6 +52,18 @@ def _hydra_args(argv: list[str]) -> argparse.Namespace | None:
             return None
 
 
+def _own_tree_args(argv: list[str]) -> argparse.Namespace | None:
+    """Hydra's parse of ``argv`` when it composes this package's config tree for a run; None
+    when argparse refuses it, for ``--help``-like flags, and with ``--config-path`` /
+    ``--config-dir`` (another config tree: Hydra reports its own errors there)."""
+    args = _hydra_args(argv)
+    if args is None or any(getattr(args, flag, None) for flag in _NO_RUN_FLAGS):
+        return None
+    if args.config_path or args.config_dir:
+        return None
+    return args
+
+
 def check_command_line(argv: list[str], *, conf_dir: str = CONF_DIR,
                        composed: list[tuple[list[str], DictConfig]] | None = None) -> list[str]:
     """Compose and check every job of ``easgd-train ARGV`` (all jobs of a ``-m`` sweep).
@@ -68,10 +80,8 @@ def check_command_line(argv: list[str], *, conf_dir: str = CONF_DIR,
     Raises:
         ConfigError: one line naming the key or override and what is allowed.
     """
-    args = _hydra_args(argv)
-    if args is None or any(getattr(args, flag, None) for flag in _NO_RUN_FLAGS):
-        return argv
-    if args.config_path or args.config_dir:
+    args = _own_tree_args(argv)
+    if args is None:
         return argv
     config_name = args.config_name or "train"
     renamed: dict[str, str] = {}
@@ -101,10 +111,8 @@ def hydra_settings(argv: list[str], *, conf_dir: str = CONF_DIR) -> dict[str, An
     None when it cannot be known here (``--help``-like flags, another config tree, an
     interpolation only Hydra's own run can resolve): Hydra then goes on as before.
     """
-    args = _hydra_args(argv)
-    if args is None or any(getattr(args, flag, None) for flag in _NO_RUN_FLAGS):
-        return None
-    if args.config_path or args.config_dir:
+    args = _own_tree_args(argv)
+    if args is None:
         return None
     from hydra import compose, initialize_config_dir
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 __all__ = ["CONTROL_KINDS", "CommMeter", "KindTotals", "get_meter", "reset_meter"]
 
@@ -50,14 +50,17 @@ class KindTotals:
     calls: int = 0
 
     def as_dict(self) -> dict:
-        return {
-            "bytes_sent": self.bytes_sent,
-            "bytes_recv": self.bytes_recv,
-            "dense_bytes": self.dense_bytes,
-            "time_s": self.time_s,
-            "exposed_s": self.exposed_s,
-            "calls": self.calls,
-        }
+        return asdict(self)
+
+
+#: the totals a meter sums over its kinds (its properties of the same names)
+_SUMMED = ("bytes_sent", "bytes_recv", "dense_bytes", "time_s", "exposed_s")
+
+
+def _summed(name: str) -> property:
+    """A read-only property: the sum of the :class:`KindTotals` field ``name`` over the kinds."""
+    return property(lambda self: sum(getattr(t, name) for t in self.by_kind.values()),
+                    doc=f"``{name}`` summed over every kind.")
 
 
 @dataclass
@@ -108,40 +111,22 @@ class CommMeter:
         with self._lock:
             self.by_kind[kind].exposed_s += float(seconds)
 
-    @property
-    def bytes_sent(self) -> int:
-        return sum(t.bytes_sent for t in self.by_kind.values())
-
-    @property
-    def bytes_recv(self) -> int:
-        return sum(t.bytes_recv for t in self.by_kind.values())
-
-    @property
-    def dense_bytes(self) -> int:
-        return sum(t.dense_bytes for t in self.by_kind.values())
+    bytes_sent = _summed("bytes_sent")
+    bytes_recv = _summed("bytes_recv")
+    dense_bytes = _summed("dense_bytes")
+    time_s = _summed("time_s")
+    exposed_s = _summed("exposed_s")
 
     @property
     def messages(self) -> int:
         """Messages of the payload kinds (every kind but :data:`CONTROL_KINDS`)."""
         return sum(t.calls for k, t in self.by_kind.items() if k not in CONTROL_KINDS)
 
-    @property
-    def time_s(self) -> float:
-        return sum(t.time_s for t in self.by_kind.values())
-
-    @property
-    def exposed_s(self) -> float:
-        return sum(t.exposed_s for t in self.by_kind.values())
-
     def snapshot(self) -> dict:
         """A JSON-ready dict of the totals and the per-kind breakdown."""
         with self._lock:
             return {
-                "bytes_sent": self.bytes_sent,
-                "bytes_recv": self.bytes_recv,
-                "dense_bytes": self.dense_bytes,
-                "time_s": self.time_s,
-                "exposed_s": self.exposed_s,
+                **{name: getattr(self, name) for name in _SUMMED},
                 "messages": self.messages,
                 "by_kind": {k: v.as_dict() for k, v in sorted(self.by_kind.items())},
             }

@@ -138,13 +138,14 @@ def spawn_and_supervise_ft(cfg: Any, cfg_file: Path, out_dir: Path, world: int, 
     outcome = FTOutcome(exit_codes=[None] * world, restarts=[0] * world)
     native = rejoins_natively(cfg)
     lh: LighthouseProcess | None = None
+    server = forkserver.current_server() if start_method == "fork" else None
     if native:  # no lighthouse: the parameter server re-admits restarted workers
         outcome.servers = [world - 1]
     elif ft.get("lighthouse") is None:
         lh = LighthouseProcess(out_dir, int(ft.get("min_replicas", 1)), float(ft.get("join_timeout_s", 10)),
                                float(ft.get("heartbeat_timeout_s", 2)))
         try:
-            outcome.lighthouse = lh.start(timeout_s=min(60.0, timeout_s))
+            outcome.lighthouse = lh.start(timeout_s=min(60.0, timeout_s), fork_server=server)
         except RuntimeError as err:
             outcome.error = str(err)
             return outcome
@@ -154,7 +155,6 @@ def spawn_and_supervise_ft(cfg: Any, cfg_file: Path, out_dir: Path, world: int, 
         if not answers(outcome.lighthouse, timeout=5.0):
             outcome.error = f"ft.lighthouse={ft.lighthouse}: nothing answers there"
             return outcome
-    server = forkserver.current_server() if start_method == "fork" else None
     store = L._rendezvous_store(timeout_s)  # the initial workers' barrier (ft/worker.py)
     store_port = store.port
     env = dict(os.environ)

@@ -59,8 +59,12 @@ class LighthouseProcess:
         self.address: str | None = None
         self.log_path = self.run_dir / "ranks" / "lighthouse.log"
 
-    def start(self, timeout_s: float = 60.0) -> str:
-        """Start it and wait until it answers (at most ``timeout_s``).
+    def start(self, timeout_s: float = 60.0, fork_server=None) -> str:
+        """Start it and wait until it answers (at most ``timeout_s``). With ``fork_server``
+        (the launcher's, :mod:`easgd_lightning.cli.forkserver`) it is forked from there,
+        torch already imported (a fresh interpreter spends ~1.5 s importing it before the
+        first worker may start); its own session and its death with the server's as a
+        spawned one.
 
         Raises:
             RuntimeError: it exited or did not answer in time (its log is named).
@@ -70,11 +74,16 @@ class LighthouseProcess:
         addr_file.unlink(missing_ok=True)
         env = dict(os.environ)
         env.setdefault("RUST_LOG", "warn")
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "easgd_lightning.ft.lighthouse", *self.args, "--address-file", str(addr_file)],
-                env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-            )
+        args = [*self.args, "--address-file", str(addr_file)]
+        if fork_server is not None:
+            self.proc = fork_server.start([__name__, *args], env, os.getcwd(), [], entry=f"{__name__}:main",
+                                          stdout=str(self.log_path), stderr=str(self.log_path))
+        else:
+            with open(self.log_path, "ab") as log:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", __name__, *args],
+                    env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

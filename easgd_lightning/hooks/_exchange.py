@@ -89,6 +89,21 @@ def key_hash(key) -> int:
     return zlib.crc32(str(key).encode()) & 0x7FFFFFFF
 
 
+def _state_of(states: dict, key) -> dict:
+    """The codec state of ``key`` in ``states``, created on first use with its stable
+    ``key_hash`` (seeded codecs draw from it)."""
+    st = states.setdefault(key, {})
+    st.setdefault("key_hash", key_hash(key))
+    return st
+
+
+def _compensated_copy(memory: Memory, key, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` plus ``key``'s residual, never the caller's own tensor: without memory a
+    copy (a codec's later rounds read it after the caller may have changed its tensor)."""
+    comp = memory.compensate(key, tensor)
+    return tensor.detach().clone() if comp is tensor else comp
+
+
 @dataclass
 class ExchangeStats:
     """What one call moved and how long the codec (not the wire) took."""
@@ -280,17 +295,13 @@ def pipelined_exchange(compressor: Compressor, parts, states, collective, dense_
 def _start_partitioned(pending, i, tensor, key, parts, compressor, memory, states, collective) -> None:
     """Launch tensor ``i``'s pipelined exchange in ``parts`` partitions (module docstring);
     the pipeline is driven to its end, the residual updated and the mean joined at finish."""
-    st = states.setdefault(key, {})
-    st.setdefault("key_hash", key_hash(key))
-    comp = memory.compensate(key, tensor)
-    if comp is tensor:  # no memory: later rounds must not read the caller's tensor
-        comp = tensor.detach().clone()
+    _state_of(states, key)  # the whole tensor keeps its entry too, as an unpartitioned one
+    comp = _compensated_copy(memory, key, tensor)
     pieces = split_partitions(comp, parts)
     pstates = []
     for j in range(len(pieces)):
         pk = partition_key(key, j, len(pieces))
-        pst = states.setdefault(pk, {})
-        pst.setdefault("key_hash", key_hash(pk))
+        pst = _state_of(states, pk)
         pst["_partition_key"] = pk
         pstates.append(pst)
     dense = [p.numel() * p.element_size() for p in pieces]
@@ -320,12 +331,9 @@ def _start_rounds(pending, idx, tensors, keys, compressor, memory, states, colle
     comps, pstates, dense = [], [], []
     for i in idx:
         key, t = keys[i], tensors[i]
-        st = states.setdefault(key, {})
-        st.setdefault("key_hash", key_hash(key))
+        st = _state_of(states, key)
         want_local(st, want_locals)
-        comp = memory.compensate(key, t)
-        if comp is t:  # no memory: later rounds must not read the caller's tensor
-            comp = t.detach().clone()
+        comp = _compensated_copy(memory, key, t)
         comps.append(comp)
         pstates.append(st)
         dense.append(t.numel() * t.element_size())
@@ -393,8 +401,7 @@ def start_exchange_tensors(
             _start_small(pending, tensors, keys, small, compressor, states, collective, fold)
         for i in big:
             t, key = tensors[i], keys[i]
-            st = states.setdefault(key, {})
-            st.setdefault("key_hash", key_hash(key))
+            st = _state_of(states, key)
             want_local(st, want_locals)
             comp = memory.compensate(key, t)
             collective.charge_dense(t.numel() * t.element_size(), key=key)

@@ -194,7 +194,35 @@ def _init_full(shape: tuple[int, ...], std: float) -> torch.Tensor:
     return weight
 
 
-class ColumnParallelLinear(nn.Module):
+class _SplitLinear(nn.Module):
+    """What the two split linears share: the widths, the context, this rank's slice of the
+    full ``(out_features, in_features)`` weight along ``split_dim`` (0: output features, 1:
+    input features), initialised whole and identically on every rank, and a bias as wide as
+    the slice's output (zeros)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp: TensorParallelContext,
+        *,
+        bias: bool,
+        init_std: float,
+        split_dim: int,
+    ) -> None:
+        super().__init__()
+        shape = (out_features, in_features)
+        what = "output features" if split_dim == 0 else "input features"
+        start, stop = shard_range(shape[split_dim], tp.size, tp.rank, what)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.tp = tp
+        full = _init_full(shape, init_std)
+        self.weight = nn.Parameter(full.narrow(split_dim, start, stop - start).clone())
+        self.bias = nn.Parameter(torch.zeros(self.weight.shape[0])) if bias else None
+
+
+class ColumnParallelLinear(_SplitLinear):
     """``Y = X A + b`` with ``A`` split by output columns over the tensor-parallel group.
 
     Args:
@@ -217,22 +245,15 @@ class ColumnParallelLinear(nn.Module):
         gather_output: bool = False,
         init_std: float = 0.02,
     ) -> None:
-        super().__init__()
-        start, stop = shard_range(out_features, tp.size, tp.rank, "output features")
-        self.in_features = in_features
-        self.out_features = out_features
-        self.tp = tp
+        super().__init__(in_features, out_features, tp, bias=bias, init_std=init_std, split_dim=0)
         self.gather_output = gather_output
-        full = _init_full((out_features, in_features), init_std)
-        self.weight = nn.Parameter(full[start:stop].clone())
-        self.bias = nn.Parameter(torch.zeros(stop - start)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(copy_to_tensor_parallel(x, self.tp), self.weight, self.bias)
         return gather_from_tensor_parallel(y, self.tp) if self.gather_output else y
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_SplitLinear):
     """``Y = X A + b`` with ``A`` split by input rows; partial products summed over the group.
 
     Args:
@@ -256,15 +277,8 @@ class RowParallelLinear(nn.Module):
         input_is_parallel: bool = True,
         init_std: float = 0.02,
     ) -> None:
-        super().__init__()
-        start, stop = shard_range(in_features, tp.size, tp.rank, "input features")
-        self.in_features = in_features
-        self.out_features = out_features
-        self.tp = tp
+        super().__init__(in_features, out_features, tp, bias=bias, init_std=init_std, split_dim=1)
         self.input_is_parallel = input_is_parallel
-        full = _init_full((out_features, in_features), init_std)
-        self.weight = nn.Parameter(full[:, start:stop].clone())
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:

@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from easgd_lightning.comm import reset_meter
 from easgd_lightning.strategies.base import flatten
 from easgd_lightning.strategies.local_sgd import LocalSGDStrategy
+from tests.helpers import QUIET_TRAINER
 
 QSR_LR = 0.2
 QSR_H_BASE = 2
@@ -167,11 +168,7 @@ def run_mode(mode: str, out_dir: str) -> None:
         logger=logger,
         log_every_n_steps=1,
         callbacks=[recorder, Init()],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        use_distributed_sampler=False,
+        **QUIET_TRAINER,
     )
     trainer.fit(module, train_dataloaders=loader)
     strategy = trainer.strategy

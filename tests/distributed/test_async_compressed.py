@@ -10,21 +10,18 @@ residual, which the server keeps per worker).
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.distributed.scripts import async_ps_compressed_run as run
 from tests.helpers import launch_ranks
 
 SCRIPT = Path(__file__).parent / "scripts" / "async_ps_compressed_run.py"
 MODES = ("twoway_topk", "twoway_signsgd", "oneway_topk")
 
-spec = importlib.util.spec_from_file_location("async_ps_compressed_run", SCRIPT)
-run = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(run)
 
 
 @pytest.fixture(scope="module")

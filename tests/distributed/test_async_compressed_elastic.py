@@ -11,21 +11,17 @@ of x_i - x~_i the push left out.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.distributed.scripts import async_ps_compressed_run as run
 from tests.distributed.test_async_compressed import reference_compress
 from tests.helpers import launch_ranks
 
 SCRIPT = Path(__file__).parent / "scripts" / "async_ps_compressed_run.py"
 MODES = ("elastic_topk", "elastic_signsgd")
-
-spec = importlib.util.spec_from_file_location("async_ps_compressed_run_elastic", SCRIPT)
-run = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(run)
 
 
 @pytest.fixture(scope="module")

@@ -103,11 +103,8 @@ def test_sgd_server_with_momentum_matches_replay(runs: Path) -> None:
 def test_user_adam_at_the_server_matches_a_single_process_replay(runs: Path) -> None:
     """The server runs the user's Adam (its groups, per-request lrs, its state); the replay is
     an independent Adam over fresh tensors fed the same gradients in the server's order."""
-    import importlib.util
+    from tests.distributed.scripts import async_ps_run as run
 
-    spec = importlib.util.spec_from_file_location("async_ps_run", SCRIPT)
-    run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run)
     recs = _load(runs, "adam")
     server = recs[3]
     start = run.adam_start()
@@ -249,22 +246,14 @@ def rejoined(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return recs
 
 
-def _script(path: Path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_a_restarted_worker_is_readmitted_and_the_float64_replay_stays_exact(rejoined: dict) -> None:
     """The server's service order, replayed here in float64 with d = alpha (x - c), c += d:
     every reply and the final center are bitwise the replay's, across the loss and the
     rejoin; the rejoined process pulled exactly the replay's center at the update count its
     state names, and went on from the step the server had recorded for its first start. The
     server, with no worker active (0 and 1 done, 2 lost), waited for it instead of ending."""
-    run = _script(REJOIN_SCRIPT)
+    from tests.distributed.scripts import async_ps_rejoin_run as run
+
     server, late = rejoined[3], rejoined["late"]
     (lost,) = server["lost"]
     assert lost["rank"] == 2 and lost["cause"] in ("connection lost", "restarted"), lost

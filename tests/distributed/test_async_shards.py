@@ -63,11 +63,8 @@ def test_elastic_shards_replay_exactly_in_each_servers_order(runs: Path) -> None
 
 
 def test_sgd_rule_steps_each_shards_parameters_as_one_server_would(runs: Path) -> None:
-    import importlib.util
+    from tests.distributed.scripts import async_ps_shard_run as run
 
-    spec = importlib.util.spec_from_file_location("async_ps_shard_run", SCRIPT)
-    run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run)
     recs = _load(runs, "adam")
     bounds = recs[2]["bounds"]
     assert bounds == [(0, 128), (128, 257)]  # at the boundary after the first tensor

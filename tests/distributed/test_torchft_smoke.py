@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, base_env
+from tests.helpers import REPO, base_env, wait_until
 
 torchft = pytest.importorskip("torchft")
 
@@ -32,15 +32,6 @@ def _lines(path: Path) -> list[dict]:
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     except (OSError, ValueError):
         return []
-
-
-def _wait_for(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def test_quorum_allreduce_and_one_replica_killed(tmp_path):
@@ -58,7 +49,7 @@ def test_quorum_allreduce_and_one_replica_killed(tmp_path):
                 env=base_env(), stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"r{i}.err", "w"),
                 start_new_session=True))
         # both in one quorum: 1 + 2 = 3, committed
-        _wait_for(lambda: sum(1 for r in _lines(outs[0]) if r["participants"] == 2 and r["committed"]) >= 3,
+        wait_until(lambda: sum(1 for r in _lines(outs[0]) if r["participants"] == 2 and r["committed"]) >= 3,
                   90, "three committed two-replica steps")
         together = [r for r in _lines(outs[0]) if r["participants"] == 2 and r["committed"]]
         assert all(r["sum"] == 3.0 for r in together), together
@@ -67,7 +58,7 @@ def test_quorum_allreduce_and_one_replica_killed(tmp_path):
         procs[1].wait(timeout=10)
         killed_at = time.time()
         # replica 0 goes on alone: quorum of one, its own value, committed
-        _wait_for(lambda: sum(1 for r in _lines(outs[0]) if r["t"] > killed_at and r["participants"] == 1
+        wait_until(lambda: sum(1 for r in _lines(outs[0]) if r["t"] > killed_at and r["participants"] == 1
                               and r["committed"]) >= 3, 60, "three committed one-replica steps after the kill")
         after = [r for r in _lines(outs[0]) if r["t"] > killed_at]
         alone = [r for r in after if r["participants"] == 1 and r["committed"]]

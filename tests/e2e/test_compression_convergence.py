@@ -39,6 +39,22 @@ def baseline(tmp_path_factory) -> dict:
     return train_summary(tmp_path_factory.mktemp("none"), *COMMON, *RUNS["none"], timeout=900)
 
 
+def trained_like_dense(run_dir: Path, baseline: dict, name: str, overrides: list[str],
+                       timeout: float) -> tuple[dict, dict]:
+    """Train with ``overrides`` (compression ``name``) and check it against the dense
+    ``baseline`` of the same seed and steps: both ran (the baseline to >= 0.9), the same
+    steps, accuracy within 0.02 of the baseline's, the compressor engaged. Returns the
+    run's summary and its compression stats."""
+    assert baseline["status"] == "ok" and baseline["val_acc"] >= 0.9
+    s = train_summary(run_dir, *overrides, timeout=timeout)
+    assert s["status"] == "ok", s.get("error")
+    assert s["compression"] == name and s["steps_per_rank"] == baseline["steps_per_rank"]
+    assert s["val_acc"] >= baseline["val_acc"] - 0.02, (s["val_acc"], baseline["val_acc"])
+    stats = s["extras"][0]["compression_stats"]
+    assert stats["compressor"] == name and stats["compressed_calls"] > 0
+    return s, stats
+
+
 def _ratio(s: dict) -> float:
     dp = s["comm"]["by_kind"]["data_parallel"]
     return dp["dense_bytes"] / dp["bytes_sent"]
@@ -47,13 +63,7 @@ def _ratio(s: dict) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["dgc", "powersgd"])
 def test_compressed_ddp_matches_dense_accuracy(tmp_path: Path, baseline: dict, name: str) -> None:
-    assert baseline["status"] == "ok" and baseline["val_acc"] >= 0.9
-    s = train_summary(tmp_path / name, *COMMON, *RUNS[name], timeout=900)
-    assert s["status"] == "ok", s.get("error")
-    assert s["compression"] == name and s["steps_per_rank"] == baseline["steps_per_rank"]
-    assert s["val_acc"] >= baseline["val_acc"] - 0.02, (s["val_acc"], baseline["val_acc"])
-    stats = s["extras"][0]["compression_stats"]
-    assert stats["compressor"] == name and stats["compressed_calls"] > 0
+    s, stats = trained_like_dense(tmp_path / name, baseline, name, [*COMMON, *RUNS[name]], timeout=900)
     # the dense cost is the same gradient traffic as the uncompressed run
     steps = s["steps_per_rank"][0]
     assert s["comm"]["by_kind"]["data_parallel"]["dense_bytes"] == 2 * steps * N_PARAMS * 4
@@ -80,13 +90,7 @@ PAPER_DEFAULTS = {
 @pytest.mark.parametrize("name", sorted(PAPER_DEFAULTS))
 def test_paper_default_compressors_match_dense_accuracy(tmp_path: Path, baseline: dict, name: str) -> None:
     overrides, min_ratio = PAPER_DEFAULTS[name]
-    assert baseline["status"] == "ok" and baseline["val_acc"] >= 0.9
-    s = train_summary(tmp_path / name, *COMMON, *overrides, timeout=900)
-    assert s["status"] == "ok", s.get("error")
-    assert s["compression"] == name and s["steps_per_rank"] == baseline["steps_per_rank"]
-    assert s["val_acc"] >= baseline["val_acc"] - 0.02, (s["val_acc"], baseline["val_acc"])
-    stats = s["extras"][0]["compression_stats"]
-    assert stats["compressor"] == name and stats["compressed_calls"] > 0
+    s, stats = trained_like_dense(tmp_path / name, baseline, name, [*COMMON, *overrides], timeout=900)
     assert _ratio(s) >= min_ratio
     if name == "lgc":  # the codes were used, not only the top-k fallback
         assert stats["lgc_learned_fraction"] > 0.2

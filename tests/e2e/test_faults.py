@@ -176,6 +176,15 @@ def _start(tmp_path: Path, name: str, overrides: list[str], timeout_s: float = T
     return run
 
 
+def _ended_clean(run: Run, code: int, took: float, s: dict) -> dict:
+    """After a failed rank's checks: the last checkpoint loads and no process of the run
+    is left. Returns the case's record."""
+    assert_loadable_last_checkpoint(run.run_dir)
+    left = run.leftovers()
+    assert left == []
+    return {"code": code, "took": took, "summary": s, "leftovers": left}
+
+
 def case_worker_crash(tmp_path: Path, strategy: str, devices: int) -> dict:
     """faults.crash_rank: rank 1 calls os._exit(17) at its 30th step."""
     run = _start(tmp_path, f"crash-{strategy}", [f"strategy={strategy}", f"trainer.devices={devices}",
@@ -189,10 +198,7 @@ def case_worker_crash(tmp_path: Path, strategy: str, devices: int) -> dict:
     assert s["status"] == "failed" and s["first_failure"]["rank"] == 1, s["error"]
     assert s["first_failure"]["exitcode"] == 17 and s["exit_codes"][1] == 17, s["first_failure"]
     assert "rank 1" in s["error"]
-    assert_loadable_last_checkpoint(run.run_dir)
-    left = run.leftovers()
-    assert left == []
-    return {"code": code, "took": took, "summary": s, "leftovers": left}
+    return _ended_clean(run, code, took, s)
 
 
 def case_worker_signal(tmp_path: Path, strategy: str, devices: int, sig: signal.Signals,
@@ -225,10 +231,7 @@ def case_worker_signal(tmp_path: Path, strategy: str, devices: int, sig: signal.
     else:  # SIGTERM: the rank stops gracefully and says so, exit 128 + 15
         assert first["exitcode"] == 143 and s["exit_codes"][1] == 143, first
         assert "interrupted by SIGTERM" in first["error"]
-    assert_loadable_last_checkpoint(run.run_dir)
-    left = run.leftovers()
-    assert left == []
-    return {"code": code, "took": took, "summary": s, "leftovers": left}
+    return _ended_clean(run, code, took, s)
 
 
 def case_launcher_signal(tmp_path: Path, strategy: str, devices: int, sig: signal.Signals,

@@ -35,9 +35,6 @@ class FP16Compressor(Compressor):
     default_memory = False
     wire_dtype: ClassVar[torch.dtype] = torch.float16
 
-    def __init__(self, *, min_numel: int | None = None, memory: bool | None = None) -> None:
-        super().__init__(min_numel=min_numel, memory=memory)
-
     def compress(self, tensor: torch.Tensor, state: dict) -> Payload:
         return Payload((tensor.reshape(-1).to(self.wire_dtype),), {"dtype": tensor.dtype})
 

@@ -24,9 +24,6 @@ class NoneCompressor(Compressor):
     aggregation = "allreduce"
     default_memory = False
 
-    def __init__(self, *, min_numel: int | None = None, memory: bool | None = None) -> None:
-        super().__init__(min_numel=min_numel, memory=memory)
-
     def compress(self, tensor: torch.Tensor, state: dict) -> Payload:
         return Payload((tensor.reshape(-1),), {"dtype": tensor.dtype})
 

@@ -40,9 +40,6 @@ class SignSGDCompressor(Compressor):
     aggregation = "allgather"
     default_memory = True
 
-    def __init__(self, *, min_numel: int | None = None, memory: bool | None = None) -> None:
-        super().__init__(min_numel=min_numel, memory=memory)
-
     def compress(self, tensor: torch.Tensor, state: dict) -> Payload:
         flat = tensor.reshape(-1)
         n = flat.numel()

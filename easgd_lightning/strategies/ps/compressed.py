@@ -168,7 +168,29 @@ class MessageCodec:
         return out
 
 
-class WorkerPush:
+class _PushTraffic:
+    """What a worker's side counts, one-way or elastic: its pushes and the payload bytes it
+    sent and got back (headers not counted), in ``traffic``; the last message's size in
+    ``last_message_bytes``."""
+
+    def __init__(self, start: torch.Tensor) -> None:
+        self.last_message_bytes = 0
+        self.traffic = {"pushes": 0, "bytes_up": 0, "bytes_down": 0,
+                        "dense_bytes_per_direction": start.numel() * start.element_size()}
+
+    def _sent(self, message: torch.Tensor) -> torch.Tensor:
+        """Count one push of ``message`` (bytes); returns it."""
+        self.last_message_bytes = int(message.numel())
+        self.traffic["pushes"] += 1
+        self.traffic["bytes_up"] += self.last_message_bytes
+        return message
+
+    def _received(self, reply: torch.Tensor) -> None:
+        """Count the bytes of one reply."""
+        self.traffic["bytes_down"] += reply.numel() * reply.element_size()
+
+
+class WorkerPush(_PushTraffic):
     """A worker's side: compresses each push with its residual e_i; two-way, applies the
     server's compressed d to its weights (which equal the server's replica r_i)."""
 
@@ -180,10 +202,7 @@ class WorkerPush:
         self._residuals = ResidualMemory()
         self._residuals.adopt(_PUSH, torch.zeros(self.codec.n_params, dtype=start.dtype))
         self.weights = start.detach().cpu().clone()
-        self.last_message_bytes = 0
-        #: payload bytes this worker sent and got back, over its pushes (headers not counted)
-        self.traffic = {"pushes": 0, "bytes_up": 0, "bytes_down": 0,
-                        "dense_bytes_per_direction": start.numel() * start.element_size()}
+        super().__init__(start)
 
     @property
     def residual(self) -> torch.Tensor:
@@ -200,14 +219,11 @@ class WorkerPush:
         message, sent = self.codec.encode(vec, self.states)
         if self.memory:
             self._residuals.update(_PUSH, p, sent)
-        self.last_message_bytes = int(message.numel())
-        self.traffic["pushes"] += 1
-        self.traffic["bytes_up"] += self.last_message_bytes
-        return message
+        return self._sent(message)
 
     def apply(self, reply: torch.Tensor) -> torch.Tensor:
         """The worker's weights after a reply (one-way: the dense center; two-way: w += d)."""
-        self.traffic["bytes_down"] += reply.numel() * reply.element_size()
+        self._received(reply)
         if not self.two_way:
             self.weights = reply.detach().cpu().clone()
             return self.weights
@@ -257,7 +273,7 @@ class ServerReplies:
         return message
 
 
-class ElasticPush:
+class ElasticPush(_PushTraffic):
     """A worker's side of compressed elastic exchanges (``async_easgd``, ``async_measgd``).
 
     Holds x~, the server's estimate of this worker's variable (both ends keep it, updated by
@@ -276,9 +292,7 @@ class ElasticPush:
         self.states = [{} for _ in sizes]
         self.estimate = start.detach().cpu().clone()
         self.residual = torch.zeros(self.codec.n_params, dtype=start.dtype)
-        self.last_message_bytes = 0
-        self.traffic = {"pushes": 0, "bytes_up": 0, "bytes_down": 0,
-                        "dense_bytes_per_direction": start.numel() * start.element_size()}
+        super().__init__(start)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """The message of the worker's variable ``x`` (flat: parameters, then buffers):
@@ -291,14 +305,11 @@ class ElasticPush:
         self.estimate[:n] += sent
         self.estimate[n:] = x[n:]
         self.residual = q[:n] - sent
-        self.last_message_bytes = int(message.numel())
-        self.traffic["pushes"] += 1
-        self.traffic["bytes_up"] += self.last_message_bytes
-        return message
+        return self._sent(message)
 
     def apply(self, d: torch.Tensor) -> torch.Tensor:
         """The server's dense elastic difference d: x~ -= d (the worker subtracts d from x); returns d."""
-        self.traffic["bytes_down"] += d.numel() * d.element_size()
+        self._received(d)
         self.estimate -= d.detach().cpu()
         return d
 

@@ -110,7 +110,6 @@ from easgd_lightning.hooks.compressors.dgc import release_optimizer_momentum
 from easgd_lightning.strategies import elastic
 from easgd_lightning.strategies.base import (
     CenterStrategy,
-    check_moving_rate,
     flatten,
     optimizer_steps_per_epoch,
     unflatten_into,
@@ -278,9 +277,7 @@ class AsyncCenterStrategy(CenterStrategy):
                 )
         super().__init__(**kwargs)
         self.tau = check_int("strategy.tau", tau)
-        check_moving_rate(alpha, beta, rho)
-        self._alpha_opt, self._beta_opt, self._rho_opt = alpha, beta, rho
-        self._alpha: float | None = None
+        self._set_moving_rate_options(alpha, beta, rho)
         self.momentum = check_momentum("strategy.momentum", 0.0 if momentum is None else momentum)
         self.lr = check_positive("strategy.lr", lr, nullable=True)
         if server not in (None, "dedicated"):
@@ -498,13 +495,7 @@ class AsyncCenterStrategy(CenterStrategy):
                 raise ValueError("Trainer(devices=..., num_nodes=...): " + text[len("trainer.devices: "):]) from None
             raise
         if self.rule == "elastic":
-            self._alpha = elastic.resolve_alpha(
-                world_size=self.num_workers,
-                alpha=self._alpha_opt,
-                beta=self._beta_opt,
-                rho=self._rho_opt,
-                lr=self._optimizer_lr(self.optimizers[0]) if self.optimizers else None,
-            )
+            self._resolve_moving_rate(self.num_workers)
 
     @property
     def _worker_timeout_s(self) -> float:

@@ -8,10 +8,7 @@ OUT/rank{r}.json; the test asserts on those files.
 """
 
 import datetime
-import json
 import math
-import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -30,9 +27,14 @@ from easgd_lightning.hooks._fused import layout_for, start_exchange_flat
 from easgd_lightning.hooks.collective import ProcessGroupCollective
 from easgd_lightning.hooks.elastic import start_exchange_sum
 from easgd_lightning.utils.checkpoint import from_plain, to_plain
+from tests.helpers import run_rank_scenarios
 
 SHAPE = (64, 48)
 N = SHAPE[0] * SHAPE[1]
+
+#: the tensors of the elastic scenarios (one flat difference of them all)
+ELASTIC_SHAPES = [(40, 30), (30,), (20, 25)]
+ELASTIC_NUMEL = sum(math.prod(s) for s in ELASTIC_SHAPES)
 
 #: name -> (build params, a formula for the bytes this rank sends per exchange)
 CASES = {
@@ -321,8 +323,7 @@ def scenario_fused(rank: int, world: int) -> dict:
 
 def scenario_elastic(rank: int, world: int) -> dict:
     out = {}
-    shapes = [(40, 30), (30,), (20, 25)]
-    total_numel = sum(math.prod(s) for s in shapes)
+    shapes, total_numel = ELASTIC_SHAPES, ELASTIC_NUMEL
     for name, params in (
         ("topk", {"ratio": 0.05, "min_numel": 100}),
         ("powersgd", {"rank": 2, "min_numel": 100}),
@@ -362,8 +363,7 @@ def scenario_elastic_split(rank: int, world: int) -> dict:
     wait (as training's own traffic would); the sums and the residuals must agree.
     """
     out = {}
-    shapes = [(40, 30), (30,), (20, 25)]
-    total_numel = sum(math.prod(s) for s in shapes)
+    shapes, total_numel = ELASTIC_SHAPES, ELASTIC_NUMEL
     for name, params in (
         ("topk", {"ratio": 0.05, "min_numel": 100}),
         ("randomk", {"ratio": 0.1, "min_numel": 100}),
@@ -509,17 +509,7 @@ def scenario_ddp_cast(rank: int, world: int) -> dict:
 
 
 def main() -> None:
-    out_dir, scenarios = sys.argv[1], sys.argv[2].split(",")
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(1)
-    result = {"world": world}
-    for sc in scenarios:
-        result[sc] = globals()[f"scenario_{sc}"](rank, world)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
-        json.dump(result, fh)
-    dist.barrier()
-    dist.destroy_process_group()
+    run_rank_scenarios(lambda name, rank, world, _out: globals()[f"scenario_{name}"](rank, world))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from easgd_lightning.hooks import build_compressor
 from easgd_lightning.strategies import DiLoCoStrategy, LocalSGDStrategy, SyncEASGDStrategy
 from easgd_lightning.strategies.base import flatten
 from tests.distributed.local_sgd_script import Regression, rank_data
+from tests.helpers import QUIET_TRAINER
 
 #: mode -> (DiLoCo options, inner optimizer, lr, steps)
 MODES: dict[str, tuple[dict, str, float, int]] = {
@@ -99,11 +100,7 @@ def fit(strategy, optimizer: str, lr: float, steps: int, rank: int) -> dict:
         max_epochs=-1,
         logger=False,
         callbacks=[thetas],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        use_distributed_sampler=False,
+        **QUIET_TRAINER,
     )
     trainer.fit(module, train_dataloaders=loader)
     return {

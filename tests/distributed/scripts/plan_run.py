@@ -10,7 +10,6 @@ with plain ``torch.distributed`` and writes the comparison to OUT/rank{r}.json.
 import json
 import math
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -23,6 +22,7 @@ from easgd_lightning.hooks._exchange import exchange_tensors, pipelined_exchange
 from easgd_lightning.hooks.collective import ProcessGroupCollective
 from easgd_lightning.hooks.memory import ResidualMemory
 from easgd_lightning.hooks.planner import Decision, Plan
+from tests.helpers import run_rank_scenarios
 
 RATIO = 0.05
 
@@ -321,15 +321,7 @@ def scenario_switch_external(rank, world, out_dir):
 
 
 def main() -> None:
-    out_dir, scenarios = sys.argv[1], sys.argv[2].split(",")
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(1)
-    result = {s: globals()[f"scenario_{s}"](rank, world, out_dir) for s in scenarios}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
-        json.dump(result, fh)
-    dist.barrier()
-    dist.destroy_process_group()
+    run_rank_scenarios(lambda name, rank, world, out_dir: globals()[f"scenario_{name}"](rank, world, out_dir))
 
 
 if __name__ == "__main__":
