@@ -17,6 +17,10 @@ from pathlib import Path
 import pytest
 
 TIERS = {"unit": "unit", "distributed": "distributed", "e2e": "e2e"}
+#: tests that build emulated hosts (network namespaces behind one bridge per run, private
+#: subnets) or a local SLURM cluster: with ``pytest -n 2`` (``make test``) they all run on one
+#: worker, one after the other (``--dist loadgroup``), never two clusters at once
+HOSTS_GROUP = "emulated_hosts"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -28,3 +32,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         if part in TIERS:
             item.add_marker(TIERS[part])
+        if item.get_closest_marker("netns") is not None or Path(str(item.path)).name == "test_slurm.py":
+            item.add_marker(pytest.mark.xdist_group(HOSTS_GROUP))
