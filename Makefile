@@ -20,11 +20,17 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/python -m easgd_lightning.cli.demo
 
+# Two pytest-xdist workers (TEST_WORKERS=0: one process): a serial run leaves a third of two
+# cores idle (tests waiting on timeouts, shaped links, SLURM); the emulated-host and SLURM
+# tests stay on one worker, one cluster at a time (tests/conftest.py, --dist loadgroup).
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q $(XDIST) --durations=25 tests
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q --durations=10 tests -m "(unit or distributed) and not slow"
+	$(PY) -m pytest -q $(XDIST) --durations=10 tests -m "(unit or distributed) and not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check easgd_lightning tests bench scripts hydra_plugins conf build_hooks.py

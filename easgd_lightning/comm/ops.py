@@ -30,6 +30,8 @@ __all__ = [
     "group_backend",
     "all_reduce",
     "all_reduce_async",
+    "comm_time",
+    "wait_launched",
     "wait",
     "all_gather",
     "all_gather_varlen",
@@ -134,6 +136,26 @@ def wait(handle, *, kind: str):
         return handle.wait()
     finally:
         get_meter().add_exposed(kind, time.perf_counter() - start)
+
+
+def comm_time(kind: str) -> float:
+    """The meter's communication time of ``kind`` so far (:func:`wait_launched`'s mark)."""
+    return get_meter().by_kind[kind].time_s
+
+
+def wait_launched(handles, *, kind: str, since: float) -> None:
+    """Wait for non-blocking calls of ``kind`` launched after the meter's :func:`comm_time`
+    read ``since``, charging the wait as exposed time -- but never more than the
+    communication they took (``comm_time(kind) - since`` once they completed): what the
+    wait lasts beyond their completion is the waiting thread's wake-up on a loaded machine,
+    not communication (the meter's contract, ``exposed_s <= time_s``)."""
+    start = time.perf_counter()
+    try:
+        for handle in handles:
+            handle.wait()
+    finally:
+        waited = time.perf_counter() - start
+        get_meter().add_exposed(kind, min(waited, max(0.0, comm_time(kind) - since)))
 
 
 def all_gather(

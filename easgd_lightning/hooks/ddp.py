@@ -86,7 +86,7 @@ __all__ = [
 class DenseHookState:
     """State of the metered dense hook."""
 
-    __slots__ = ("group", "world_size", "kind", "calls", "_inflight", "layout", "switch")
+    __slots__ = ("group", "world_size", "kind", "calls", "_inflight", "_comm_mark", "layout", "switch")
 
     def __init__(
         self, group: dist.ProcessGroup | None = None, kind: str = "data_parallel", layout=None, switch=None
@@ -98,12 +98,18 @@ class DenseHookState:
         self.calls = 0
         self.switch = switch  # a comm.switch.SwitchClient: sum through the aggregator
         self._inflight: list[torch.futures.Future] | None = None
+        self._comm_mark = 0.0
+
+    def _start_inflight(self) -> None:
+        """First bucket of a backward: wait for its buckets when the backward is done."""
+        self._inflight, self._comm_mark = [], ops.comm_time(self.kind)
+        torch.autograd.Variable._execution_engine.queue_callback(self._wait_inflight)
 
     def _wait_inflight(self) -> None:
-        """End of backward computation: wait for this backward's buckets (exposed time)."""
+        """End of backward computation: wait for this backward's buckets (exposed time, at
+        most their communication time: :func:`easgd_lightning.comm.ops.wait_launched`)."""
         pending, self._inflight = self._inflight or [], None
-        for fut in pending:
-            ops.wait(fut, kind=self.kind)
+        ops.wait_launched(pending, kind=self.kind, since=self._comm_mark)
 
     def compression_stats(self) -> dict:
         return {"compressor": "none", "calls": self.calls, **({"allreduce": "switch"} if self.switch else {})}
@@ -121,8 +127,7 @@ def dense_allreduce_hook(
     else:
         fut = (state.layout or ops).all_reduce_async(buf, kind=state.kind, group=state.group)
     if state._inflight is None:  # first bucket of this backward
-        state._inflight = []
-        torch.autograd.Variable._execution_engine.queue_callback(state._wait_inflight)
+        state._start_inflight()
     state._inflight.append(fut)
     return fut.then(lambda f: f.value()[0])
 
@@ -415,12 +420,14 @@ class CastHookState(CompressionHookState):
     statistics, plus the bucket futures of the running backward (exposed time, as
     :class:`DenseHookState`)."""
 
-    __slots__ = ("_inflight",)
+    __slots__ = ("_inflight", "_comm_mark")
 
     def __init__(self, compressor: Compressor, *args, **kwargs) -> None:
         super().__init__(compressor, *args, **kwargs)
         self._inflight: list[torch.futures.Future] | None = None
+        self._comm_mark = 0.0
 
+    _start_inflight = DenseHookState._start_inflight
     _wait_inflight = DenseHookState._wait_inflight
 
 
@@ -519,8 +526,7 @@ def cast_allreduce_hook(
 
     done = torch.futures.collect_all(futs).then(write_back)
     if state._inflight is None:  # first bucket of this backward
-        state._inflight = []
-        torch.autograd.Variable._execution_engine.queue_callback(state._wait_inflight)
+        state._start_inflight()
     state._inflight.append(done)
     if bucket.is_last():
         state.iteration += 1
