@@ -43,7 +43,7 @@ from easgd_lightning.cli.worker import (
 )
 from easgd_lightning.comm.ops import close_process_group
 from easgd_lightning.config_tree import CONF_DIR, CONF_PATH
-from easgd_lightning.utils.procs import freeze_at_exit
+from easgd_lightning.utils.procs import exit_now, freeze_at_exit
 from easgd_lightning.utils.renames import apply_renames
 
 __all__ = ["main", "train", "CONF_DIR"]
@@ -541,8 +541,13 @@ def main() -> None:
     except ConfigError as err:
         print(f"easgd-train: error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
-    if not _externally_launched():  # ranks forked from here (cli/forkserver.py): before
-        forkserver.start_server()   # Hydra, threads, torch operations, the store, the lock
+    if _externally_launched():
+        _end_rank_process(_run_hydra, composed)
+    forkserver.start_server()  # ranks forked from here (cli/forkserver.py): before Hydra, threads, torch ops, the lock
+    _run_hydra(composed)
+
+
+def _run_hydra(composed: list) -> None:
     try:
         sys.argv[1:] = before_hydra(sys.argv[1:], composed)
     except ConfigError as err:
@@ -555,6 +560,33 @@ def main() -> None:
             _PRECLAIMED.pop(held, None)
             launch.release_run_dir(Path(held))
     _exit_if_sweep_failed()
+
+
+def exit_status(code: object) -> int:
+    """The process exit status ``sys.exit(code)`` gives: None is 0, an int itself, anything
+    else (a message, printed by the caller) 1."""
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 1
+
+
+def _end_rank_process(run: Any, *args: Any) -> None:
+    """Run ``run(*args)`` as an externally launched rank, then end the process with
+    :func:`~easgd_lightning.utils.procs.exit_now`: exit handlers (the process group's
+    destruction, log and wandb flushes) run, the interpreter's finalization does not.
+
+    A rank left to finalize sometimes aborted at exit ("terminate called without an active
+    exception": SIGABRT after its report and the summary were written) in the suite's
+    two-host ``pipeline_3d`` launches under ``torchrun`` and DeepSpeed's launcher, which count
+    the exit -6 as a failed run; the ranks ``easgd-train`` forks end this way and never did."""
+    try:
+        run(*args)
+        code = 0
+    except SystemExit as err:
+        code = exit_status(err.code)
+        if not isinstance(err.code, int | None):
+            print(err.code, file=sys.stderr)
+    exit_now(code)
 
 
 if __name__ == "__main__":

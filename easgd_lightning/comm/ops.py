@@ -464,16 +464,30 @@ def new_group(ranks: list[int], timeout=None) -> dist.ProcessGroup:
 
 
 def close_process_group() -> None:
-    """Destroy the default process group once this rank's last collective is done.
+    """Destroy the default process group once this rank's last collective is done, then
+    hand the GIL to gloo's worker threads for :data:`GLOO_DRAIN_S`.
 
-    Left to interpreter shutdown, gloo's worker threads still hold finished work objects
-    whose tensors are freed after Python is gone: the rank aborts at exit ("terminate called
-    without an active exception", exit -6; 3 of 28 four-rank runs on 10 Mbit/s links,
-    issue 14), and a process that dies that way resets its sockets, dropping data its
-    peers have not read yet.
+    A gloo worker thread drops its reference to a finished work object after the caller's
+    ``wait()`` returned; when that is the last reference to a tensor Python no longer holds
+    (``all_gather_object``'s buffers), the thread must take the GIL to free its Python
+    object. Once the interpreter finalizes, a thread taking the GIL exits mid-destructor and
+    the rank aborts ("terminate called without an active exception", exit -6: a core dump
+    shows ``~AsyncAllgatherWork`` -> ``take_gil`` -> ``pthread_exit`` in
+    ``ProcessGroupGloo::runLoop`` while the main thread is in ``Py_FinalizeEx``). Destroying
+    the group does not join those threads while other objects (DeepSpeed's grid, a
+    strategy) still hold it, so this call lets a waiting thread finish first. Seen in 3 of
+    28 four-rank runs on 10 Mbit/s links (issue 14) and in two-host ``pipeline_3d``
+    launches; a process that dies that way resets its sockets, dropping data its peers
+    have not read yet. The ranks the CLI runs also skip finalization (``exit_now``).
     """
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        time.sleep(GLOO_DRAIN_S)  # releases the GIL: a worker waiting for it frees its tensors
+
+
+#: how long :func:`close_process_group` leaves the GIL to gloo's worker threads (a waiting
+#: thread needs microseconds; the margin covers a loaded machine's scheduling delay)
+GLOO_DRAIN_S = 0.05
 
 
 _close_registered = False
