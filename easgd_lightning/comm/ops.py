@@ -487,7 +487,7 @@ def close_process_group() -> None:
 
 #: how long :func:`close_process_group` leaves the GIL to gloo's worker threads (a waiting
 #: thread needs microseconds; the margin covers a loaded machine's scheduling delay)
-GLOO_DRAIN_S = 0.05
+GLOO_DRAIN_S = 0.02
 
 
 _close_registered = False
