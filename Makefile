@@ -26,7 +26,7 @@ demo: $(STAMP)
 # time (tests/conftest.py, --dist loadgroup). Not the default yet: one of three full runs lost
 # a rank of a Lightning-launched cell, most likely the abort at exit fixed since (README "Tests").
 TEST_WORKERS ?= 0
-XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) --durations=25 tests

@@ -40,23 +40,9 @@ def _xdist_groups(items: list[pytest.Item], root: Path) -> dict[Path, str]:
     return groups
 
 
-#: under ``pytest -n`` the groups start longest first (``--no-loadscope-reorder`` keeps this
-#: order): the emulated hosts, then the e2e, distributed and unit modules, so that the last
-#: groups to start are short and the two workers end together
-START_ORDER = (HOSTS_GROUP, "e2e", "distributed", "unit")
-
-
-def _start_rank(group: str) -> int:
-    """Where a group starts under :data:`START_ORDER` (a module outside the tiers: last)."""
-    head = group if group == HOSTS_GROUP else Path(group).parts[0]
-    return START_ORDER.index(head) if head in START_ORDER else len(START_ORDER)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = Path(__file__).parent
     groups = _xdist_groups(items, root)
-    if hasattr(config, "workerinput"):  # an xdist worker: every worker sorts alike (stable)
-        items.sort(key=lambda item: _start_rank(groups[Path(str(item.path))]))
     for item in items:
         item.add_marker(pytest.mark.xdist_group(groups[Path(str(item.path))]))
         try:
