@@ -23,7 +23,7 @@ demo: $(STAMP)
 # One pytest process by default. TEST_WORKERS=2: two pytest-xdist workers (a serial run
 # leaves a third of two cores idle: tests waiting on timeouts, shaped links, SLURM); each
 # module on one worker, the emulated-host and SLURM modules on one worker, one cluster at a
-# time (tests/conftest.py, --dist loadgroup). Not the default yet: one of three full runs lost
+# time (tests/conftest.py, --dist loadgroup). Not the default yet: one of four full runs lost
 # a rank of a Lightning-launched cell, most likely the abort at exit fixed since (README "Tests").
 TEST_WORKERS ?= 0
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
