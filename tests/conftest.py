@@ -18,36 +18,58 @@ import pytest
 
 TIERS = {"unit": "unit", "distributed": "distributed", "e2e": "e2e"}
 #: tests that build emulated hosts (network namespaces behind one bridge per run, private
-#: subnets) or a local SLURM cluster: with ``pytest -n 2`` (``TEST_WORKERS=2 make test``) they all run on one
-#: worker, one after the other (``--dist loadgroup``), never two clusters at once; every other
-#: test runs on the worker of its module (a module's fixtures, often a whole multi-rank run
-#: shared by its tests, are built once)
+#: subnets) or a local SLURM cluster: with ``pytest -n 2`` (``make test``) they all run on one
+#: worker, one after the other, never two clusters at once, and are handed out first (the
+#: longest group); every other test runs on the worker of its module (a module's fixtures,
+#: often a whole multi-rank run shared by its tests, are built once). pytest-xdist's own
+#: ``--dist loadgroup`` cannot carry this under pytest 9 (it renames ``item._nodeid``, which
+#: pytest 9 no longer reads), so the grouping is this file's scheduler,
+#: :func:`pytest_xdist_make_scheduler`.
 HOSTS_GROUP = "emulated_hosts"
 
 
-def _xdist_groups(items: list[pytest.Item], root: Path) -> dict[Path, str]:
-    """Each test module's ``xdist_group``: :data:`HOSTS_GROUP` for a module with a ``netns``
-    test and for the SLURM tests, else the module's own path."""
-    hosts = {Path(str(i.path)) for i in items
-             if i.get_closest_marker("netns") is not None or Path(str(i.path)).name == "test_slurm.py"}
-    groups = {}
-    for path in {Path(str(i.path)) for i in items}:
-        try:
-            own = str(path.relative_to(root))
-        except ValueError:
-            own = str(path)
-        groups[path] = HOSTS_GROUP if path in hosts else own
-    return groups
+def builds_hosts(module: Path) -> bool:
+    """Whether a test module builds emulated hosts (a ``netns`` test) or a SLURM cluster."""
+    return module.name == "test_slurm.py" or "pytest.mark.netns" in module.read_text()
+
+
+def scope_of(nodeid: str, root: Path) -> str:
+    """The unit of work a test belongs to under pytest-xdist: :data:`HOSTS_GROUP` or its module."""
+    module = nodeid.split("::", 1)[0]
+    path = root / module
+    return HOSTS_GROUP if path.is_file() and builds_hosts(path) else module
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Load scheduling by :func:`scope_of` (``pytest -n N`` with the default or ``--dist
+    loadgroup`` distribution; other modes are xdist's own)."""
+    if config.getoption("dist") not in ("load", "loadgroup"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    root, scopes = config.rootpath, {}
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            if module not in scopes:
+                scopes[module] = scope_of(module, root)
+            return scopes[module]
+
+    config.option.loadscopereorder = False  # the collection's order (emulated hosts first)
+    return ModuleScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = Path(__file__).parent
-    groups = _xdist_groups(items, root)
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(groups[Path(str(item.path))]))
         try:
             part = Path(str(item.path)).relative_to(root).parts[0]
         except ValueError:
             continue
         if part in TIERS:
             item.add_marker(TIERS[part])
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: the emulated hosts' group first
+        hosts = {path: builds_hosts(path) for path in {Path(str(i.path)) for i in items}}
+        items.sort(key=lambda i: not hosts[Path(str(i.path))])
