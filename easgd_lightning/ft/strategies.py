@@ -184,6 +184,12 @@ class _FTMixin:
         if total is not None and self._local_steps >= total:
             self.lightning_module.trainer.should_stop = True
 
+    def on_train_start(self) -> None:
+        """A joiner healed at the run's last exchange (in set-up) trains no step beyond it:
+        the stop is checked before the first step as well as after each."""
+        super().on_train_start()
+        self._ft_stop_when_done()
+
     def _ft_apply_exchange(self, total: torch.Tensor, healed: bool) -> None:
         raise NotImplementedError
 
