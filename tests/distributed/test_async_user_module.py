@@ -136,14 +136,17 @@ def test_sigterm_ends_every_rank_of_a_run_hung_in_a_collective(tmp_path: Path) -
                 p.kill()
     assert worker_codes == [128 + signal.SIGTERM] * 3, worker_codes
     assert server_code not in (None, 0), server_code
-    # The server ends in one of three ways, all bounded and explained: it stops serving on
+    # The server ends in one of four ways, all bounded and explained: it stops serving on
     # its own SIGTERM and says so; it notices first that the rendezvous store died with
-    # rank 0 (the store lives in rank 0 in this torchrun-style launch) and says that; or
-    # the signal arrives while it is already exiting (the watch's 128 + SIGTERM, or the
-    # default disposition restored at exit: -SIGTERM).
+    # rank 0 (the store lives in rank 0 in this torchrun-style launch) and says that; it
+    # notices first that every worker's heartbeat stopped (on loaded cores the workers may
+    # take longer to exit than its heartbeat bound) and fails saying so, none having
+    # finished; or the signal arrives while it is already exiting (the watch's 128 +
+    # SIGTERM, or the default disposition restored at exit: -SIGTERM).
     err_file = tmp_path / "rank3.err"
     err_text = err_file.read_text() if err_file.exists() else ""
-    said = "interrupted by SIGTERM" in err_text or "lost the rendezvous store" in err_text
+    said = any(why in err_text for why in ("interrupted by SIGTERM", "lost the rendezvous store",
+                                           "every worker was lost before finishing"))
     assert said or server_code in (128 + signal.SIGTERM, -signal.SIGTERM), (server_code, err_text[-3000:])
 
 

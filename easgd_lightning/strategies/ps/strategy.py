@@ -214,6 +214,15 @@ def _optimizer_from_hint(hint: dict | None) -> Optimizer | None:
     return None
 
 
+def check_served_a_worker(done: list[int], lost: list[dict], rank: int) -> None:
+    """A server whose serving ended with every worker lost and none done has nothing to
+    deliver: it fails, naming each worker's loss, instead of ending its fit as a success."""
+    if done or not lost:
+        return
+    causes = ", ".join(f"worker {w['rank']}: {w['cause']}" for w in lost)
+    raise RuntimeError(f"parameter server (rank {rank}): every worker was lost before finishing ({causes})")
+
+
 class AsyncCenterStrategy(CenterStrategy):
     """Shared machinery of the asynchronous strategies (see the module docstring)."""
 
@@ -880,6 +889,7 @@ class AsyncCenterStrategy(CenterStrategy):
                 raise
             self._center = self._server_center(gather=True)
             self.lightning_module.trainer.should_stop = True
+            check_served_a_worker(self._server.done, self._server.lost, self.global_rank)
 
     def _server_center(self, gather: bool) -> torch.Tensor:
         """A server's center after serving: its own, with one server. With a sharded center

@@ -243,3 +243,14 @@ def test_local_metrics_switch_off_every_torchmetrics_sync() -> None:
     assert local_metrics(module) == 2
     for metric in (module.acc, module.group["mean"]):
         assert metric.distributed_available_fn() is False
+
+
+def test_a_server_that_lost_every_worker_fails_naming_them() -> None:
+    from easgd_lightning.strategies.ps.strategy import check_served_a_worker
+
+    lost = [{"rank": 0, "cause": "heartbeat stopped"}, {"rank": 2, "cause": "connection reset"}]
+    with pytest.raises(RuntimeError, match=r"parameter server \(rank 3\): every worker was lost before "
+                                           r"finishing \(worker 0: heartbeat stopped, worker 2: connection reset\)"):
+        check_served_a_worker([], lost, 3)
+    check_served_a_worker([1], lost, 3)  # one worker finished: the others' losses are recorded, not fatal
+    check_served_a_worker([0, 1, 2], [], 3)  # the ordinary end
