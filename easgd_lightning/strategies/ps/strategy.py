@@ -65,7 +65,9 @@ Design decisions (and their trade-offs):
   worker to stop at its next exchange. ``"all"``: every worker runs its own epochs.
   ``max_time_s``: a wall-clock budget per worker (from the start of its training).
   Workers send ``done`` at the end of fit; once every worker is done (or dead) the server
-  sends each the final center, which the user's module then holds on every rank.
+  sends each the final center, which the user's module then holds on every rank. A server
+  whose workers were all lost, none done, fails naming the losses
+  (:func:`check_served_a_worker`).
 * **Metrics and signals.** ``torchmetrics`` metrics compute from their own rank's state (see
   :func:`local_metrics`); a user's own collective fails at ``timeout_s`` with an error that
   says why. Lightning's SIGTERM handler broadcasts (a collective): it is replaced by a local
