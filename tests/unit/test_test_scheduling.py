@@ -19,8 +19,10 @@ def test_cluster_modules_share_one_scope_and_others_keep_their_module() -> None:
     assert scope_of("tests/e2e/test_demo.py::test_demo_is_quiet_and_reports", ROOT) == "tests/e2e/test_demo.py"
 
 
-def test_every_netns_test_module_is_in_the_hosts_scope() -> None:
-    netns = {p for p in (ROOT / "tests").rglob("test_*.py") if "pytest.mark.netns" in p.read_text()}
-    assert len(netns) >= 5  # the bench harness and torchrun-on-hosts modules
-    assert all(builds_hosts(p) for p in netns)
-    assert not builds_hosts(ROOT / "tests" / "unit" / "cli" / "test_validation.py")
+def test_the_hosts_scope_is_every_cluster_module_and_nothing_else() -> None:
+    modules = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py") if builds_hosts(p))
+    assert modules == [
+        "tests/e2e/test_bench_cluster.py", "tests/e2e/test_bench_cluster_comm.py",
+        "tests/e2e/test_bench_costmodel.py", "tests/e2e/test_bench_plan_switch.py",
+        "tests/e2e/test_slurm.py", "tests/e2e/test_torchrun_hosts.py",
+    ]
