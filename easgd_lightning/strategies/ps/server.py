@@ -88,6 +88,15 @@ def worker_channels(server: int, workers: list[int], timeout=None) -> dict[int, 
     return {w: ops.new_group(sorted([w, server]), timeout=timeout) for w in workers}
 
 
+def check_served_a_worker(done: list[int], lost: list[dict], rank: int) -> None:
+    """A server whose serving ended with every worker lost and none done has nothing to
+    deliver: it fails, naming each worker's loss, instead of ending its fit as a success."""
+    if done or not lost:
+        return
+    causes = ", ".join(f"worker {w['rank']}: {w['cause']}" for w in lost)
+    raise RuntimeError(f"parameter server (rank {rank}): every worker was lost before finishing ({causes})")
+
+
 class _Link:
     """The server's end of one worker's channel: a daemon thread that receives the worker's
     requests (header, then the payload the header announces), puts each whole request on
@@ -453,6 +462,7 @@ class ParameterServer:
                 self._drop(link.worker, "connection lost", err)
         self.finished = time.time()
         self._maybe_checkpoint(force=True)
+        check_served_a_worker(self.done, self.lost, self.rank)
 
     def _serve_request(self, sender: int, hdr: torch.Tensor, data: torch.Tensor | None) -> None:
         op, step = int(hdr[0]), int(hdr[1])

@@ -67,7 +67,7 @@ Design decisions (and their trade-offs):
   Workers send ``done`` at the end of fit; once every worker is done (or dead) the server
   sends each the final center, which the user's module then holds on every rank. A server
   whose workers were all lost, none done, fails naming the losses
-  (:func:`check_served_a_worker`).
+  (:func:`~easgd_lightning.strategies.ps.server.check_served_a_worker`).
 * **Metrics and signals.** ``torchmetrics`` metrics compute from their own rank's state (see
   :func:`local_metrics`); a user's own collective fails at ``timeout_s`` with an error that
   says why. Lightning's SIGTERM handler broadcasts (a collective): it is replaced by a local
@@ -214,15 +214,6 @@ def _optimizer_from_hint(hint: dict | None) -> Optimizer | None:
     except (TypeError, ValueError):  # a bad optim.* value: the config check names it
         return None
     return None
-
-
-def check_served_a_worker(done: list[int], lost: list[dict], rank: int) -> None:
-    """A server whose serving ended with every worker lost and none done has nothing to
-    deliver: it fails, naming each worker's loss, instead of ending its fit as a success."""
-    if done or not lost:
-        return
-    causes = ", ".join(f"worker {w['rank']}: {w['cause']}" for w in lost)
-    raise RuntimeError(f"parameter server (rank {rank}): every worker was lost before finishing ({causes})")
 
 
 class AsyncCenterStrategy(CenterStrategy):
@@ -891,7 +882,6 @@ class AsyncCenterStrategy(CenterStrategy):
                 raise
             self._center = self._server_center(gather=True)
             self.lightning_module.trainer.should_stop = True
-            check_served_a_worker(self._server.done, self._server.lost, self.global_rank)
 
     def _server_center(self, gather: bool) -> torch.Tensor:
         """A server's center after serving: its own, with one server. With a sharded center

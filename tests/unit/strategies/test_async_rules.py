@@ -246,7 +246,7 @@ def test_local_metrics_switch_off_every_torchmetrics_sync() -> None:
 
 
 def test_a_server_that_lost_every_worker_fails_naming_them() -> None:
-    from easgd_lightning.strategies.ps.strategy import check_served_a_worker
+    from easgd_lightning.strategies.ps.server import check_served_a_worker
 
     lost = [{"rank": 0, "cause": "heartbeat stopped"}, {"rank": 2, "cause": "connection reset"}]
     with pytest.raises(RuntimeError, match=r"parameter server \(rank 3\): every worker was lost before "
