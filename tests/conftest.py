@@ -12,6 +12,7 @@ which the table scripts (``python -m tests.feature_matrix``) import outside pyte
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -33,11 +34,15 @@ def builds_hosts(module: Path) -> bool:
     return module.name == "test_slurm.py" or "pytest.mark.netns" in module.read_text()
 
 
-def scope_of(nodeid: str, root: Path) -> str:
-    """The unit of work a test belongs to under pytest-xdist: :data:`HOSTS_GROUP` or its module."""
-    module = nodeid.split("::", 1)[0]
+@functools.cache
+def _module_scope(module: str, root: Path) -> str:
     path = root / module
     return HOSTS_GROUP if path.is_file() and builds_hosts(path) else module
+
+
+def scope_of(nodeid: str, root: Path) -> str:
+    """The unit of work a test belongs to under pytest-xdist: :data:`HOSTS_GROUP` or its module."""
+    return _module_scope(nodeid.split("::", 1)[0], root)
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
@@ -48,14 +53,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    root, scopes = config.rootpath, {}
-
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            if module not in scopes:
-                scopes[module] = scope_of(module, root)
-            return scopes[module]
+            return scope_of(nodeid, config.rootpath)
 
     config.option.loadscopereorder = False  # the collection's order (emulated hosts first)
     return ModuleScheduling(config, log)
