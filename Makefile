@@ -20,12 +20,11 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/python -m easgd_lightning.cli.demo
 
-# One pytest process by default. TEST_WORKERS=2: two pytest-xdist workers (a serial run
-# leaves a third of two cores idle: tests waiting on timeouts, shaped links, SLURM); each
-# module runs on one worker, the emulated-host and SLURM modules together on one worker,
-# one cluster at a time, handed out first (tests/conftest.py, the suite's own scheduler).
-# Not the default: each of three two-worker runs failed one load-sensitive test (README "Tests").
-TEST_WORKERS ?= 0
+# Two pytest-xdist workers by default (run serially the suite leaves a third of two cores
+# idle: tests waiting on timeouts, shaped links, SLURM); each module runs on one worker, the
+# emulated-host and SLURM modules together on one worker, one cluster at a time, handed out
+# first (tests/conftest.py, the suite's own scheduler). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS))
 
 test: $(STAMP)
