@@ -187,7 +187,7 @@ def _finish_figure(plt, fig, ax, path: Path, *, xlabel: str, ylabel: str, title:
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    if legend:
+    if legend and ax.get_legend_handles_labels()[0]:  # no legend for a plot without labelled lines
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
