@@ -19,7 +19,7 @@ import pytest
 
 TIERS = {"unit": "unit", "distributed": "distributed", "e2e": "e2e"}
 #: tests that build emulated hosts (network namespaces behind one bridge per run, private
-#: subnets) or a local SLURM cluster: with ``pytest -n 2`` (``TEST_WORKERS=2 make test``) they all run on one
+#: subnets) or a local SLURM cluster: with ``pytest -n 2`` (``make test``) they all run on one
 #: worker, one after the other, never two clusters at once, and are handed out first (the
 #: longest group); every other test runs on the worker of its module (a module's fixtures,
 #: often a whole multi-rank run shared by its tests, are built once). pytest-xdist's own
