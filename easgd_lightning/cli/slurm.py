@@ -72,7 +72,8 @@ def _results_written(job) -> bool:
 
 
 def collect(jobs: Sequence, *, poll_s: float = 1.0, result_grace_s: float = 10.0,
-            unreachable_s: float = 300.0, on_end: Callable[[int, JobOutcome], None] | None = None,
+            unreachable_s: float = 300.0, exit_s: float = 60.0,
+            on_end: Callable[[int, JobOutcome], None] | None = None,
             states: Callable[[Sequence[str]], dict[str, str] | None] = squeue_states) -> list[JobOutcome]:
     """Wait until every job has ended; returns their outcomes in order.
 
@@ -80,10 +81,13 @@ def collect(jobs: Sequence, *, poll_s: float = 1.0, result_grace_s: float = 10.0
     failed when SLURM no longer lists it as active and its results are still missing
     ``result_grace_s`` later (files written just before the end may take a moment to show
     on a shared file system), or when ``squeue`` has not answered for ``unreachable_s``.
-    ``on_end(index, outcome)`` is called as each job ends.
+    ``on_end(index, outcome)`` is called as each job ends. A job with its results is then
+    given up to ``exit_s`` for SLURM to list it as ended (its tasks still exit after writing
+    them), so the sweep does not return with its jobs still running.
     """
     outcomes: dict[int, JobOutcome] = {}
     ended_at: dict[int, float] = {}
+    exit_by: dict[int, float] = {}  # jobs with results: when SLURM should have ended them
     last_answer = time.monotonic()
 
     def finish(i: int, outcome: JobOutcome) -> None:
@@ -96,6 +100,7 @@ def collect(jobs: Sequence, *, poll_s: float = 1.0, result_grace_s: float = 10.0
         for i in waiting:
             if _results_written(jobs[i]):
                 finish(i, _read_result(jobs[i]))
+                exit_by[i] = time.monotonic() + exit_s
         waiting = [i for i in waiting if i not in outcomes]
         if not waiting:
             break
@@ -122,7 +127,28 @@ def collect(jobs: Sequence, *, poll_s: float = 1.0, result_grace_s: float = 10.0
                         error=f"SLURM job {jobs[i].job_id} ended {state} without a result from task(s) "
                               f"{missing} (logs: {jobs[i].paths.folder})"))
         time.sleep(poll_s)
+    _wait_until_ended(jobs, exit_by, states, poll_s)
     return [outcomes[i] for i in range(len(jobs))]
+
+
+def _wait_until_ended(jobs: Sequence, exit_by: dict[int, float],
+                      states: Callable[[Sequence[str]], dict[str, str] | None], poll_s: float) -> None:
+    """Poll until SLURM lists none of ``exit_by``'s jobs as active, each job at most until its
+    deadline (then a warning: the job is left to SLURM)."""
+    pending = dict(exit_by)
+    while pending:
+        known = states([jobs[i].job_id for i in pending])
+        now = time.monotonic()
+        for i, deadline in list(pending.items()):
+            state = None if known is None else known.get(jobs[i].job_id, "PURGED")
+            if state is not None and state.split()[0] not in ACTIVE_STATES:
+                del pending[i]
+            elif now >= deadline:
+                log.warning("SLURM job %s still %s after its tasks wrote their results; left to SLURM",
+                            jobs[i].job_id, state or "unknown (squeue did not answer)")
+                del pending[i]
+        if pending:
+            time.sleep(poll_s)
 
 
 def _read_result(job) -> JobOutcome:
