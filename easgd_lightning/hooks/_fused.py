@@ -41,19 +41,13 @@ import time
 import torch
 
 from easgd_lightning.hooks._exchange import ExchangeStats, _kind_totals, key_hash
-from easgd_lightning.hooks.compressors import _native
 from easgd_lightning.hooks.compressors.base import (
-    Payload,
-    index_dtype_for,
     may_write_residual,
     scratch_buffer,
     scratch_of,
     start_collective,
-    unpack_sparse,
-    with_out,
 )
 from easgd_lightning.hooks.compressors.segments import Segments
-from easgd_lightning.hooks.compressors.sparse import divide_at
 
 __all__ = ["FlatLayout", "PendingFlat", "fusable", "layout_for", "group_state", "start_exchange_flat"]
 
@@ -207,31 +201,16 @@ def _dense_message(flat, layout, compressor, states, world) -> torch.Tensor:
     return msg
 
 
-def _local(compressor, payload, gstate, layout, flat, dense_msg, want: bool) -> torch.Tensor:
+def _local(compressor, payload, gstate, layout, dense_msg, want: bool) -> torch.Tensor:
     """This rank's transmitted buffer: its payload decoded (and, when ``want``ed, its dense
     message in the dense runs)."""
-    n, dt, dev = layout.numel, flat.dtype, flat.device
-    local = compressor.decompress(Payload(payload.tensors, with_out(payload.meta, gstate, "local", n, dt, dev)),
-                                  torch.Size([n])).reshape(-1)
+    local = compressor.local_segments(payload, layout.segments, gstate)
     if want and dense_msg is not None:
         pos = 0
         for off, k in layout.dense_runs:
             local[off : off + k] = dense_msg[pos : pos + k]
             pos += k
     return local
-
-
-def _sum_sparse(total, rows, layout, world) -> None:
-    """total <- the rank-order sum of every rank's (index, value) entries over ``world`` on
-    the compressed runs (their other entries zeroed first)."""
-    for off, n in layout.comp_runs:
-        total[off : off + n].zero_()
-    idt = index_dtype_for(layout.numel)
-    parts = [unpack_sparse(row[-1], idt, total.dtype) for row in rows]
-    idx = torch.cat([p[0] for p in parts]).to(device=total.device, dtype=torch.int64)
-    val = torch.cat([p[1] for p in parts]).to(total.device)
-    _native.scatter_add_into(total, idx, val)
-    divide_at(total, idx, world)
 
 
 def _mean_dense(total, rows, layout, world, scratch) -> None:
@@ -280,19 +259,25 @@ def start_exchange_flat(
         payload = compressor.compress_segments(p, layout.segments, gstate)
         parts.extend(payload.tensors)
         if want_local or may_write_residual(p):  # the memory needs p - local
-            local = _local(compressor, payload, gstate, layout, flat, dense_msg, want_local)
+            local = _local(compressor, payload, gstate, layout, dense_msg, want_local)
         memory.update(layout.group, p, local)
     elif want_local:
         local = dense_msg.clone()
-    handle = start_collective(collective, "all_gather", parts)
+    reduce = payload is not None and compressor.aggregation == "allreduce"
+    if reduce:  # the summed payload; the dense message still summed in rank order
+        handle_p = start_collective(collective, "all_reduce_sum", list(payload.tensors))
+        parts = parts[:1] if dense_msg is not None else []
+    handle = start_collective(collective, "all_gather", parts) if parts else None
     scratch = scratch_of(states)
+    ndense = 0 if dense_msg is None else 1
 
     def finish() -> torch.Tensor:
-        rows = handle.wait()
+        rows = handle.wait() if handle is not None else None
         total = out if out is not None else scratch_buffer(
             scratch, f"mean:{layout.group or layout.dense_group}", layout.numel, flat.dtype, flat.device)
         if payload is not None:
-            _sum_sparse(total, rows, layout, world)
+            received = handle_p.wait() if reduce else [row[ndense:] for row in rows]
+            compressor.mean_segments(received, payload.meta, layout.segments, total, world)
         if dense_msg is not None:
             _mean_dense(total, rows, layout, world, scratch)
         return total

@@ -243,6 +243,25 @@ class Compressor(ABC):
     #: one codec call and one message per exchange (:mod:`easgd_lightning.hooks._fused`)
     fused_segments: ClassVar[bool] = False
 
+    def compress_segments(self, flat: torch.Tensor, segments, state: dict) -> Payload:
+        """One payload for every segment of the 1-D ``flat`` (a codec with
+        ``fused_segments``), each encoded by the codec's per-tensor rule; the residual may
+        be written in place when ``flat`` was offered (as :meth:`compress`)."""
+        raise NotImplementedError(f"{self.name}: no fused exchange")
+
+    def local_segments(self, payload: Payload, segments, state: dict) -> torch.Tensor:
+        """This rank's transmitted buffer (1-D, ``segments.numel`` entries, zeros outside
+        the segments) decoded from :meth:`compress_segments`' ``payload``; it may be a
+        scratch buffer of ``state``, valid until the next exchange."""
+        raise NotImplementedError(f"{self.name}: no fused exchange")
+
+    def mean_segments(self, received, meta: dict, segments, out: torch.Tensor, world: int) -> None:
+        """``out``'s segments <- the mean over ranks of the payloads: ``received`` is, for
+        ``aggregation = "allgather"``, each rank's payload tensors in rank order, and for
+        ``"allreduce"`` the summed payload tensors; ``meta`` is this rank's payload meta.
+        The entries of ``out`` outside the segments may be overwritten."""
+        raise NotImplementedError(f"{self.name}: no fused exchange")
+
     def __init__(self, *, min_numel: int | None = None, memory: bool | None = None) -> None:
         self.min_numel = DEFAULT_MIN_NUMEL if min_numel is None else check_int("compression.min_numel", min_numel, 0)
         if memory is None:

@@ -58,6 +58,26 @@ class Segments:
             value = self._cache[key] = make()
         return value
 
+    def runs(self) -> tuple[tuple[int, int], ...]:
+        """(offset, length) runs covering the segments, adjacent ones merged (cached)."""
+
+        def merge():
+            out: list[tuple[int, int]] = []
+            for off, n in self:
+                if out and sum(out[-1]) == off:
+                    out[-1] = (out[-1][0], out[-1][1] + n)
+                else:
+                    out.append((off, n))
+            return tuple(out)
+
+        return self.cached("runs", merge)
+
+    def index(self) -> torch.Tensor:
+        """The buffer positions of the segments' entries, in order (cached int64)."""
+        return self.cached("index", lambda: torch.cat(
+            [torch.arange(off, off + n, dtype=torch.int64) for off, n in self]
+        ) if len(self) else torch.zeros(0, dtype=torch.int64))
+
     def int64(self, name: str, values) -> torch.Tensor:
         """``values`` (one per segment) as a cached int64 CPU tensor named ``name``."""
         return self.cached(("int64", name), lambda: torch.tensor(list(values), dtype=torch.int64))

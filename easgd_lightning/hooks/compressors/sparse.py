@@ -218,6 +218,24 @@ class SparseCompressor(Compressor):
             residual_written(flat)
         return payload
 
+    def local_segments(self, payload: Payload, segments: Segments, state: dict) -> torch.Tensor:
+        meta = payload.meta
+        n, dt = segments.numel, meta["dtype"]
+        dev = payload.tensors[0].device
+        return self.decompress(Payload(payload.tensors, with_out(meta, state, "local", n, dt, dev)),
+                               torch.Size([n])).reshape(-1)
+
+    def mean_segments(self, received, meta: dict, segments: Segments, out: torch.Tensor, world: int) -> None:
+        """Every rank's (index, value) entries added in rank order into ``out`` (its
+        segments zeroed first), divided by ``world`` at the touched entries."""
+        for off, n in segments.runs():
+            out[off : off + n].zero_()
+        parts = [unpack_sparse(tensors[-1], meta["index_dtype"], out.dtype) for tensors in received]
+        idx = torch.cat([p[0] for p in parts]).to(device=out.device, dtype=torch.int64)
+        val = torch.cat([p[1] for p in parts]).to(out.device)
+        _native.scatter_add_into(out, idx, val)
+        divide_at(out, idx, world)
+
     def decompress(self, payload: Payload, shape: torch.Size) -> torch.Tensor:
         meta = payload.meta
         idx, val = unpack_sparse(payload.tensors[0], meta["index_dtype"], meta["dtype"])
