@@ -83,7 +83,8 @@ class FlatLayout:
         self.dense_runs = _runs([offsets[j] for j in dense], [sizes[j] for j in dense])
         self.comp_runs = _runs([offsets[j] for j in comp], [sizes[j] for j in comp])
         self.dense_numel = sum(sizes[j] for j in dense)
-        self.segments = Segments([offsets[j] for j in comp], [sizes[j] for j in comp], self.numel)
+        self.segments = Segments([offsets[j] for j in comp], [sizes[j] for j in comp], self.numel,
+                                 [key_hash(keys[j]) for j in comp])
         tag = f"{key_hash('|'.join(map(str, keys))):08x}"
         self.group = f"fused:{keys[comp[0]]}..{keys[comp[-1]]}#{tag}" if comp else None
         self.dense_group = f"fused-dense:{keys[dense[0]]}..{keys[dense[-1]]}#{tag}" if dense else None

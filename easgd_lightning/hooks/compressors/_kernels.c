@@ -9,6 +9,7 @@
  */
 #include <tgmath.h> /* floor, fabs, sqrt follow the argument type (floorf for float) */
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 #if defined(__AVX__) || defined(__AVX512F__) || defined(__BMI2__)
 #include <immintrin.h>
@@ -412,6 +413,45 @@ static inline float uniform24(uint32_t i, uint32_t s0, uint32_t s1) {
 
 DEF_RANDOMK(float, f32)
 DEF_RANDOMK(double, f64)
+
+/* CRC-32 of n bytes (the IEEE polynomial, reflected, as zlib's crc32) */
+static uint32_t crc32_bytes(const char *p, size_t n) {
+    uint32_t c = 0xFFFFFFFFu;
+    for (size_t i = 0; i < n; i++) {
+        c ^= (uint8_t)p[i];
+        for (int b = 0; b < 8; b++) c = (c >> 1) ^ (0xEDB88320u & (0u - (c & 1u)));
+    }
+    return c ^ 0xFFFFFFFFu;
+}
+
+/* randomk.draw_seeds: the CRC-32 of "seed:step:key_hash:n" and of that text + ":randomk" */
+static void randomk_seeds(int64_t seed, int64_t step, int64_t key_hash, int64_t n, uint32_t *s0,
+                          uint32_t *s1) {
+    char text[128];
+    int len = snprintf(text, sizeof text - 8, "%lld:%lld:%lld:%lld", (long long)seed,
+                       (long long)step, (long long)key_hash, (long long)n);
+    *s0 = crc32_bytes(text, (size_t)len);
+    memcpy(text + len, ":randomk", 8);
+    *s1 = crc32_bytes(text, (size_t)len + 8);
+}
+
+/* Random-k per segment (randomk.compress on each tensor alone): segment s of x, k[s] draws
+ * seeded by (seed, step, key_hash[s], len[s]); indices relative to x, segments in order. */
+#define DEF_RANDOMK_SEGMENTS(T, SFX)                                                        \
+    void randomk_segments_##SFX(T *x, int64_t nseg, const int64_t *off, const int64_t *len,\
+                                const int64_t *k, const int64_t *key_hash, int64_t seed,    \
+                                int64_t step, int zero, int64_t *idx, T *val) {             \
+        int64_t c = 0;                                                                      \
+        for (int64_t s = 0; s < nseg; s++) {                                                \
+            uint32_t s0, s1;                                                                \
+            randomk_seeds(seed, step, key_hash[s], len[s], &s0, &s1);                       \
+            randomk_gather_##SFX(x + off[s], len[s], k[s], s0, s1, zero, idx + c, val + c); \
+            for (int64_t j = 0; j < k[s]; j++) idx[c + j] += off[s];                        \
+            c += k[s];                                                                      \
+        }                                                                                   \
+    }
+DEF_RANDOMK_SEGMENTS(float, f32)
+DEF_RANDOMK_SEGMENTS(double, f64)
 
 /* sum of v_j^2 in double over LANES partial sums */
 #define DEF_SUM_SQUARES(T, SFX)                                                             \
@@ -917,6 +957,35 @@ double sign_pack_f64(const double *x, int64_t n, uint8_t *packed) {
     for (int l = 0; l < LANES; l++) s += acc[l];
     return s + sign_pack_tail_f64(x, i, n, packed);
 }
+
+/* EF-signSGD per segment (signsgd.compress on each tensor alone): segment s is
+ * x[off[s] : off[s] + len[s]]; its signs are packed from byte pos[s] of packed (each
+ * segment starts on a byte) and its sum |x| (double) goes to sums[s]. */
+#define DEF_SIGN_SEGMENTS(T, SFX)                                                           \
+    void sign_pack_segments_##SFX(const T *x, int64_t nseg, const int64_t *off,            \
+                                  const int64_t *len, const int64_t *pos, uint8_t *packed,  \
+                                  double *sums) {                                           \
+        for (int64_t s = 0; s < nseg; s++)                                                  \
+            sums[s] = sign_pack_##SFX(x + off[s], len[s], packed + pos[s]);                 \
+    }                                                                                       \
+    /* in place per segment: x_i <- x_i - (x_i >= 0 ? scale[s] : -scale[s]) */              \
+    void sign_residual_segments_##SFX(T *x, int64_t nseg, const int64_t *off,              \
+                                      const int64_t *len, const T *scale) {                 \
+        for (int64_t s = 0; s < nseg; s++) sign_residual_##SFX(x + off[s], len[s], scale[s]); \
+    }                                                                                       \
+    /* out_i += bit ? scale[s] : -scale[s] over every segment (one rank's decoded signs) */ \
+    void sign_unpack_add_segments_##SFX(const uint8_t *packed, int64_t nseg,               \
+                                        const int64_t *off, const int64_t *len,             \
+                                        const int64_t *pos, const T *scale, T *out) {       \
+        for (int64_t s = 0; s < nseg; s++) {                                                \
+            const uint8_t *p = packed + pos[s];                                             \
+            T *o = out + off[s];                                                            \
+            const T a = scale[s], b = -scale[s];                                            \
+            for (int64_t i = 0; i < len[s]; i++) o[i] += ((p[i >> 3] >> (i & 7)) & 1) ? a : b; \
+        }                                                                                   \
+    }
+DEF_SIGN_SEGMENTS(float, f32)
+DEF_SIGN_SEGMENTS(double, f64)
 
 /* ------------------------------------------------------------- k-th largest |x| (exact) */
 

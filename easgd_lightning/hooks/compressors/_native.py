@@ -72,6 +72,9 @@ _SIGNATURES = {
     "sign_residual_f64": (None, [ctypes.c_void_p, _i64, ctypes.c_double]),
 }
 for _t, _c in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
+    _SIGNATURES[f"sign_pack_segments_{_t}"] = (None, [ctypes.c_void_p, _i64] + [ctypes.c_void_p] * 5)
+    _SIGNATURES[f"sign_residual_segments_{_t}"] = (None, [ctypes.c_void_p, _i64] + [ctypes.c_void_p] * 3)
+    _SIGNATURES[f"sign_unpack_add_segments_{_t}"] = (None, [ctypes.c_void_p, _i64] + [ctypes.c_void_p] * 5)
     _SIGNATURES[f"add_out_{_t}"] = (None, [ctypes.c_void_p] * 3 + [_i64])
     _SIGNATURES[f"scatter_i32_{_t}"] = (None, [ctypes.c_void_p] * 3 + [_i64])
     _SIGNATURES[f"scatter_i64_{_t}"] = (None, [ctypes.c_void_p] * 3 + [_i64])
@@ -90,6 +93,9 @@ for _t, _c in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
         + [_c, ctypes.c_int, ctypes.c_int, _i64, ctypes.c_double, ctypes.c_double, _i64] + [ctypes.c_void_p] * 5)
     _SIGNATURES[f"randomk_gather_{_t}"] = (
         None, [ctypes.c_void_p, _i64, _i64, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int,
+               ctypes.c_void_p, ctypes.c_void_p])
+    _SIGNATURES[f"randomk_segments_{_t}"] = (
+        None, [ctypes.c_void_p, _i64] + [ctypes.c_void_p] * 4 + [_i64, _i64, ctypes.c_int,
                ctypes.c_void_p, ctypes.c_void_p])
     for _q in ("i8", "i16"):
         _SIGNATURES[f"qsgd_quantize_{_t}_{_q}"] = (

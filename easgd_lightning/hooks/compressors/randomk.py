@@ -13,6 +13,9 @@ P(i in I_t) = 1 / (size of i's stratum) (= k / n when k divides n) and I_t comes
 sorted: k uniform draws from the shared generator, no permutation of the whole tensor,
 and the gather reads the tensor front to back. With memory the sent entries are zeroed
 in the compensated buffer (the residual) in the same call.
+Fused exchange (:mod:`easgd_lightning.hooks._fused`, without ``unbiased``): one native call
+draws every tensor's own set (its seeds from its key, the exchange's step and its size,
+derived in the kernel) and gathers the values into one all-reduced message.
 """
 
 from __future__ import annotations
@@ -32,8 +35,12 @@ from easgd_lightning.hooks.compressors.base import (
     num_selected,
     record_sparse,
     residual_written,
+    scratch_buffer,
+    scratch_of,
     sparse_out,
 )
+from easgd_lightning.hooks.compressors.segments import Segments
+from easgd_lightning.hooks.compressors.sparse import divide_at
 
 __all__ = ["RandomKCompressor", "shared_random_indices", "random_gather", "strata", "draw_seeds"]
 
@@ -151,3 +158,52 @@ class RandomKCompressor(Compressor):
         _native.scatter_into(out, meta["indices"], vals)
         record_sparse(meta, out, meta["indices"])
         return out.reshape(shape)
+
+    @property
+    def fused_segments(self) -> bool:  # type: ignore[override]
+        """One call per exchange unless ``unbiased`` (a scale per stratum)."""
+        return not self.unbiased
+
+    def compress_segments(self, flat: torch.Tensor, segments: Segments, state: dict) -> Payload:
+        """Every segment's own draw, one step counter for the exchange; the drawn entries
+        zeroed in place when ``flat`` was offered (the residual)."""
+        step = int(state.get("step", 0))
+        state["step"] = step + 1
+        hashes = segments.key_hashes or (0,) * len(segments)
+        ks = segments.cached(("randomk_k", self.ratio), lambda: [num_selected(n, self.ratio) for n in segments.lengths])
+        total = sum(ks)
+        in_place = may_write_residual(flat)
+        lib = _native.use(flat)
+        if lib is None or max(ks) >= 2**32:
+            idx, val = [], []
+            for (off, n), k, h in zip(segments, ks, hashes):
+                i, v = random_gather(flat[off : off + n], k, draw_seeds(self.seed, step, h, n), zero=in_place)
+                idx.append(i + off)
+                val.append(v)
+            idx_all, val_all = torch.cat(idx), torch.cat(val)
+        else:
+            off, lens = segments.arrays()
+            scratch = scratch_of(state)
+            idx_all = scratch_buffer(scratch, "randomk_idx", total, torch.int64, flat.device)
+            val_all = scratch_buffer(scratch, "randomk_val", total, flat.dtype, flat.device)
+            _native.fn(lib, "randomk_segments", flat.dtype)(
+                flat.data_ptr(), len(segments), off.data_ptr(), lens.data_ptr(),
+                segments.int64(("randomk_k", self.ratio), ks).data_ptr(),
+                segments.int64("key_hash", hashes).data_ptr(), self.seed, step, int(in_place),
+                idx_all.data_ptr(), val_all.data_ptr())
+        if in_place:
+            residual_written(flat)
+        return Payload((val_all,), {"indices": idx_all, "dtype": flat.dtype})
+
+    def local_segments(self, payload: Payload, segments: Segments, state: dict) -> torch.Tensor:
+        (vals,) = payload.tensors
+        out = scratch_buffer(scratch_of(state), "local", segments.numel, vals.dtype, vals.device)
+        out.zero_()
+        return _native.scatter_into(out, payload.meta["indices"], vals)
+
+    def mean_segments(self, received, meta: dict, segments: Segments, out: torch.Tensor, world: int) -> None:
+        """The summed values at every segment's draw, / world (zeros elsewhere)."""
+        for off, n in segments.runs():
+            out[off : off + n].zero_()
+        _native.scatter_into(out, meta["indices"], received[0].to(out.dtype))
+        divide_at(out, meta["indices"], world)

@@ -27,14 +27,17 @@ class Segments:
         offsets: start of each tensor in the buffer.
         lengths: its number of entries (>= 1).
         numel: entries of the whole buffer (the segments need not cover it).
+        key_hashes: each tensor's stable key hash (its state's ``key_hash``: seeded codecs
+            draw from it), when the segments are tensors with keys.
     """
 
-    __slots__ = ("offsets", "lengths", "numel", "_cache")
+    __slots__ = ("offsets", "lengths", "numel", "key_hashes", "_cache")
 
-    def __init__(self, offsets, lengths, numel: int) -> None:
+    def __init__(self, offsets, lengths, numel: int, key_hashes=None) -> None:
         self.offsets = tuple(int(o) for o in offsets)
         self.lengths = tuple(int(n) for n in lengths)
         self.numel = int(numel)
+        self.key_hashes = None if key_hashes is None else tuple(int(h) for h in key_hashes)
         if len(self.offsets) != len(self.lengths):
             raise ValueError("Segments: one offset per length")
         self._cache: dict = {}

@@ -255,6 +255,11 @@ FUSED_CASES = {
     "topk": ("topk", {"ratio": 0.03, "sample_size": 500, "min_numel": 100}),
     "dgc": ("dgc", {"ratio": 0.02, "warmup_ratio_steps": 2, "min_numel": 100}),
     "dgc_elastic": ("dgc", {"ratio": 0.02, "warmup_ratio_steps": 0, "min_numel": 100}),
+    "signsgd": ("signsgd", {"min_numel": 100}),
+    "signsgd_nomem": ("signsgd", {"min_numel": 100, "memory": False}),
+    "randomk": ("randomk", {"ratio": 0.05, "seed": 3, "min_numel": 100}),
+    "fp16": ("fp16", {"min_numel": 100, "memory": True}),
+    "bf16": ("bf16", {"min_numel": 100}),
 }
 
 

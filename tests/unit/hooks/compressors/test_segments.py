@@ -106,3 +106,75 @@ def test_compress_segments_one_payload_with_buffer_indices():
         want[i] = v
         assert torch.equal(dense[off : off + n], want)
     assert not DGCCompressor(clip_norm=1.0).fused_segments and DGCCompressor().fused_segments
+
+
+def _per_tensor(comp, flat, segs, hashes=None):
+    """Each segment compressed and decoded alone (its own state, key hash, step 0)."""
+    out = torch.zeros_like(flat)
+    work = flat.clone()
+    for j, (off, n) in enumerate(segs):
+        st = {"key_hash": hashes[j]} if hashes else {}
+        out[off : off + n] = comp.decompress(comp.compress(work[off : off + n], st), torch.Size([n]))
+    return out
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_signsgd_segments_equal_each_tensor_alone(native):
+    """One call: every segment's own scale ||x||_1 / n and signs (each from its own byte),
+    decoded as the per-tensor codec decodes that tensor alone; the residual kernel writes
+    x - decoded on the segments only."""
+    from easgd_lightning.hooks.compressors.base import offer_residual
+    from easgd_lightning.hooks.compressors.signsgd import SignSGDCompressor
+
+    comp = SignSGDCompressor()
+    flat = torch.randn(SEGS.numel, generator=torch.Generator().manual_seed(1))
+    flat[3000:3500] = -flat[3000:3500].abs()  # a tensor of one sign
+    ref = _per_tensor(comp, flat, SEGS)
+    ctx = _native.disabled() if not native else _null()
+    with ctx:
+        work = flat.clone()
+        offer_residual(work)
+        payload = comp.compress_segments(work, SEGS, {})
+        local = comp.local_segments(payload, SEGS, {})
+        assert payload.tensors[0].numel() == len(SEGS)
+        assert payload.tensors[1].numel() == sum((n + 7) // 8 for n in SEGS.lengths)
+        mean = torch.full_like(flat, 7.0)
+        comp.mean_segments([payload.tensors, payload.tensors], payload.meta, SEGS, mean, 2)
+    on = torch.zeros(SEGS.numel, dtype=torch.bool)
+    on[SEGS.index()] = True
+    assert torch.equal(local[on], ref[on]) and torch.equal(mean[on], ((ref + ref) / 2)[on])
+    if native:  # the kernel wrote the residual on the segments, nothing elsewhere
+        assert torch.equal(work[on], (flat - ref)[on]) and torch.equal(work[~on], flat[~on])
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_randomk_segments_draw_each_tensors_own_set(native):
+    """The kernel derives each tensor's seeds (CRC-32 of seed:step:key:n, as zlib) and
+    draws what the per-tensor codec draws for that tensor alone; the mean scatters the
+    summed values over world."""
+    from easgd_lightning.hooks.compressors.base import offer_residual
+    from easgd_lightning.hooks.compressors.randomk import RandomKCompressor
+
+    hashes = [11, 2**31 - 5, 0, 123456789]
+    segs = Segments(SEGS.offsets, SEGS.lengths, SEGS.numel, hashes)
+    comp = RandomKCompressor(ratio=0.03, seed=7)
+    flat = torch.randn(segs.numel, generator=torch.Generator().manual_seed(2))
+    ref = _per_tensor(comp, flat, segs, hashes)
+    with _native.disabled() if not native else _null():
+        work = flat.clone()
+        offer_residual(work)
+        payload = comp.compress_segments(work, segs, {})
+        local = comp.local_segments(payload, segs, {})
+        mean = torch.full_like(flat, 7.0)
+        comp.mean_segments([payload.tensors[0] * 3], payload.meta, segs, mean, 3)
+    assert payload.tensors[0].numel() == sum(num_selected(n, 0.03) for n in segs.lengths)
+    on = torch.zeros(segs.numel, dtype=torch.bool)
+    on[segs.index()] = True
+    assert torch.equal(local[on], ref[on]) and torch.equal(mean[on], (ref * 3 / 3)[on])
+    assert torch.equal(work[on], (flat - ref)[on])  # the drawn entries left the residual
+
+
+def _null():
+    from contextlib import nullcontext
+
+    return nullcontext()
