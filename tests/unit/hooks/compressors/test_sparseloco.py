@@ -48,3 +48,29 @@ def test_error_feedback_loses_nothing() -> None:
         sent += out
     torch.testing.assert_close(sent + memory.residual("t"), offered, rtol=0, atol=1e-11)
     assert memory.residual("t").abs().max() < offered.abs().max()  # the residual stays bounded
+
+
+def test_the_elastic_exchange_sends_its_two_bit_values(tmp_path) -> None:
+    """Through the attach point (DiLoCo's outer exchange, one rank): every compressed
+    tensor arrives as at most two magnitudes, +-m_lo / +-m_hi -- not top-k's raw values
+    (SparseLoCo inherits from top-k but not its fused exchange)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from easgd_lightning.hooks.elastic import exchange_sum
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    store.set_timeout(timedelta(seconds=10))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        shapes = [(40, 50), (30,), (3000,)]
+        diff = torch.randn(2000 + 30 + 3000, generator=torch.Generator().manual_seed(4))
+        comp = build_compressor("sparseloco", ratio=0.05, min_numel=100)
+        total = exchange_sum(diff.clone(), compressor=comp, state={}, shapes=shapes)
+    finally:
+        dist.destroy_process_group()
+    for piece in (total[:2000], total[2030:]):
+        mags = piece[piece != 0].abs().unique()
+        assert 1 <= mags.numel() <= 2, mags
+    assert torch.equal(total[2000:2030], diff[2000:2030])  # under min_numel: dense
