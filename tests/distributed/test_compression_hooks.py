@@ -87,8 +87,8 @@ def test_fused_exchange_equals_the_per_tensor_exchange_bitwise(two_ranks):
     residuals and u, v of the per-tensor exchange, over three steps, the third resumed
     from the per-tensor side's checkpoint; so do EF-signSGD (with and without memory: the
     residual written by the kernel or by the memory), random-k (the seeds drawn in the
-    kernel) and fp16 / bf16 (all-reduced; two ranks: a sum of two is the same in any
-    order)."""
+    kernel), QSGD (3-bit and 8-bit levels, each tensor's own buckets and noise) and
+    fp16 / bf16 (all-reduced; two ranks: a sum of two is the same in any order)."""
     for rank in two_ranks:
         for name, rec in rank["fused"].items():
             assert all(rec["mean_equal"]) and all(rec["state_equal"]), (name, rec)
@@ -97,7 +97,7 @@ def test_fused_exchange_equals_the_per_tensor_exchange_bitwise(two_ranks):
             calls = 2 if name in ("randomk", "fp16", "bf16") else 1
             assert rec["calls"][1:] == [calls, calls], (name, rec["calls"])
             assert min(rec["scale"]) > 0.01, (name, rec["scale"])
-            memory = name in ("topk", "signsgd", "randomk", "fp16")
+            memory = name in ("topk", "signsgd", "randomk", "fp16", "qsgd")
             residuals = ["t1", "t3", "t4"] if memory else []  # per tensor, as before
             assert rec["checkpoint_keys"] == residuals, (name, rec["checkpoint_keys"])
 

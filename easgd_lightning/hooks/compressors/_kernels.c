@@ -637,6 +637,52 @@ void qsgd_dequantize_f32_i8(const int8_t *q, int64_t n, int64_t b, const float *
 }
 DEF_QSGD(double, int16_t, f64_i16, f64)
 
+/* quantize._mix64 (SplitMix64's finalizer) */
+static inline uint64_t mix64(uint64_t x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+/* QSGD per segment (qsgd.compress on each tensor alone): segment s of x quantized with
+ * buckets of b entries (b = 0: the whole segment) and the noise words of
+ * qsgd.noise_words(stream, key[s], call); its norms and levels follow the previous
+ * segment's in norms and q. */
+#define DEF_QSGD_SEGMENTS(T, SFX)                                                           \
+    void qsgd_segments_##SFX(const T *x, int64_t nseg, const int64_t *off, const int64_t *len,\
+                             const int64_t *key, int64_t b, T levels, uint64_t stream,     \
+                             uint64_t call, T *norms, int8_t *q) {                          \
+        int64_t nb = 0, c = 0;                                                              \
+        for (int64_t s = 0; s < nseg; s++) {                                                \
+            uint64_t h = mix64(mix64(mix64(stream) ^ (uint64_t)key[s]) ^ call);             \
+            int64_t bs = b > 0 ? b : (len[s] > 0 ? len[s] : 1);                             \
+            qsgd_quantize_##SFX##_i8(x + off[s], len[s], bs, levels, (uint32_t)h,          \
+                                     (uint32_t)(h >> 32), norms + nb, q + c);               \
+            nb += (len[s] + bs - 1) / bs;                                                   \
+            c += len[s];                                                                    \
+        }                                                                                   \
+    }                                                                                       \
+    /* out[segment s] += level * (norm / levels) per bucket (one rank's payload) */         \
+    void qsgd_dequantize_add_segments_##SFX(const int8_t *q, int64_t nseg, const int64_t *off,\
+                                            const int64_t *len, int64_t b, const T *norms,  \
+                                            T levels, T *out) {                             \
+        int64_t nb = 0, c = 0;                                                              \
+        for (int64_t s = 0; s < nseg; s++) {                                                \
+            int64_t bs = b > 0 ? b : (len[s] > 0 ? len[s] : 1);                             \
+            for (int64_t i = 0; i < len[s]; i += bs, nb++) {                                \
+                T f = norms[nb] / levels;                                                   \
+                int64_t m = i + bs <= len[s] ? bs : len[s] - i;                             \
+                const int8_t *src = q + c + i;                                              \
+                T *dst = out + off[s] + i;                                                  \
+                for (int64_t j = 0; j < m; j++) dst[j] += (T)src[j] * f;                    \
+            }                                                                               \
+            c += len[s];                                                                    \
+        }                                                                                   \
+    }
+DEF_QSGD_SEGMENTS(float, f32)
+DEF_QSGD_SEGMENTS(double, f64)
+
 /* QSGD's wire format: level i as a w-bit two's-complement field (w = ceil(log2(s + 1)) + 1:
  * the level's bits and a sign bit), packed little-endian: entry i holds stream bits
  * [i w, (i + 1) w), bit j of the stream is bit j % 8 of byte j / 8. w <= 17 here. For

@@ -97,6 +97,11 @@ for _t, _c in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
     _SIGNATURES[f"randomk_segments_{_t}"] = (
         None, [ctypes.c_void_p, _i64] + [ctypes.c_void_p] * 4 + [_i64, _i64, ctypes.c_int,
                ctypes.c_void_p, ctypes.c_void_p])
+    _SIGNATURES[f"qsgd_segments_{_t}"] = (
+        None, [ctypes.c_void_p, _i64] + [ctypes.c_void_p] * 3 + [_i64, _c, ctypes.c_uint64,
+               ctypes.c_uint64, ctypes.c_void_p, ctypes.c_void_p])
+    _SIGNATURES[f"qsgd_dequantize_add_segments_{_t}"] = (
+        None, [ctypes.c_void_p, _i64] + [ctypes.c_void_p] * 2 + [_i64, ctypes.c_void_p, _c, ctypes.c_void_p])
     for _q in ("i8", "i16"):
         _SIGNATURES[f"qsgd_quantize_{_t}_{_q}"] = (
             None, [ctypes.c_void_p, _i64, _i64, _c, ctypes.c_uint32, ctypes.c_uint32,

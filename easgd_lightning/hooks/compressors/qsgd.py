@@ -24,6 +24,12 @@ tensor's call count ``state["noise_calls"]``): a function of the tensor and its 
 of the order in which tensors are compressed. The stream seed is the compressor's
 :meth:`~QSGDCompressor.state_dict` and the count is per-tensor state, so a resumed run
 draws the noise of one that never stopped.
+
+Fused exchange (:mod:`easgd_lightning.hooks._fused`, ``coding: fixed`` with s <= 127):
+one native call quantizes every tensor of the exchange's buffer with its own buckets and
+noise words (the same levels and norms as each tensor alone); the levels of all of them
+are packed in one stream (up to a byte less per tensor than one stream each), and each
+rank's payload is decoded and added in one call.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from easgd_lightning.hooks.compressors.base import (
     scratch_of,
     unpack_bits,
 )
+from easgd_lightning.hooks.compressors.segments import Segments
 
 __all__ = [
     "QSGDCompressor",
@@ -401,3 +408,76 @@ class QSGDCompressor(Compressor):
             q = unpack_levels(packed, numel, w)
         res = qsgd_dequantize(norms, q, self.levels, self.bucket_size, numel, dtype, out)
         return res.reshape(shape)
+
+    @property
+    def fused_segments(self) -> bool:  # type: ignore[override]
+        """One call per exchange for the fixed-width coding of int8 levels (s <= 127)."""
+        return self.coding == "fixed" and self.levels <= 127
+
+    def compress_segments(self, flat: torch.Tensor, segments: Segments, state: dict) -> Payload:
+        """(norms of every segment's buckets, one packed stream of all their levels)."""
+        if self._stream_seed is None:
+            self._stream_seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64))
+        call = int(state.get("noise_calls", 0))
+        state["noise_calls"] = call + 1
+        keys = segments.key_hashes or (0,) * len(segments)
+        nb = segments.cached(("qsgd_buckets", self.bucket_size), lambda: sum(
+            -(-n // (self.bucket_size or n)) for n in segments.lengths))
+        scratch = scratch_of(state)
+        lib = _native.use(flat)
+        if lib is not None and segments.total < 2**32:
+            norms = scratch_buffer(scratch, "qsgd_norms", nb, flat.dtype, flat.device)
+            q = scratch_buffer(scratch, "qsgd_levels", segments.total, torch.int8, flat.device)
+            off, lens = segments.arrays()
+            _native.fn(lib, "qsgd_segments", flat.dtype)(
+                flat.data_ptr(), len(segments), off.data_ptr(), lens.data_ptr(),
+                segments.int64("key_hash", keys).data_ptr(), self.bucket_size, float(self.levels),
+                self._stream_seed & _MASK64, call, norms.data_ptr(), q.data_ptr())
+        else:  # eager: each segment as qsgd_quantize computes it alone
+            parts = [qsgd_quantize(flat[o : o + n], self.levels, self.bucket_size,
+                                   seeds=noise_words(self._stream_seed, k, call))
+                     for (o, n), k in zip(segments, keys)]
+            norms, q = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        return Payload((norms, pack_levels(q, self.width, scratch)), {"dtype": flat.dtype})
+
+    def _add_segments(self, out: torch.Tensor, norms: torch.Tensor, packed: torch.Tensor, segments: Segments) -> None:
+        """out += one rank's decoded payload on every segment."""
+        w, n = self.width, segments.total
+        lib = _native.use(out)
+        if lib is not None and packed.device.type == "cpu" and norms.dtype == out.dtype:
+            levels = float(self.levels)
+            if w == 8:
+                q = _aligned(packed).view(torch.int8)
+            else:  # int8 levels times 2^(8 - w) with s 2^(8 - w): the same products
+                q = scratch_buffer(self._decode_scratch, "levels", n, torch.int8, packed.device)
+                _native.lib().qsgd_unpack_i8(packed.contiguous().data_ptr(), n, w, q.data_ptr())
+                levels *= 2 ** (8 - w)
+            off, lens = segments.arrays()
+            norms = norms.contiguous()
+            _native.fn(lib, "qsgd_dequantize_add_segments", out.dtype)(
+                q.data_ptr(), len(segments), off.data_ptr(), lens.data_ptr(), self.bucket_size,
+                norms.data_ptr(), levels, out.data_ptr())
+            return
+        q = unpack_levels(packed, n, w)
+        pos, nb = 0, 0
+        for off, k in segments:
+            b = self.bucket_size or k
+            m = -(-k // b)
+            out[off : off + k] += qsgd_dequantize(norms[nb : nb + m], q[pos : pos + k], self.levels,
+                                                  self.bucket_size, k, out.dtype)
+            pos, nb = pos + k, nb + m
+
+    def local_segments(self, payload: Payload, segments: Segments, state: dict) -> torch.Tensor:
+        norms, packed = payload.tensors
+        out = scratch_buffer(scratch_of(state), "local", segments.numel, payload.meta["dtype"], norms.device)
+        out.zero_()
+        self._add_segments(out, norms, packed, segments)
+        return out
+
+    def mean_segments(self, received, meta: dict, segments: Segments, out: torch.Tensor, world: int) -> None:
+        """Every rank's decoded levels added in rank order, then / world (the whole buffer:
+        the attach point writes the dense runs afterwards)."""
+        out.zero_()
+        for norms, packed in received:
+            self._add_segments(out, norms, packed, segments)
+        out.div_(world)

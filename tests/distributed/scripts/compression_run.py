@@ -260,6 +260,8 @@ FUSED_CASES = {
     "randomk": ("randomk", {"ratio": 0.05, "seed": 3, "min_numel": 100}),
     "fp16": ("fp16", {"min_numel": 100, "memory": True}),
     "bf16": ("bf16", {"min_numel": 100}),
+    "qsgd": ("qsgd", {"levels": 7, "bucket_size": 64, "seed": 5, "memory": True, "min_numel": 100}),
+    "qsgd8": ("qsgd", {"seed": 5, "min_numel": 100}),
 }
 
 

@@ -195,13 +195,46 @@ def test_every_fused_codec_transmits_what_its_per_tensor_rule_does(name):
 
     comp, ref_comp = build_compressor(name), build_compressor(name)
     flat = torch.randn(SEGS.numel, generator=torch.Generator().manual_seed(3))
+    state = {"world_size": 1}
+    payload = comp.compress_segments(flat.clone(), SEGS, state)
+    local = comp.local_segments(payload, SEGS, state)
+    ref_comp.load_state_dict(comp.state_dict())  # a seed drawn at the first call (qsgd)
     ref = torch.zeros_like(flat)
     for off, n in SEGS:
         st = {"world_size": 1}
         ref[off : off + n] = ref_comp.decompress(ref_comp.compress(flat[off : off + n].clone(), st), torch.Size([n]))
-    state = {"world_size": 1}
-    payload = comp.compress_segments(flat.clone(), SEGS, state)
-    local = comp.local_segments(payload, SEGS, state)
     on = torch.zeros(SEGS.numel, dtype=torch.bool)
     on[SEGS.index()] = True
     assert torch.equal(local[on], ref[on])
+
+
+@pytest.mark.parametrize(("native", "levels", "bucket"), [(True, 127, 512), (True, 7, 64), (False, 7, 64), (True, 1, 0)])
+def test_qsgd_segments_equal_each_tensor_alone(native, levels, bucket):
+    """Every tensor's own buckets and noise words (from its key, the stream and the call
+    count, derived in the kernel), one packed stream: decoded, the per-tensor levels times
+    the per-tensor norms; the mean adds the ranks' payloads in order and divides."""
+    from easgd_lightning.hooks.compressors.qsgd import QSGDCompressor
+
+    hashes = [5, 2**31 - 1, 77, 0]
+    segs = Segments(SEGS.offsets, SEGS.lengths, SEGS.numel, hashes)
+    comp = QSGDCompressor(levels, bucket_size=bucket, seed=9)
+    ref_comp = QSGDCompressor(levels, bucket_size=bucket, seed=9)
+    flat = torch.randn(segs.numel, generator=torch.Generator().manual_seed(5))
+    flat[7100:7200] = 0  # a bucket of zeros
+    with _native.disabled() if not native else _null():
+        state = {}
+        for _ in range(2):  # the second call draws other noise, as each tensor's would
+            payload = comp.compress_segments(flat, segs, state)
+        local = comp.local_segments(payload, segs, state).clone()
+        mean = torch.full_like(flat, 7.0)
+        comp.mean_segments([payload.tensors, payload.tensors], payload.meta, segs, mean, 2)
+        ref = torch.zeros_like(flat)
+        for j, (off, n) in enumerate(segs):
+            st = {"key_hash": hashes[j], "noise_calls": 1}
+            ref[off : off + n] = ref_comp.decompress(ref_comp.compress(flat[off : off + n], st), torch.Size([n]))
+    on = torch.zeros(segs.numel, dtype=torch.bool)
+    on[segs.index()] = True
+    assert torch.equal(local[on], ref[on]) and torch.equal(mean[on], ((ref + ref) / 2)[on])
+    assert local[on].abs().max() > 0
+    width = comp.width
+    assert payload.tensors[1].numel() == (segs.total * width + 7) // 8
