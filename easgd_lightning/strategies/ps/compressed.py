@@ -49,6 +49,9 @@ under the Async EASGD rule (Zhang, Choromanska, LeCun, NeurIPS 2015):
 Wire form (one uint8 message each way): an int32 header listing, per payload tensor, its
 dtype code, number of dimensions and sizes; then the tensors' bytes. ``payload.meta`` stays
 local (as on the ring): each side derives it from the compressor and the tensor's size.
+A codec with a fused form (``fused_segments``: ``topk``, ``signsgd``, ``qsgd``) encodes the
+whole parameter part in one call (each tensor keeping its own rule, the same numbers) and
+its payload tensors come first; the tensors under ``min_numel`` follow, dense.
 Replicas, residuals and compressor states are not checkpointed: a resume restarts every
 worker from the center, so both sides start again from r_i = w. A restarted worker
 (``ft=torchft``) does the same alone: its fresh push state and the server's ``reset`` of its
@@ -62,6 +65,7 @@ import copy
 import torch
 
 from easgd_lightning.hooks.compressors.base import Compressor, Payload
+from easgd_lightning.hooks.compressors.segments import Segments
 from easgd_lightning.hooks.compressors.two_way import TWO_WAY_INNER, TwoWayCompressor
 from easgd_lightning.hooks.memory import ResidualMemory
 
@@ -103,6 +107,24 @@ class MessageCodec:
         self.dense = [n < compressor.min_numel for n in self.sizes]
         self._templates: dict = {}
         self._probe = copy.deepcopy(compressor)  # derives metas without touching C's own state
+        comp = [j for j, d in enumerate(self.dense) if not d]
+        #: the compressed segments, encoded by one codec call when the codec has a fused form
+        self.segments = Segments([self.bounds[j][0] for j in comp], [self.sizes[j] for j in comp], self.n_params)
+        self.fused = bool(getattr(compressor, "fused_segments", False)) and bool(comp)
+        self._scratch: dict = {}  # the decode's buffers (fused)
+
+    def new_states(self) -> list[dict]:
+        """Fresh codec states for one sender: one per segment, then the fused exchange's."""
+        return [{} for _ in self.sizes] + [{}]
+
+    def _fused_template(self, dtype: torch.dtype) -> tuple[dict, int]:
+        """(meta, tensor count) of the fused payload (data-independent, as :meth:`template`)."""
+        key = ("fused", dtype)
+        if key not in self._templates:
+            payload = self._probe.compress_segments(torch.zeros(self.n_params, dtype=dtype), self.segments, {})
+            meta = {k: v for k, v in payload.meta.items() if k != "out"}
+            self._templates[key] = (meta, len(payload.tensors))
+        return self._templates[key]
 
     def template(self, numel: int, dtype: torch.dtype) -> tuple[dict, int]:
         """(``payload.meta``, number of payload tensors) of a ``numel``-entry tensor; both
@@ -120,8 +142,17 @@ class MessageCodec:
         header: list[int] = []
         parts: list[torch.Tensor] = []
         decoded = torch.empty(self.n_params, dtype=vec.dtype, device=vec.device)
+        if self.fused:  # one codec call over the parameter part; the dense segments after it
+            payload = self.compressor.compress_segments(vec[: self.n_params], self.segments, states[-1])
+            tensors = tuple(t.detach().contiguous() for t in payload.tensors)
+            decoded.copy_(self.compressor.local_segments(Payload(tensors, payload.meta), self.segments, states[-1]))
+            for t in tensors:
+                header += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
+                parts.append(t.reshape(-1).view(torch.uint8))
         for j, (a, b) in enumerate(self.bounds):
             seg = vec[a:b]
+            if self.fused and not self.dense[j]:
+                continue
             if self.dense[j]:
                 tensors = (seg,)
                 decoded[a:b] = seg
@@ -157,9 +188,15 @@ class MessageCodec:
             pos += nbytes
             return t
 
+        if self.fused:
+            meta, n_tensors = self._fused_template(dtype)
+            tensors = tuple(take() for _ in range(n_tensors))
+            out[: self.n_params] = self.compressor.local_segments(Payload(tensors, meta), self.segments, self._scratch)
         for j, (a, b) in enumerate(self.bounds):
             if self.dense[j]:
                 out[a:b] = take()
+                continue
+            if self.fused:
                 continue
             meta, n_tensors = self.template(b - a, dtype)
             tensors = tuple(take() for _ in range(n_tensors))
@@ -198,7 +235,7 @@ class WorkerPush(_PushTraffic):
         self.codec = MessageCodec(compressor, sizes)
         self.two_way = two_way
         self.memory = compressor.memory
-        self.states = [{} for _ in sizes]
+        self.states = self.codec.new_states()
         self._residuals = ResidualMemory()
         self._residuals.adopt(_PUSH, torch.zeros(self.codec.n_params, dtype=start.dtype))
         self.weights = start.detach().cpu().clone()
@@ -244,7 +281,7 @@ class ServerReplies:
         self.two_way = two_way
         self.n_total = center.numel()
         self.replicas = {w: center.detach().cpu().clone() for w in workers} if two_way else {}
-        self.states = {w: [{} for _ in sizes] for w in workers}
+        self.states = {w: self.codec.new_states() for w in workers}
 
     def decode_push(self, message: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self.codec.decode(message, dtype, self.n_total)
@@ -254,7 +291,7 @@ class ServerReplies:
         :class:`WorkerPush` from the same center): r_i = w, fresh compressor states."""
         if self.two_way:
             self.replicas[worker] = center.detach().cpu().clone()
-        self.states[worker] = [{} for _ in self.states[worker]]
+        self.states[worker] = self.codec.new_states()
 
     def residual(self, worker: int, center: torch.Tensor) -> torch.Tensor:
         """f_i = w - r_i (parameters): what the server still owes worker ``worker``."""
@@ -289,7 +326,7 @@ class ElasticPush(_PushTraffic):
     def __init__(self, compressor: Compressor, sizes: list[int], start: torch.Tensor, alpha: float) -> None:
         self.codec = MessageCodec(compressor, sizes)
         self.alpha = float(alpha)
-        self.states = [{} for _ in sizes]
+        self.states = self.codec.new_states()
         self.estimate = start.detach().cpu().clone()
         self.residual = torch.zeros(self.codec.n_params, dtype=start.dtype)
         super().__init__(start)
