@@ -10,19 +10,23 @@ elastic difference of ``sync_easgd`` / ``local_sgd``) cut into tensors of known 
   buffer: the memory compensates them in one buffer of the flat size
   (:meth:`~easgd_lightning.hooks.memory.Memory.compensate_runs`, one residual for the
   exchange) and the codec compresses all of them in one call
-  (``compressor.compress_segments``: top-k and DGC run their rule per segment inside one
-  native kernel, with each tensor's own sample, threshold and k = ceil(ratio * n), as the
-  papers define them per layer), giving one payload with indices relative to the buffer;
-* the dense message and the payload are one all-gather (one message per rank, as the
-  per-tensor path's batched gather); at the end every rank's entries are added in rank
-  order into the output (DDP: the bucket itself, no copy back) and divided by the world
-  size at the touched entries, and the dense runs get the rank-order sum of the dense
-  messages over the world size.
+  (``compressor.compress_segments``: the rule still per tensor where the paper defines it
+  per layer -- top-k's sample and threshold, DGC's k = ceil(ratio * n) and rounds,
+  EF-signSGD's scale, random-k's seeded draw, QSGD's buckets and noise --, computed per
+  segment inside one native kernel), giving one payload for the buffer;
+* all-gather codecs: the dense message and the payload are one all-gather (one message
+  per rank, as the per-tensor path's batched gather); at the end the codec adds every
+  rank's payload in rank order into the output (``compressor.mean_segments``; DDP: the
+  bucket itself, no copy back) and divides by the world size, and the dense runs get the
+  rank-order sum of the dense messages over the world size;
+* all-reduce codecs (random-k, fp16 / bf16): the payload is summed by one all-reduce and
+  decoded once; the dense message is still all-gathered and summed in rank order.
 
 Every number is the one the per-tensor exchange (:mod:`easgd_lightning.hooks._exchange`)
 computes for each tensor alone (the unit and distributed tests compare them bitwise), so
-the fused path is a change of speed only. It applies where ``compressor.fused_segments``
-is true (``topk``, ``dgc`` without ``clip_norm``), with no SeCoPa plan and a collective
+the fused path is a change of speed only (an all-reduce codec's sum over more than two
+ranks may round differently: a ring sums in an order of its own). It applies where
+``compressor.fused_segments`` is true (``topk``, ``dgc`` without ``clip_norm``, ``signsgd``, ``randomk`` without ``unbiased``, ``qsgd`` (fixed coding, s <= 127), ``fp16``, ``bf16``), with no SeCoPa plan and a collective
 that batches its all-gathers (:class:`~easgd_lightning.hooks.collective.
 ProcessGroupCollective`); every other codec takes the per-tensor exchange.
 

@@ -23,7 +23,8 @@ layout the dense buffer is one message.
 is a non-blocking all-reduce in place on ``diff`` (leave ``diff`` alone until ``wait``);
 compressed, :func:`~easgd_lightning.hooks._exchange.start_exchange_tensors` compresses
 and updates the residual at once and waits, decompresses and sums in ``wait``; a codec
-that runs over whole buffers (``fused_segments``: top-k, DGC) exchanges ``diff`` as one
+that runs over whole buffers (``fused_segments``: top-k, DGC, EF-signSGD, random-k, QSGD,
+fp16 / bf16) exchanges ``diff`` as one
 flat buffer instead (:mod:`easgd_lightning.hooks._fused`: one codec call, one message,
 the same numbers).
 """

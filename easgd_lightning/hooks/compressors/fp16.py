@@ -67,18 +67,18 @@ class FP16Compressor(Compressor):
     def compress_segments(self, flat: torch.Tensor, segments, state: dict) -> Payload:
         """The segments' entries / world in the wire dtype (one message); ``meta["sent"]``
         keeps them undivided for :meth:`local_segments`."""
-        sent = flat.index_select(0, segments.index().to(flat.device))
+        sent = flat.index_select(0, segments.index(flat.device))
         wire = (sent / int(state.get("world_size", 1))).to(self.wire_dtype)
         return Payload((wire,), {"dtype": flat.dtype, "sent": sent})
 
     def local_segments(self, payload: Payload, segments, state: dict) -> torch.Tensor:
         sent, dt = payload.meta["sent"], payload.meta["dtype"]
         out = torch.zeros(segments.numel, dtype=dt, device=sent.device)
-        return out.index_copy_(0, segments.index().to(sent.device), sent.to(self.wire_dtype).to(dt))
+        return out.index_copy_(0, segments.index(sent.device), sent.to(self.wire_dtype).to(dt))
 
     def mean_segments(self, received, meta: dict, segments, out: torch.Tensor, world: int) -> None:
         """The summed 16-bit values cast back (each rank divided before the cast)."""
-        out.index_copy_(0, segments.index().to(out.device), received[0].to(meta["dtype"]).to(out.dtype))
+        out.index_copy_(0, segments.index(out.device), received[0].to(meta["dtype"]).to(out.dtype))
 
 
 class BF16Compressor(FP16Compressor):

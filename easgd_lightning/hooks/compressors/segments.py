@@ -4,10 +4,13 @@ The fused exchange (:mod:`easgd_lightning.hooks._fused`) hands a codec the whole
 buffer of an exchange (DDP's bucket, the elastic difference) and a :class:`Segments`:
 tensor j is ``flat[offsets[j] : offsets[j] + lengths[j]]``. A codec that declares
 ``fused_segments = True`` implements ``compress_segments(flat, segments, state)`` and
-returns one payload for all of them, indices relative to the buffer, while keeping its
-rule per tensor where the paper defines it per layer: top-k's sampled threshold and DGC's
-k = ceil(density * n), sample and refinement rounds are computed per segment, inside one
-native call (``topk_segments`` / ``dgc_segments`` in ``_kernels.c``). What a codec derives
+returns one payload for all of them, while keeping its rule per tensor where the paper
+defines it per layer: top-k's sampled threshold, DGC's k = ceil(density * n), sample and
+refinement rounds, EF-signSGD's scale, random-k's seeded draw and QSGD's buckets and noise
+words are computed per segment, inside one native call (``topk_segments``,
+``dgc_segments``, ``sign_pack_segments``, ``randomk_segments``, ``qsgd_segments`` in
+``_kernels.c``); ``local_segments`` decodes this rank's payload and ``mean_segments`` the
+mean over ranks. What a codec derives
 from the segments alone (k per segment at a density, sample strides) is computed once and
 kept (:meth:`Segments.cached`): the hot path runs no Python per tensor.
 """
@@ -75,11 +78,15 @@ class Segments:
 
         return self.cached("runs", merge)
 
-    def index(self) -> torch.Tensor:
-        """The buffer positions of the segments' entries, in order (cached int64)."""
-        return self.cached("index", lambda: torch.cat(
+    def index(self, device=None) -> torch.Tensor:
+        """The buffer positions of the segments' entries, in order (int64, cached per
+        device)."""
+        cpu = self.cached("index", lambda: torch.cat(
             [torch.arange(off, off + n, dtype=torch.int64) for off, n in self]
         ) if len(self) else torch.zeros(0, dtype=torch.int64))
+        if device is None or torch.device(device).type == "cpu":
+            return cpu
+        return self.cached(("index", str(device)), lambda: cpu.to(device))
 
     def int64(self, name: str, values) -> torch.Tensor:
         """``values`` (one per segment) as a cached int64 CPU tensor named ``name``."""
