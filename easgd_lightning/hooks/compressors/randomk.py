@@ -13,7 +13,7 @@ P(i in I_t) = 1 / (size of i's stratum) (= k / n when k divides n) and I_t comes
 sorted: k uniform draws from the shared generator, no permutation of the whole tensor,
 and the gather reads the tensor front to back. With memory the sent entries are zeroed
 in the compensated buffer (the residual) in the same call.
-Fused exchange (:mod:`easgd_lightning.hooks._fused`, without ``unbiased``): one native call
+Fused exchange (:mod:`easgd_lightning.hooks._fused`): one native call
 draws every tensor's own set (its seeds from its key, the exchange's step and its size,
 derived in the kernel) and gathers the values into one all-reduced message.
 """
@@ -159,10 +159,21 @@ class RandomKCompressor(Compressor):
         record_sparse(meta, out, meta["indices"])
         return out.reshape(shape)
 
-    @property
-    def fused_segments(self) -> bool:  # type: ignore[override]
-        """One call per exchange unless ``unbiased`` (a scale per stratum)."""
-        return not self.unbiased
+    fused_segments = True
+
+    def _segment_scales(self, segments: Segments, ks, dtype, device) -> torch.Tensor | None:
+        """``unbiased``: the scale of every drawn entry, segments in order (n / k where k
+        divides n, else the size of its stratum), as :meth:`compress` applies it; None
+        otherwise."""
+        if not self.unbiased:
+            return None
+
+        def make():
+            parts = [strata(n, k)[1].to(dtype) if n % k else torch.full((k,), n / k, dtype=dtype)
+                     for n, k in zip(segments.lengths, ks)]
+            return torch.cat(parts)
+
+        return segments.cached(("randomk_scale", self.ratio, dtype), make).to(device)
 
     def compress_segments(self, flat: torch.Tensor, segments: Segments, state: dict) -> Payload:
         """Every segment's own draw, one step counter for the exchange; the drawn entries
@@ -172,12 +183,14 @@ class RandomKCompressor(Compressor):
         hashes = segments.key_hashes or (0,) * len(segments)
         ks = segments.cached(("randomk_k", self.ratio), lambda: [num_selected(n, self.ratio) for n in segments.lengths])
         total = sum(ks)
+        scale = self._segment_scales(segments, ks, flat.dtype, flat.device)
         in_place = may_write_residual(flat)
+        zero = in_place and scale is None
         lib = _native.use(flat)
         if lib is None or max(ks) >= 2**32:
             idx, val = [], []
             for (off, n), k, h in zip(segments, ks, hashes):
-                i, v = random_gather(flat[off : off + n], k, draw_seeds(self.seed, step, h, n), zero=in_place)
+                i, v = random_gather(flat[off : off + n], k, draw_seeds(self.seed, step, h, n), zero=zero)
                 idx.append(i + off)
                 val.append(v)
             idx_all, val_all = torch.cat(idx), torch.cat(val)
@@ -189,21 +202,28 @@ class RandomKCompressor(Compressor):
             _native.fn(lib, "randomk_segments", flat.dtype)(
                 flat.data_ptr(), len(segments), off.data_ptr(), lens.data_ptr(),
                 segments.int64(("randomk_k", self.ratio), ks).data_ptr(),
-                segments.int64("key_hash", hashes).data_ptr(), self.seed, step, int(in_place),
+                segments.int64("key_hash", hashes).data_ptr(), self.seed, step, int(zero),
                 idx_all.data_ptr(), val_all.data_ptr())
         if in_place:
+            if scale is not None:
+                flat.index_put_((idx_all,), val_all - val_all * scale)  # p - C(p) at the draws
             residual_written(flat)
-        return Payload((val_all,), {"indices": idx_all, "dtype": flat.dtype})
+        return Payload((val_all,), {"indices": idx_all, "dtype": flat.dtype, "scale": scale})
 
     def local_segments(self, payload: Payload, segments: Segments, state: dict) -> torch.Tensor:
         (vals,) = payload.tensors
         out = scratch_buffer(scratch_of(state), "local", segments.numel, vals.dtype, vals.device)
         out.zero_()
+        if payload.meta.get("scale") is not None:
+            vals = vals * payload.meta["scale"]
         return _native.scatter_into(out, payload.meta["indices"], vals)
 
     def mean_segments(self, received, meta: dict, segments: Segments, out: torch.Tensor, world: int) -> None:
         """The summed values at every segment's draw, / world (zeros elsewhere)."""
         for off, n in segments.runs():
             out[off : off + n].zero_()
-        _native.scatter_into(out, meta["indices"], received[0].to(out.dtype))
+        summed = received[0].to(out.dtype)
+        if meta.get("scale") is not None:
+            summed = summed * meta["scale"]
+        _native.scatter_into(out, meta["indices"], summed)
         divide_at(out, meta["indices"], world)

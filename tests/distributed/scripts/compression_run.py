@@ -258,6 +258,7 @@ FUSED_CASES = {
     "signsgd": ("signsgd", {"min_numel": 100}),
     "signsgd_nomem": ("signsgd", {"min_numel": 100, "memory": False}),
     "randomk": ("randomk", {"ratio": 0.05, "seed": 3, "min_numel": 100}),
+    "randomk_unbiased": ("randomk", {"ratio": 0.05, "seed": 3, "unbiased": True, "memory": False, "min_numel": 100}),
     "fp16": ("fp16", {"min_numel": 100, "memory": True}),
     "bf16": ("bf16", {"min_numel": 100}),
     "qsgd": ("qsgd", {"levels": 7, "bucket_size": 64, "seed": 5, "memory": True, "min_numel": 100}),

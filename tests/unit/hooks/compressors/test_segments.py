@@ -147,17 +147,19 @@ def test_signsgd_segments_equal_each_tensor_alone(native):
         assert torch.equal(work[on], (flat - ref)[on]) and torch.equal(work[~on], flat[~on])
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_randomk_segments_draw_each_tensors_own_set(native):
+@pytest.mark.parametrize(("native", "unbiased", "ratio"), [
+    (True, False, 0.03), (False, False, 0.03), (True, True, 0.03), (True, True, 0.02), (False, True, 0.02)])
+def test_randomk_segments_draw_each_tensors_own_set(native, unbiased, ratio):
     """The kernel derives each tensor's seeds (CRC-32 of seed:step:key:n, as zlib) and
     draws what the per-tensor codec draws for that tensor alone; the mean scatters the
-    summed values over world."""
+    summed values over world. ``unbiased``: each entry scaled by its stratum's size (ratio
+    0.03: no k divides its n) or by n / k (0.02: every k does), the residual p - C(p)."""
     from easgd_lightning.hooks.compressors.base import offer_residual
     from easgd_lightning.hooks.compressors.randomk import RandomKCompressor
 
     hashes = [11, 2**31 - 5, 0, 123456789]
     segs = Segments(SEGS.offsets, SEGS.lengths, SEGS.numel, hashes)
-    comp = RandomKCompressor(ratio=0.03, seed=7)
+    comp = RandomKCompressor(ratio=ratio, seed=7, unbiased=unbiased)
     flat = torch.randn(segs.numel, generator=torch.Generator().manual_seed(2))
     ref = _per_tensor(comp, flat, segs, hashes)
     with _native.disabled() if not native else _null():
@@ -167,10 +169,17 @@ def test_randomk_segments_draw_each_tensors_own_set(native):
         local = comp.local_segments(payload, segs, {})
         mean = torch.full_like(flat, 7.0)
         comp.mean_segments([payload.tensors[0] * 3], payload.meta, segs, mean, 3)
-    assert payload.tensors[0].numel() == sum(num_selected(n, 0.03) for n in segs.lengths)
+    assert payload.tensors[0].numel() == sum(num_selected(n, ratio) for n in segs.lengths)
+    if unbiased:  # E[C(x)] = x: the drawn entries carry about n / k times their value
+        assert float(local.abs().sum()) > 10 * float(torch.cat([payload.tensors[0]]).abs().sum())
     on = torch.zeros(segs.numel, dtype=torch.bool)
     on[segs.index()] = True
-    assert torch.equal(local[on], ref[on]) and torch.equal(mean[on], (ref * 3 / 3)[on])
+    expect = torch.zeros_like(flat)  # the per-tensor all-reduce: decode(3 x values) / 3
+    for (off, n), h in zip(segs, hashes):
+        p = comp.compress(flat[off : off + n].clone(), {"key_hash": h})
+        summed = type(p)((p.tensors[0] * 3,), p.meta)
+        expect[off : off + n] = comp.decompress(summed, torch.Size([n])) / 3
+    assert torch.equal(local[on], ref[on]) and torch.equal(mean[on], expect[on])
     assert torch.equal(work[on], (flat - ref)[on])  # the drawn entries left the residual
 
 
