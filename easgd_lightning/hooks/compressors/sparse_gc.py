@@ -24,6 +24,8 @@ mean). Tensors under ``min_numel`` travel dense with a momentum whose rank mean 
 (u <- m u + g, u sent; DGC's dense rule).
 Cost: one pass accumulates, the sampled threshold's count-and-gather is one pass, the
 sent entries are zeroed sparsely; in gradient mode one pass forms g - sent and one M.
+Fused exchange (:mod:`easgd_lightning.hooks._fused`, the elastic strategies' mode): DGC's
+segmented kernel without momentum runs the rule on every tensor of the buffer at once.
 """
 
 from __future__ import annotations
@@ -37,14 +39,17 @@ from easgd_lightning.hooks.compressors.base import (
     check_momentum,
     check_ratio,
     num_selected,
+    scratch_buffer,
     scratch_of,
 )
 from easgd_lightning.hooks.compressors.dgc import (
     SelectRule,
+    dgc_segments,
     dgc_select_values,
     momentum_dense,
     release_optimizer_momentum,
 )
+from easgd_lightning.hooks.compressors.segments import Segments
 from easgd_lightning.hooks.compressors.sparse import SparseCompressor, sparse_payload
 
 __all__ = ["SparseGCCompressor", "global_momentum_update"]
@@ -143,6 +148,25 @@ class SparseGCCompressor(SparseCompressor):
         state["last_nnz"] = int(idx.numel())
         state["last_density"] = self.ratio
         return payload
+
+    @property
+    def fused_segments(self) -> bool:  # type: ignore[override]
+        """One call per exchange for the accumulate-and-sparsify part (the elastic
+        strategies); gradient mode's global momentum and local update stay per tensor."""
+        return not self.gradient_mode
+
+    def compress_segments(self, flat: torch.Tensor, segments: Segments, state: dict):
+        """:meth:`compress` on every segment at once: v (one flat buffer in ``state``) <-
+        v + g, each segment's own sampled threshold and k (DGC's kernel without momentum)."""
+        v = state.get("v")
+        if v is None or v.shape != flat.shape or v.dtype != flat.dtype or v.device != flat.device:
+            v = state["v"] = torch.zeros_like(flat)
+        scratch = scratch_of(state)
+        unused = scratch_buffer(scratch, "u_unused", flat.numel(), flat.dtype, flat.device)  # no momentum
+        idx, val, _ = dgc_segments(flat, unused, v, segments, self.ratio, 0.0, False, self._rule, scratch)
+        state["last_nnz"] = int(idx.numel())
+        state["last_density"] = self.ratio
+        return sparse_payload(v, idx, val)
 
     def _launch(self, tensor: torch.Tensor, state: dict, collective: Collective):
         """The sparse exchange; in gradient mode ``finish`` returns M + (g - sent)."""
