@@ -59,6 +59,10 @@ def test_fusion_and_hierarchy_collectives(tmp_path: Path) -> None:
         payloads = [8 * math.ceil(0.5 * n) for n in big]
         assert unf["messages_second"] == 1 + len(big)
         assert fus["messages_second"] == 1 + predicted_buffers(payloads, threshold) == 3
+        # the fused exchange (issue 29): one codec call, the all-gather and one all-reduce
+        one = res["compressed_one_call"]
+        assert all(torch.equal(a, b) for a, b in zip(unf["sums"], one["sums"]))
+        assert one["messages_second"] == 2
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -6,8 +6,9 @@ Usage: fusion_run.py OUT collectives|train FUSION_BYTES
 order and any bit difference is a misplaced element) summed through
 ``CommLayout.all_reduce_flat`` with no fusion, with buffers of FUSION_BYTES, with one
 buffer, and hierarchically (``procs_per_node=2``); then the compressed exchange
-(``randomk``, an all-reduce codec) with and without fusion. Saves results and each call's
-message count (the meter's calls under the call's kind).
+(``randomk``, an all-reduce codec) on its per-tensor path with and without fusion, and on
+its fused path (one codec call: the small tensors' all-gather and one all-reduce). Saves
+results and each call's message count (the meter's calls under the call's kind).
 
 ``train``: a model of many small layers trained in float64 by sync_easgd (tau 1) and
 local_sgd (tau 2, blocking and CoCoD), unfused (fusion_mb 0) vs fused (FUSION_BYTES) vs,
@@ -66,14 +67,17 @@ def collectives(out: str, fusion_bytes: int, rank: int, world: int) -> None:
     layouts["node"].close()
     # compressed: randomk (all-reduce payloads), min_numel 32 (smaller tensors dense)
     shapes = [torch.Size([n]) for n in SIZES]
-    for name in ("unfused", "fused"):
+    for name in ("unfused", "fused", "one_call"):
         comp = build_compressor("randomk", ratio=0.5, min_numel=32)
+        if name != "one_call":
+            comp.fused_segments = False  # the per-tensor exchange: its sums take the lazy buffers
         state: dict = {}
         sums = []
         for step in range(2):
             reset_meter()
             diff = dyadic(rank, sum(SIZES), salt=step + 1)
-            total = exchange_sum(diff, compressor=comp, state=state, kind="c", shapes=shapes, layout=layouts[name])
+            layout = layouts["unfused" if name == "one_call" else name]
+            total = exchange_sum(diff, compressor=comp, state=state, kind="c", shapes=shapes, layout=layout)
             sums.append(total.clone())
         res["compressed_" + name] = {"sums": sums, "messages_second": calls("c")}
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
