@@ -5,7 +5,10 @@ first rejoin exchange nobody commits.
 ``python ft_heal_retry_run.py OUT.json STEPS WAIT_AT`` with the launcher's variables set by the
 test. Workers 0 and 1 (attempt 0): every step ``x += rank + 1`` then ``x <- sum_i x_i / n``
 over the quorum's contributors; at step WAIT_AT they wait (bounded) until worker 2's Manager
-heartbeats at the lighthouse. Worker 2 (attempt 1, a restart) starts with its first exchange
+heartbeats at the lighthouse and its first quorum request is pending there (the lighthouse's
+status page counts the requests of the next quorum: while 0 and 1 wait, only 2's), so the
+next quorum holds it -- a heartbeat alone left a loaded machine's restart too slow to ask
+before the two had finished every step in fast quorums of their own. Worker 2 (attempt 1, a restart) starts with its first exchange
 as the strategies' is -- the set-up broadcast: zeros unless it is healing, and ``x <- sum``
 -- then trains as the others from the step it received. In the first quorum that holds a
 healing worker every worker reports an error before its commit vote (``Manager.report_error``),
@@ -38,9 +41,28 @@ def _fail_first_healing_vote(session) -> None:
     m.should_commit = should_commit
 
 
+def _joiner_waiting(lighthouse: str) -> bool:
+    """Worker 2 heartbeats and a quorum request is pending at the lighthouse (only 2 asks
+    while 0 and 1 wait)."""
+    import re
+    import urllib.request
+
+    from easgd_lightning.compat.torchft import live_replicas
+
+    if "r00002" not in (live_replicas(lighthouse) or set()):
+        return False
+    try:
+        with urllib.request.urlopen(lighthouse.rstrip("/") + "/status", timeout=2.0) as resp:
+            page = resp.read().decode("utf-8", "replace")
+    except OSError:
+        return False
+    line = next((ln for ln in page.splitlines() if "Next quorum status" in ln), "")
+    found = re.search(r"\[(\d+)/\d+ participants healthy\]", line)
+    return bool(found and int(found.group(1)) >= 1)
+
+
 def main() -> None:
     out, steps, wait_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    from easgd_lightning.compat.torchft import live_replicas
     from easgd_lightning.ft.worker import FTContext, FTSession
 
     cfg = OmegaConf.create({"ft": {"name": "torchft", "min_replicas": 1, "quorum_timeout_s": 30,
@@ -67,7 +89,7 @@ def main() -> None:
         at["step"] += 1
         if rank < 2 and at["step"] == wait_at:
             deadline = time.monotonic() + 60
-            while "r00002" not in (live_replicas(ctx.lighthouse) or set()) and time.monotonic() < deadline:
+            while not _joiner_waiting(ctx.lighthouse) and time.monotonic() < deadline:
                 time.sleep(0.05)
         x.add_(float(rank + 1))
         session.exchange(average, take, step=at["step"], kind="test")
