@@ -48,6 +48,7 @@ import torch
 
 from easgd_lightning.hooks._exchange import ExchangeStats, _kind_totals, key_hash
 from easgd_lightning.hooks.compressors.base import (
+    has_fused_form,
     may_write_residual,
     scratch_buffer,
     scratch_of,
@@ -112,10 +113,12 @@ def layout_for(states: dict, shapes, keys, limit: int) -> FlatLayout:
 
 
 def fusable(compressor, collective, plan=None) -> bool:
-    """Whether an exchange runs fused: a codec with ``fused_segments``, no SeCoPa plan, and
+    """Whether an exchange runs fused: a codec with a fused form (``fused_segments``, not
+    overridden below it: :func:`~easgd_lightning.hooks.compressors.base.has_fused_form`), no
+    SeCoPa plan, and
     a collective that batches all-gathers (the per-tensor path's one-message form)."""
     return (
-        bool(getattr(compressor, "fused_segments", False))
+        has_fused_form(compressor)
         and plan is None
         and callable(getattr(collective, "batched", None))
     )

@@ -376,6 +376,27 @@ def run_rounds(rounds):
             return done.value
 
 
+#: the methods that state a codec's rule for one tensor, and those of its fused form
+_PER_TENSOR_RULE = ("compress", "decompress", "select", "select_values", "aggregate", "_launch")
+_FUSED_RULE = ("compress_segments", "select_segments", "local_segments", "mean_segments")
+
+
+def has_fused_form(compressor) -> bool:
+    """Whether ``compressor`` runs the fused exchange: it says ``fused_segments`` and no
+    method of its per-tensor rule is overridden below the class that wrote its fused form
+    (a subclass that changes ``compress`` or ``select_values`` -- SparseLoCo under top-k, a
+    user's own codec under a shipped one -- would otherwise be bypassed by its parent's
+    ``compress_segments`` and send the parent's payload)."""
+    if not getattr(compressor, "fused_segments", False):
+        return False
+    mro = type(compressor).__mro__
+
+    def depth(names) -> int:
+        return min((i for i, c in enumerate(mro) for n in names if n in vars(c)), default=len(mro))
+
+    return depth(_FUSED_RULE) <= depth(_PER_TENSOR_RULE)
+
+
 def start_collective(collective: Collective, name: str, tensors: list[torch.Tensor]):
     """Launch ``collective.<name>(tensors)`` without waiting when the collective has a
     ``<name>_async`` twin; returns a handle whose ``wait()`` gives the result."""

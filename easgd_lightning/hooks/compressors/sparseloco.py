@@ -61,8 +61,6 @@ class SparseLoCoCompressor(TopKCompressor):
 
     name = "sparseloco"
     search_knob = "ratio"
-    #: not top-k's fused exchange: its values travel in 2 bits with per-tensor scales
-    fused_segments = False
 
     def compress(self, tensor: torch.Tensor, state: dict) -> Payload:
         flat = tensor.reshape(-1)

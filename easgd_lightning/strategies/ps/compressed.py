@@ -64,7 +64,7 @@ import copy
 
 import torch
 
-from easgd_lightning.hooks.compressors.base import Compressor, Payload
+from easgd_lightning.hooks.compressors.base import Compressor, Payload, has_fused_form
 from easgd_lightning.hooks.compressors.segments import Segments
 from easgd_lightning.hooks.compressors.two_way import TWO_WAY_INNER, TwoWayCompressor
 from easgd_lightning.hooks.memory import ResidualMemory
@@ -110,7 +110,7 @@ class MessageCodec:
         comp = [j for j, d in enumerate(self.dense) if not d]
         #: the compressed segments, encoded by one codec call when the codec has a fused form
         self.segments = Segments([self.bounds[j][0] for j in comp], [self.sizes[j] for j in comp], self.n_params)
-        self.fused = bool(getattr(compressor, "fused_segments", False)) and bool(comp)
+        self.fused = has_fused_form(compressor) and bool(comp)
         self._scratch: dict = {}  # the decode's buffers (fused)
 
     def new_states(self) -> list[dict]:

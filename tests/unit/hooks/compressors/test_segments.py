@@ -191,14 +191,14 @@ def _null():
 
 def _fused_names():
     from easgd_lightning.hooks.compressors import build_compressor, compressor_names
+    from easgd_lightning.hooks.compressors.base import has_fused_form
 
-    return [n for n in compressor_names() if getattr(build_compressor(n), "fused_segments", False)]
+    return [n for n in compressor_names() if has_fused_form(build_compressor(n))]
 
 
 @pytest.mark.parametrize("name", _fused_names())
 def test_every_fused_codec_transmits_what_its_per_tensor_rule_does(name):
-    """Whatever claims ``fused_segments`` (including by inheritance: SparseLoCo is a top-k
-    whose values travel in 2 bits) transmits, per segment, what its own compress /
+    """Whatever runs the fused exchange transmits, per segment, what its own compress /
     decompress transmits for that tensor alone (defaults, first exchange)."""
     from easgd_lightning.hooks.compressors import build_compressor
 
@@ -247,3 +247,30 @@ def test_qsgd_segments_equal_each_tensor_alone(native, levels, bucket):
     assert local[on].abs().max() > 0
     width = comp.width
     assert payload.tensors[1].numel() == (segs.total * width + 7) // 8
+
+
+def test_a_subclass_that_changes_the_per_tensor_rule_leaves_the_fused_form():
+    """A codec subclass (SparseLoCo under top-k, a user's ``compression._target_``) that
+    overrides the per-tensor rule below the class that wrote ``compress_segments`` runs the
+    per-tensor exchange -- else its parent's fused form would send the parent's payload; a
+    subclass that changes only its settings keeps the fused form."""
+    from easgd_lightning.hooks.compressors.base import has_fused_form
+    from easgd_lightning.hooks.compressors.fp16 import BF16Compressor
+    from easgd_lightning.hooks.compressors.sparseloco import SparseLoCoCompressor
+
+    class HalfTopK(TopKCompressor):  # another selection rule
+        def select_values(self, flat, state):
+            idx = torch.arange(0, flat.numel(), 2)
+            return idx, flat[idx]
+
+    class TwoBitTopK(TopKCompressor):  # SparseLoCo's shape, without its explicit flag
+        def compress(self, tensor, state):
+            return super().compress(tensor, state)
+
+    class TightTopK(TopKCompressor):  # settings only
+        def __init__(self, **kw):
+            super().__init__(ratio=0.001, **kw)
+
+    assert has_fused_form(TopKCompressor()) and has_fused_form(TightTopK()) and has_fused_form(BF16Compressor())
+    assert not has_fused_form(HalfTopK()) and not has_fused_form(TwoBitTopK())
+    assert not has_fused_form(SparseLoCoCompressor()) and not has_fused_form(DGCCompressor(clip_norm=1.0))

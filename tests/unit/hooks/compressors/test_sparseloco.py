@@ -53,7 +53,8 @@ def test_error_feedback_loses_nothing() -> None:
 def test_the_elastic_exchange_sends_its_two_bit_values(tmp_path) -> None:
     """Through the attach point (DiLoCo's outer exchange, one rank): every compressed
     tensor arrives as at most two magnitudes, +-m_lo / +-m_hi -- not top-k's raw values
-    (SparseLoCo inherits from top-k but not its fused exchange)."""
+    (SparseLoCo inherits top-k's fused form but overrides its per-tensor rule, so
+    ``has_fused_form`` sends it the per-tensor way)."""
     from datetime import timedelta
 
     import torch.distributed as dist
