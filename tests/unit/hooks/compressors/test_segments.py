@@ -118,30 +118,35 @@ def _per_tensor(comp, flat, segs, hashes=None):
     return out
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_signsgd_segments_equal_each_tensor_alone(native):
+#: a segment the sign kernel decodes through its table (>= 4096 entries, 5003: a tail too)
+SIGN_LONG = Segments([0, 5100], [5003, 3000], 9000)
+
+
+@pytest.mark.parametrize(("native", "segs"), [(True, SEGS), (False, SEGS), (True, SIGN_LONG)])
+def test_signsgd_segments_equal_each_tensor_alone(native, segs):
     """One call: every segment's own scale ||x||_1 / n and signs (each from its own byte),
-    decoded as the per-tensor codec decodes that tensor alone; the residual kernel writes
+    decoded as the per-tensor codec decodes that tensor alone (SIGN_LONG: a segment that
+    the kernel decodes through its table of +-scale rows); the residual kernel writes
     x - decoded on the segments only."""
     from easgd_lightning.hooks.compressors.base import offer_residual
     from easgd_lightning.hooks.compressors.signsgd import SignSGDCompressor
 
     comp = SignSGDCompressor()
-    flat = torch.randn(SEGS.numel, generator=torch.Generator().manual_seed(1))
-    flat[3000:3500] = -flat[3000:3500].abs()  # a tensor of one sign
-    ref = _per_tensor(comp, flat, SEGS)
+    flat = torch.randn(segs.numel, generator=torch.Generator().manual_seed(1))
+    flat[3000:3500] = -flat[3000:3500].abs()  # one sign over a stretch
+    ref = _per_tensor(comp, flat, segs)
     ctx = _native.disabled() if not native else _null()
     with ctx:
         work = flat.clone()
         offer_residual(work)
-        payload = comp.compress_segments(work, SEGS, {})
-        local = comp.local_segments(payload, SEGS, {})
-        assert payload.tensors[0].numel() == len(SEGS)
-        assert payload.tensors[1].numel() == sum((n + 7) // 8 for n in SEGS.lengths)
+        payload = comp.compress_segments(work, segs, {})
+        local = comp.local_segments(payload, segs, {})
+        assert payload.tensors[0].numel() == len(segs)
+        assert payload.tensors[1].numel() == sum((n + 7) // 8 for n in segs.lengths)
         mean = torch.full_like(flat, 7.0)
-        comp.mean_segments([payload.tensors, payload.tensors], payload.meta, SEGS, mean, 2)
-    on = torch.zeros(SEGS.numel, dtype=torch.bool)
-    on[SEGS.index()] = True
+        comp.mean_segments([payload.tensors, payload.tensors], payload.meta, segs, mean, 2)
+    on = torch.zeros(segs.numel, dtype=torch.bool)
+    on[segs.index()] = True
     assert torch.equal(local[on], ref[on]) and torch.equal(mean[on], ((ref + ref) / 2)[on])
     if native:  # the kernel wrote the residual on the segments, nothing elsewhere
         assert torch.equal(work[on], (flat - ref)[on]) and torch.equal(work[~on], flat[~on])
