@@ -132,17 +132,24 @@ class TrainClockCallback(pl.Callback):
 
 class FaultInjectionCallback(pl.Callback):
     """``faults.slow_rank``/``slow_ms``: sleep before every step; ``crash_rank``/``crash_at_step``: die
-    (``os._exit(17)``); ``kill_rank``/``kill_at_step``: SIGKILL itself."""
+    (``os._exit(17)``); ``kill_rank``/``kill_at_step``: SIGKILL itself (``kill_at_end``: after its last
+    step, in the callbacks' end of fit -- before the strategy's, where it reports its end)."""
 
     def __init__(self, slow_rank=None, slow_ms=0, crash_rank=None, crash_at_step=None, kill_rank=None,
-                 kill_at_step=None, **_: Any):
+                 kill_at_step=None, kill_at_end=False, **_: Any):
         self.slow_rank, self.slow_ms = slow_rank, float(slow_ms or 0)
         self.crash_rank, self.crash_at_step = crash_rank, crash_at_step
         # faults.kill_rank / kill_at_step: SIGKILL, on the worker's first start only (a worker
         # restarted under ft=torchft, EASGD_FT_ATTEMPT > 0, is not killed again)
         first_start = os.environ.get("EASGD_FT_ATTEMPT", "0") == "0"
         self.kill_rank, self.kill_at_step = (kill_rank, kill_at_step) if first_start else (None, None)
+        self.kill_at_end = bool(kill_at_end) and first_start
         self.steps = 0
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.kill_at_end and self.kill_rank is not None and trainer.global_rank == self.kill_rank:
+            print(f"[faults] rank {self.kill_rank} SIGKILLs itself after its last step ({self.steps})", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         rank = trainer.global_rank
@@ -150,7 +157,7 @@ class FaultInjectionCallback(pl.Callback):
         if self.crash_rank is not None and rank == self.crash_rank and self.steps >= self.crash_at_step:
             print(f"[faults] rank {rank} crashing at step {self.steps}", flush=True)
             os._exit(17)
-        if self.kill_rank is not None and rank == self.kill_rank and self.steps >= self.kill_at_step:
+        if self.kill_at_step is not None and rank == self.kill_rank and self.steps >= self.kill_at_step:
             print(f"[faults] rank {rank} SIGKILLs itself at step {self.steps}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         if self.slow_rank is not None and rank == self.slow_rank and self.slow_ms > 0:

@@ -274,7 +274,8 @@ def _check_fault_ranks(cfg: Any, world: int) -> None:
     for key in ("slow_rank", "crash_rank", "nan_rank", "kill_rank"):
         check_int(f"faults.{key}", faults.get(key), 0, world - 1, nullable=True)
     for rank, step, what in (("crash_rank", "crash_at_step", "crashes"), ("kill_rank", "kill_at_step", "is killed")):
-        if faults.get(rank) is not None and faults.get(step) is None:
+        if faults.get(rank) is not None and faults.get(step) is None and not (
+                rank == "kill_rank" and faults.get("kill_at_end")):
             raise ConfigError(f"faults.{rank}: set faults.{step} too (the step >= 1 at which rank "
                               f"{faults.get(rank)} {what}); without it nothing happens")
 

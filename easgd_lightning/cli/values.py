@@ -181,6 +181,10 @@ def check_fault_values(cfg: Any) -> None:
         check_int(f"faults.{key}", faults.get(key), 1, nullable=True)
     for key in ("slow_rank", "crash_rank", "nan_rank", "kill_rank"):
         check_int(f"faults.{key}", faults.get(key), 0, nullable=True)
+    check_bool("faults.kill_at_end", faults.get("kill_at_end", False))
+    if faults.get("kill_at_end") and faults.get("kill_at_step") is not None:
+        raise ConfigError("faults.kill_at_end: set it or faults.kill_at_step, not both (when faults.kill_rank "
+                          "SIGKILLs itself: at that step, or after its last one)")
     if faults.get("crash_at_step") is not None and faults.get("crash_rank") is None:
         raise ConfigError(
             f"faults.crash_at_step: set faults.crash_rank too (the rank that crashes at step "

@@ -483,3 +483,24 @@ def test_parameter_server_killed_ends_the_run_cleanly(tmp_path: Path) -> None:
     assert s["error"].startswith("the parameter server (rank 3) died (signal SIGKILL)"), s["error"]
     assert s["ft"]["restarts"] == [0, 0, 0, 0]
     assert not [p for p in pids if pid_alive(p)], "processes of the run are left"
+
+
+def test_a_worker_killed_after_its_last_step_is_restarted_and_reports_its_end(tmp_path: Path) -> None:
+    """async_sgd, stop_policy=all: worker 1 SIGKILLs itself after its last step, before it
+    tells the server it is done (faults.kill_at_end). Restarted, it rejoins at that step:
+    with its epochs all done Lightning used to skip its fit loop -- and the loop's end, where
+    the worker reports -- so the server and the two others waited for it with no end (a
+    full-suite run hung 300 s). It must train no step and end the run with the others."""
+    run = tmp_path / "run"
+    run_cli([f"hydra.run.dir={run}", *PS_COMMON, "strategy=async_sgd", "strategy.stop_policy=all",
+             "strategy.worker_timeout_s=3", "trainer.max_epochs=4", "faults.kill_rank=1",
+             "faults.kill_at_end=true"], timeout=240)
+    s = _summary(run)
+    assert s["status"] == "ok", s["error"]
+    ft = s["ft"]
+    assert ft["restarts"] == [0, 1, 0, 0]
+    (rejoin,) = ft["rejoins"]
+    assert rejoin["rank"] == 1 and rejoin["at_step"] == 60  # after its last step (4 x 15)
+    assert s["steps_per_rank"][:3] == [60, 60, 60]
+    assert s["extras"][3]["served_per_rank"][:3] == [60, 60, 60]  # no step taken twice
+    assert ft["finished_ranks"] == [0, 1, 2, 3]

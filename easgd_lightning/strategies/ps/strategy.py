@@ -742,7 +742,7 @@ class AsyncCenterStrategy(CenterStrategy):
         self._total_steps = _estimated_steps(trainer)  # (sets the training data up: the epoch length)
         per_epoch = optimizer_steps_per_epoch(trainer)
         if per_epoch:
-            _start_at_epoch(trainer, self._local_steps // per_epoch)
+            _start_at_epoch(trainer, restart_epoch(self._local_steps, per_epoch, trainer.max_epochs))
         self._detach(trainer)
 
     def _setup_checkpoint_file(self, trainer) -> None:
@@ -873,6 +873,10 @@ class AsyncCenterStrategy(CenterStrategy):
         # here; a restarted worker's world is its own)
         if self._late is None:
             ops.barrier(kind="setup")
+        elif 0 < self._total_steps <= self._local_steps:  # restarted after its last step
+            self._mark_rejoined()  # back, with nothing left to train: it reports its end
+            self._stop_reason = "the run's last step (a restarted worker's steps continue)"
+            self.lightning_module.trainer.should_stop = True
         self._fit_start = time.monotonic()
         if self.is_server:
             try:
@@ -997,14 +1001,19 @@ class AsyncCenterStrategy(CenterStrategy):
         """A restarted worker: its first served exchange completes its rejoin (the launcher is
         told); it ends at the run's last step (``trainer.estimated_stepping_batches``, which its
         step count, continued from its first start, reaches before its own epochs end)."""
-        rec = self._recovery
-        if rec is not None and "joined_at" not in rec and self._exchanges:
-            rec["joined_at"] = time.time()
-            self._late.mark_joined({"joined_at": rec["joined_at"], "step": rec["step"],
-                                    "recovery_bytes": rec["bytes"]})
+        if self._exchanges:
+            self._mark_rejoined()
         if 0 < self._total_steps <= self._local_steps:
             self._stop_reason = self._stop_reason or "the run's last step (a restarted worker's steps continue)"
             trainer.should_stop = True
+
+    def _mark_rejoined(self) -> None:
+        """Tell the launcher this restarted worker is back (once)."""
+        rec = self._recovery
+        if rec is not None and "joined_at" not in rec:
+            rec["joined_at"] = time.time()
+            self._late.mark_joined({"joined_at": rec["joined_at"], "step": rec["step"],
+                                    "recovery_bytes": rec["bytes"]})
 
     @override
     def _fetch_center(self) -> None:
@@ -1215,6 +1224,19 @@ def _estimated_steps(trainer) -> int:
     except Exception:  # an iterable without a length, and no max_steps
         return -1
     return int(total) if math.isfinite(total) else -1
+
+
+def restart_epoch(local_steps: int, per_epoch: int, max_epochs) -> int:
+    """The epoch a restarted worker's fit loop begins at: the one its step count is in, but
+    at most the last (``max_epochs - 1``): a worker restarted after its last step (it died
+    before telling the server it was done) must still run the loop's start and end -- from
+    ``max_epochs`` on Lightning skips the loop, and with it the end where the worker says
+    it is done, and the server and the other workers would wait for it; its
+    ``on_train_start`` stops it before any batch."""
+    epoch = local_steps // per_epoch
+    if isinstance(max_epochs, int) and max_epochs > 0:
+        epoch = min(epoch, max_epochs - 1)
+    return epoch
 
 
 def _start_at_epoch(trainer, epoch: int) -> None:

@@ -229,6 +229,8 @@ BAD += [
     (["trainer.num_nodes=true"], "trainer.num_nodes", "an integer >= 1, got True"),
     (["faults.kill_rank=1"], "faults.kill_rank", "set faults.kill_at_step too"),
     (["faults.kill_rank=1", "faults.kill_at_step=0"], "faults.kill_at_step", "an integer >= 1 or null, got 0"),
+    (["faults.kill_rank=1", "faults.kill_at_step=3", "faults.kill_at_end=true"], "faults.kill_at_end", "not both"),
+    (["faults.kill_rank=1", "faults.kill_at_end=yes"], "faults.kill_at_end", "true or false"),
     (["trainer.limit_val_batches=-1"], "trainer.limit_val_batches",
      "an integer >= 0 or a fraction in (0, 1] or null, got -1"),
     (["strategy=async_easgd", "trainer.devices=3", "faults.crash_rank=2", "faults.crash_at_step=2"],

@@ -137,3 +137,15 @@ def test_ft_torchft_refusals_for_the_parameter_server_family(overrides: list[str
     with pytest.raises(ConfigError) as err:
         _check(overrides)
     assert str(err.value).startswith(expected), str(err.value)
+
+
+def test_a_worker_restarted_after_its_last_step_still_runs_the_loops_end():
+    """The fit loop of a worker restarted after its last step (it died before telling the
+    server it was done: q4's hang) begins at the last epoch, not at max_epochs -- where
+    Lightning skips the loop, its end with it, and the server and the other workers wait for
+    that worker's "done" forever; mid-run restarts begin at the epoch of their step."""
+    from easgd_lightning.strategies.ps.strategy import restart_epoch
+
+    assert restart_epoch(150, 15, 10) == 9  # all 150 steps done: the last epoch, not 10
+    assert restart_epoch(149, 15, 10) == 9 and restart_epoch(39, 15, 10) == 2
+    assert restart_epoch(150, 15, None) == 10 and restart_epoch(150, 15, -1) == 10  # no epoch limit
