@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["quorum_id", "quorum_ranks", "quorum_pending", "lighthouse_server_class", "live_replicas",
+__all__ = ["quorum_id", "quorum_ranks", "quorum_pending", "lighthouse_server_class", "live_replicas", "pending_quorum_requests",
            "parse_heartbeats", "http_transport"]
 
 #: one heartbeat on the dashboard: ``<li class="heartbeat [old]"> r00001:UUID: seen 0.02s ago``
@@ -65,18 +65,35 @@ def parse_heartbeats(page: str) -> dict[str, bool] | None:
     return live
 
 
-def live_replicas(address: str, timeout: float = 2.0) -> set[str] | None:
-    """Replica ids whose heartbeat the lighthouse at ``http://host:port`` holds fresh now;
-    None when the dashboard cannot be read or parsed."""
+def _status_page(address: str, timeout: float) -> str | None:
+    """The lighthouse dashboard's ``/status`` page at ``http://host:port``; None when unread."""
     import urllib.request
 
     try:
         with urllib.request.urlopen(address.rstrip("/") + "/status", timeout=timeout) as resp:
-            page = resp.read().decode("utf-8", "replace")
+            return resp.read().decode("utf-8", "replace")
     except (OSError, ValueError):
         return None
-    beats = parse_heartbeats(page)
+
+
+def live_replicas(address: str, timeout: float = 2.0) -> set[str] | None:
+    """Replica ids whose heartbeat the lighthouse at ``http://host:port`` holds fresh now;
+    None when the dashboard cannot be read or parsed."""
+    page = _status_page(address, timeout)
+    beats = None if page is None else parse_heartbeats(page)
     return None if beats is None else {r for r, live in beats.items() if live}
+
+
+def pending_quorum_requests(address: str, timeout: float = 2.0) -> int | None:
+    """How many replicas have asked the lighthouse for the next quorum (its "Next quorum
+    status" line, ``[k/n participants healthy]``); None when the page cannot be read or has
+    no such line."""
+    import re
+
+    page = _status_page(address, timeout)
+    line = next((ln for ln in (page or "").splitlines() if "Next quorum status" in ln), "")
+    found = re.search(r"\[(\d+)/\d+ participants healthy\]", line)
+    return int(found.group(1)) if found else None
 
 
 def http_transport(timeout: Any, host: str) -> Any:

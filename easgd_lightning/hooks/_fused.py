@@ -54,20 +54,9 @@ from easgd_lightning.hooks.compressors.base import (
     scratch_of,
     start_collective,
 )
-from easgd_lightning.hooks.compressors.segments import Segments
+from easgd_lightning.hooks.compressors.segments import Segments, merged_runs
 
 __all__ = ["FlatLayout", "PendingFlat", "fusable", "layout_for", "group_state", "start_exchange_flat"]
-
-
-def _runs(offsets: list[int], sizes: list[int]) -> tuple[tuple[int, int], ...]:
-    """(offset, length) runs covering the given tensors, adjacent ones merged."""
-    out: list[tuple[int, int]] = []
-    for off, n in zip(offsets, sizes):
-        if out and sum(out[-1]) == off:
-            out[-1] = (out[-1][0], out[-1][1] + n)
-        else:
-            out.append((off, n))
-    return tuple(out)
 
 
 class FlatLayout:
@@ -87,8 +76,8 @@ class FlatLayout:
         dense = [j for j, n in enumerate(sizes) if n < limit]
         comp = [j for j, n in enumerate(sizes) if n >= limit]
         self.dense_count, self.comp_count = len(dense), len(comp)
-        self.dense_runs = _runs([offsets[j] for j in dense], [sizes[j] for j in dense])
-        self.comp_runs = _runs([offsets[j] for j in comp], [sizes[j] for j in comp])
+        self.dense_runs = merged_runs([offsets[j] for j in dense], [sizes[j] for j in dense])
+        self.comp_runs = merged_runs([offsets[j] for j in comp], [sizes[j] for j in comp])
         self.dense_numel = sum(sizes[j] for j in dense)
         self.segments = Segments([offsets[j] for j in comp], [sizes[j] for j in comp], self.numel,
                                  [key_hash(keys[j]) for j in comp])

@@ -19,7 +19,18 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Segments"]
+__all__ = ["Segments", "merged_runs"]
+
+
+def merged_runs(offsets, lengths) -> tuple[tuple[int, int], ...]:
+    """(offset, length) runs covering the given stretches (ascending), adjacent ones merged."""
+    out: list[tuple[int, int]] = []
+    for off, n in zip(offsets, lengths):
+        if out and sum(out[-1]) == off:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        else:
+            out.append((off, n))
+    return tuple(out)
 
 
 class Segments:
@@ -66,17 +77,7 @@ class Segments:
 
     def runs(self) -> tuple[tuple[int, int], ...]:
         """(offset, length) runs covering the segments, adjacent ones merged (cached)."""
-
-        def merge():
-            out: list[tuple[int, int]] = []
-            for off, n in self:
-                if out and sum(out[-1]) == off:
-                    out[-1] = (out[-1][0], out[-1][1] + n)
-                else:
-                    out.append((off, n))
-            return tuple(out)
-
-        return self.cached("runs", merge)
+        return self.cached("runs", lambda: merged_runs(self.offsets, self.lengths))
 
     def index(self, device=None) -> torch.Tensor:
         """The buffer positions of the segments' entries, in order (int64, cached per

@@ -875,7 +875,7 @@ class AsyncCenterStrategy(CenterStrategy):
             ops.barrier(kind="setup")
         elif 0 < self._total_steps <= self._local_steps:  # restarted after its last step
             self._mark_rejoined()  # back, with nothing left to train: it reports its end
-            self._stop_reason = "the run's last step (a restarted worker's steps continue)"
+            self._stop_reason = _LAST_STEP
             self.lightning_module.trainer.should_stop = True
         self._fit_start = time.monotonic()
         if self.is_server:
@@ -1004,7 +1004,7 @@ class AsyncCenterStrategy(CenterStrategy):
         if self._exchanges:
             self._mark_rejoined()
         if 0 < self._total_steps <= self._local_steps:
-            self._stop_reason = self._stop_reason or "the run's last step (a restarted worker's steps continue)"
+            self._stop_reason = self._stop_reason or _LAST_STEP
             trainer.should_stop = True
 
     def _mark_rejoined(self) -> None:
@@ -1224,6 +1224,10 @@ def _estimated_steps(trainer) -> int:
     except Exception:  # an iterable without a length, and no max_steps
         return -1
     return int(total) if math.isfinite(total) else -1
+
+
+#: why a restarted worker stops: its step count, continued from its first start, reached the end
+_LAST_STEP = "the run's last step (a restarted worker's steps continue)"
 
 
 def restart_epoch(local_steps: int, per_epoch: int, max_epochs) -> int:

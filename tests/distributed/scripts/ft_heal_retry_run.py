@@ -44,21 +44,9 @@ def _fail_first_healing_vote(session) -> None:
 def _joiner_waiting(lighthouse: str) -> bool:
     """Worker 2 heartbeats and a quorum request is pending at the lighthouse (only 2 asks
     while 0 and 1 wait)."""
-    import re
-    import urllib.request
+    from easgd_lightning.compat.torchft import live_replicas, pending_quorum_requests
 
-    from easgd_lightning.compat.torchft import live_replicas
-
-    if "r00002" not in (live_replicas(lighthouse) or set()):
-        return False
-    try:
-        with urllib.request.urlopen(lighthouse.rstrip("/") + "/status", timeout=2.0) as resp:
-            page = resp.read().decode("utf-8", "replace")
-    except OSError:
-        return False
-    line = next((ln for ln in page.splitlines() if "Next quorum status" in ln), "")
-    found = re.search(r"\[(\d+)/\d+ participants healthy\]", line)
-    return bool(found and int(found.group(1)) >= 1)
+    return "r00002" in (live_replicas(lighthouse) or set()) and (pending_quorum_requests(lighthouse) or 0) >= 1
 
 
 def main() -> None:

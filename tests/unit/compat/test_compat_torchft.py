@@ -72,6 +72,42 @@ def test_live_replicas_from_a_real_lighthouse() -> None:
     assert found is None
 
 
+def test_pending_quorum_requests_from_a_real_lighthouse() -> None:
+    """The dashboard's next-quorum line counts the replicas that asked and wait: none, then
+    the one whose request is still open (min_replicas 2: it cannot be granted)."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    from torchft._torchft import LighthouseClient
+
+    from easgd_lightning.compat.torchft import lighthouse_server_class, pending_quorum_requests
+
+    server = lighthouse_server_class()(bind="127.0.0.1:0", min_replicas=2, heartbeat_timeout_ms=5000)
+    try:
+        address = server.address().replace(socket.gethostname(), "127.0.0.1")
+        assert pending_quorum_requests(address) == 0
+        client = LighthouseClient(address, timedelta(seconds=5))
+        failed: list[BaseException] = []
+
+        def ask() -> None:
+            try:
+                client.quorum(replica_id="r00001:ab", timeout=timedelta(seconds=3))
+            except Exception as err:  # the timeout of a quorum that cannot form: expected
+                failed.append(err)
+
+        asker = threading.Thread(target=ask, daemon=True)
+        asker.start()
+        deadline = time.monotonic() + 2.5
+        while pending_quorum_requests(address) != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pending_quorum_requests(address) == 1
+        asker.join(10)
+        assert failed  # it never got a quorum
+    finally:
+        server.shutdown()
+
+
 def test_http_transport_advertises_the_given_host() -> None:
     """The live-state transport names the advertised host and its own port, and serves there."""
     from datetime import timedelta
