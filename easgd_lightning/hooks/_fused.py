@@ -17,8 +17,9 @@ elastic difference of ``sync_easgd`` / ``local_sgd``) cut into tensors of known 
 * all-gather codecs: the dense message and the payload are one all-gather (one message
   per rank, as the per-tensor path's batched gather); at the end the codec adds every
   rank's payload in rank order into the output (``compressor.mean_segments``; DDP: the
-  bucket itself, no copy back) and divides by the world size, and the dense runs get the
-  rank-order sum of the dense messages over the world size;
+  bucket itself, no copy back) and divides by the world size (a rule that acts on that
+  mean -- sparse_gc's global momentum -- follows in ``compressor.finish_segments``), and
+  the dense runs get the rank-order sum of the dense messages over the world size;
 * all-reduce codecs (random-k, fp16 / bf16): the payload is summed by one all-reduce and
   decoded once; the dense message is still all-gathered and summed in rank order.
 
@@ -28,7 +29,7 @@ the fused path is a change of speed only (an all-reduce codec's sum over more th
 ranks may round differently: a ring sums in an order of its own). It applies where
 ``compressor.fused_segments`` is true (``topk``, ``dgc`` without ``clip_norm``,
 ``signsgd``, ``randomk``, ``qsgd`` (fixed coding, s <= 127), ``fp16``, ``bf16``,
-``sparse_gc`` under the elastic strategies), with no SeCoPa plan and a collective that
+``sparse_gc``), with no SeCoPa plan and a collective that
 batches its all-gathers (:class:`~easgd_lightning.hooks.collective.
 ProcessGroupCollective`); every other codec takes the per-tensor exchange.
 
@@ -277,6 +278,7 @@ def start_exchange_flat(
         if payload is not None:
             received = handle_p.wait() if reduce else [row[ndense:] for row in rows]
             compressor.mean_segments(received, payload.meta, layout.segments, total, world)
+            compressor.finish_segments(total, layout.segments, gstate)
         if dense_msg is not None:
             _mean_dense(total, rows, layout, world, scratch)
         return total

@@ -88,7 +88,9 @@ def test_fused_exchange_equals_the_per_tensor_exchange_bitwise(two_ranks):
     from the per-tensor side's checkpoint; so do EF-signSGD (with and without memory: the
     residual written by the kernel or by the memory), random-k (the seeds drawn in the
     kernel), QSGD (3-bit and 8-bit levels, each tensor's own buckets and noise) and
-    fp16 / bf16 (all-reduced; two ranks: a sum of two is the same in any order)."""
+    fp16 / bf16 (all-reduced; two ranks: a sum of two is the same in any order), and
+    sparse_gc on differences and on gradients (DDP's mode: the global momentum M and the
+    local update g - sent + M over the compressed runs after the mean)."""
     for rank in two_ranks:
         for name, rec in rank["fused"].items():
             assert all(rec["mean_equal"]) and all(rec["state_equal"]), (name, rec)
@@ -100,6 +102,8 @@ def test_fused_exchange_equals_the_per_tensor_exchange_bitwise(two_ranks):
             memory = name in ("topk", "signsgd", "randomk", "fp16", "qsgd")
             residuals = ["t1", "t3", "t4"] if memory else []  # per tensor, as before
             assert rec["checkpoint_keys"] == residuals, (name, rec["checkpoint_keys"])
+        assert "M" in rank["fused"]["sparse_gc_grad"]["group_tensors"]
+        assert "M" not in rank["fused"]["sparse_gc"]["group_tensors"]
 
 
 def test_ddp_bf16_fp16_run_as_the_overlapped_cast_hook(two_ranks):

@@ -262,6 +262,11 @@ class Compressor(ABC):
         The entries of ``out`` outside the segments may be overwritten."""
         raise NotImplementedError(f"{self.name}: no fused exchange")
 
+    def finish_segments(self, out: torch.Tensor, segments, state: dict) -> None:  # noqa: B027
+        """After :meth:`mean_segments`: a rule that acts on the mean over ranks (sparse_gc's
+        global momentum and local update) turns ``out``'s segments into what the attach
+        point hands on; nothing by default."""
+
     def __init__(self, *, min_numel: int | None = None, memory: bool | None = None) -> None:
         self.min_numel = DEFAULT_MIN_NUMEL if min_numel is None else check_int("compression.min_numel", min_numel, 0)
         if memory is None:

@@ -24,8 +24,11 @@ mean). Tensors under ``min_numel`` travel dense with a momentum whose rank mean 
 (u <- m u + g, u sent; DGC's dense rule).
 Cost: one pass accumulates, the sampled threshold's count-and-gather is one pass, the
 sent entries are zeroed sparsely; in gradient mode one pass forms g - sent and one M.
-Fused exchange (:mod:`easgd_lightning.hooks._fused`, the elastic strategies' mode): DGC's
-segmented kernel without momentum runs the rule on every tensor of the buffer at once.
+Fused exchange (:mod:`easgd_lightning.hooks._fused`): DGC's segmented kernel without
+momentum runs the accumulate-and-sparsify rule on every tensor of the buffer at once; in
+gradient mode g - sent is formed over the buffer at the launch and M and the local update
+over its compressed runs after the mean (:meth:`SparseGCCompressor.finish_segments`):
+element-wise rules, so the same numbers as tensor by tensor.
 """
 
 from __future__ import annotations
@@ -149,24 +152,39 @@ class SparseGCCompressor(SparseCompressor):
         state["last_density"] = self.ratio
         return payload
 
-    @property
-    def fused_segments(self) -> bool:  # type: ignore[override]
-        """One call per exchange for the accumulate-and-sparsify part (the elastic
-        strategies); gradient mode's global momentum and local update stay per tensor."""
-        return not self.gradient_mode
+    fused_segments = True
 
     def compress_segments(self, flat: torch.Tensor, segments: Segments, state: dict):
         """:meth:`compress` on every segment at once: v (one flat buffer in ``state``) <-
-        v + g, each segment's own sampled threshold and k (DGC's kernel without momentum)."""
+        v + g, each segment's own sampled threshold and k (DGC's kernel without momentum);
+        in gradient mode with ``local_update`` g - sent is kept for :meth:`finish_segments`
+        (g with the sent values subtracted at their entries: what ``g - local`` gives)."""
         v = state.get("v")
         if v is None or v.shape != flat.shape or v.dtype != flat.dtype or v.device != flat.device:
             v = state["v"] = torch.zeros_like(flat)
         scratch = scratch_of(state)
         unused = scratch_buffer(scratch, "u_unused", flat.numel(), flat.dtype, flat.device)  # no momentum
         idx, val, _ = dgc_segments(flat, unused, v, segments, self.ratio, 0.0, False, self._rule, scratch)
+        if self.gradient_mode and self.local_update:
+            delayed = scratch_buffer(scratch, "delayed", flat.numel(), flat.dtype, flat.device)
+            delayed.copy_(flat)  # read now: the input (DDP's bucket) takes the mean later
+            _native.scatter_add_into(delayed, idx, torch.neg(val))
         state["last_nnz"] = int(idx.numel())
         state["last_density"] = self.ratio
         return sparse_payload(v, idx, val)
+
+    def finish_segments(self, out: torch.Tensor, segments: Segments, state: dict) -> None:
+        """Gradient mode, on the mean s of the compressed runs: M <- m M + s, then ``out``
+        <- (g - sent) + M (``local_update``) or M."""
+        if not self.gradient_mode:
+            return
+        M = state.get("M")
+        if M is None or M.shape != out.shape or M.dtype != out.dtype or M.device != out.device:
+            M = state["M"] = torch.zeros_like(out)
+        delayed = scratch_of(state).get("delayed") if self.local_update else None
+        for off, n in segments.runs():
+            m = global_momentum_update(M[off : off + n], out[off : off + n], self.momentum)
+            out[off : off + n] = m if delayed is None else delayed[off : off + n].add_(m)
 
     def _launch(self, tensor: torch.Tensor, state: dict, collective: Collective):
         """The sparse exchange; in gradient mode ``finish`` returns M + (g - sent)."""

@@ -264,6 +264,7 @@ FUSED_CASES = {
     "qsgd": ("qsgd", {"levels": 7, "bucket_size": 64, "seed": 5, "memory": True, "min_numel": 100}),
     "qsgd8": ("qsgd", {"seed": 5, "min_numel": 100}),
     "sparse_gc": ("sparse_gc", {"ratio": 0.02, "min_numel": 100}),
+    "sparse_gc_grad": ("sparse_gc", {"ratio": 0.02, "min_numel": 100}),
 }
 
 
@@ -272,6 +273,8 @@ def _fused_codec(name: str):
     comp = build_compressor(kind, **params)
     if name == "dgc_elastic":
         comp.bind_exchange(None)  # no momentum: v <- v + d
+    if name == "sparse_gc_grad":
+        comp.bind_training([], None)  # DDP's mode: the global momentum M and the local update
     return comp
 
 
@@ -287,7 +290,7 @@ def _codec_state(states: dict, memory, keys: list[str], per_tensor_fields=("u", 
         if st is None:  # fused: the group's flat u, v at this tensor's offset
             group = next(v for k, v in states.items() if k.startswith("fused:"))
             off, n = sum(math.prod(s) for s in FUSED_SHAPES[:j]), math.prod(FUSED_SHAPES[j])
-            st = {f: group[f][off : off + n] for f in ("u", "v") if f in group and f in per_tensor_fields}
+            st = {f: group[f][off : off + n] for f in per_tensor_fields if f in group}
         out.append([None if res is None else res.reshape(-1)] + [st.get(f) for f in per_tensor_fields])
     return out
 
@@ -324,11 +327,14 @@ def scenario_fused(rank: int, world: int) -> dict:
             mean_b, _, _ = start_exchange_flat(flat.clone(), layout, comp_b, mem_b, states_b, coll_b).finish()
             rec["calls"].append(get_meter().by_kind[f"fused_{name}"].calls - calls)
             rec["mean_equal"].append(torch.equal(torch.cat([m.reshape(-1) for m in means_a]), mean_b))
-            fields = ("v",) if name == "sparse_gc" else ("u", "v")  # sparse_gc: v, no momentum
+            # sparse_gc: v, no momentum u; in gradient mode the global momentum M
+            fields = {"sparse_gc": ("v",), "sparse_gc_grad": ("v", "M")}.get(name, ("u", "v"))
             rec["state_equal"].append(_same(_codec_state(states_a, mem_a, keys, fields),
                                             _codec_state(states_b, mem_b, keys, fields)))
             rec["scale"].append(float(mean_b.abs().max()))
         rec["checkpoint_keys"] = sorted(mem_b.state_dict().get("residuals", {}))
+        group = next(v for k, v in states_b.items() if k.startswith("fused:"))
+        rec["group_tensors"] = sorted(k for k, v in group.items() if isinstance(v, torch.Tensor))
         out[name] = rec
     return out
 
