@@ -89,7 +89,8 @@ def test_fused_exchange_equals_the_per_tensor_exchange_bitwise(two_ranks):
     residual written by the kernel or by the memory), random-k (the seeds drawn in the
     kernel), QSGD (3-bit and 8-bit levels, each tensor's own buckets and noise) and
     fp16 / bf16 (all-reduced; two ranks: a sum of two is the same in any order), and
-    sparse_gc on differences and on gradients (DDP's mode: the global momentum M and the
+    DGC with local clipping (each tensor's own norm, the small ones' too), sparse_gc on
+    differences and on gradients (DDP's mode: the global momentum M and the
     local update g - sent + M over the compressed runs after the mean)."""
     for rank in two_ranks:
         for name, rec in rank["fused"].items():

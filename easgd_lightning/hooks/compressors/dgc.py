@@ -28,12 +28,13 @@ Cost: the threshold comes from the sample of the corrected v, computed from u, v
 sampled entries alone; the momentum correction and the first round's count-and-gather are
 then one pass over (u, v, g) (native kernel on CPU); a further round (rare) is one pass
 that counts and gathers, and the masking writes only the sent entries of u and v.
-Fused exchange (:mod:`easgd_lightning.hooks._fused`, without ``clip_norm``, whose norm is
-per tensor): :func:`dgc_segments` runs the rule on every compressed tensor of the flat
+Fused exchange (:mod:`easgd_lightning.hooks._fused`): :func:`dgc_segments` runs the rule on every compressed tensor of the flat
 buffer in one native call, each tensor with its own k = ceil(density * n), sample,
 threshold and rounds (the same numbers as on each tensor alone; where more than 1.3 k
 survive, the k largest are kept, ties at the k-th magnitude broken by the lowest index,
-where ``torch.topk`` leaves the choice open); u and v are one flat buffer each.
+where ``torch.topk`` leaves the choice open); u and v are one flat buffer each. With
+``clip_norm`` each tensor's norm is still its own (:func:`clip_parts`), the small tensors'
+too (the dense message's members).
 """
 
 from __future__ import annotations
@@ -96,6 +97,24 @@ def clip_local(g: torch.Tensor, clip_norm: float | None, world_size: int) -> tor
     limit = clip_norm / math.sqrt(max(1, world_size))
     norm = torch.linalg.vector_norm(g)
     return g * torch.clamp(limit / (norm + 1e-12), max=1.0)
+
+
+def clip_parts(flat: torch.Tensor, parts, clip_norm: float | None, world_size: int, out: torch.Tensor) -> torch.Tensor:
+    """:func:`clip_local` of each (offset, length) part of the 1-D ``flat`` alone, into
+    ``out`` (its other entries left as they are): the norms one reduction per part (the
+    numbers of each tensor alone), the scales and the products one call each."""
+    if clip_norm is None:
+        return flat
+    offsets, lengths = [int(o) for o, _ in parts], [int(n) for _, n in parts]
+    if not offsets:
+        return flat
+    limit = clip_norm / math.sqrt(max(1, world_size))
+    norms = torch.stack([torch.linalg.vector_norm(flat[o : o + n]) for o, n in zip(offsets, lengths)])
+    scales = torch.clamp(limit / (norms + 1e-12), max=1.0)
+    index = parts.index(flat.device) if isinstance(parts, Segments) else torch.cat(
+        [torch.arange(o, o + n, device=flat.device) for o, n in zip(offsets, lengths)])
+    out.index_copy_(0, index, flat[index] * scales.repeat_interleave(torch.tensor(lengths, device=flat.device)))
+    return out
 
 
 def momentum_correction(
@@ -394,7 +413,13 @@ class DGCCompressor(SparseCompressor):
         send their accumulated difference without momentum."""
         if not self.gradient_mode:
             return tensor
-        flat = clip_local(tensor.reshape(-1), self.clip_norm, world_size)
+        flat = tensor.reshape(-1)
+        members = state.get("members")  # the fused exchange's dense message: each its own norm
+        if members and self.clip_norm is not None:
+            parts = [(off, n) for _, off, n in members]
+            flat = clip_parts(flat, parts, self.clip_norm, world_size, flat.clone())
+        else:
+            flat = clip_local(flat, self.clip_norm, world_size)
         if self.momentum == 0:
             return flat.clone().view_as(tensor)
         u = state.get("u")
@@ -494,10 +519,7 @@ class DGCCompressor(SparseCompressor):
         state["last_rounds"] = rounds
         return payload
 
-    @property
-    def fused_segments(self) -> bool:  # type: ignore[override]
-        """One call per exchange unless ``clip_norm`` (a norm per tensor) is set."""
-        return self.clip_norm is None
+    fused_segments = True
 
     def compress_segments(self, flat: torch.Tensor, segments: Segments, state: dict):
         """:meth:`compress` for every segment of the flat buffer at once (u, v: one flat
@@ -511,6 +533,9 @@ class DGCCompressor(SparseCompressor):
             v = state["v"] = torch.zeros_like(flat)
             state["u"] = torch.zeros_like(flat)
         density = self.density(step)
+        if self.gradient_mode and self.clip_norm is not None:
+            clipped = scratch_buffer(scratch_of(state), "clipped", flat.numel(), flat.dtype, flat.device)
+            flat = clip_parts(flat, segments, self.clip_norm, int(state.get("world_size", 1)), clipped)
         idx, val, rounds = dgc_segments(
             flat, state["u"], v, segments, density, self._momentum, self.nesterov, self._rule, scratch_of(state)
         )

@@ -254,6 +254,9 @@ FUSED_SHAPES = [(10,), (40, 30), (30,), (20, 60), (700,), (5,)]  # dense and com
 FUSED_CASES = {
     "topk": ("topk", {"ratio": 0.03, "sample_size": 500, "min_numel": 100}),
     "dgc": ("dgc", {"ratio": 0.02, "warmup_ratio_steps": 2, "min_numel": 100}),
+    # clip_norm 6: limit 6 / sqrt(2) = 4.2 clips the compressed tensors (norms ~26-35) and
+    # one of the three dense ones (~5.5; not ~3.2 and ~2.2), each by its own norm
+    "dgc_clip": ("dgc", {"ratio": 0.02, "warmup_ratio_steps": 2, "min_numel": 100, "clip_norm": 6.0}),
     "dgc_elastic": ("dgc", {"ratio": 0.02, "warmup_ratio_steps": 0, "min_numel": 100}),
     "signsgd": ("signsgd", {"min_numel": 100}),
     "signsgd_nomem": ("signsgd", {"min_numel": 100, "memory": False}),
