@@ -1,8 +1,7 @@
 """Per-tensor compressed exchange shared by the DDP hook and the elastic exchange.
 
-Which path an exchange takes: a codec with ``fused_segments`` (``topk``, ``dgc`` without
-``clip_norm``, ``signsgd``, ``randomk``, ``qsgd`` (fixed coding, s <= 127), ``fp16``,
-``bf16``, ``sparse_gc`` under the elastic strategies) and no SeCoPa plan runs the fused
+Which path an exchange takes: a codec with ``fused_segments`` (the list:
+:mod:`easgd_lightning.hooks._fused`) and no SeCoPa plan runs the fused
 exchange of :mod:`easgd_lightning.hooks._fused` over the attach point's flat buffer (one codec call, one message, each tensor's own
 rule kept per segment, the same numbers); every other codec runs the per-tensor exchange
 below (its payloads still travel in one batched message or fused all-reduce buffers per

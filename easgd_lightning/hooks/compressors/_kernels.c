@@ -649,22 +649,22 @@ static inline uint64_t mix64(uint64_t x) {
  * buckets of b entries (b = 0: the whole segment) and the noise words of
  * qsgd.noise_words(stream, key[s], call); its norms and levels follow the previous
  * segment's in norms and q. */
-#define DEF_QSGD_SEGMENTS(T, SFX)                                                           \
+#define DEF_QSGD_SEGMENTS(T, Q, SFX, QUANT)                                                 \
     void qsgd_segments_##SFX(const T *x, int64_t nseg, const int64_t *off, const int64_t *len,\
                              const int64_t *key, int64_t b, T levels, uint64_t stream,     \
-                             uint64_t call, T *norms, int8_t *q) {                          \
+                             uint64_t call, T *norms, Q *q) {                               \
         int64_t nb = 0, c = 0;                                                              \
         for (int64_t s = 0; s < nseg; s++) {                                                \
             uint64_t h = mix64(mix64(mix64(stream) ^ (uint64_t)key[s]) ^ call);             \
             int64_t bs = b > 0 ? b : (len[s] > 0 ? len[s] : 1);                             \
-            qsgd_quantize_##SFX##_i8(x + off[s], len[s], bs, levels, (uint32_t)h,          \
+            qsgd_quantize_##QUANT(x + off[s], len[s], bs, levels, (uint32_t)h,             \
                                      (uint32_t)(h >> 32), norms + nb, q + c);               \
             nb += (len[s] + bs - 1) / bs;                                                   \
             c += len[s];                                                                    \
         }                                                                                   \
     }                                                                                       \
     /* out[segment s] += level * (norm / levels) per bucket (one rank's payload) */         \
-    void qsgd_dequantize_add_segments_##SFX(const int8_t *q, int64_t nseg, const int64_t *off,\
+    void qsgd_dequantize_add_segments_##SFX(const Q *q, int64_t nseg, const int64_t *off,  \
                                             const int64_t *len, int64_t b, const T *norms,  \
                                             T levels, T *out) {                             \
         int64_t nb = 0, c = 0;                                                              \
@@ -673,15 +673,17 @@ static inline uint64_t mix64(uint64_t x) {
             for (int64_t i = 0; i < len[s]; i += bs, nb++) {                                \
                 T f = norms[nb] / levels;                                                   \
                 int64_t m = i + bs <= len[s] ? bs : len[s] - i;                             \
-                const int8_t *src = q + c + i;                                              \
+                const Q *src = q + c + i;                                                   \
                 T *dst = out + off[s] + i;                                                  \
                 for (int64_t j = 0; j < m; j++) dst[j] += (T)src[j] * f;                    \
             }                                                                               \
             c += len[s];                                                                    \
         }                                                                                   \
     }
-DEF_QSGD_SEGMENTS(float, f32)
-DEF_QSGD_SEGMENTS(double, f64)
+DEF_QSGD_SEGMENTS(float, int8_t, f32, f32_i8)
+DEF_QSGD_SEGMENTS(double, int8_t, f64, f64_i8)
+DEF_QSGD_SEGMENTS(float, int16_t, f32_i16, f32_i16)
+DEF_QSGD_SEGMENTS(double, int16_t, f64_i16, f64_i16)
 
 /* QSGD's wire format: level i as a w-bit two's-complement field (w = ceil(log2(s + 1)) + 1:
  * the level's bits and a sign bit), packed little-endian: entry i holds stream bits
@@ -756,6 +758,13 @@ void qsgd_unpack_i8(const uint8_t *p, int64_t n, int w, int8_t *q) {
         memcpy(q + i, &word, 8);
     }
     for (; i < n; i++) q[i] = (int8_t)(qsgd_field(p, nbytes, i, w) * (1 << (8 - w)));
+}
+
+/* For 8 < w < 16 (s = 128 .. 16383): q_i = level_i * 2^(16 - w) as int16, scaled back by the
+ * caller as qsgd_unpack_i8's levels are. */
+void qsgd_unpack_i16(const uint8_t *p, int64_t n, int w, int16_t *q) {
+    const int64_t nbytes = (n * w + 7) / 8;
+    for (int64_t i = 0; i < n; i++) q[i] = (int16_t)(qsgd_field(p, nbytes, i, w) * (1 << (16 - w)));
 }
 
 /* Decode the packed levels of n entries and scale them: out_i = level_i * (norm_k / s). */

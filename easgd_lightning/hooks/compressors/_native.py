@@ -97,11 +97,12 @@ for _t, _c in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
     _SIGNATURES[f"randomk_segments_{_t}"] = (
         None, [ctypes.c_void_p, _i64] + [ctypes.c_void_p] * 4 + [_i64, _i64, ctypes.c_int,
                ctypes.c_void_p, ctypes.c_void_p])
-    _SIGNATURES[f"qsgd_segments_{_t}"] = (
-        None, [ctypes.c_void_p, _i64] + [ctypes.c_void_p] * 3 + [_i64, _c, ctypes.c_uint64,
-               ctypes.c_uint64, ctypes.c_void_p, ctypes.c_void_p])
-    _SIGNATURES[f"qsgd_dequantize_add_segments_{_t}"] = (
-        None, [ctypes.c_void_p, _i64] + [ctypes.c_void_p] * 2 + [_i64, ctypes.c_void_p, _c, ctypes.c_void_p])
+    for _name in (_t, f"{_t}_i16"):  # int8 levels (s <= 127), int16 levels
+        _SIGNATURES[f"qsgd_segments_{_name}"] = (
+            None, [ctypes.c_void_p, _i64] + [ctypes.c_void_p] * 3 + [_i64, _c, ctypes.c_uint64,
+                   ctypes.c_uint64, ctypes.c_void_p, ctypes.c_void_p])
+        _SIGNATURES[f"qsgd_dequantize_add_segments_{_name}"] = (
+            None, [ctypes.c_void_p, _i64] + [ctypes.c_void_p] * 2 + [_i64, ctypes.c_void_p, _c, ctypes.c_void_p])
     for _q in ("i8", "i16"):
         _SIGNATURES[f"qsgd_quantize_{_t}_{_q}"] = (
             None, [ctypes.c_void_p, _i64, _i64, _c, ctypes.c_uint32, ctypes.c_uint32,
@@ -115,7 +116,8 @@ for _t, _c in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
 for _q in ("i8", "i16"):
     _SIGNATURES[f"qsgd_pack_{_q}"] = (None, [ctypes.c_void_p, _i64, ctypes.c_int, ctypes.c_void_p])
     _SIGNATURES[f"qsgd_elias_encode_{_q}"] = (_i64, [ctypes.c_void_p, _i64, ctypes.c_void_p, _i64])
-_SIGNATURES["qsgd_unpack_i8"] = (None, [ctypes.c_void_p, _i64, ctypes.c_int, ctypes.c_void_p])
+for _q in ("i8", "i16"):
+    _SIGNATURES[f"qsgd_unpack_{_q}"] = (None, [ctypes.c_void_p, _i64, ctypes.c_int, ctypes.c_void_p])
 
 SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
@@ -165,7 +167,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None, str]:
     lib = _prebuilt()
     if lib is not None:
         return lib, "prebuilt", ""
-    return None, None, f"{why}, and the package carries no prebuilt kernel library"
+    return None, None, f"{why}, and the package carries no prebuilt kernel library that loads"
 
 
 def _build() -> ctypes.CDLL | None:
@@ -174,6 +176,7 @@ def _build() -> ctypes.CDLL | None:
         return None
     src = _SRC.read_bytes()
     cache = Path(os.environ.get("EASGD_KERNEL_CACHE", Path.home() / ".cache" / "easgd_lightning"))
+    errors = []
     for extra in (["-march=native"], []):
         flags = _FLAGS + extra
         tag = hashlib.sha256(src + " ".join([cc, *flags, _cpu_id()]).encode()).hexdigest()[:16]
@@ -187,11 +190,14 @@ def _build() -> ctypes.CDLL | None:
             )
             if proc.returncode != 0:
                 os.unlink(tmp)
+                errors.append((proc.stderr.strip().splitlines() or ["?"])[0])
                 continue
             os.replace(tmp, path)
         lib = _bind(path)
         if lib is not None:
             return lib
+    if errors:  # a compiler that rejects the source: say so (not "no compiler")
+        raise subprocess.SubprocessError(f"{cc} rejected {_SRC.name}: {errors[-1]}")
     return None
 
 

@@ -25,7 +25,7 @@ of the order in which tensors are compressed. The stream seed is the compressor'
 :meth:`~QSGDCompressor.state_dict` and the count is per-tensor state, so a resumed run
 draws the noise of one that never stopped.
 
-Fused exchange (:mod:`easgd_lightning.hooks._fused`, ``coding: fixed`` with s <= 127):
+Fused exchange (:mod:`easgd_lightning.hooks._fused`, ``coding: fixed`` with s <= 32767):
 one native call quantizes every tensor of the exchange's buffer with its own buckets and
 noise words (the same levels and norms as each tensor alone); the levels of all of them
 are packed in one stream (up to a byte less per tensor than one stream each), and each
@@ -411,8 +411,14 @@ class QSGDCompressor(Compressor):
 
     @property
     def fused_segments(self) -> bool:  # type: ignore[override]
-        """One call per exchange for the fixed-width coding of int8 levels (s <= 127)."""
-        return self.coding == "fixed" and self.levels <= 127
+        """One call per exchange for the fixed-width coding of int8 / int16 levels
+        (s <= 32767)."""
+        return self.coding == "fixed" and self.levels <= 32767
+
+    def _kernel(self, lib, name: str, dtype: torch.dtype):
+        """The segmented kernel ``name`` for ``dtype`` values and this codec's level type."""
+        wide = "_i16" if level_dtype(self.levels) == torch.int16 else ""
+        return getattr(lib, f"{name}_{_native.SUFFIX[dtype]}{wide}")
 
     def compress_segments(self, flat: torch.Tensor, segments: Segments, state: dict) -> Payload:
         """(norms of every segment's buckets, one packed stream of all their levels)."""
@@ -427,9 +433,9 @@ class QSGDCompressor(Compressor):
         lib = _native.use(flat)
         if lib is not None and segments.total < 2**32:
             norms = scratch_buffer(scratch, "qsgd_norms", nb, flat.dtype, flat.device)
-            q = scratch_buffer(scratch, "qsgd_levels", segments.total, torch.int8, flat.device)
+            q = scratch_buffer(scratch, "qsgd_levels", segments.total, level_dtype(self.levels), flat.device)
             off, lens = segments.arrays()
-            _native.fn(lib, "qsgd_segments", flat.dtype)(
+            self._kernel(lib, "qsgd_segments", flat.dtype)(
                 flat.data_ptr(), len(segments), off.data_ptr(), lens.data_ptr(),
                 segments.int64("key_hash", keys).data_ptr(), self.bucket_size, float(self.levels),
                 self._stream_seed & _MASK64, call, norms.data_ptr(), q.data_ptr())
@@ -445,16 +451,18 @@ class QSGDCompressor(Compressor):
         w, n = self.width, segments.total
         lib = _native.use(out)
         if lib is not None and packed.device.type == "cpu" and norms.dtype == out.dtype:
-            levels = float(self.levels)
-            if w == 8:
-                q = _aligned(packed).view(torch.int8)
-            else:  # int8 levels times 2^(8 - w) with s 2^(8 - w): the same products
-                q = scratch_buffer(self._decode_scratch, "levels", n, torch.int8, packed.device)
-                _native.lib().qsgd_unpack_i8(packed.contiguous().data_ptr(), n, w, q.data_ptr())
-                levels *= 2 ** (8 - w)
+            levels, qtype = float(self.levels), level_dtype(self.levels)
+            bits = 8 * qtype.itemsize
+            if w == bits:
+                q = _aligned(packed).view(qtype)
+            else:  # levels times 2^(bits - w) with s 2^(bits - w): the same products
+                q = scratch_buffer(self._decode_scratch, "levels", n, qtype, packed.device)
+                unpack = _native.lib().qsgd_unpack_i8 if bits == 8 else _native.lib().qsgd_unpack_i16
+                unpack(packed.contiguous().data_ptr(), n, w, q.data_ptr())
+                levels *= 2 ** (bits - w)
             off, lens = segments.arrays()
             norms = norms.contiguous()
-            _native.fn(lib, "qsgd_dequantize_add_segments", out.dtype)(
+            self._kernel(lib, "qsgd_dequantize_add_segments", out.dtype)(
                 q.data_ptr(), len(segments), off.data_ptr(), lens.data_ptr(), self.bucket_size,
                 norms.data_ptr(), levels, out.data_ptr())
             return

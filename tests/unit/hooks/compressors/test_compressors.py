@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -807,6 +809,17 @@ from easgd_lightning.hooks.compressors.randomk import shared_random_indices  # n
 from easgd_lightning.hooks.memory import ResidualMemory  # noqa: E402
 
 needs_native = pytest.mark.skipif(not _native.available(), reason="no C compiler: eager paths only")
+
+
+@pytest.mark.skipif(
+    not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")) or os.environ.get("EASGD_NATIVE_KERNELS"),
+    reason="no C compiler on PATH (or the kernels' source set by EASGD_NATIVE_KERNELS)",
+)
+def test_the_kernels_compile_where_a_compiler_is_present():
+    """With a compiler the native tests run on kernels compiled from this checkout's source:
+    a source that does not compile fails here rather than turning those tests into skips
+    (they skip only where no kernels load at all)."""
+    assert _native.source() == "compiled", _native.source()
 
 FAST = [
     ("topk", {"ratio": 0.01}),

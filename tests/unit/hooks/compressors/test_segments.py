@@ -222,7 +222,10 @@ def test_every_fused_codec_transmits_what_its_per_tensor_rule_does(name):
     assert torch.equal(local[on], ref[on])
 
 
-@pytest.mark.parametrize(("native", "levels", "bucket"), [(True, 127, 512), (True, 7, 64), (False, 7, 64), (True, 1, 0)])
+@pytest.mark.parametrize(("native", "levels", "bucket"), [
+    (True, 127, 512), (True, 7, 64), (False, 7, 64), (True, 1, 0),
+    (True, 300, 64), (False, 300, 64), (True, 32767, 512),  # int16 levels: 10 and 16 bits
+])
 def test_qsgd_segments_equal_each_tensor_alone(native, levels, bucket):
     """Every tensor's own buckets and noise words (from its key, the stream and the call
     count, derived in the kernel), one packed stream: decoded, the per-tensor levels times
