@@ -591,6 +591,55 @@ def _header(scenario: dict) -> list[str]:
     return lines
 
 
+#: the CPU-time fields of /proc/stat's first line, in order
+CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def cpu_delta(after: dict, before: dict) -> dict:
+    """Seconds of CPU time by kind between two :data:`CPU_FIELDS` readings (and ``wall_s``)."""
+    return {k: after[k] - before[k] for k in (*CPU_FIELDS, "wall_s")}
+
+
+def steady_cpu(long: dict | None, short: dict | None, steps: int, cores: int) -> dict | None:
+    """The machine's CPU use in the steady state of a row: the CPU time of the long run
+    minus the short run's (both start the same processes, which cancel) per step of the
+    difference, and the shares of the cores' time in that window by kind (busy = all but
+    idle and iowait; system; interrupts = irq + softirq, the emulated links' packets;
+    steal = taken by the hypervisor). None without both readings or a positive window."""
+    if not long or not short or steps <= 0:
+        return None
+    d = {k: long[k] - short[k] for k in (*CPU_FIELDS, "wall_s")}
+    total = sum(d[k] for k in CPU_FIELDS)
+    if d["wall_s"] <= 0 or total <= 0:
+        return None
+    busy = total - d["idle"] - d["iowait"]
+    return {
+        "cpu_ms_per_step": 1e3 * busy / steps,
+        "busy_share": busy / total,
+        "user_share": (d["user"] + d["nice"]) / total,
+        "system_share": d["system"] / total,
+        "interrupt_share": (d["irq"] + d["softirq"]) / total,
+        "steal_share": d["steal"] / total,
+        "cores": cores,
+    }
+
+
+def cpu_md(rows: Sequence[dict]) -> str:
+    """The line under a throughput table: each row's steady-state CPU use (:func:`steady_cpu`)."""
+    parts = [
+        f"{row_spec(r)} {r['cpu']['cpu_ms_per_step']:.1f} ms (busy {100 * r['cpu']['busy_share']:.0f}%: "
+        f"user {100 * r['cpu']['user_share']:.0f}, system {100 * r['cpu']['system_share']:.0f}, "
+        f"interrupts {100 * r['cpu']['interrupt_share']:.0f}, steal {100 * r['cpu']['steal_share']:.0f})"
+        for r in rows
+        if r.get("cpu")
+    ]
+    cores = next(r["cpu"]["cores"] for r in rows if r.get("cpu"))
+    return (
+        f"CPU of the whole machine ({cores} cores, every process and the kernel's packet work) per "
+        "step in the steady state, with the shares of the cores' time: " + "; ".join(parts) + "."
+    )
+
+
 def render_markdown(rows: list[dict], scenario: dict) -> str:
     """Render the table (and a scenario header, and the targets) as markdown.
 
@@ -624,6 +673,8 @@ def render_markdown(rows: list[dict], scenario: dict) -> str:
         lines += ["", sc17_projection_md(scenario.get("costmodel_sc17"))]
     if any(r.get("tokens_per_s") is not None for r in rows):
         lines += ["", _tokens_md(rows)]
+    if any(r.get("cpu") for r in rows):
+        lines += ["", cpu_md(rows)]
     return "\n".join(lines + _targets_md(targets)) + "\n"
 
 
