@@ -1,11 +1,11 @@
 """Per-tensor compressed exchange shared by the DDP hook and the elastic exchange.
 
 Which path an exchange takes: a codec with ``fused_segments`` (the list:
-:mod:`easgd_lightning.hooks._fused`) and no SeCoPa plan runs the fused
-exchange of :mod:`easgd_lightning.hooks._fused` over the attach point's flat buffer (one codec call, one message, each tensor's own
-rule kept per segment, the same numbers); every other codec runs the per-tensor exchange
-below (its payloads still travel in one batched message or fused all-reduce buffers per
-exchange, but the codec is called once per tensor).
+:mod:`easgd_lightning.hooks._fused`) and no SeCoPa plan runs the fused exchange of
+:mod:`easgd_lightning.hooks._fused` over the attach point's flat buffer (one codec call,
+one message, each tensor's own rule kept per segment, the same numbers); every other codec
+runs the per-tensor exchange below (its payloads still travel in one batched message or
+fused all-reduce buffers per exchange, but the codec is called once per tensor).
 
 Policy: tensors with fewer than ``compressor.min_numel`` elements are concatenated and
 sent dense (one message, as DGC and HiPress do for small layers; a compressor with a

@@ -28,8 +28,9 @@ Cost: the threshold comes from the sample of the corrected v, computed from u, v
 sampled entries alone; the momentum correction and the first round's count-and-gather are
 then one pass over (u, v, g) (native kernel on CPU); a further round (rare) is one pass
 that counts and gathers, and the masking writes only the sent entries of u and v.
-Fused exchange (:mod:`easgd_lightning.hooks._fused`): :func:`dgc_segments` runs the rule on every compressed tensor of the flat
-buffer in one native call, each tensor with its own k = ceil(density * n), sample,
+Fused exchange (:mod:`easgd_lightning.hooks._fused`): :func:`dgc_segments` runs the rule on
+every compressed tensor of the flat buffer in one native call, each tensor with its own
+k = ceil(density * n), sample,
 threshold and rounds (the same numbers as on each tensor alone; where more than 1.3 k
 survive, the k largest are kept, ties at the k-th magnitude broken by the lowest index,
 where ``torch.topk`` leaves the choice open); u and v are one flat buffer each. With
