@@ -24,10 +24,8 @@ from bench._scenarios import (
     BenchConfig,
 )
 from bench._tables import (
-    CPU_FIELDS,
     FIGURES,
     comm_share_of,
-    cpu_delta,
     fmt_figure,
     mean_or_none,
     row_from_summary,
@@ -39,19 +37,6 @@ from bench._tables import (
 )
 from easgd_lightning.config_tree import CONF_DIR, group_dir
 from easgd_lightning.utils.rank_env import clean_env, rank_env
-
-
-def cpu_times() -> dict | None:
-    """The machine's CPU time so far by kind (:data:`~bench._tables.CPU_FIELDS`, seconds
-    summed over cores, from /proc/stat) and a monotonic ``wall_s``; None where there is no
-    /proc/stat."""
-    try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    except OSError:
-        return None
-    hz = os.sysconf("SC_CLK_TCK")
-    values = [int(v) / hz for v in fields] + [0.0] * len(CPU_FIELDS)
-    return {**dict(zip(CPU_FIELDS, values)), "wall_s": time.monotonic()}
 
 
 def loadavg() -> str | None:
@@ -300,18 +285,13 @@ def _launch(
     if switch:  # NetReduce emulated: the aggregator at the switch (python -m bench.cluster --aggregator switch)
         cmd = [*cmd, "comm.aggregator=external"]
         start_switch_aggregator(cluster, port, run_dir / "logs" / "switch.log", timeout_s)
-    cpu_before = cpu_times()
     for rank in range(cluster.world_size):
         log = run_dir / "logs" / f"rank{rank}.log"
         logs.append(log)
         procs.append(cluster.spawn(cluster.host_of(rank), cmd, host_rank_env(cluster, rank, port), log))
     codes, timed_out = wait_all(procs, timeout_s)
-    cpu_after = cpu_times()
     cluster.kill_procs()
-    status, summary = _outcome(label, run_dir, logs, codes, timed_out, timeout_s)
-    if summary is not None and cpu_before and cpu_after:  # the bench's own reading, not written to disk
-        summary["bench_cpu"] = cpu_delta(cpu_after, cpu_before)
-    return status, summary
+    return _outcome(label, run_dir, logs, codes, timed_out, timeout_s)
 
 
 def _outcome(label: str, run_dir: Path, logs: list[Path], codes: list[int | None], timed_out: bool,
@@ -393,8 +373,7 @@ def run_config(
         else:
             result.figures.update(steady)
             result.figures["measured"] = f"steps {warmup_steps + 1}..{steps}"
-            result.figures["cpu"] = steady_cpu(
-                summary.get("bench_cpu"), short.get("bench_cpu"), steps - warmup_steps, os.cpu_count() or 1)
+            result.figures["cpu"] = steady_cpu(summary, short, steps - warmup_steps, os.cpu_count() or 1)
     result.figures["whole_run"] = {k: whole[k] for k in FIGURES}
     return result
 

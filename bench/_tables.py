@@ -19,6 +19,7 @@ from bench._scenarios import (
     Target,
     one_config,
 )
+from easgd_lightning.utils.cputime import CPU_FIELDS
 
 
 def _row_key(row: dict) -> tuple:
@@ -591,26 +592,20 @@ def _header(scenario: dict) -> list[str]:
     return lines
 
 
-#: the CPU-time fields of /proc/stat's first line, in order
-CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
-
-
-def cpu_delta(after: dict, before: dict) -> dict:
-    """Seconds of CPU time by kind between two :data:`CPU_FIELDS` readings (and ``wall_s``)."""
-    return {k: after[k] - before[k] for k in (*CPU_FIELDS, "wall_s")}
-
-
-def steady_cpu(long: dict | None, short: dict | None, steps: int, cores: int) -> dict | None:
-    """The machine's CPU use in the steady state of a row: the CPU time of the long run
-    minus the short run's (both start the same processes, which cancel) per step of the
-    difference, and the shares of the cores' time in that window by kind (busy = all but
-    idle and iowait; system; interrupts = irq + softirq, the emulated links' packets;
-    steal = taken by the hypervisor). None without both readings or a positive window."""
-    if not long or not short or steps <= 0:
+def steady_cpu(long: dict, short: dict, steps: int, cores: int) -> dict | None:
+    """A row's CPU use in the steady state, from two summaries of it (``long``, ``short``):
+    their ``train_cpu_per_rank`` (each rank's CPU from the start to the end of training)
+    differ by the steps between them. The machine's (rank 0's /proc/stat reading: every
+    core, every host of the emulation, the kernel's packet work) as busy core-ms per step
+    and as shares of the cores' time (busy = all but idle and iowait; interrupts = irq +
+    softirq; steal = taken by the hypervisor), and each rank's own process per step. None
+    without both readings or with a window that is not positive."""
+    a, b = long.get("train_cpu_per_rank") or [], short.get("train_cpu_per_rank") or []
+    if steps <= 0 or not a or len(a) != len(b) or not (a[0] and b[0] and a[0].get("host") and b[0].get("host")):
         return None
-    d = {k: long[k] - short[k] for k in (*CPU_FIELDS, "wall_s")}
-    total = sum(d[k] for k in CPU_FIELDS)
-    if d["wall_s"] <= 0 or total <= 0:
+    d = {k: a[0]["host"][k] - b[0]["host"][k] for k in CPU_FIELDS}
+    total = sum(d.values())
+    if a[0]["wall_s"] - b[0]["wall_s"] <= 0 or total <= 0:
         return None
     busy = total - d["idle"] - d["iowait"]
     return {
@@ -621,22 +616,29 @@ def steady_cpu(long: dict | None, short: dict | None, steps: int, cores: int) ->
         "interrupt_share": (d["irq"] + d["softirq"]) / total,
         "steal_share": d["steal"] / total,
         "cores": cores,
+        "process_ms_per_step": [1e3 * (x["process_s"] - y["process_s"]) / steps if x and y else None
+                                for x, y in zip(a, b)],
     }
 
 
 def cpu_md(rows: Sequence[dict]) -> str:
     """The line under a throughput table: each row's steady-state CPU use (:func:`steady_cpu`)."""
+    def ranks(c: dict) -> str:
+        return ", ".join("-" if v is None else f"{v:.1f}" for v in c.get("process_ms_per_step") or [])
+
     parts = [
         f"{row_spec(r)} {r['cpu']['cpu_ms_per_step']:.1f} ms (busy {100 * r['cpu']['busy_share']:.0f}%: "
         f"user {100 * r['cpu']['user_share']:.0f}, system {100 * r['cpu']['system_share']:.0f}, "
-        f"interrupts {100 * r['cpu']['interrupt_share']:.0f}, steal {100 * r['cpu']['steal_share']:.0f})"
+        f"interrupts {100 * r['cpu']['interrupt_share']:.0f}, steal {100 * r['cpu']['steal_share']:.0f}; "
+        f"ranks' processes {ranks(r['cpu'])} ms)"
         for r in rows
         if r.get("cpu")
     ]
     cores = next(r["cpu"]["cores"] for r in rows if r.get("cpu"))
     return (
-        f"CPU of the whole machine ({cores} cores, every process and the kernel's packet work) per "
-        "step in the steady state, with the shares of the cores' time: " + "; ".join(parts) + "."
+        f"CPU per step in the steady state, of the whole machine ({cores} cores, every host's "
+        "processes and the kernel's packet work; shares of the cores' time) and of each rank's "
+        "own process: " + "; ".join(parts) + "."
     )
 
 

@@ -6,7 +6,8 @@ script times that collective alone, with nothing of the framework around it: two
 runs ``--compute-ms`` of single-threaded matrix products (the same on both, so neither waits
 for a slower peer), then one ``all_gather`` of ``--sizes`` bytes, ``--repeats`` times; the
 first ``--warmup`` are dropped. It reports the median, the mean and the 90th percentile of the
-collective's time per call (launch to completion), on the emulated hosts (two network
+collective's time per call (launch to completion) and the CPU time rank 0's process spent in
+it (every thread: gloo's included), on the emulated hosts (two network
 namespaces at ``--rate-mbit``, as ``bench/cluster.py`` builds them) and, with ``--loopback``,
 as two plain processes on 127.0.0.1. The mean is what a training step pays on average.
 
@@ -62,14 +63,15 @@ def _worker(args) -> int:
     for size in [int(s) for s in args.sizes.split(",")]:
         send = torch.zeros(size, dtype=torch.uint8)
         out = [torch.empty_like(send) for _ in range(world)]
-        times = []
+        times, cpu = [], 0.0
         for i in range(args.repeats):
             busy(args.compute_ms, a, b)
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             dist.all_gather(out, send, async_op=True).wait()
             if i >= args.warmup:
                 times.append((time.perf_counter() - start) * 1e3)
-        rows.append({"bytes": size, **summarize(times)})
+                cpu += time.process_time() - start_cpu
+        rows.append({"bytes": size, **summarize(times), "cpu_ms": 1e3 * cpu / len(times)})
     if dist.get_rank() == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "floor.json").write_text(json.dumps(rows, indent=1))
@@ -130,9 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = json.loads((args.out / "floor.json").read_text())
     print(f"# gloo all-gather after {args.compute_ms:g} ms of compute, {where}; "
           f"load average before {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    print("| bytes per rank | median (ms) | mean (ms) | p90 (ms) | calls |\n|---:|---:|---:|---:|---:|")
+    print("| bytes per rank | median (ms) | mean (ms) | p90 (ms) | CPU of rank 0 per call (ms, all its threads) | calls |\n"
+          "|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['bytes']} | {r['median_ms']:.3f} | {r['mean_ms']:.3f} | {r['p90_ms']:.3f} | {r['calls']} |")
+        print(f"| {r['bytes']} | {r['median_ms']:.3f} | {r['mean_ms']:.3f} | {r['p90_ms']:.3f} | {r['cpu_ms']:.3f} "
+              f"| {r['calls']} |")
     best = args.compute_ms / (args.compute_ms + rows[0]["mean_ms"])
     print(f"Efficiency bound of one blocking collective per step at a {args.compute_ms:g} ms limit "
           f"step: {best:.2f} (compute / (compute + mean of the smallest message)).")

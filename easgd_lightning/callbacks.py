@@ -20,6 +20,7 @@ from easgd_lightning.compat import lightning as compat
 from easgd_lightning.compat.lightning import PATH
 from easgd_lightning.utils import stop
 from easgd_lightning.utils.atomic import atomic_torch_save
+from easgd_lightning.utils.cputime import cpu_delta, cpu_reading
 
 __all__ = [
     "AtomicCheckpointIO",
@@ -112,9 +113,18 @@ class TrainClockCallback(pl.Callback):
         self.val_start: float | None = None
         self.val_s = 0.0
         self.train_time_s: float | None = None
+        self._cpu_start: dict | None = None
+        #: CPU time from the start to the end of training (validation passes included):
+        #: ``cputime.cpu_delta`` of the machine's and this process's; None before the end
+        self.train_cpu: dict | None = None
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.start, self.val_s = time.perf_counter(), 0.0
+        self._cpu_start, self.train_cpu = cpu_reading(), None
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self._cpu_start is not None:
+            self.train_cpu = cpu_delta(cpu_reading(), self._cpu_start)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.start is not None:

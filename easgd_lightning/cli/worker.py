@@ -342,6 +342,7 @@ def _fit_and_report(cfg, out_dir: Path, rank: int, trainer, module, dm, strategy
         "steps": steps,
         "wall_time_s": wall,
         "train_time_s": train_clock.train_time_s,
+        "train_cpu": train_clock.train_cpu,
         # a rank counts samples when it consumes its own data (not a server, and for
         # pipeline/tensor parallelism only one rank per data-parallel replica)
         "samples": steps * batch if role != "server" and extras.get("counts_samples", True) else 0,

@@ -28,7 +28,7 @@ computes for each tensor alone (the unit and distributed tests compare them bitw
 the fused path is a change of speed only (an all-reduce codec's sum over more than two
 ranks may round differently: a ring sums in an order of its own). It applies where
 ``compressor.fused_segments`` is true (``topk``, ``dgc``, ``signsgd``, ``randomk``,
-``qsgd`` (fixed coding, s <= 32767), ``fp16``, ``bf16``, ``sparse_gc``), with no SeCoPa
+``qsgd`` (s <= 32767), ``fp16``, ``bf16``, ``sparse_gc``), with no SeCoPa
 plan and a collective that batches its all-gathers (:class:`~easgd_lightning.hooks.collective.
 ProcessGroupCollective`); every other codec takes the per-tensor exchange.
 

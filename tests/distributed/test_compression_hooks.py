@@ -87,7 +87,7 @@ def test_fused_exchange_equals_the_per_tensor_exchange_bitwise(two_ranks):
     residuals and u, v of the per-tensor exchange, over three steps, the third resumed
     from the per-tensor side's checkpoint; so do EF-signSGD (with and without memory: the
     residual written by the kernel or by the memory), random-k (the seeds drawn in the
-    kernel), QSGD (3-, 8- and 12-bit levels, each tensor's own buckets and noise) and
+    kernel), QSGD (3-, 8- and 12-bit levels and the Elias coding, each tensor's own buckets and noise) and
     fp16 / bf16 (all-reduced; two ranks: a sum of two is the same in any order), and
     DGC with local clipping (each tensor's own norm, the small ones' too), sparse_gc on
     differences and on gradients (DDP's mode: the global momentum M and the

@@ -3,6 +3,7 @@ and ``bench/_tables.py`` takes a step time from it rather than from the wall tim
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -77,3 +78,43 @@ def test_steady_figures_take_the_summaries_train_time_over_wall_and_history() ->
     for s in (short, long):
         s["train_time_s"] = None
     assert _tables.steady_figures(long, short)["step_time_s"] == pytest.approx(1.2 / 100)
+
+
+class _HalfBusy(pl.LightningModule):
+    """A training step of BUSY_S spent on the CPU, then SLEEP_S asleep."""
+
+    BUSY_S, SLEEP_S = 0.03, 0.05
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        start = time.process_time()
+        while time.process_time() - start < self.BUSY_S:
+            pass
+        time.sleep(self.SLEEP_S)
+        return self.layer(batch[0]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_train_cpu_counts_the_process_cpu_and_the_machine_over_training() -> None:
+    clock = TrainClockCallback()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, max_steps=STEPS, callbacks=[clock],
+    )
+    assert clock.train_cpu is None
+    trainer.fit(_HalfBusy(), train_dataloaders=_loader())
+    cpu = clock.train_cpu
+    busy, asleep = STEPS * _HalfBusy.BUSY_S, STEPS * _HalfBusy.SLEEP_S
+    assert cpu["wall_s"] >= busy + asleep
+    # the busy loops count, the sleeps do not (Lightning's own work adds a little)
+    assert busy <= cpu["process_s"] < busy + asleep / 2
+    host = cpu["host"]
+    assert set(host) == {"user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal"}
+    # the machine ran at least this process's CPU time, in at most wall x cores
+    assert sum(host.values()) - host["idle"] - host["iowait"] >= 0.9 * cpu["process_s"]
+    assert sum(host.values()) <= 1.2 * cpu["wall_s"] * os.cpu_count() + 0.05

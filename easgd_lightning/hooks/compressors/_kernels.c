@@ -889,6 +889,30 @@ static inline uint64_t get_omega(const uint8_t *p, int64_t nbits, int64_t *pos) 
 DEF_ELIAS_DECODE(float, f32)
 DEF_ELIAS_DECODE(double, f64)
 
+/* The signed levels of a stream (zero elsewhere) for the fused exchange, whose buckets
+ * restart at every tensor; -1 when the stream is malformed, points past n or holds a level
+ * above s, else 0. */
+#define DEF_ELIAS_LEVELS(Q, SFX)                                                            \
+    int64_t qsgd_elias_levels_##SFX(const uint8_t *p, int64_t nbytes, int64_t n, int64_t s, \
+                                    Q *q) {                                                 \
+        int64_t pos = 0, nbits = 8 * nbytes, prev = -1;                                     \
+        memset(q, 0, (size_t)n * sizeof(Q));                                                \
+        uint64_t count = get_omega(p, nbits, &pos);                                         \
+        if (count == 0) return -1;                                                          \
+        for (uint64_t c = 1; c < count; c++) {                                              \
+            uint64_t d = get_omega(p, nbits, &pos);                                         \
+            int neg = get_bit(p, nbits, &pos);                                              \
+            uint64_t lev = get_omega(p, nbits, &pos);                                       \
+            if (d == 0 || lev == 0 || lev > (uint64_t)s || (uint64_t)(n - 1 - prev) < d)    \
+                return -1;                                                                  \
+            prev += (int64_t)d;                                                             \
+            q[prev] = (Q)(neg ? -(int64_t)lev : (int64_t)lev);                              \
+        }                                                                                   \
+        return 0;                                                                           \
+    }
+DEF_ELIAS_LEVELS(int8_t, i8)
+DEF_ELIAS_LEVELS(int16_t, i16)
+
 /* ------------------------------------------------------------------ sign */
 
 /* float32 rows of the table, two bytes (16 entries, one cache line) per streaming store

@@ -118,6 +118,7 @@ for _q in ("i8", "i16"):
     _SIGNATURES[f"qsgd_elias_encode_{_q}"] = (_i64, [ctypes.c_void_p, _i64, ctypes.c_void_p, _i64])
 for _q in ("i8", "i16"):
     _SIGNATURES[f"qsgd_unpack_{_q}"] = (None, [ctypes.c_void_p, _i64, ctypes.c_int, ctypes.c_void_p])
+    _SIGNATURES[f"qsgd_elias_levels_{_q}"] = (_i64, [ctypes.c_void_p, _i64, _i64, _i64, ctypes.c_void_p])
 
 SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 

@@ -30,10 +30,11 @@ then one pass over (u, v, g) (native kernel on CPU); a further round (rare) is o
 that counts and gathers, and the masking writes only the sent entries of u and v.
 Fused exchange (:mod:`easgd_lightning.hooks._fused`): :func:`dgc_segments` runs the rule on
 every compressed tensor of the flat buffer in one native call, each tensor with its own
-k = ceil(density * n), sample,
-threshold and rounds (the same numbers as on each tensor alone; where more than 1.3 k
-survive, the k largest are kept, ties at the k-th magnitude broken by the lowest index,
-where ``torch.topk`` leaves the choice open); u and v are one flat buffer each. With
+k = ceil(density * n), sample, threshold and rounds (the same numbers as on each tensor
+alone); u and v are one flat buffer each. Where more than 1.3 k survive, both paths keep
+the k largest with ties at the k-th magnitude going to the lowest indices
+(:func:`k_largest`; ``torch.topk`` leaves that choice open, and a tie in a real gradient
+once made the two paths part after 102 steps). With
 ``clip_norm`` each tensor's norm is still its own (:func:`clip_parts`), the small tensors'
 too (the dense message's members).
 """
@@ -187,6 +188,13 @@ class SelectRule(NamedTuple):
 DGC_RULE = SelectRule()
 
 
+def k_largest(mag: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the ``k`` largest entries of ``mag``, ascending, ties at the k-th value
+    going to the lowest positions: the segmented kernel's rule, so every path keeps the same
+    set (``torch.topk`` leaves the choice among ties open)."""
+    return torch.sort(torch.sort(mag, descending=True, stable=True).indices[:k]).values
+
+
 def _rounds(v, k, thr, rule: SelectRule, scratch, first=None):
     """DGC's refinement: (indices, values, rounds); ``first`` = round 1's survivors if known."""
     idx, val = v[:0].long(), v[:0]
@@ -198,7 +206,7 @@ def _rounds(v, k, thr, rule: SelectRule, scratch, first=None):
             idx, val = select_above(v, thr, inclusive=True, expect=k, scratch=scratch)
         nnz = idx.numel()
         if nnz > rule.upper * k:
-            top = torch.topk(val.abs(), k, sorted=False).indices
+            top = k_largest(val.abs(), k)  # survivors are in index order: the lowest indices
             return idx[top], val[top], rounds
         if nnz >= rule.lower * k or rounds == rule.max_rounds:
             break

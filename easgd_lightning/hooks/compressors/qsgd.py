@@ -25,11 +25,11 @@ of the order in which tensors are compressed. The stream seed is the compressor'
 :meth:`~QSGDCompressor.state_dict` and the count is per-tensor state, so a resumed run
 draws the noise of one that never stopped.
 
-Fused exchange (:mod:`easgd_lightning.hooks._fused`, ``coding: fixed`` with s <= 32767):
-one native call quantizes every tensor of the exchange's buffer with its own buckets and
-noise words (the same levels and norms as each tensor alone); the levels of all of them
-are packed in one stream (up to a byte less per tensor than one stream each), and each
-rank's payload is decoded and added in one call.
+Fused exchange (:mod:`easgd_lightning.hooks._fused`, s <= 32767): one native call
+quantizes every tensor of the exchange's buffer with its own buckets and noise words (the
+same levels and norms as each tensor alone); the levels of all of them are packed in one
+stream (fixed: up to a byte less per tensor than one stream each; Elias: one count and one
+run of gaps across the tensors), and each rank's payload is decoded and added in one call.
 """
 
 from __future__ import annotations
@@ -411,9 +411,8 @@ class QSGDCompressor(Compressor):
 
     @property
     def fused_segments(self) -> bool:  # type: ignore[override]
-        """One call per exchange for the fixed-width coding of int8 / int16 levels
-        (s <= 32767)."""
-        return self.coding == "fixed" and self.levels <= 32767
+        """One call per exchange for int8 / int16 levels (s <= 32767), either coding."""
+        return self.levels <= 32767
 
     def _kernel(self, lib, name: str, dtype: torch.dtype):
         """The segmented kernel ``name`` for ``dtype`` values and this codec's level type."""
@@ -444,29 +443,41 @@ class QSGDCompressor(Compressor):
                                    seeds=noise_words(self._stream_seed, k, call))
                      for (o, n), k in zip(segments, keys)]
             norms, q = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        return Payload((norms, pack_levels(q, self.width, scratch)), {"dtype": flat.dtype})
+        packed = _elias_stream(q, scratch) if self.coding == "elias" else pack_levels(q, self.width, scratch)
+        return Payload((norms, packed), {"dtype": flat.dtype})
+
+    def _native_levels(self, packed: torch.Tensor, n: int) -> tuple[torch.Tensor, float]:
+        """(the ``n`` levels as int8 / int16, the s they are scaled by) of one payload's
+        level stream, for the segmented native decode."""
+        levels, qtype = float(self.levels), level_dtype(self.levels)
+        bits, w, tag = 8 * qtype.itemsize, self.width, "i8" if qtype == torch.int8 else "i16"
+        if self.coding == "fixed" and w == bits:
+            return _aligned(packed).view(qtype), levels
+        q = scratch_buffer(self._decode_scratch, "levels", n, qtype, packed.device)
+        stream = packed.contiguous()
+        if self.coding == "elias":
+            bad = getattr(_native.lib(), f"qsgd_elias_levels_{tag}")(
+                stream.data_ptr(), stream.numel(), n, self.levels, q.data_ptr())
+            if bad:
+                raise ValueError("qsgd: malformed Elias stream")
+            return q, levels
+        # levels times 2^(bits - w) with s 2^(bits - w): the same products
+        getattr(_native.lib(), f"qsgd_unpack_{tag}")(stream.data_ptr(), n, w, q.data_ptr())
+        return q, levels * 2 ** (bits - w)
 
     def _add_segments(self, out: torch.Tensor, norms: torch.Tensor, packed: torch.Tensor, segments: Segments) -> None:
         """out += one rank's decoded payload on every segment."""
         w, n = self.width, segments.total
         lib = _native.use(out)
         if lib is not None and packed.device.type == "cpu" and norms.dtype == out.dtype:
-            levels, qtype = float(self.levels), level_dtype(self.levels)
-            bits = 8 * qtype.itemsize
-            if w == bits:
-                q = _aligned(packed).view(qtype)
-            else:  # levels times 2^(bits - w) with s 2^(bits - w): the same products
-                q = scratch_buffer(self._decode_scratch, "levels", n, qtype, packed.device)
-                unpack = _native.lib().qsgd_unpack_i8 if bits == 8 else _native.lib().qsgd_unpack_i16
-                unpack(packed.contiguous().data_ptr(), n, w, q.data_ptr())
-                levels *= 2 ** (bits - w)
+            q, levels = self._native_levels(packed, n)
             off, lens = segments.arrays()
             norms = norms.contiguous()
             self._kernel(lib, "qsgd_dequantize_add_segments", out.dtype)(
                 q.data_ptr(), len(segments), off.data_ptr(), lens.data_ptr(), self.bucket_size,
                 norms.data_ptr(), levels, out.data_ptr())
             return
-        q = unpack_levels(packed, n, w)
+        q = elias_decode(packed, n) if self.coding == "elias" else unpack_levels(packed, n, w)
         pos, nb = 0, 0
         for off, k in segments:
             b = self.bucket_size or k

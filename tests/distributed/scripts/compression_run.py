@@ -267,6 +267,7 @@ FUSED_CASES = {
     "qsgd": ("qsgd", {"levels": 7, "bucket_size": 64, "seed": 5, "memory": True, "min_numel": 100}),
     "qsgd8": ("qsgd", {"seed": 5, "min_numel": 100}),
     "qsgd12": ("qsgd", {"levels": 2047, "bucket_size": 64, "seed": 5, "min_numel": 100}),  # int16 levels, 12 bits
+    "qsgd_elias": ("qsgd", {"levels": 7, "bucket_size": 64, "coding": "elias", "seed": 5, "min_numel": 100}),
     "sparse_gc": ("sparse_gc", {"ratio": 0.02, "min_numel": 100}),
     "sparse_gc_grad": ("sparse_gc", {"ratio": 0.02, "min_numel": 100}),
 }

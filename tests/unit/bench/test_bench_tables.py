@@ -204,23 +204,29 @@ def test_shards_target_is_the_one_server_step_over_the_four_server_step():
     assert got["ref"] == SHARDS_ONE and got["measured"] == pytest.approx(2.5) and got["status"].startswith("PASS")
 
 
-def _cpu(user, system, idle, softirq, steal, wall):
+def _summary(readings):
+    """A summary's train_cpu_per_rank: rank 0 reads the machine; (host fields, process s, wall s)."""
     zero = dict.fromkeys(("nice", "iowait", "irq"), 0.0)
-    return {**zero, "user": user, "system": system, "idle": idle, "softirq": softirq, "steal": steal, "wall_s": wall}
+    return {"train_cpu_per_rank": [
+        {"host": {**zero, **host} if host else None, "process_s": proc, "wall_s": wall} for host, proc, wall in readings]}
 
 
 def test_steady_cpu_is_the_long_run_minus_the_short_one_per_step():
     from bench._tables import cpu_md, steady_cpu
 
-    # 2 cores: the long run took 12 s of wall (24 core-seconds), the short 2 s (4); in the
-    # 10 s between them 20 core-seconds: 12 user, 3 system, 2 softirq, 1 steal, 2 idle
-    short = _cpu(2.0, 0.5, 1.0, 0.3, 0.2, 2.0)
-    long = _cpu(14.0, 3.5, 3.0, 2.3, 1.2, 12.0)
+    # 2 cores: between the short run's training (2 s) and the long run's (12 s), 20 core-
+    # seconds: 12 user, 3 system, 2 softirq, 1 steal, 2 idle; rank 1 used 8.5 s of CPU more
+    host = {"user": 2.0, "system": 0.5, "idle": 1.0, "softirq": 0.3, "steal": 0.2}
+    short = _summary([(host, 1.0, 2.0), (None, 1.5, 2.0)])
+    long = _summary([({"user": 14.0, "system": 3.5, "idle": 3.0, "softirq": 2.3, "steal": 1.2}, 10.0, 12.0),
+                     (None, 10.0, 12.0)])
     cpu = steady_cpu(long, short, steps=1000, cores=2)
     assert cpu["cpu_ms_per_step"] == pytest.approx(1e3 * 18.0 / 1000)  # busy: all but idle
     assert cpu["busy_share"] == pytest.approx(18 / 20) and cpu["user_share"] == pytest.approx(12 / 20)
     assert cpu["system_share"] == pytest.approx(3 / 20) and cpu["interrupt_share"] == pytest.approx(2 / 20)
     assert cpu["steal_share"] == pytest.approx(1 / 20) and cpu["cores"] == 2
-    assert steady_cpu(long, None, 1000, 2) is None and steady_cpu(short, long, 1000, 2) is None
+    assert cpu["process_ms_per_step"] == [pytest.approx(9.0), pytest.approx(8.5)]
+    assert steady_cpu(long, {}, 1000, 2) is None and steady_cpu(short, long, 1000, 2) is None
     line = cpu_md([{"strategy": "ddp", "compression": "dgc", "cpu": cpu}, {"strategy": "limit", "compression": "none"}])
-    assert "ddp/dgc 18.0 ms (busy 90%: user 60, system 15, interrupts 10, steal 5)" in line and "2 cores" in line
+    assert "ddp/dgc 18.0 ms (busy 90%: user 60, system 15, interrupts 10, steal 5; ranks' processes 9.0, 8.5 ms)" in line
+    assert "2 cores" in line

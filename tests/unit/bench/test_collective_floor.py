@@ -26,6 +26,6 @@ def test_loopback_run_times_every_call_after_the_warmup(tmp_path, capsys):
     assert rc == 0
     rows = json.loads((tmp_path / "floor.json").read_text())
     assert [r["bytes"] for r in rows] == [40, 4096]
-    assert all(r["calls"] == 6 and 0 < r["median_ms"] <= r["p90_ms"] for r in rows)
+    assert all(r["calls"] == 6 and 0 < r["median_ms"] <= r["p90_ms"] and r["cpu_ms"] >= 0 for r in rows)
     out = capsys.readouterr().out
     assert "| 40 |" in out and "Efficiency bound" in out

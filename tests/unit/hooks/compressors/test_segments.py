@@ -93,6 +93,30 @@ def test_dgc_segments_equal_each_tensor_alone_over_steps(momentum):
     assert len(rounds_seen) > 1
 
 
+def test_dgc_ties_at_the_kth_magnitude_go_to_the_lowest_index_on_both_paths():
+    """More than 1.3 k survivors with a tie at the k-th magnitude (the case that parted the
+    two paths of a real DDP run after 102 steps): the per-tensor rule and the segmented
+    kernel keep the same entries, the lowest-indexed of the tied ones."""
+    from easgd_lightning.hooks.compressors.dgc import k_largest
+
+    assert k_largest(torch.tensor([1.0, 3.0, 2.0, 3.0, 2.0, 2.0]), 3).tolist() == [1, 2, 3]
+    rule = SelectRule(sample_ratio=1.0, upper=1.3)
+    n, k = 4000, 40
+    v = torch.linspace(0.1, 0.5, n)  # distinct, below the tied values
+    tied = torch.tensor([3000, 120, 2500, 777, 1999, 3900])
+    v[torch.arange(3, 38) * 7] = torch.linspace(2.0, 3.0, 35)  # 35 clear winners
+    v[tied] = -1.5  # six at the k-th magnitude: 5 of them make 40
+    v[tied[:3]] = 1.5
+    segs = Segments([0], [n], n)
+    # a threshold below the tied values lets > 1.3 k survive: the exact top-k among them
+    idx, _, _ = dgc_select_values(v.clone(), k, rule._replace(sample_ratio=0.01, upper=1.0), {})
+    idx_seg, _, _ = dgc_segments(torch.zeros(n), torch.zeros(n), v.clone(), segs, k / n, 0.0, False,
+                                 rule._replace(sample_ratio=0.01, upper=1.0), {})
+    assert sorted(idx.tolist()) == sorted(idx_seg.tolist())
+    kept = set(idx.tolist()) & set(tied.tolist())
+    assert kept == set(sorted(tied.tolist())[:5])
+
+
 def test_compress_segments_one_payload_with_buffer_indices():
     """One payload for all segments; decoding it gives each tensor's own sparsification."""
     comp = TopKCompressor(0.02, sample_size=700)
@@ -222,11 +246,12 @@ def test_every_fused_codec_transmits_what_its_per_tensor_rule_does(name):
     assert torch.equal(local[on], ref[on])
 
 
-@pytest.mark.parametrize(("native", "levels", "bucket"), [
-    (True, 127, 512), (True, 7, 64), (False, 7, 64), (True, 1, 0),
-    (True, 300, 64), (False, 300, 64), (True, 32767, 512),  # int16 levels: 10 and 16 bits
+@pytest.mark.parametrize(("native", "levels", "bucket", "coding"), [
+    (True, 127, 512, "fixed"), (True, 7, 64, "fixed"), (False, 7, 64, "fixed"), (True, 1, 0, "fixed"),
+    (True, 300, 64, "fixed"), (False, 300, 64, "fixed"), (True, 32767, 512, "fixed"),  # int16: 10, 16 bits
+    (True, 1, 64, "elias"), (False, 7, 64, "elias"), (True, 300, 0, "elias"),  # the paper's coding
 ])
-def test_qsgd_segments_equal_each_tensor_alone(native, levels, bucket):
+def test_qsgd_segments_equal_each_tensor_alone(native, levels, bucket, coding):
     """Every tensor's own buckets and noise words (from its key, the stream and the call
     count, derived in the kernel), one packed stream: decoded, the per-tensor levels times
     the per-tensor norms; the mean adds the ranks' payloads in order and divides."""
@@ -234,8 +259,8 @@ def test_qsgd_segments_equal_each_tensor_alone(native, levels, bucket):
 
     hashes = [5, 2**31 - 1, 77, 0]
     segs = Segments(SEGS.offsets, SEGS.lengths, SEGS.numel, hashes)
-    comp = QSGDCompressor(levels, bucket_size=bucket, seed=9)
-    ref_comp = QSGDCompressor(levels, bucket_size=bucket, seed=9)
+    comp = QSGDCompressor(levels, bucket_size=bucket, seed=9, coding=coding)
+    ref_comp = QSGDCompressor(levels, bucket_size=bucket, seed=9, coding=coding)
     flat = torch.randn(segs.numel, generator=torch.Generator().manual_seed(5))
     flat[7100:7200] = 0  # a bucket of zeros
     with _native.disabled() if not native else _null():
@@ -253,8 +278,15 @@ def test_qsgd_segments_equal_each_tensor_alone(native, levels, bucket):
     on[segs.index()] = True
     assert torch.equal(local[on], ref[on]) and torch.equal(mean[on], ((ref + ref) / 2)[on])
     assert local[on].abs().max() > 0
-    width = comp.width
-    assert payload.tensors[1].numel() == (segs.total * width + 7) // 8
+    if coding == "fixed":
+        assert payload.tensors[1].numel() == (segs.total * comp.width + 7) // 8
+    else:  # one Elias stream: its levels are the per-tensor streams' levels, in order
+        from easgd_lightning.hooks.compressors.qsgd import elias_decode
+
+        levels_all = elias_decode(payload.tensors[1], segs.total)
+        per_tensor = [elias_decode(ref_comp.compress(flat[o : o + n], {"key_hash": h, "noise_calls": 1}).tensors[1], n)
+                      for (o, n), h in zip(segs, hashes)]
+        assert torch.equal(levels_all, torch.cat(per_tensor)) and levels_all.abs().max() > 0
 
 
 def test_a_subclass_that_changes_the_per_tensor_rule_leaves_the_fused_form():

@@ -1,0 +1,41 @@
+"""CPU time of this machine and of this process, for the training window's CPU figures.
+
+The machine's comes from the first line of Linux's /proc/stat (every core's time by kind:
+user, nice, system, idle, iowait, irq, softirq, steal; seconds summed over cores); the
+process's from :func:`time.process_time` (every thread of it).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+__all__ = ["CPU_FIELDS", "cpu_reading", "cpu_delta"]
+
+#: the CPU-time fields of /proc/stat's first line, in order
+CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def _host() -> dict | None:
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    values = [int(v) / hz for v in fields] + [0.0] * len(CPU_FIELDS)
+    return dict(zip(CPU_FIELDS, values))
+
+
+def cpu_reading() -> dict:
+    """Now: ``host`` (the machine's CPU seconds by kind, None off Linux), ``process_s``
+    (this process's CPU seconds) and ``wall_s`` (a monotonic clock)."""
+    return {"host": _host(), "process_s": time.process_time(), "wall_s": time.perf_counter()}
+
+
+def cpu_delta(end: dict, start: dict) -> dict:
+    """What :func:`cpu_reading` grew by between ``start`` and ``end``."""
+    host = None
+    if end.get("host") and start.get("host"):
+        host = {k: end["host"][k] - start["host"][k] for k in CPU_FIELDS}
+    return {"host": host, "process_s": end["process_s"] - start["process_s"], "wall_s": end["wall_s"] - start["wall_s"]}
