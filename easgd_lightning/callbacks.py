@@ -114,17 +114,18 @@ class TrainClockCallback(pl.Callback):
         self.val_s = 0.0
         self.train_time_s: float | None = None
         self._cpu_start: dict | None = None
-        #: CPU time from the start to the end of training (validation passes included):
+        self._val_cpu: list[tuple[dict, dict]] = []  # (start, end) readings of validation passes
+        #: CPU time from the start to the end of training, validation passes left out:
         #: ``cputime.cpu_delta`` of the machine's and this process's; None before the end
         self.train_cpu: dict | None = None
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.start, self.val_s = time.perf_counter(), 0.0
-        self._cpu_start, self.train_cpu = cpu_reading(), None
+        self._cpu_start, self._val_cpu, self.train_cpu = cpu_reading(), [], None
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self._cpu_start is not None:
-            self.train_cpu = cpu_delta(cpu_reading(), self._cpu_start)
+            self.train_cpu = cpu_delta(cpu_reading(), self._cpu_start, less=self._val_cpu)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.start is not None:
@@ -133,11 +134,13 @@ class TrainClockCallback(pl.Callback):
     def on_validation_start(self, trainer, pl_module) -> None:
         if self.start is not None and not trainer.sanity_checking:
             self.val_start = time.perf_counter()
+            self._val_cpu.append((cpu_reading(), {}))
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if self.val_start is not None:
             self.val_s += time.perf_counter() - self.val_start
             self.val_start = None
+            self._val_cpu[-1] = (self._val_cpu[-1][0], cpu_reading())
 
 
 class FaultInjectionCallback(pl.Callback):

@@ -76,8 +76,9 @@ def build_summary(
         # without set-up and validation passes; None when no rank ran a training batch
         "train_time_s": max(train_times) if train_times else None,
         "train_time_s_per_rank": [(r.get("train_time_s") if r and r.get("status") == "ok" else None) for r in reports],
-        # each rank's CPU over its training (callbacks.TrainClockCallback): its process's and
-        # its machine's (every core, every process: /proc/stat), for the bench's CPU figures
+        # each rank's CPU over its training, validation left out (callbacks.TrainClockCallback):
+        # its process's and its machine's (every core, every process: /proc/stat), for the
+        # bench's CPU figures
         "train_cpu_per_rank": [(r.get("train_cpu") if r and r.get("status") == "ok" else None) for r in reports],
         "samples_per_s": samples / wall if wall > 0 else 0.0,
         "comm": _comm(reports, ok, steps),

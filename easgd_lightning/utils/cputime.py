@@ -33,9 +33,16 @@ def cpu_reading() -> dict:
     return {"host": _host(), "process_s": time.process_time(), "wall_s": time.perf_counter()}
 
 
-def cpu_delta(end: dict, start: dict) -> dict:
-    """What :func:`cpu_reading` grew by between ``start`` and ``end``."""
+def cpu_delta(end: dict, start: dict, less=()) -> dict:
+    """What :func:`cpu_reading` grew by between ``start`` and ``end``, less what it grew by
+    within each (start, end) pair of ``less`` that has an end (passes to leave out)."""
+    spans = [(start, end)] + [(a, b) for a, b in less if b]
+    signs = [1.0] + [-1.0] * (len(spans) - 1)
     host = None
-    if end.get("host") and start.get("host"):
-        host = {k: end["host"][k] - start["host"][k] for k in CPU_FIELDS}
-    return {"host": host, "process_s": end["process_s"] - start["process_s"], "wall_s": end["wall_s"] - start["wall_s"]}
+    if all(a.get("host") and b.get("host") for a, b in spans):
+        host = {k: sum(s * (b["host"][k] - a["host"][k]) for s, (a, b) in zip(signs, spans)) for k in CPU_FIELDS}
+    return {
+        "host": host,
+        "process_s": sum(s * (b["process_s"] - a["process_s"]) for s, (a, b) in zip(signs, spans)),
+        "wall_s": sum(s * (b["wall_s"] - a["wall_s"]) for s, (a, b) in zip(signs, spans)),
+    }
