@@ -866,23 +866,32 @@ static inline uint64_t get_omega(const uint8_t *p, int64_t nbits, int64_t *pos) 
     return v;
 }
 
+/* The stream's next nonzero: its index (after *prev) and signed level; -1 when the stream is
+ * malformed, points past n or holds a level above s, else 0. */
+static inline int elias_entry(const uint8_t *p, int64_t nbits, int64_t *pos, int64_t n, uint64_t s,
+                              int64_t *prev, int64_t *level) {
+    uint64_t d = get_omega(p, nbits, pos);
+    int neg = get_bit(p, nbits, pos);
+    uint64_t lev = get_omega(p, nbits, pos);
+    if (d == 0 || lev == 0 || lev > s || (uint64_t)(n - 1 - *prev) < d) return -1;
+    *prev += (int64_t)d;
+    *level = neg ? -(int64_t)lev : (int64_t)lev;
+    return 0;
+}
+
 /* out_i = level_i * (norm_k / s) from the stream (zero elsewhere); returns -1 when the stream
  * is malformed or points past n, else 0. */
 #define DEF_ELIAS_DECODE(T, SFX)                                                            \
     int64_t qsgd_elias_decode_##SFX(const uint8_t *p, int64_t nbytes, int64_t n, int64_t b, \
                                     const T *norms, T levels, T *out) {                     \
-        int64_t pos = 0, nbits = 8 * nbytes, prev = -1;                                     \
+        int64_t pos = 0, nbits = 8 * nbytes, prev = -1, level;                              \
         memset(out, 0, (size_t)n * sizeof(T));                                              \
         uint64_t count = get_omega(p, nbits, &pos);                                         \
         if (count == 0) return -1;                                                          \
         for (uint64_t c = 1; c < count; c++) {                                              \
-            uint64_t d = get_omega(p, nbits, &pos);                                         \
-            int neg = get_bit(p, nbits, &pos);                                              \
-            uint64_t lev = get_omega(p, nbits, &pos);                                       \
-            if (d == 0 || lev == 0 || (uint64_t)(n - 1 - prev) < d) return -1;              \
-            prev += (int64_t)d;                                                             \
+            if (elias_entry(p, nbits, &pos, n, UINT64_MAX, &prev, &level)) return -1;       \
             T f = norms[prev / b] / levels;                                                 \
-            out[prev] = (T)(neg ? -(int64_t)lev : (int64_t)lev) * f;                        \
+            out[prev] = (T)level * f;                                                       \
         }                                                                                   \
         return 0;                                                                           \
     }
@@ -895,18 +904,13 @@ DEF_ELIAS_DECODE(double, f64)
 #define DEF_ELIAS_LEVELS(Q, SFX)                                                            \
     int64_t qsgd_elias_levels_##SFX(const uint8_t *p, int64_t nbytes, int64_t n, int64_t s, \
                                     Q *q) {                                                 \
-        int64_t pos = 0, nbits = 8 * nbytes, prev = -1;                                     \
+        int64_t pos = 0, nbits = 8 * nbytes, prev = -1, level;                              \
         memset(q, 0, (size_t)n * sizeof(Q));                                                \
         uint64_t count = get_omega(p, nbits, &pos);                                         \
         if (count == 0) return -1;                                                          \
         for (uint64_t c = 1; c < count; c++) {                                              \
-            uint64_t d = get_omega(p, nbits, &pos);                                         \
-            int neg = get_bit(p, nbits, &pos);                                              \
-            uint64_t lev = get_omega(p, nbits, &pos);                                       \
-            if (d == 0 || lev == 0 || lev > (uint64_t)s || (uint64_t)(n - 1 - prev) < d)    \
-                return -1;                                                                  \
-            prev += (int64_t)d;                                                             \
-            q[prev] = (Q)(neg ? -(int64_t)lev : (int64_t)lev);                              \
+            if (elias_entry(p, nbits, &pos, n, (uint64_t)s, &prev, &level)) return -1;      \
+            q[prev] = (Q)level;                                                             \
         }                                                                                   \
         return 0;                                                                           \
     }
