@@ -55,19 +55,19 @@ def _worker(args) -> int:
     import torch
     import torch.distributed as dist
 
+    from easgd_lightning.comm import ops
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout_s))
-    world = dist.get_world_size()
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     rows = []
     for size in [int(s) for s in args.sizes.split(",")]:
         send = torch.zeros(size, dtype=torch.uint8)
-        out = [torch.empty_like(send) for _ in range(world)]
         times, cpu = [], 0.0
         for i in range(args.repeats):
             busy(args.compute_ms, a, b)
             start, start_cpu = time.perf_counter(), time.process_time()
-            dist.all_gather(out, send, async_op=True).wait()
+            ops.all_gather(send, kind="floor")  # the framework's blocking all-gather, metered
             if i >= args.warmup:
                 times.append((time.perf_counter() - start) * 1e3)
                 cpu += time.process_time() - start_cpu
@@ -79,16 +79,20 @@ def _worker(args) -> int:
     return 0
 
 
-def _spawn_loopback(argv: list[str], port: int, timeout_s: float) -> list[int]:
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+def _spawn_loopback(argv: list[str], port: int, timeout_s: float) -> list:
+    from bench._runs import wait_all
+    from easgd_lightning.utils.rank_env import clean_env, rank_env
+
+    env = clean_env(repo=REPO)
     procs = [subprocess.Popen([sys.executable, "-m", "bench.collective_floor", "--worker", *argv],
-                              env={**env, "RANK": str(r)}, cwd=REPO) for r in range(2)]
+                              env=rank_env(env, r, 2, port), cwd=REPO) for r in range(2)]
     try:
-        return [p.wait(timeout=timeout_s) for p in procs]
+        codes, _ = wait_all(procs, timeout_s)
     finally:
         for p in procs:
-            p.kill() if p.poll() is None else None
+            if p.poll() is None:
+                p.kill()
+    return codes
 
 
 def _spawn_emulated(argv: list[str], rate: float, port: int, timeout_s: float, log_dir: Path) -> list:

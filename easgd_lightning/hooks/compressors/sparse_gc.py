@@ -184,7 +184,10 @@ class SparseGCCompressor(SparseCompressor):
         delayed = scratch_of(state).get("delayed") if self.local_update else None
         for off, n in segments.runs():
             m = global_momentum_update(M[off : off + n], out[off : off + n], self.momentum)
-            out[off : off + n] = m if delayed is None else delayed[off : off + n].add_(m)
+            if delayed is None:
+                out[off : off + n].copy_(m)
+            else:
+                torch.add(delayed[off : off + n], m, out=out[off : off + n])
 
     def _launch(self, tensor: torch.Tensor, state: dict, collective: Collective):
         """The sparse exchange; in gradient mode ``finish`` returns M + (g - sent)."""
