@@ -36,6 +36,12 @@ _CAP_NET_ADMIN = 12
 
 _CMD_TIMEOUT_S = 30.0
 
+#: the links' frame size by default: Ethernet's standard payload
+ETHERNET_MTU = 1500
+
+#: jumbo frames, the frame size of HPC and data-centre fabrics for bulk traffic
+JUMBO_MTU = 9000
+
 
 class ClusterUnavailable(RuntimeError):
     """The emulated network cannot be built on this machine (exit code 2)."""
@@ -55,7 +61,7 @@ class LinkSpec:
             raise ValueError(f"--latency-ms must be >= 0, got {self.latency_ms}")
 
 
-def tbf_params(rate_mbit: float, mtu: int = 1500) -> dict[str, int]:
+def tbf_params(rate_mbit: float, mtu: int = ETHERNET_MTU) -> dict[str, int]:
     """Token-bucket parameters for ``tc qdisc ... tbf`` at a given rate.
 
     The bucket holds 2 ms of traffic (at least two full frames), so the shaper neither
@@ -206,6 +212,11 @@ class EmulatedCluster:
             local``, torchrun's layout). Processes of one host reach each other on the
             host's own addresses, which Linux routes over the namespace's loopback: their
             traffic is not shaped; traffic between hosts crosses the shaped link.
+        mtu: the frame payload of every link (the hosts' ports, the bridge's ports and the
+            bridge): the kernel's work per byte moved falls with it, and on this machine
+            every emulated host's kernel shares the same cores as the training (on a real
+            cluster each host's kernel and NIC do that work on their own);
+            ``JUMBO_MTU`` cuts it about threefold (``bench/README.md``).
         fork_ranks: start each ``easgd-train`` rank forked from a fork server of its host
             (``easgd_lightning/cli/forkserver.py``, started inside the host's namespace, which
             has imported the command's modules once) instead of as a fresh interpreter: the
@@ -224,7 +235,11 @@ class EmulatedCluster:
         run_id: str | None = None,
         procs_per_host: int = 1,
         fork_ranks: bool = False,
+        mtu: int = ETHERNET_MTU,
     ) -> None:
+        if not 68 <= mtu <= 65535:
+            raise ValueError(f"--mtu must be in 68..65535 bytes, got {mtu}")
+        self.mtu = mtu
         if not 1 <= workers <= 250:
             raise ValueError(f"--workers must be in 1..250, got {workers}")
         if not 1 <= procs_per_host <= 64:
@@ -302,6 +317,7 @@ class EmulatedCluster:
         self._add_netns(self.bridge_ns)
         br, eth = self.bridge_ns, self.host_ifname
         self._run(f"ip -n {br} link add br0 type bridge")
+        self._run(f"ip -n {br} link set br0 mtu {self.mtu}")
         self._run(f"ip -n {br} link set br0 up")
         self._run(f"ip -n {br} link set lo up")
         for i, ns in enumerate(self.hosts):
@@ -309,6 +325,8 @@ class EmulatedCluster:
             port = self.port_ifname(i)
             # Both ends are created inside our namespaces: the host's namespace never sees them.
             self._run(f"ip -n {br} link add {port} type veth peer name {eth} netns {ns}")
+            self._run(f"ip -n {br} link set {port} mtu {self.mtu}")
+            self._run(f"ip -n {ns} link set {eth} mtu {self.mtu}")
             self._run(f"ip -n {br} link set {port} master br0")
             self._run(f"ip -n {br} link set {port} up")
             self._run(f"ip -n {ns} addr add {self.addr(i)}/24 dev {eth}")
@@ -319,7 +337,7 @@ class EmulatedCluster:
     def shape(self, link: LinkSpec) -> None:
         """(Re)apply rate and latency to every link; can be called between runs."""
         self.link = link
-        p = tbf_params(link.rate_mbit)
+        p = tbf_params(link.rate_mbit, self.mtu)
         tbf = f"tbf rate {p['rate_kbit']}kbit burst {p['burst_bytes']} limit {p['limit_bytes']}"
         delay = f"netem delay {link.latency_ms * 1000:.0f}us limit 100000"
         br, eth = self.bridge_ns, self.host_ifname
@@ -349,7 +367,7 @@ class EmulatedCluster:
 
     def describe(self) -> dict:
         """The link as recorded in the results."""
-        p = tbf_params(self.link.rate_mbit)
+        p = tbf_params(self.link.rate_mbit, self.mtu)
         return {
             "rate_mbit": self.link.rate_mbit,
             "latency_ms": self.link.latency_ms,
@@ -357,6 +375,7 @@ class EmulatedCluster:
             "shaping": "tbf on host egress and on bridge-port egress (full duplex)"
             + (", netem delay on host egress" if self.latency_emulated else ""),
             "tbf": p,
+            "mtu": self.mtu,
             "subnet": f"{self.subnet}.0/24",
             "procs_per_host": self.procs_per_host,
         }

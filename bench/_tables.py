@@ -568,7 +568,8 @@ def _header(scenario: dict) -> list[str]:
             if scenario.get("procs_per_host", 1) > 1
             else ""
         )
-        + f", {link['rate_mbit']:g} Mbit/s, {lat}",
+        + f", {link['rate_mbit']:g} Mbit/s, {lat}"
+        + (f", {link['mtu']}-byte frames" if link.get("mtu") else ""),
         "",
         f"- workload: `{workload}`, extra: `{extra}`",
     ]
