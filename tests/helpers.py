@@ -353,9 +353,12 @@ def communicate_all(procs: list[subprocess.Popen], timeout: float) -> list[subpr
 def launch_ranks(script: Path, world: int, args: list[str], *, timeout: float = 240) -> list[subprocess.CompletedProcess]:
     """Run ``script`` as ``world`` ranks (torchrun-style environment) and wait for all."""
     results = communicate_all(start_ranks(script, world, args), timeout)
-    for r in results:
-        if r.returncode != 0:
-            raise AssertionError(f"rank failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}")
+    failed = [(rank, r) for rank, r in enumerate(results) if r.returncode != 0]
+    if failed:
+        codes = ", ".join(f"rank {rank}: {r.returncode}" for rank, r in enumerate(results))
+        tails = "\n".join(f"--- rank {rank} ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+                          for rank, r in failed)
+        raise AssertionError(f"ranks failed ({codes}):\n{tails}")
     return results
 
 

@@ -43,6 +43,11 @@ HAS_GRAD = [1.0, 1.0, 0.0]
 COUNT = {"elastic": 10, "adam": 6}
 
 
+#: how long a silent heartbeat means dead: generous, since these runs have no fault and a
+#: loaded machine's late heartbeats must not make a server drop a worker mid-test
+LIVENESS_S = 30.0
+
+
 def start(mode: str) -> torch.Tensor:
     if mode == "adam":
         return torch.randn(N, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
@@ -85,7 +90,7 @@ def main(modes: str, out: Path) -> None:
 
 def run(mode: str, out: Path, channels: list[dict]) -> None:
     rank = int(os.environ["RANK"])
-    live = Liveness(f"test/{mode}", rank, interval_s=0.2, dead_after_s=5.0).start()
+    live = Liveness(f"test/{mode}", rank, interval_s=0.2, dead_after_s=LIVENESS_S).start()
     dist.barrier()
     sgd = mode == "adam"
     opt, params = optimizer() if sgd else (None, [])
