@@ -586,7 +586,21 @@ def run_smoke(
         "algbw_mbit": nbytes * 8 / median / 1e6,
         "busbw_mbit": wire * 8 / median / 1e6,
         "times_s": ranks[0]["times_s"],
+        "cpu": smoke_cpu_shares(ranks[0].get("cpu")),
     }
+
+
+def smoke_cpu_shares(cpu: dict | None) -> dict | None:
+    """The machine's cores over the timed all-reduces (rank 0's /proc/stat window):
+    ``busy_share`` (not idle), ``kernel_share`` (system, interrupts, steal) and ``user_share``
+    of all cores' time; None without a reading."""
+    host = (cpu or {}).get("host")
+    total = sum(host.values()) if host else 0.0
+    if not total:
+        return None
+    kernel = host["system"] + host["irq"] + host["softirq"] + host["steal"]
+    return {"busy_share": 1.0 - (host["idle"] + host["iowait"]) / total,
+            "kernel_share": kernel / total, "user_share": (host["user"] + host["nice"]) / total}
 
 
 def missing_configs(selections: Iterable[str]) -> list[str]:

@@ -679,6 +679,12 @@ def _main(argv: list[str]) -> int:
     return max(codes)
 
 
+def _share(res: dict, key: str) -> str:
+    """A smoke result's CPU share as a percentage, '-' without a reading."""
+    cpu = res.get("cpu")
+    return f"{100 * cpu[key]:.0f}%" if cpu else "-"
+
+
 def _smoke(
     cluster: EmulatedCluster, args: argparse.Namespace, out: Path, scenario: dict, timeout_s: float
 ) -> int:
@@ -698,7 +704,9 @@ def _smoke(
         print(
             f"[smoke] {rate:g} Mbit/s: {res['bytes'] / 1e6:.1f} MB all-reduce over "
             f"{res['workers']} hosts in {res['median_s']:.3f} s (median), bus bandwidth "
-            f"{res['busbw_mbit']:.1f} Mbit/s = {res['busbw_mbit'] / rate:.2f} of the link",
+            f"{res['busbw_mbit']:.1f} Mbit/s = {res['busbw_mbit'] / rate:.2f} of the link; "
+            f"cores {_share(res, 'busy_share')} busy, {_share(res, 'kernel_share')} in the kernel "
+            f"({cluster.mtu}-byte frames)",
             flush=True,
         )
     if len(results) == 2:
@@ -710,14 +718,17 @@ def _smoke(
     lines = [
         "# Emulated cluster smoke: gloo all-reduce",
         "",
-        "| rate (Mbit/s) | hosts | MB | median s | bus bw (Mbit/s) | of link |",
-        "|---:|---:|---:|---:|---:|---:|",
+        f"{cluster.mtu}-byte frames; cores: the machine's over the timed all-reduces",
+        "",
+        "| rate (Mbit/s) | hosts | MB | median s | bus bw (Mbit/s) | of link | cores busy | in the kernel |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         lines.append(
             f"| {r['rate_mbit']:g} | {r['workers']} | {r['bytes'] / 1e6:.1f} | "
             f"{r['median_s']:.3f} | {r['busbw_mbit']:.1f} | "
-            f"{r['busbw_mbit'] / r['rate_mbit']:.2f} |"
+            f"{r['busbw_mbit'] / r['rate_mbit']:.2f} | {_share(r, 'busy_share')} | "
+            f"{_share(r, 'kernel_share')} |"
         )
     _write(
         out, "cluster_smoke", {"scenario": scenario, "results": results}, "\n".join(lines) + "\n"

@@ -6,7 +6,8 @@ rendezvous in the environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MAST
 carry real gloo traffic at the configured rate. Each rank all-reduces a float32 tensor of
 ``--mbytes`` megabytes ``--repeats`` times (after one warm-up) through
 :mod:`easgd_lightning.comm.ops`, checks the sum against the closed form, and writes its
-timings to ``--out``/rank<RANK>.json.
+timings to ``--out``/rank<RANK>.json, with the machine's CPU time by kind over the timed
+all-reduces (/proc/stat: every emulated host's kernel work for the packets shares it).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from easgd_lightning.comm import get_meter, ops
+from easgd_lightning.utils.cputime import cpu_delta, cpu_reading
 
 __all__ = ["expected_sum", "main"]
 
@@ -37,6 +39,15 @@ def expected_sum(world_size: int) -> float:
         ``world_size * (world_size + 1) / 2``.
     """
     return world_size * (world_size + 1) / 2.0
+
+
+def _add_cpu(total: dict, spent: dict) -> dict:
+    """Two :func:`~easgd_lightning.utils.cputime.cpu_delta` results summed."""
+    host = None
+    if spent["host"] is not None:
+        host = {k: (total["host"] or {}).get(k, 0.0) + v for k, v in spent["host"].items()}
+    return {"host": host, "process_s": total["process_s"] + spent["process_s"],
+            "wall_s": total["wall_s"] + spent["wall_s"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,16 +70,20 @@ def main(argv: list[str] | None = None) -> int:
         tensor = torch.empty(numel, dtype=torch.float32)
         want = expected_sum(world_size)
         times: list[float] = []
+        timed_cpu = {"host": None, "process_s": 0.0, "wall_s": 0.0}
         for i in range(args.repeats + 1):  # the first one is a warm-up
             tensor.fill_(float(rank + 1))
             ops.barrier()
+            before = cpu_reading()
             start = time.perf_counter()
             ops.all_reduce(tensor, kind="smoke")
             elapsed = time.perf_counter() - start
+            spent = cpu_delta(cpu_reading(), before)
             if not torch.all(tensor == want):
                 raise RuntimeError(f"rank {rank}: all-reduce sum wrong (want {want})")
             if i > 0:
                 times.append(elapsed)
+                timed_cpu = _add_cpu(timed_cpu, spent)
         snap = get_meter().snapshot()
         result = {
             "rank": rank,
@@ -77,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             "times_s": times,
             "median_s": statistics.median(times),
             "meter_bytes_sent": snap["bytes_sent"],
+            "cpu": timed_cpu,
         }
         args.out.mkdir(parents=True, exist_ok=True)
         tmp = args.out / f"rank{rank}.json.tmp"
