@@ -42,6 +42,9 @@ ETHERNET_MTU = 1500
 #: jumbo frames, the frame size of HPC and data-centre fabrics for bulk traffic
 JUMBO_MTU = 9000
 
+#: the nice value of each training process's main thread with ``compute_nice`` on
+COMPUTE_NICE = 10
+
 
 class ClusterUnavailable(RuntimeError):
     """The emulated network cannot be built on this machine (exit code 2)."""
@@ -217,6 +220,8 @@ class EmulatedCluster:
             every emulated host's kernel shares the same cores as the training (on a real
             cluster each host's kernel and NIC do that work on their own);
             ``JUMBO_MTU`` cuts it about threefold (``bench/README.md``).
+        compute_nice: the nice value :meth:`comm_first` gives each training process's
+            main thread (0: leave every thread alone).
         fork_ranks: start each ``easgd-train`` rank forked from a fork server of its host
             (``easgd_lightning/cli/forkserver.py``, started inside the host's namespace, which
             has imported the command's modules once) instead of as a fresh interpreter: the
@@ -236,10 +241,13 @@ class EmulatedCluster:
         procs_per_host: int = 1,
         fork_ranks: bool = False,
         mtu: int = ETHERNET_MTU,
+        compute_nice: int = 0,
     ) -> None:
         if not 68 <= mtu <= 65535:
             raise ValueError(f"--mtu must be in 68..65535 bytes, got {mtu}")
-        self.mtu = mtu
+        if not 0 <= compute_nice <= 19:
+            raise ValueError(f"--compute-nice must be in 0..19, got {compute_nice}")
+        self.mtu, self.compute_nice = mtu, compute_nice
         if not 1 <= workers <= 250:
             raise ValueError(f"--workers must be in 1..250, got {workers}")
         if not 1 <= procs_per_host <= 64:
@@ -365,6 +373,30 @@ class EmulatedCluster:
                 flush=True,
             )
 
+    def comm_first(self, procs: Sequence) -> None:
+        """Let no host's communication wait behind another host's compute on the shared cores:
+        each process's main thread (the training loop: forward, backward, the optimizer, the
+        codecs) at nice ``compute_nice``, its other threads (gloo's work and I/O threads, the
+        heartbeat) at 0 -- threads the main thread starts inherit its nice, so this runs
+        again at every poll of the harness. On a cluster each host's network threads run on
+        its own cores; here all hosts share two, and the scheduler would otherwise queue a
+        ring's next hop behind up to four ranks' matrix products. A thread or process gone
+        meanwhile is skipped."""
+        if not self.compute_nice:
+            return
+        for proc in procs:
+            try:
+                threads = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task")]
+            except OSError:
+                continue
+            for tid in threads:
+                want = self.compute_nice if tid == proc.pid else 0
+                try:
+                    if os.getpriority(os.PRIO_PROCESS, tid) != want:
+                        os.setpriority(os.PRIO_PROCESS, tid, want)
+                except OSError:
+                    pass
+
     def describe(self) -> dict:
         """The link as recorded in the results."""
         p = tbf_params(self.link.rate_mbit, self.mtu)
@@ -376,6 +408,7 @@ class EmulatedCluster:
             + (", netem delay on host egress" if self.latency_emulated else ""),
             "tbf": p,
             "mtu": self.mtu,
+            "compute_nice": self.compute_nice,
             "subnet": f"{self.subnet}.0/24",
             "procs_per_host": self.procs_per_host,
         }

@@ -10,7 +10,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -120,10 +120,14 @@ def host_rank_env(cluster: EmulatedCluster, rank: int, port: int) -> dict[str, s
     return out
 
 
-def wait_all(procs: list[subprocess.Popen], timeout_s: float) -> tuple[list[int | None], bool]:
-    """Wait for all; stop early if one fails. Returns (return codes, timed_out)."""
+def wait_all(procs: list[subprocess.Popen], timeout_s: float,
+             tend: Callable[[], None] | None = None) -> tuple[list[int | None], bool]:
+    """Wait for all; stop early if one fails. ``tend`` runs at every poll (every 0.2 s).
+    Returns (return codes, timed_out)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if tend is not None:
+            tend()
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
             return codes, False
@@ -289,7 +293,7 @@ def _launch(
         log = run_dir / "logs" / f"rank{rank}.log"
         logs.append(log)
         procs.append(cluster.spawn(cluster.host_of(rank), cmd, host_rank_env(cluster, rank, port), log))
-    codes, timed_out = wait_all(procs, timeout_s)
+    codes, timed_out = wait_all(procs, timeout_s, tend=lambda: cluster.comm_first(procs))
     cluster.kill_procs()
     return _outcome(label, run_dir, logs, codes, timed_out, timeout_s)
 

@@ -569,7 +569,8 @@ def _header(scenario: dict) -> list[str]:
             else ""
         )
         + f", {link['rate_mbit']:g} Mbit/s, {lat}"
-        + (f", {link['mtu']}-byte frames" if link.get("mtu") else ""),
+        + (f", {link['mtu']}-byte frames" if link.get("mtu") else "")
+        + (f", ranks' main threads at nice {link['compute_nice']}" if link.get("compute_nice") else ""),
         "",
         f"- workload: `{workload}`, extra: `{extra}`",
     ]

@@ -63,6 +63,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench._netem import (  # noqa: F401
+    COMPUTE_NICE,
     JUMBO_MTU,
     PREFIX,
     ClusterUnavailable,
@@ -289,6 +290,15 @@ def _harness_options(p: argparse.ArgumentParser) -> None:
         "a third of the kernel's CPU per byte of Ethernet's 1500, which the emulated hosts' "
         "kernels spend on the training's own cores; 1500 reproduces tables before 2026-12-06)",
     )
+    p.add_argument(
+        "--compute-nice",
+        type=int,
+        default=COMPUTE_NICE,
+        help=f"nice of each rank's main thread (its compute), its other threads (gloo's) at 0, "
+        f"so no host's communication queues behind other hosts' compute on the shared cores, as "
+        f"on a cluster where each host has its own (default {COMPUTE_NICE}; 0: off, as in tables "
+        "before 2026-12-06)",
+    )
 
 
 def _other_modes(p: argparse.ArgumentParser) -> None:
@@ -505,6 +515,7 @@ def run_scenario(args: argparse.Namespace, settings: Settings, argv: Sequence[st
         procs_per_host=settings.procs_per_host,
         fork_ranks=getattr(args, "fork_ranks", False),
         mtu=getattr(args, "mtu", JUMBO_MTU),
+        compute_nice=getattr(args, "compute_nice", COMPUTE_NICE),
     ) as cluster:
         scenario = _start_scenario(args, cluster, settings, argv, out)
         rows = [_run_row(args, cluster, settings, k, out) for k in range(len(settings.configs))]
@@ -565,7 +576,8 @@ def _start_scenario(args: argparse.Namespace, cluster: EmulatedCluster, settings
     print(
         f"[cluster] scenario {settings.preset.name} ({cluster.run_id}): {cluster.workers} hosts "
         f"x {cluster.procs_per_host} processes on "
-        f"{args.subnet}.0/24, {cluster.link.latency_ms} ms, {cluster.mtu}-byte frames",
+        f"{args.subnet}.0/24, {cluster.link.latency_ms} ms, {cluster.mtu}-byte frames, "
+        f"main threads at nice {cluster.compute_nice}",
         flush=True,
     )
     calibration = None

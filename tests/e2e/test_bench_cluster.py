@@ -131,6 +131,9 @@ def test_quick_cluster_limit_efficiency_targets_and_cleanup(netns_ok: None, tmp_
             assert ratio == pytest.approx(1.0), figure
     assert table["scenario"]["workers"] == 2
     assert table["scenario"]["link"]["rate_mbit"] == 100.0
+    # the harness's defaults: jumbo frames, the ranks' main threads behind their communication
+    assert table["scenario"]["link"]["mtu"] == 9000 and table["scenario"]["link"]["compute_nice"] == 10
+    assert "9000-byte frames, ranks' main threads at nice 10" in md.splitlines()[0]
 
     # Targets: DGC's efficiency target is judged on the measured value; topk did not run.
     targets = {t["row"] + " " + t["short"]: t for t in table["scenario"]["targets"]}
@@ -590,3 +593,25 @@ def test_shaped_10mbit_four_rank_compressed_sync_easgd_repeated(netns_ok: None, 
                 elastic = kinds["elastic"]
                 assert 0 < elastic["bytes_sent"] < 0.2 * elastic["dense_bytes"], (rep, rank)
     assert not {n for n in _netns_names() if n.startswith(f"easgd-bench-{os.getpid()}-")}
+
+
+def test_every_link_carries_the_frames_asked_for(netns_ok: None) -> None:
+    """The hosts' eth0, the bridge's ports and the bridge at ``mtu``; the token buckets hold
+    two of its frames at least (tbf drops a frame larger than its bucket)."""
+    from bench._netem import EmulatedCluster, LinkSpec
+
+    def mtu(ns: str, dev: str) -> int:
+        out = subprocess.run(["ip", "-n", ns, "-o", "link", "show", dev], check=True, capture_output=True, text=True)
+        return int(re.search(r" mtu (\d+)", out.stdout).group(1))
+
+    with EmulatedCluster(2, LinkSpec(10.0, 0.0), subnet="10.81.0", run_id=f"easgd-bench-t{os.getpid()}",
+                         mtu=9000) as net:
+        assert [mtu(ns, "eth0") for ns in net.hosts] == [9000, 9000]
+        assert [mtu(net.bridge_ns, net.port_ifname(i)) for i in range(2)] == [9000, 9000]
+        assert mtu(net.bridge_ns, "br0") == 9000
+        tbf = subprocess.run(["tc", "-n", net.hosts[0], "qdisc", "show", "dev", "eth0"], check=True,
+                             capture_output=True, text=True).stdout
+        assert "tbf" in tbf and net.describe()["tbf"]["burst_bytes"] >= 2 * 9000
+        assert net.describe()["mtu"] == 9000
+    with pytest.raises(ValueError, match="--mtu"):
+        EmulatedCluster(2, LinkSpec(10.0, 0.0), mtu=40)
