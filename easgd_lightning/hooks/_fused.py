@@ -28,13 +28,15 @@ computes for each tensor alone (the unit and distributed tests compare them bitw
 the fused path is a change of speed only (an all-reduce codec's sum over more than two
 ranks may round differently: a ring sums in an order of its own). It applies where
 ``compressor.fused_segments`` is true (``topk``, ``dgc``, ``signsgd``, ``randomk``,
-``qsgd`` (s <= 32767), ``fp16``, ``bf16``, ``sparse_gc``), with no SeCoPa
+``qsgd`` (s <= 32767), ``fp16``, ``bf16``, ``sparse_gc``, ``redsync`` (reuse_steps = 1),
+``sidco``), with no SeCoPa
 plan and a collective that batches its all-gathers (:class:`~easgd_lightning.hooks.collective.
 ProcessGroupCollective`); every other codec takes the per-tensor exchange.
 
 State: the codec's per-exchange state (DGC's u and v, one flat buffer each, and its step
 counter) lives under the exchange's group key (:attr:`FlatLayout.group`) in the attach
-point's ``states``; per-tensor entries of an older checkpoint (or of the per-tensor path)
+point's ``states`` (a rule with state of each tensor's own, SIDCo's, keeps it per member:
+``segment_states``); per-tensor entries of an older checkpoint (or of the per-tensor path)
 are moved into it on first use (:func:`group_state`), and the residual memory does the
 same for its residuals, whose checkpoint stays per tensor
 (:class:`~easgd_lightning.hooks.memory.ResidualMemory`).
@@ -54,7 +56,7 @@ from easgd_lightning.hooks.compressors.base import (
     scratch_of,
     start_collective,
 )
-from easgd_lightning.hooks.compressors.segments import Segments, merged_runs
+from easgd_lightning.hooks.compressors.segments import SEGMENT_STATES, Segments, merged_runs
 
 __all__ = ["FlatLayout", "PendingFlat", "fusable", "layout_for", "group_state", "start_exchange_flat"]
 
@@ -114,13 +116,17 @@ def fusable(compressor, collective, plan=None) -> bool:
 
 
 def _dissolve(states: dict, key: str) -> None:
-    """Split the group ``key`` back into per-tensor states (copies of its members' parts)."""
+    """Split the group ``key`` back into per-tensor states (copies of its members' parts;
+    each member's own state, where the group kept one per member)."""
     st = states.pop(key)
     numel = st.get("numel")
-    for mkey, off, n in st.get("members", ()):
+    own = st.get(SEGMENT_STATES)
+    for j, (mkey, off, n) in enumerate(st.get("members", ())):
         per = states.setdefault(mkey, {})
+        if own is not None:
+            per.update({k: v for k, v in own[j].items() if not k.startswith("_")})
         for name, val in st.items():
-            if name in ("members", "numel"):
+            if name in ("members", "numel", SEGMENT_STATES):
                 continue
             if isinstance(val, torch.Tensor) and val.dim() > 0 and val.numel() == numel:
                 per[name] = val[off : off + n].clone()
@@ -128,14 +134,16 @@ def _dissolve(states: dict, key: str) -> None:
                 per.setdefault(name, val)
 
 
-def group_state(states: dict, key: str, members, numel: int) -> dict:
+def group_state(states: dict, key: str, members, numel: int, per_segment: bool = False) -> dict:
     """``states[key]``, the codec state of a group of tensors (its ``members``, as plain
     data: [key, offset, numel] each, for checkpoints). Created on first use from the
     members' per-tensor states -- a tensor entry of a member's size is placed at the
     member's offset of a flat one of ``numel`` entries (zeros elsewhere), other entries are
-    taken from the first member that has them, and the per-tensor states are removed --
-    after dissolving any other group that holds one of them (DDP rebuilds its buckets after
-    the first iteration: the same parameters, other groups)."""
+    taken from the first member that has them (``per_segment``: kept per member instead, in
+    ``state["segment_states"][j]``, for a rule that carries state of its own per tensor), and
+    the per-tensor states are removed -- after dissolving any other group that holds one of
+    them (DDP rebuilds its buckets after the first iteration: the same parameters, other
+    groups)."""
     st = states.get(key)
     if st is not None:
         return st
@@ -144,7 +152,10 @@ def group_state(states: dict, key: str, members, numel: int) -> dict:
         if names.intersection(m[0] for m in states[other]["members"]):
             _dissolve(states, other)
     st = states[key] = {"members": [[m, off, shape.numel()] for m, off, shape in members], "numel": numel}
-    for mkey, off, shape in members:
+    own = None
+    if per_segment:
+        own = st[SEGMENT_STATES] = [{} for _ in members]
+    for j, (mkey, off, shape) in enumerate(members):
         old = states.get(mkey)
         if not isinstance(old, dict):
             continue
@@ -157,6 +168,8 @@ def group_state(states: dict, key: str, members, numel: int) -> dict:
                 if flat is None:
                     flat = st[name] = torch.zeros(numel, dtype=val.dtype, device=val.device)
                 flat[off : off + n] = val.reshape(-1)
+            elif own is not None:
+                own[j][name] = val
             else:
                 st.setdefault(name, val)
         del states[mkey]
@@ -252,7 +265,8 @@ def start_exchange_flat(
     parts = [] if dense_msg is None else [dense_msg]
     payload, local, gstate = None, None, None
     if layout.comp_count:
-        gstate = group_state(states, layout.group, layout.members, layout.numel)
+        gstate = group_state(states, layout.group, layout.members, layout.numel,
+                             per_segment=getattr(compressor, "segment_state", False))
         gstate["world_size"] = world
         p = memory.compensate_runs(layout.group, flat, layout.comp_runs, layout.members)
         payload = compressor.compress_segments(p, layout.segments, gstate)

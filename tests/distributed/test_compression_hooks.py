@@ -91,18 +91,28 @@ def test_fused_exchange_equals_the_per_tensor_exchange_bitwise(two_ranks):
     fp16 / bf16 (all-reduced; two ranks: a sum of two is the same in any order), and
     DGC with local clipping (each tensor's own norm, the small ones' too), sparse_gc on
     differences and on gradients (DDP's mode: the global momentum M and the
-    local update g - sent + M over the compressed runs after the mean)."""
+    local update g - sent + M over the compressed runs after the mean), RedSync
+    (trimmed top-k and threshold bisection, each tensor's own search) and SIDCo adapting
+    every step (each tensor's stage count and target correction, kept per segment and
+    carried over from the per-tensor checkpoint)."""
     for rank in two_ranks:
         for name, rec in rank["fused"].items():
             assert all(rec["mean_equal"]) and all(rec["state_equal"]), (name, rec)
             # one all-gather per exchange (the first: +1 round, capacity 0); the all-reduce
             # codecs add the all-reduce of their summed payload
             calls = 2 if name in ("randomk", "randomk_unbiased", "fp16", "bf16") else 1
-            assert rec["calls"][1:] == [calls, calls], (name, rec["calls"])
+            if name == "sidco":  # its count moves as its stages adapt: a message may outgrow
+                # the capacity the ranks agreed on (its rest follows in one more round)
+                assert all(c in (1, 2) for c in rec["calls"][1:]), (name, rec["calls"])
+            else:
+                assert rec["calls"][1:] == [calls, calls], (name, rec["calls"])
             assert min(rec["scale"]) > 0.01, (name, rec["scale"])
-            memory = name in ("topk", "signsgd", "randomk", "fp16", "qsgd")
+            memory = name in ("topk", "signsgd", "randomk", "fp16", "qsgd", "redsync", "sidco")
             residuals = ["t1", "t3", "t4"] if memory else []  # per tensor, as before
             assert rec["checkpoint_keys"] == residuals, (name, rec["checkpoint_keys"])
+        sidco = rank["fused"]["sidco"]
+        assert all(sidco["own_state_equal"]), sidco  # each tensor's stage count, correction, history
+        assert any(s != 1 for step in sidco["stages"] for s in step), sidco  # the adaptation moved
         assert "M" in rank["fused"]["sparse_gc_grad"]["group_tensors"]
         assert "M" not in rank["fused"]["sparse_gc"]["group_tensors"]
 

@@ -33,6 +33,7 @@ from easgd_lightning.hooks.compressors.base import (
     num_selected,
     scratch_of,
 )
+from easgd_lightning.hooks.compressors.segments import Segments
 from easgd_lightning.hooks.compressors.sparse import (
     SparseCompressor,
     count_above,
@@ -199,6 +200,22 @@ class RedSyncCompressor(SparseCompressor):
         self.bisect_min_numel = check_int("compression.bisect_min_numel", bisect_min_numel, 0)
         self.max_iters = check_int("compression.max_iters", max_iters, 1)
         self.reuse_steps = check_int("compression.reuse_steps", reuse_steps, 1)
+
+    @property
+    def fused_segments(self) -> bool:  # type: ignore[override]
+        """The fused exchange (one payload, one message, one decode per exchange) where the
+        rule keeps nothing between steps: ``reuse_steps`` = 1, every step searching its
+        threshold afresh. A reused threshold is a tensor's own state across steps, so with
+        ``reuse_steps`` > 1 the exchange stays per tensor."""
+        return self.reuse_steps == 1
+
+    def select_segments(
+        self, flat: torch.Tensor, segments: Segments, state: dict, zero_sent: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each segment's survivors by :meth:`select_values` on it alone (its own k, mean,
+        max, guide sample and search: RedSync's rule is per layer), gathered into one
+        payload; with ``zero_sent`` they leave ``flat`` (the residual)."""
+        return super().select_segments(flat, segments, state, zero_sent)
 
     def method_for(self, numel: int) -> str:
         """The variant used for a tensor of ``numel`` elements."""

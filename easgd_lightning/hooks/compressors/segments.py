@@ -19,7 +19,11 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Segments", "merged_runs"]
+__all__ = ["Segments", "merged_runs", "SEGMENT_STATES"]
+
+#: the key of a fused group's per-member states, for a codec whose rule keeps state per
+#: tensor across steps (a sparsifier's ``segment_state``; ``hooks/_fused.py``'s group_state)
+SEGMENT_STATES = "segment_states"
 
 
 def merged_runs(offsets, lengths) -> tuple[tuple[int, int], ...]:

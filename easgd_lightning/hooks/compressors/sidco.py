@@ -45,6 +45,7 @@ from easgd_lightning.hooks.compressors.base import (
     num_selected,
     scratch_of,
 )
+from easgd_lightning.hooks.compressors.segments import Segments
 from easgd_lightning.hooks.compressors.sparse import SparseCompressor, select_above, strided_sample
 
 __all__ = [
@@ -296,8 +297,21 @@ class SIDCoCompressor(SparseCompressor):
         self.sample_size = check_int("compression.sample_size", sample_size, 0)
         self.max_stages = max_stages(self.ratio)
 
+    #: the fused exchange: one payload, one message and one decode per exchange, each
+    #: tensor's threshold fitted on it alone with its own stage count and target correction
+    fused_segments = True
+    segment_state = True
+
     def select(self, flat: torch.Tensor, state: dict) -> torch.Tensor:
         return self.select_values(flat, state)[0]
+
+    def select_segments(
+        self, flat: torch.Tensor, segments: Segments, state: dict, zero_sent: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each segment's survivors by :meth:`select_values` on it alone, with its own state
+        (SIDCo fits and adapts per layer), gathered into one payload; with ``zero_sent``
+        they leave ``flat`` (the residual)."""
+        return super().select_segments(flat, segments, state, zero_sent)
 
     def fit_sample(self, flat: torch.Tensor) -> torch.Tensor:
         """|g| (float64) at the entries the fits use: a strided sample, or all of them."""

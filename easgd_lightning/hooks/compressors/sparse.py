@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 
@@ -41,7 +42,7 @@ from easgd_lightning.hooks.compressors.base import (
     unpack_sparse,
     with_out,
 )
-from easgd_lightning.hooks.compressors.segments import Segments
+from easgd_lightning.hooks.compressors.segments import SEGMENT_STATES, Segments
 
 __all__ = [
     "SparseCompressor",
@@ -169,6 +170,11 @@ class SparseCompressor(Compressor):
 
     aggregation = "allgather"
     default_memory = True
+    #: the per-tensor rule keeps state of its own across steps (SIDCo's stage count and
+    #: target correction): the fused exchange keeps one such dict per segment in the
+    #: group's state (``segment_states``, checkpointed), :meth:`select_segments` hands each
+    #: segment its own
+    segment_state: ClassVar[bool] = False
 
     @abstractmethod
     def select(self, flat: torch.Tensor, state: dict) -> torch.Tensor:
@@ -193,12 +199,15 @@ class SparseCompressor(Compressor):
         self, flat: torch.Tensor, segments: Segments, state: dict, zero_sent: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices relative to ``flat``, values) of :meth:`select_values` on each segment
-        alone (a loop; codecs with a native segmented rule override it); with ``zero_sent``
-        the sent entries of ``flat`` are set to 0."""
+        alone (a loop; codecs with a native segmented rule override it), each with its own
+        state (with ``segment_state``, the group's ``segment_states[j]``; else scratch); with
+        ``zero_sent`` the sent entries of ``flat`` are set to 0."""
         scratch = scratch_of(state)
+        own = state.setdefault(SEGMENT_STATES, [{} for _ in range(len(segments))]) if self.segment_state else None
         idx, val = [], []
         for j, (off, n) in enumerate(segments):
-            i, v = self.select_values(flat[off : off + n], scratch.setdefault(("segment", j), {}))
+            st = own[j] if own is not None else scratch.setdefault(("segment", j), {})
+            i, v = self.select_values(flat[off : off + n], st)
             idx.append(i.long() + off)
             val.append(v.clone())
         idx_all, val_all = torch.cat(idx), torch.cat(val)

@@ -270,7 +270,22 @@ FUSED_CASES = {
     "qsgd_elias": ("qsgd", {"levels": 7, "bucket_size": 64, "coding": "elias", "seed": 5, "min_numel": 100}),
     "sparse_gc": ("sparse_gc", {"ratio": 0.02, "min_numel": 100}),
     "sparse_gc_grad": ("sparse_gc", {"ratio": 0.02, "min_numel": 100}),
+    # both of RedSync's searches, each tensor its own (trimmed top-k; bisection from 1000)
+    "redsync": ("redsync", {"ratio": 0.02, "bisect_min_numel": 1000, "min_numel": 100}),
+    # SIDCo adapting every step: each tensor's stage count and target correction move
+    "sidco": ("sidco", {"ratio": 0.02, "adapt_every": 1, "min_numel": 100}),
 }
+
+#: SIDCo's state of its own per tensor (kept per segment by the fused exchange)
+SIDCO_FIELDS = ("stages", "scale", "searching", "moved", "prev_ratio", "achieved", "last_threshold")
+
+
+def _own_states(states: dict, keys: list[str]) -> list[dict]:
+    """Each compressed tensor's SIDCo state: its own (per tensor) or its segment's (fused)."""
+    group = next((v for k, v in states.items() if k.startswith("fused:")), None)
+    big = [key for j, key in enumerate(keys) if math.prod(FUSED_SHAPES[j]) >= 100]
+    per = [states[key] for key in big] if group is None else group["segment_states"]
+    return [{f: st.get(f) for f in SIDCO_FIELDS} for st in per]
 
 
 def _fused_codec(name: str):
@@ -337,6 +352,9 @@ def scenario_fused(rank: int, world: int) -> dict:
             rec["state_equal"].append(_same(_codec_state(states_a, mem_a, keys, fields),
                                             _codec_state(states_b, mem_b, keys, fields)))
             rec["scale"].append(float(mean_b.abs().max()))
+            if name == "sidco":
+                rec.setdefault("own_state_equal", []).append(_own_states(states_a, keys) == _own_states(states_b, keys))
+                rec.setdefault("stages", []).append([st["stages"] for st in _own_states(states_b, keys)])
         rec["checkpoint_keys"] = sorted(mem_b.state_dict().get("residuals", {}))
         group = next(v for k, v in states_b.items() if k.startswith("fused:"))
         rec["group_tensors"] = sorted(k for k, v in group.items() if isinstance(v, torch.Tensor))
