@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from easgd_lightning.comm import get_meter, ops
-from easgd_lightning.utils.cputime import cpu_delta, cpu_reading
+from easgd_lightning.utils.cputime import cpu_reading, cpu_spent
 
 __all__ = ["expected_sum", "main"]
 
@@ -39,15 +39,6 @@ def expected_sum(world_size: int) -> float:
         ``world_size * (world_size + 1) / 2``.
     """
     return world_size * (world_size + 1) / 2.0
-
-
-def _add_cpu(total: dict, spent: dict) -> dict:
-    """Two :func:`~easgd_lightning.utils.cputime.cpu_delta` results summed."""
-    host = None
-    if spent["host"] is not None:
-        host = {k: (total["host"] or {}).get(k, 0.0) + v for k, v in spent["host"].items()}
-    return {"host": host, "process_s": total["process_s"] + spent["process_s"],
-            "wall_s": total["wall_s"] + spent["wall_s"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         tensor = torch.empty(numel, dtype=torch.float32)
         want = expected_sum(world_size)
         times: list[float] = []
-        timed_cpu = {"host": None, "process_s": 0.0, "wall_s": 0.0}
+        timed: list[tuple[dict, dict]] = []  # CPU readings around each timed all-reduce
         for i in range(args.repeats + 1):  # the first one is a warm-up
             tensor.fill_(float(rank + 1))
             ops.barrier()
@@ -78,12 +69,12 @@ def main(argv: list[str] | None = None) -> int:
             start = time.perf_counter()
             ops.all_reduce(tensor, kind="smoke")
             elapsed = time.perf_counter() - start
-            spent = cpu_delta(cpu_reading(), before)
+            after = cpu_reading()
             if not torch.all(tensor == want):
                 raise RuntimeError(f"rank {rank}: all-reduce sum wrong (want {want})")
             if i > 0:
                 times.append(elapsed)
-                timed_cpu = _add_cpu(timed_cpu, spent)
+                timed.append((before, after))
         snap = get_meter().snapshot()
         result = {
             "rank": rank,
@@ -92,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             "times_s": times,
             "median_s": statistics.median(times),
             "meter_bytes_sent": snap["bytes_sent"],
-            "cpu": timed_cpu,
+            "cpu": cpu_spent(timed),
         }
         args.out.mkdir(parents=True, exist_ok=True)
         tmp = args.out / f"rank{rank}.json.tmp"

@@ -11,7 +11,7 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["CPU_FIELDS", "cpu_reading", "cpu_delta"]
+__all__ = ["CPU_FIELDS", "cpu_reading", "cpu_delta", "cpu_spent"]
 
 #: the CPU-time fields of /proc/stat's first line, in order
 CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
@@ -33,11 +33,9 @@ def cpu_reading() -> dict:
     return {"host": _host(), "process_s": time.process_time(), "wall_s": time.perf_counter()}
 
 
-def cpu_delta(end: dict, start: dict, less=()) -> dict:
-    """What :func:`cpu_reading` grew by between ``start`` and ``end``, less what it grew by
-    within each (start, end) pair of ``less`` that has an end (passes to leave out)."""
-    spans = [(start, end)] + [(a, b) for a, b in less if b]
-    signs = [1.0] + [-1.0] * (len(spans) - 1)
+def _signed_sum(spans, signs) -> dict:
+    """Sum over (start, end) reading pairs of sign * (end - start), field by field (the
+    machine's only when every reading has it)."""
     host = None
     if all(a.get("host") and b.get("host") for a, b in spans):
         host = {k: sum(s * (b["host"][k] - a["host"][k]) for s, (a, b) in zip(signs, spans)) for k in CPU_FIELDS}
@@ -46,3 +44,17 @@ def cpu_delta(end: dict, start: dict, less=()) -> dict:
         "process_s": sum(s * (b["process_s"] - a["process_s"]) for s, (a, b) in zip(signs, spans)),
         "wall_s": sum(s * (b["wall_s"] - a["wall_s"]) for s, (a, b) in zip(signs, spans)),
     }
+
+
+def cpu_delta(end: dict, start: dict, less=()) -> dict:
+    """What :func:`cpu_reading` grew by between ``start`` and ``end``, less what it grew by
+    within each (start, end) pair of ``less`` that has an end (passes to leave out)."""
+    spans = [(start, end)] + [(a, b) for a, b in less if b]
+    return _signed_sum(spans, [1.0] + [-1.0] * (len(spans) - 1))
+
+
+def cpu_spent(spans) -> dict:
+    """What :func:`cpu_reading` grew by within each (start, end) pair of ``spans``, summed
+    (timed windows with gaps between them)."""
+    spans = list(spans)
+    return _signed_sum(spans, [1.0] * len(spans))

@@ -12,8 +12,7 @@ import sys
 import pytest
 
 from bench._runs import smoke_cpu_shares
-from bench.netns_smoke import _add_cpu
-from easgd_lightning.utils.cputime import CPU_FIELDS
+from easgd_lightning.utils.cputime import CPU_FIELDS, cpu_spent
 from easgd_lightning.utils.rank_env import clean_env, rank_env
 
 
@@ -29,11 +28,16 @@ def test_cpu_shares_split_the_cores_time_into_busy_kernel_and_user():
 
 
 def test_timed_windows_add_up_kind_by_kind():
-    a = {"host": _host(user=1, idle=2), "process_s": 0.5, "wall_s": 1.0}
-    b = {"host": _host(user=3, irq=1), "process_s": 0.25, "wall_s": 2.0}
-    total = _add_cpu(_add_cpu({"host": None, "process_s": 0.0, "wall_s": 0.0}, a), b)
+    def reading(process_s: float, wall_s: float, **kw: float) -> dict:
+        return {"host": _host(**kw), "process_s": process_s, "wall_s": wall_s}
+
+    # two windows with a gap between them: (user 1, idle 2) and (user 3, irq 1)
+    spans = [(reading(0.0, 0.0), reading(0.5, 1.0, user=1, idle=2)),
+             (reading(9.0, 5.0, user=50, idle=50), reading(9.25, 7.0, user=53, idle=50, irq=1))]
+    total = cpu_spent(spans)
     assert total["host"] == _host(user=4, idle=2, irq=1)
     assert total["process_s"] == 0.75 and total["wall_s"] == 3.0
+    assert cpu_spent([])["process_s"] == 0.0
 
 
 def test_one_rank_smoke_checks_its_sum_and_records_its_cpu(tmp_path):
