@@ -33,7 +33,6 @@ from easgd_lightning.hooks.compressors.base import (
     num_selected,
     scratch_of,
 )
-from easgd_lightning.hooks.compressors.segments import Segments
 from easgd_lightning.hooks.compressors.sparse import (
     SparseCompressor,
     count_above,
@@ -208,14 +207,6 @@ class RedSyncCompressor(SparseCompressor):
         threshold afresh. A reused threshold is a tensor's own state across steps, so with
         ``reuse_steps`` > 1 the exchange stays per tensor."""
         return self.reuse_steps == 1
-
-    def select_segments(
-        self, flat: torch.Tensor, segments: Segments, state: dict, zero_sent: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each segment's survivors by :meth:`select_values` on it alone (its own k, mean,
-        max, guide sample and search: RedSync's rule is per layer), gathered into one
-        payload; with ``zero_sent`` they leave ``flat`` (the residual)."""
-        return super().select_segments(flat, segments, state, zero_sent)
 
     def method_for(self, numel: int) -> str:
         """The variant used for a tensor of ``numel`` elements."""

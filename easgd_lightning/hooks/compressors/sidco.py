@@ -45,7 +45,6 @@ from easgd_lightning.hooks.compressors.base import (
     num_selected,
     scratch_of,
 )
-from easgd_lightning.hooks.compressors.segments import Segments
 from easgd_lightning.hooks.compressors.sparse import SparseCompressor, select_above, strided_sample
 
 __all__ = [
@@ -304,14 +303,6 @@ class SIDCoCompressor(SparseCompressor):
 
     def select(self, flat: torch.Tensor, state: dict) -> torch.Tensor:
         return self.select_values(flat, state)[0]
-
-    def select_segments(
-        self, flat: torch.Tensor, segments: Segments, state: dict, zero_sent: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each segment's survivors by :meth:`select_values` on it alone, with its own state
-        (SIDCo fits and adapts per layer), gathered into one payload; with ``zero_sent``
-        they leave ``flat`` (the residual)."""
-        return super().select_segments(flat, segments, state, zero_sent)
 
     def fit_sample(self, flat: torch.Tensor) -> torch.Tensor:
         """|g| (float64) at the entries the fits use: a strided sample, or all of them."""

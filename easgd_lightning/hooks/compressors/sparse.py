@@ -215,6 +215,8 @@ class SparseCompressor(Compressor):
             _native.zero_at(flat, idx_all)
         return idx_all, val_all
 
+    select_segments.follows_select_values = True  # type: ignore[attr-defined]  # (has_fused_form)
+
     def compress_segments(self, flat: torch.Tensor, segments: Segments, state: dict) -> Payload:
         """One payload for every segment of the 1-D ``flat`` (indices relative to it),
         each selected by its own rule; the residual is written in place when ``flat`` was

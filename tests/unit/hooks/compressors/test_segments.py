@@ -314,3 +314,31 @@ def test_a_subclass_that_changes_the_per_tensor_rule_leaves_the_fused_form():
     assert has_fused_form(TopKCompressor()) and has_fused_form(TightTopK()) and has_fused_form(BF16Compressor())
     assert not has_fused_form(HalfTopK()) and not has_fused_form(TwoBitTopK())
     assert not has_fused_form(SparseLoCoCompressor()) and has_fused_form(DGCCompressor(clip_norm=1.0))
+
+
+def test_the_sparse_loop_follows_a_subclass_selection_rule():
+    """RedSync's and SIDCo's fused form is the sparse base's loop, which runs each segment
+    through the codec's own ``select_values``: a subclass that changes only that rule keeps
+    the fused exchange and its payload is that rule's, segment by segment (the reference:
+    the subclass's rule on each segment alone); one that changes ``compress`` leaves it."""
+    from easgd_lightning.hooks.compressors.base import has_fused_form
+    from easgd_lightning.hooks.compressors.segments import Segments
+    from easgd_lightning.hooks.compressors.sidco import SIDCoCompressor
+    from easgd_lightning.hooks.compressors.sparse import unpack_sparse
+
+    class EveryThird(SIDCoCompressor):
+        def select_values(self, flat, state):
+            idx = torch.arange(1, flat.numel(), 3)
+            return idx, flat[idx] * 2
+
+    class OwnPayload(SIDCoCompressor):
+        def compress(self, tensor, state):
+            return super().compress(tensor, state)
+
+    assert has_fused_form(EveryThird()) and not has_fused_form(OwnPayload())
+    flat = torch.randn(50, generator=torch.Generator().manual_seed(4))
+    segs = Segments([3, 30], [20, 15], 50)
+    payload = EveryThird().compress_segments(flat.clone(), segs, {})
+    idx, val = unpack_sparse(payload.tensors[0], payload.meta["index_dtype"], payload.meta["dtype"])
+    want_idx = torch.cat([torch.arange(1, n, 3) + off for off, n in segs])
+    assert torch.equal(idx.long(), want_idx) and torch.equal(val, flat[want_idx] * 2)
