@@ -94,25 +94,34 @@ def test_fused_exchange_equals_the_per_tensor_exchange_bitwise(two_ranks):
     local update g - sent + M over the compressed runs after the mean), RedSync
     (trimmed top-k and threshold bisection, each tensor's own search) and SIDCo adapting
     every step (each tensor's stage count and target correction, kept per segment and
-    carried over from the per-tensor checkpoint)."""
+    carried over from the per-tensor checkpoint), and RedSync reusing each tensor's
+    bisected threshold (the reused one carried over from the per-tensor checkpoint too), and
+    SparseLoCo (each tensor's own top-k, sampled or exact, and its own 2-bit code)."""
     for rank in two_ranks:
         for name, rec in rank["fused"].items():
             assert all(rec["mean_equal"]) and all(rec["state_equal"]), (name, rec)
             # one all-gather per exchange (the first: +1 round, capacity 0); the all-reduce
             # codecs add the all-reduce of their summed payload
             calls = 2 if name in ("randomk", "randomk_unbiased", "fp16", "bf16") else 1
-            if name == "sidco":  # its count moves as its stages adapt: a message may outgrow
-                # the capacity the ranks agreed on (its rest follows in one more round)
+            if name in ("sidco", "redsync_reuse"):  # its count moves as its stages adapt (a
+                # reused threshold: with the data): a message may outgrow the capacity the
+                # ranks agreed on (its rest follows in one more round)
                 assert all(c in (1, 2) for c in rec["calls"][1:]), (name, rec["calls"])
             else:
                 assert rec["calls"][1:] == [calls, calls], (name, rec["calls"])
             assert min(rec["scale"]) > 0.01, (name, rec["scale"])
-            memory = name in ("topk", "signsgd", "randomk", "fp16", "qsgd", "redsync", "sidco")
+            memory = name in ("topk", "signsgd", "randomk", "fp16", "qsgd", "redsync", "sidco", "redsync_reuse",
+                              "sparseloco", "sparseloco_exact")
             residuals = ["t1", "t3", "t4"] if memory else []  # per tensor, as before
             assert rec["checkpoint_keys"] == residuals, (name, rec["checkpoint_keys"])
         sidco = rank["fused"]["sidco"]
         assert all(sidco["own_state_equal"]), sidco  # each tensor's stage count, correction, history
-        assert any(s != 1 for step in sidco["stages"] for s in step), sidco  # the adaptation moved
+        assert any(st["stages"] != 1 for step in sidco["own"] for st in step), sidco  # the adaptation moved
+        reuse = rank["fused"]["redsync_reuse"]
+        assert all(reuse["own_state_equal"]), reuse  # each tensor's threshold and its age
+        # searched at step 0, then reused: the age counts up, the thresholds stay
+        assert [[st["thr_age"] for st in step] for step in reuse["own"]] == [[1, 1, 1], [2, 2, 2], [3, 3, 3]], reuse
+        assert reuse["own"][0] == [{**st, "thr_age": 1} for st in reuse["own"][2]], reuse
         assert "M" in rank["fused"]["sparse_gc_grad"]["group_tensors"]
         assert "M" not in rank["fused"]["sparse_gc"]["group_tensors"]
 

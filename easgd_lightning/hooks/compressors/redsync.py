@@ -181,6 +181,7 @@ class RedSyncCompressor(SparseCompressor):
 
     name = "redsync"
     search_knob = "ratio"
+    fused_segments = True
 
     def __init__(
         self,
@@ -201,12 +202,10 @@ class RedSyncCompressor(SparseCompressor):
         self.reuse_steps = check_int("compression.reuse_steps", reuse_steps, 1)
 
     @property
-    def fused_segments(self) -> bool:  # type: ignore[override]
-        """The fused exchange (one payload, one message, one decode per exchange) where the
-        rule keeps nothing between steps: ``reuse_steps`` = 1, every step searching its
-        threshold afresh. A reused threshold is a tensor's own state across steps, so with
-        ``reuse_steps`` > 1 the exchange stays per tensor."""
-        return self.reuse_steps == 1
+    def segment_state(self) -> bool:  # type: ignore[override]
+        """A reused threshold (``reuse_steps`` > 1) is a tensor's own state across steps: the
+        fused exchange keeps it per segment (``segment_states``); afresh, nothing is kept."""
+        return self.reuse_steps > 1
 
     def method_for(self, numel: int) -> str:
         """The variant used for a tensor of ``numel`` elements."""

@@ -11,20 +11,31 @@ the squared error for that split); e <- p - C(p), so both what was dropped and t
 quantisation error are sent later. Wire: an 8-byte count, the two scales (value dtype),
 the indices (int32) and the codes (k / 4 bytes), one message per rank, all-gathered.
 Defaults: ratio = 0.01 (the paper keeps 1-3%), memory = true.
+Fused exchange (:mod:`easgd_lightning.hooks._fused`): one selection call over the
+exchange's flat buffer (``topk``'s segmented kernel, each tensor its own sample and
+threshold), then each tensor's own 2-bit code (its median and two magnitudes: a loop over
+the tensors, one median each); one payload per rank -- the count of each tensor, its two
+scales, the indices relative to the buffer and all code bits --, each rank's payload
+decoded and added in one pass.
 """
 
 from __future__ import annotations
 
 import torch
 
+from easgd_lightning.hooks.compressors import _native
 from easgd_lightning.hooks.compressors.base import (
     Compressor,
     Payload,
     dense_out,
     index_dtype_for,
     pack_bits,
+    scratch_buffer,
+    scratch_of,
     unpack_bits,
 )
+from easgd_lightning.hooks.compressors.segments import Segments
+from easgd_lightning.hooks.compressors.sparse import divide_at
 from easgd_lightning.hooks.compressors.topk import TopKCompressor
 
 __all__ = ["SparseLoCoCompressor", "two_bit_code", "two_bit_decode"]
@@ -95,3 +106,52 @@ class SparseLoCoCompressor(TopKCompressor):
     def _launch(self, tensor, state, collective):
         """The generic all-gather exchange (every rank's message decoded and added)."""
         return Compressor._launch(self, tensor, state, collective)
+
+    def compress_segments(self, flat: torch.Tensor, segments: Segments, state: dict) -> Payload:
+        """(count per segment, its two scales, indices relative to ``flat``, code bits):
+        each segment selected and coded by its own rule, as :meth:`compress` on it alone."""
+        idx, val = self.select_segments(flat, segments, state, False)
+        state["last_nnz"] = int(idx.numel())
+        starts = segments.int64("offsets", segments.offsets)  # idx: segment after segment
+        seg = torch.searchsorted(starts, idx, right=True) - 1
+        counts = torch.bincount(seg, minlength=len(segments))
+        bounds = [0, *counts.cumsum(0).tolist()]
+        codes, scales = [], []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            negative, high, sc = two_bit_code(val[a:b])
+            codes.append(torch.stack([negative, high], dim=1).reshape(-1))
+            scales.append(sc)
+        idt = index_dtype_for(flat.numel())
+        return Payload((counts, torch.cat(scales), idx.to(idt, copy=True), pack_bits(torch.cat(codes))),
+                       {"dtype": flat.dtype, "index_dtype": idt})
+
+    @staticmethod
+    def _entries(tensors) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices, decoded values) of one rank's fused payload."""
+        counts, scales, idx, bits = tensors
+        k = idx.numel()
+        code = unpack_bits(bits.reshape(-1), 2 * k).view(k, 2)
+        per = scales.view(-1, 2).repeat_interleave(counts.long(), dim=0)  # each entry's segment's
+        mag = torch.where(code[:, 1], per[:, 1], per[:, 0])
+        return idx.long(), torch.where(code[:, 0], -mag, mag)
+
+    def local_segments(self, payload: Payload, segments: Segments, state: dict) -> torch.Tensor:
+        out = scratch_buffer(scratch_of(state), "local", segments.numel, payload.meta["dtype"],
+                             payload.tensors[0].device)
+        out.zero_()
+        idx, val = self._entries(payload.tensors)
+        _native.scatter_into(out, idx, val)
+        return out
+
+    def mean_segments(self, received, meta: dict, segments: Segments, out: torch.Tensor, world: int) -> None:
+        """Every rank's decoded entries added in rank order into ``out`` (its segments
+        zeroed first), divided by ``world`` at the touched entries."""
+        for off, n in segments.runs():
+            out[off : off + n].zero_()
+        touched = []
+        for tensors in received:
+            idx, val = self._entries(tensors)
+            idx = idx.to(out.device)
+            _native.scatter_add_into(out, idx, val.to(out.device, out.dtype))
+            touched.append(idx)
+        divide_at(out, torch.cat(touched), world)

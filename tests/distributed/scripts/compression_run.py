@@ -274,18 +274,29 @@ FUSED_CASES = {
     "redsync": ("redsync", {"ratio": 0.02, "bisect_min_numel": 1000, "min_numel": 100}),
     # SIDCo adapting every step: each tensor's stage count and target correction move
     "sidco": ("sidco", {"ratio": 0.02, "adapt_every": 1, "min_numel": 100}),
+    # RedSync reusing each tensor's bisected threshold: searched at step 0, reused at 1 and
+    # at 2 (the fused side's, carried over from the per-tensor checkpoint)
+    "redsync_reuse": ("redsync", {"ratio": 0.02, "method": "bisect", "reuse_steps": 3, "min_numel": 100}),
+    # each tensor's own top-k (sampled; exact) and 2-bit code (its median, its two scales)
+    "sparseloco": ("sparseloco", {"ratio": 0.05, "sample_size": 500, "min_numel": 100}),
+    "sparseloco_exact": ("sparseloco", {"ratio": 0.05, "exact": True, "min_numel": 100}),
 }
 
-#: SIDCo's state of its own per tensor (kept per segment by the fused exchange)
-SIDCO_FIELDS = ("stages", "scale", "searching", "moved", "prev_ratio", "achieved", "last_threshold")
+#: the state of its own per tensor of each codec that keeps one (per segment when fused)
+OWN_FIELDS = {
+    "sidco": ("stages", "scale", "searching", "moved", "prev_ratio", "achieved", "last_threshold"),
+    "redsync_reuse": ("thr", "thr_age"),
+}
 
 
-def _own_states(states: dict, keys: list[str]) -> list[dict]:
-    """Each compressed tensor's SIDCo state: its own (per tensor) or its segment's (fused)."""
+def _own_states(states: dict, keys: list[str], fields) -> list[dict]:
+    """Each compressed tensor's own state: per tensor, or its segment's (fused); tensors
+    as floats."""
     group = next((v for k, v in states.items() if k.startswith("fused:")), None)
     big = [key for j, key in enumerate(keys) if math.prod(FUSED_SHAPES[j]) >= 100]
     per = [states[key] for key in big] if group is None else group["segment_states"]
-    return [{f: st.get(f) for f in SIDCO_FIELDS} for st in per]
+    plain = lambda v: float(v) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    return [{f: plain(st.get(f)) for f in fields} for st in per]
 
 
 def _fused_codec(name: str):
@@ -352,9 +363,10 @@ def scenario_fused(rank: int, world: int) -> dict:
             rec["state_equal"].append(_same(_codec_state(states_a, mem_a, keys, fields),
                                             _codec_state(states_b, mem_b, keys, fields)))
             rec["scale"].append(float(mean_b.abs().max()))
-            if name == "sidco":
-                rec.setdefault("own_state_equal", []).append(_own_states(states_a, keys) == _own_states(states_b, keys))
-                rec.setdefault("stages", []).append([st["stages"] for st in _own_states(states_b, keys)])
+            if name in OWN_FIELDS:
+                own_b = _own_states(states_b, keys, OWN_FIELDS[name])
+                rec.setdefault("own_state_equal", []).append(_own_states(states_a, keys, OWN_FIELDS[name]) == own_b)
+                rec.setdefault("own", []).append(own_b)
         rec["checkpoint_keys"] = sorted(mem_b.state_dict().get("residuals", {}))
         group = next(v for k, v in states_b.items() if k.startswith("fused:"))
         rec["group_tensors"] = sorted(k for k, v in group.items() if isinstance(v, torch.Tensor))

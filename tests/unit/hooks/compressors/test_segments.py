@@ -290,10 +290,11 @@ def test_qsgd_segments_equal_each_tensor_alone(native, levels, bucket, coding):
 
 
 def test_a_subclass_that_changes_the_per_tensor_rule_leaves_the_fused_form():
-    """A codec subclass (SparseLoCo under top-k, a user's ``compression._target_``) that
-    overrides the per-tensor rule below the class that wrote ``compress_segments`` runs the
-    per-tensor exchange -- else its parent's fused form would send the parent's payload; a
-    subclass that changes only its settings keeps the fused form."""
+    """A codec subclass (a user's ``compression._target_``) that overrides the per-tensor
+    rule below the class that wrote ``compress_segments`` runs the per-tensor exchange --
+    else its parent's fused form would send the parent's payload; a subclass that changes
+    only its settings keeps the fused form, and so does one that writes its own fused form
+    beside its own rule (SparseLoCo under top-k)."""
     from easgd_lightning.hooks.compressors.base import has_fused_form
     from easgd_lightning.hooks.compressors.fp16 import BF16Compressor
     from easgd_lightning.hooks.compressors.sparseloco import SparseLoCoCompressor
@@ -313,7 +314,12 @@ def test_a_subclass_that_changes_the_per_tensor_rule_leaves_the_fused_form():
 
     assert has_fused_form(TopKCompressor()) and has_fused_form(TightTopK()) and has_fused_form(BF16Compressor())
     assert not has_fused_form(HalfTopK()) and not has_fused_form(TwoBitTopK())
-    assert not has_fused_form(SparseLoCoCompressor()) and has_fused_form(DGCCompressor(clip_norm=1.0))
+    class OwnCode(SparseLoCoCompressor):  # another value code under SparseLoCo's fused form
+        def compress(self, tensor, state):
+            return super().compress(tensor, state)
+
+    assert has_fused_form(SparseLoCoCompressor()) and not has_fused_form(OwnCode())
+    assert has_fused_form(DGCCompressor(clip_norm=1.0))
 
 
 def test_the_sparse_loop_follows_a_subclass_selection_rule():
