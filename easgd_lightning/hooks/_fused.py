@@ -21,22 +21,35 @@ elastic difference of ``sync_easgd`` / ``local_sgd``) cut into tensors of known 
   mean -- sparse_gc's global momentum -- follows in ``compressor.finish_segments``), and
   the dense runs get the rank-order sum of the dense messages over the world size;
 * all-reduce codecs (random-k, fp16 / bf16): the payload is summed by one all-reduce and
-  decoded once; the dense message is still all-gathered and summed in rank order.
+  decoded once; the dense message is still all-gathered and summed in rank order;
+* multi-round codecs, whose exchange needs an agreement or several collectives (``sgc``:
+  every tensor's summary, then the tensors that aggregate; ``adaptive``: the density vote,
+  then the payload): ``compressor.rounds_segments(p, segments, state, collective, out)`` is
+  a generator with the protocol of the per-tensor ``aggregate_rounds`` -- it launches a
+  non-blocking collective, yields, waits for it when advanced again -- over all the
+  segments at once, writes their mean into ``out`` and returns this rank's transmitted
+  buffer (None unless the state's ``want_local`` flag asks for it:
+  :func:`~easgd_lightning.hooks.compressors.base.wants_local`). Its first round runs at the
+  launch and the others at :meth:`PendingFlat.finish`, where the residual is updated (at
+  the launch when its rounds end there: adaptive's calls are blocking, measured); it reads
+  a private copy of the buffer when the memory hands back the caller's own. The dense
+  message is all-gathered at the launch and summed in rank order.
 
 Every number is the one the per-tensor exchange (:mod:`easgd_lightning.hooks._exchange`)
 computes for each tensor alone (the unit and distributed tests compare them bitwise), so
 the fused path is a change of speed only (an all-reduce codec's sum over more than two
-ranks may round differently: a ring sums in an order of its own). It applies where
-``compressor.fused_segments`` is true (``topk``, ``dgc``, ``signsgd``, ``randomk``,
-``qsgd`` (s <= 32767), ``fp16``, ``bf16``, ``sparse_gc``, ``redsync`` (reuse_steps = 1),
-``sidco``), with no SeCoPa
+ranks may round differently: a ring sums in an order of its own; ``adaptive`` proposes its
+density once per exchange: see its module). It applies where ``compressor.fused_segments``
+is true (``topk``, ``dgc``, ``signsgd``, ``randomk``, ``qsgd`` (s <= 32767), ``fp16``,
+``bf16``, ``sparse_gc``, ``redsync`` (reuse_steps = 1), ``sidco``; in the multi-round form,
+:func:`has_fused_rounds`: ``sgc``, ``adaptive``), with no SeCoPa
 plan and a collective that batches its all-gathers (:class:`~easgd_lightning.hooks.collective.
 ProcessGroupCollective`); every other codec takes the per-tensor exchange.
 
 State: the codec's per-exchange state (DGC's u and v, one flat buffer each, and its step
 counter) lives under the exchange's group key (:attr:`FlatLayout.group`) in the attach
-point's ``states`` (a rule with state of each tensor's own, SIDCo's, keeps it per member:
-``segment_states``); per-tensor entries of an older checkpoint (or of the per-tensor path)
+point's ``states`` (a rule with state of each tensor's own, SIDCo's or SGC's, keeps it per
+member: ``segment_states``); per-tensor entries of an older checkpoint (or of the per-tensor path)
 are moved into it on first use (:func:`group_state`), and the residual memory does the
 same for its residuals, whose checkpoint stays per tensor
 (:class:`~easgd_lightning.hooks.memory.ResidualMemory`).
@@ -50,15 +63,19 @@ import torch
 
 from easgd_lightning.hooks._exchange import ExchangeStats, _kind_totals, key_hash
 from easgd_lightning.hooks.compressors.base import (
+    _PER_TENSOR_RULE,
     has_fused_form,
     may_write_residual,
     scratch_buffer,
     scratch_of,
     start_collective,
 )
+from easgd_lightning.hooks.compressors.base import want_local as ask_local
 from easgd_lightning.hooks.compressors.segments import SEGMENT_STATES, Segments, merged_runs
 
-__all__ = ["FlatLayout", "PendingFlat", "fusable", "layout_for", "group_state", "start_exchange_flat"]
+__all__ = [
+    "FlatLayout", "PendingFlat", "fusable", "has_fused_rounds", "layout_for", "group_state", "start_exchange_flat",
+]
 
 
 class FlatLayout:
@@ -82,7 +99,7 @@ class FlatLayout:
         self.comp_runs = merged_runs([offsets[j] for j in comp], [sizes[j] for j in comp])
         self.dense_numel = sum(sizes[j] for j in dense)
         self.segments = Segments([offsets[j] for j in comp], [sizes[j] for j in comp], self.numel,
-                                 [key_hash(keys[j]) for j in comp])
+                                 [key_hash(keys[j]) for j in comp], [shapes[j] for j in comp])
         tag = f"{key_hash('|'.join(map(str, keys))):08x}"
         self.group = f"fused:{keys[comp[0]]}..{keys[comp[-1]]}#{tag}" if comp else None
         self.dense_group = f"fused-dense:{keys[dense[0]]}..{keys[dense[-1]]}#{tag}" if dense else None
@@ -103,13 +120,29 @@ def layout_for(states: dict, shapes, keys, limit: int) -> FlatLayout:
     return layout
 
 
+def has_fused_rounds(compressor) -> bool:
+    """Whether ``compressor`` runs the fused exchange's multi-round form: it says
+    ``fused_segments`` and defines ``rounds_segments`` in a class no further up than any
+    method of its per-tensor rule (a subclass that changes ``aggregate`` or ``compress``
+    takes the per-tensor path, as for :func:`~easgd_lightning.hooks.compressors.base.
+    has_fused_form`)."""
+    if not getattr(compressor, "fused_segments", False):
+        return False
+    mro = type(compressor).__mro__
+
+    def depth(names) -> int:
+        return min((i for i, c in enumerate(mro) for n in names if n in vars(c)), default=len(mro))
+
+    return depth(("rounds_segments",)) <= depth(_PER_TENSOR_RULE)
+
+
 def fusable(compressor, collective, plan=None) -> bool:
     """Whether an exchange runs fused: a codec with a fused form (``fused_segments``, not
-    overridden below it: :func:`~easgd_lightning.hooks.compressors.base.has_fused_form`), no
-    SeCoPa plan, and
+    overridden below it: :func:`~easgd_lightning.hooks.compressors.base.has_fused_form`, or
+    its multi-round form, :func:`has_fused_rounds`), no SeCoPa plan, and
     a collective that batches all-gathers (the per-tensor path's one-message form)."""
     return (
-        has_fused_form(compressor)
+        (has_fused_form(compressor) or has_fused_rounds(compressor))
         and plan is None
         and callable(getattr(collective, "batched", None))
     )
@@ -179,7 +212,8 @@ def group_state(states: dict, key: str, members, numel: int, per_segment: bool =
 class PendingFlat:
     """A fused exchange in flight; :meth:`finish` waits and returns (mean, local, stats):
     the mean over ranks as one flat buffer, this rank's transmitted buffer (None unless it
-    was asked for) and the exchange's :class:`~easgd_lightning.hooks._exchange.ExchangeStats`."""
+    was asked for; a multi-round codec's is known at finish unless its rounds ended at
+    launch) and the exchange's :class:`~easgd_lightning.hooks._exchange.ExchangeStats`."""
 
     def __init__(self, collective, finish, local, stats: ExchangeStats, before: tuple, busy: float) -> None:
         self._collective, self._finish = collective, finish
@@ -188,7 +222,9 @@ class PendingFlat:
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor | None, ExchangeStats]:
         start = time.perf_counter()
-        mean = self._finish()
+        mean, local = self._finish()
+        if local is not None:
+            self.local = local
         after = _kind_totals(self._collective.kind)
         st, b = self.stats, self._before
         st.bytes_sent, st.bytes_recv, st.dense_bytes = after[0] - b[0], after[1] - b[1], after[2] - b[2]
@@ -217,12 +253,27 @@ def _local(compressor, payload, gstate, layout, dense_msg, want: bool) -> torch.
     """This rank's transmitted buffer: its payload decoded (and, when ``want``ed, its dense
     message in the dense runs)."""
     local = compressor.local_segments(payload, layout.segments, gstate)
-    if want and dense_msg is not None:
+    return _with_dense(local, layout, dense_msg) if want else local
+
+
+def _with_dense(local: torch.Tensor, layout, dense_msg) -> torch.Tensor:
+    """``local`` with this rank's dense message in its dense runs."""
+    if dense_msg is not None:
         pos = 0
         for off, k in layout.dense_runs:
             local[off : off + k] = dense_msg[pos : pos + k]
             pos += k
     return local
+
+
+def _advance(rounds) -> tuple[bool, object]:
+    """Run a ``rounds_segments`` generator to its next yield: (False, None) while rounds
+    remain, (True, what it returned) once it has ended."""
+    try:
+        next(rounds)
+        return False, None
+    except StopIteration as end:
+        return True, end.value
 
 
 def _mean_dense(total, rows, layout, world, scratch) -> None:
@@ -254,46 +305,76 @@ def start_exchange_flat(
     :meth:`PendingFlat.finish`, written into ``out`` when given (it may be ``flat`` itself:
     ``flat`` is only read here), else into a buffer of ``states`` (valid until the next
     exchange of this layout). ``want_local``: ``PendingFlat.local`` is this rank's
-    transmitted buffer."""
+    transmitted buffer. A codec with ``rounds_segments`` runs its first round now and the
+    others at finish, where its residual is updated (unless its rounds ended here)."""
     start = time.perf_counter()
     kind = collective.kind
     before = _kind_totals(kind)
     world = collective.world_size
+    scratch = scratch_of(states)
     stats = ExchangeStats(compressed_tensors=layout.comp_count, dense_tensors=layout.dense_count)
     collective.charge_dense(flat.numel() * flat.element_size(), key=layout.group or layout.dense_group)
     dense_msg = _dense_message(flat, layout, compressor, states, world) if layout.dense_runs else None
     parts = [] if dense_msg is None else [dense_msg]
-    payload, local, gstate = None, None, None
+    total = out if out is not None else scratch_buffer(
+        scratch, f"mean:{layout.group or layout.dense_group}", layout.numel, flat.dtype, flat.device)
+    payload, local, gstate, rounds, p = None, None, None, None, None
     if layout.comp_count:
         gstate = group_state(states, layout.group, layout.members, layout.numel,
                              per_segment=getattr(compressor, "segment_state", False))
         gstate["world_size"] = world
         p = memory.compensate_runs(layout.group, flat, layout.comp_runs, layout.members)
-        payload = compressor.compress_segments(p, layout.segments, gstate)
-        parts.extend(payload.tensors)
-        if want_local or may_write_residual(p):  # the memory needs p - local
-            local = _local(compressor, payload, gstate, layout, dense_msg, want_local)
-        memory.update(layout.group, p, local)
+        if has_fused_rounds(compressor):
+            if p is flat:  # its later rounds read it at finish, when ``flat`` may have changed
+                p = scratch_buffer(scratch, f"rounds_in:{layout.group}", flat.numel(), flat.dtype, flat.device)
+                p.copy_(flat)
+            ask_local(gstate, want_local or may_write_residual(p))  # the memory needs p - local
+            rounds = compressor.rounds_segments(p, layout.segments, gstate, collective, total)
+        else:
+            ask_local(gstate, want_local)  # a codec may write the residual in place otherwise (ACP-SGD)
+            payload = compressor.compress_segments(p, layout.segments, gstate)
+            parts.extend(payload.tensors)
+            if want_local or may_write_residual(p):  # the memory needs p - local
+                local = _local(compressor, payload, gstate, layout, dense_msg, want_local)
+            memory.update(layout.group, p, local)
     elif want_local:
         local = dense_msg.clone()
     reduce = payload is not None and compressor.aggregation == "allreduce"
     if reduce:  # the summed payload; the dense message still summed in rank order
         handle_p = start_collective(collective, "all_reduce_sum", list(payload.tensors))
         parts = parts[:1] if dense_msg is not None else []
+    elif rounds is not None:  # the rounds carry the segments; the dense message is gathered
+        parts = parts[:1] if dense_msg is not None else []
     handle = start_collective(collective, "all_gather", parts) if parts else None
-    scratch = scratch_of(states)
     ndense = 0 if dense_msg is None else 1
 
-    def finish() -> torch.Tensor:
+    def end_rounds(mine) -> torch.Tensor | None:
+        """The rounds are over: residual update; this rank's buffer when it is wanted."""
+        if want_local:
+            mine = _with_dense(mine, layout, dense_msg)
+        memory.update(layout.group, p, mine)
+        return mine if want_local else None
+
+    ended = False
+    if rounds is not None:
+        ended, mine = _advance(rounds)
+        if ended:
+            local = end_rounds(mine)
+
+    def finish() -> tuple[torch.Tensor, torch.Tensor | None]:
+        mine = None
+        if rounds is not None and not ended:
+            done = False
+            while not done:
+                done, mine = _advance(rounds)
+            mine = end_rounds(mine)
         rows = handle.wait() if handle is not None else None
-        total = out if out is not None else scratch_buffer(
-            scratch, f"mean:{layout.group or layout.dense_group}", layout.numel, flat.dtype, flat.device)
         if payload is not None:
             received = handle_p.wait() if reduce else [row[ndense:] for row in rows]
             compressor.mean_segments(received, payload.meta, layout.segments, total, world)
             compressor.finish_segments(total, layout.segments, gstate)
         if dense_msg is not None:
             _mean_dense(total, rows, layout, world, scratch)
-        return total
+        return total, mine
 
     return PendingFlat(collective, finish, local, stats, before, time.perf_counter() - start)

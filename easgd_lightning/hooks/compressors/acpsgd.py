@@ -14,6 +14,12 @@ compressor). 1-D tensors and matrices whose factors would not be smaller travel 
 Defaults: rank 2, seed 0, matrix_view leading, memory true, min_numel 16384.
 The matrix view, the seeded first factor, the dense rule and the orthonormalization are
 PowerSGD's (:mod:`easgd_lightning.hooks.compressors.powersgd`).
+Fused exchange (:mod:`easgd_lightning.hooks._fused`): every tensor of the exchange's flat
+buffer computes its own factor with its own shared factor and step (state per tensor,
+kept per segment: ``segment_states``), the factors (and the tensors that travel dense) are
+laid end to end in one buffer and summed by ONE all-reduce per exchange (the per-tensor
+path launches one per tensor); each tensor's product is a matmul of its own shape (a loop
+over the tensors: the shapes differ), the numbers those of the per-tensor exchange.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from easgd_lightning.hooks.compressors.base import (
     Payload,
     may_write_residual,
     residual_written,
+    scratch_buffer,
+    scratch_of,
     start_collective,
     wants_local,
     with_out,
@@ -39,6 +47,7 @@ from easgd_lightning.hooks.compressors.powersgd import (
     times_factor,
     transpose_times_factor,
 )
+from easgd_lightning.hooks.compressors.segments import SEGMENT_STATES, Segments
 
 __all__ = ["ACPSGDCompressor", "acp_phase"]
 
@@ -64,6 +73,8 @@ class ACPSGDCompressor(PowerSGDCompressor):
     exchange_rounds = 1  # P or Q, alternating by step
     default_memory = True
     aggregate = Compressor.aggregate  # one collective per step: split by start_aggregate
+    fused_segments = True
+    segment_state = True  # each tensor's step and factors (the fused exchange's segment_states)
 
     def __init__(
         self,
@@ -141,3 +152,67 @@ class ACPSGDCompressor(PowerSGDCompressor):
             return self.decompress(Payload((mean_factor,), out_meta), tensor.shape)
 
         return (None if local is None else local.to(tensor.dtype)), finish
+
+    def compress_segments(self, flat: torch.Tensor, segments: Segments, state: dict) -> Payload:
+        """Every segment's factor of its step (or the segment itself where it travels dense)
+        in one buffer; the residual written in place where the per-tensor exchange would."""
+        own = state.setdefault(SEGMENT_STATES, [{} for _ in range(len(segments))])
+        hashes = segments.key_hashes or (0,) * len(segments)
+        in_place = may_write_residual(flat) and not wants_local(state)
+        parts, metas = [], []
+        for j, ((off, n), shape) in enumerate(zip(segments, segments.shapes)):
+            own[j]["key_hash"] = hashes[j]
+            payload = self.compress(flat[off : off + n].view(shape), own[j])
+            parts.append(payload.tensors[0].reshape(-1))
+            metas.append(payload.meta)
+        buf = torch.cat(parts)  # before the residual is written: a dense part is a view of flat
+        if in_place:
+            for (off, n), shape, mine, meta in zip(segments, segments.shapes, parts, metas):
+                seg = flat[off : off + n]
+                if meta["dense"]:
+                    seg.sub_(seg)  # p - p: all of it was sent
+                else:
+                    subtract_low_rank(as_matrix(seg.view(shape), self.matrix_view),
+                                      *self._pair(mine.view(self._factor_shape(shape, meta)), meta))
+            residual_written(flat)
+        sizes = [t.numel() for t in parts]
+        return Payload((buf,), {"dtype": flat.dtype, "metas": metas, "sizes": sizes, "owners": own})
+
+    def _factor_shape(self, shape, meta: dict) -> tuple[int, int]:
+        """The shape of the factor a tensor of ``shape`` sends at ``meta``'s phase."""
+        p_shape, q_shape = self.factor_shapes(shape)
+        return p_shape if meta["phase"] == "p" else q_shape
+
+    @staticmethod
+    def _pair(mine: torch.Tensor, meta: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(P, Q) of a payload: this rank's factor and the shared one, by phase."""
+        return (mine, meta["shared"]) if meta["phase"] == "p" else (meta["shared"], mine)
+
+    def _rebuild(self, buf: torch.Tensor, meta: dict, segments: Segments, out: torch.Tensor, store: bool) -> None:
+        """out's segments <- each one's P Q^T from its factor in ``buf`` (dense ones copied);
+        ``store``: the factors are the mean ones, kept as the next step's P or Q."""
+        pos = 0
+        for (off, n), shape, size, m, own in zip(segments, segments.shapes, meta["sizes"], meta["metas"], meta["owners"]):
+            part = buf[pos : pos + size]
+            pos += size
+            if m["dense"]:
+                out[off : off + n] = part
+                continue
+            mine = part.view(self._factor_shape(shape, m))
+            if store:
+                mine = mine.clone()
+                own[m["phase"]] = mine
+                own["last_payload_bytes"] = mine.numel() * mine.element_size()
+            low_rank_product(*self._pair(mine, m), (n,), out=out[off : off + n])
+
+    def local_segments(self, payload: Payload, segments: Segments, state: dict) -> torch.Tensor:
+        out = scratch_buffer(scratch_of(state), "local", segments.numel, payload.meta["dtype"], payload.tensors[0].device)
+        out.zero_()
+        self._rebuild(payload.tensors[0], payload.meta, segments, out, store=False)
+        return out
+
+    def mean_segments(self, received, meta: dict, segments: Segments, out: torch.Tensor, world: int) -> None:
+        """The summed buffer / world: each segment's mean factor (kept for its next step)
+        times its shared factor, or its dense mean."""
+        (total,) = received
+        self._rebuild(total / world, meta, segments, out, store=True)

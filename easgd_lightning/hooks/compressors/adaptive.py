@@ -20,6 +20,21 @@ The measurements and the sizes of the tensors seen (N) are the compressor's
 :meth:`~AdaptiveCompressor.state_dict`, so a resumed run picks the ratios it would have.
 Defaults: budget = 1.0, min_ratio = 0.001, max_ratio = 0.25, smoothing = 0.8,
 memory = true.
+Fused exchange (:mod:`easgd_lightning.hooks._fused`, ``rounds_segments``): one agreement per
+exchange -- the sizes of all its compressed tensors are noted, one proposal from N, one max
+all-reduce --, then either one all-reduce of the concatenated tensors (dense) or one call
+selecting every tensor's own top-k at the agreed ratio (topk's ``topk_segments``) and one
+all-gather; the bandwidth is observed once, on the exchange's own calls (blocking, so the
+exchange is over when it is launched). Once every tensor's size has been seen (from the
+second exchange, or from a resumed checkpoint) and with ``bandwidth`` and ``compute_time``
+fixed, the numbers are the per-tensor path's. What differs: in the very first exchange the
+per-tensor path proposes while N still grows tensor by tensor (its first tensors may get a
+denser ratio), and with a measured link it feeds the bandwidth EMA once per tensor, so a
+step's later tensors may get another ratio than its first; here one measurement and one
+ratio serve the whole exchange, and the index width in the cost is that of the buffer's
+indices (4 bytes below 2**31 entries, as for each tensor). Still section 6's rule: the
+density is chosen per step from the measured bandwidth and compute time, agreed by all
+ranks, each tensor keeping its own top-k threshold.
 """
 
 from __future__ import annotations
@@ -36,10 +51,15 @@ from easgd_lightning.hooks.compressors.base import (
     check_positive,
     check_ratio,
     index_dtype_for,
+    may_write_residual,
+    residual_written,
+    scratch_buffer,
     scratch_of,
+    wants_local,
 )
-from easgd_lightning.hooks.compressors.sparse import SparseCompressor
-from easgd_lightning.hooks.compressors.topk import topk_indices, topk_select
+from easgd_lightning.hooks.compressors.segments import Segments
+from easgd_lightning.hooks.compressors.sparse import SparseCompressor, sparse_payload
+from easgd_lightning.hooks.compressors.topk import topk_indices, topk_segments, topk_select
 
 __all__ = ["AdaptiveCompressor", "adaptive_ratio"]
 
@@ -86,6 +106,8 @@ class AdaptiveCompressor(SparseCompressor):
     """
 
     name = "adaptive"
+    #: the fused exchange's multi-round form (``rounds_segments``): one agreement per exchange
+    fused_segments = True
 
     def __init__(
         self,
@@ -223,3 +245,61 @@ class AdaptiveCompressor(SparseCompressor):
             (summed,) = collective.all_reduce_sum([tensor.reshape(-1)])
             return summed.reshape(tensor.shape) / world, tensor.clone()
         return super().aggregate(tensor, state, collective)
+
+    # ------------------------------------------------------------ fused exchange
+    def rounds_segments(self, flat: torch.Tensor, segments: Segments, state: dict, collective, out: torch.Tensor):
+        """The fused exchange (module docstring): every segment's mean written into ``out``;
+        returns this rank's transmitted buffer (None unless :func:`~.base.wants_local`). Its
+        calls are blocking (measured), so the generator ends at its first advance."""
+        measured = MeasuredCollective(collective)
+        local = self._agree_and_exchange_segments(flat, segments, state, measured, out)
+        self.observe_bandwidth(measured.traffic.nbytes, measured.traffic.seconds)
+        return local
+        yield  # a generator (the fused rounds' protocol), with no round left for finish
+
+    def _agree_and_exchange_segments(self, flat, segments: Segments, state: dict, collective, out):
+        world = collective.world_size
+        self._numels.update(zip(segments.key_hashes, segments.lengths))
+        index_bytes = torch.empty((), dtype=index_dtype_for(segments.numel)).element_size()
+        proposal = self.choose_ratio(world, flat.element_size(), index_bytes)
+        vote = torch.tensor([proposal], dtype=torch.float64, device=flat.device)
+        (agreed,) = collective.all_reduce_max([vote])
+        ratio = float(agreed[0])
+        state["ratio"] = ratio
+        self.last_ratio = ratio
+        if ratio >= 1.0:
+            index = segments.index(flat.device)
+            (summed,) = collective.all_reduce_sum([flat.index_select(0, index)])
+            out.index_copy_(0, index, summed / world)
+            if not wants_local(state):
+                return None
+            return scratch_buffer(scratch_of(state), "local", flat.numel(), flat.dtype, flat.device).copy_(flat)
+        zero = may_write_residual(flat)
+        idx, val = self._select_all(flat, segments, state, ratio, zero)
+        state["last_nnz"] = int(idx.numel())
+        payload = sparse_payload(flat, idx, val)
+        if zero:
+            residual_written(flat)
+        local = self.local_segments(payload, segments, state) if wants_local(state) else None
+        rows = collective.all_gather(list(payload.tensors))
+        self.mean_segments(rows, payload.meta, segments, out, world)
+        return local
+
+    def _select_all(self, flat, segments: Segments, state: dict, ratio: float, zero: bool):
+        """(indices relative to ``flat``, values) of every segment's own top-k at ``ratio``
+        (:func:`topk_select` on each alone): topk's one native call, its plan kept for the
+        last ratio only (a measured ratio changes every step), or the exact variant's loop;
+        with ``zero`` the sent entries of ``flat`` are set to 0."""
+        scratch = scratch_of(state)
+        if self.exact:
+            picks = [(topk_select(flat[off : off + n], ratio, exact=True), off) for off, n in segments]
+            idx = torch.cat([i.long() + off for (i, _), off in picks])
+            val = torch.cat([v.clone() for (_, v), _ in picks])
+            if zero:
+                flat.index_fill_(0, idx, 0)
+            return idx, val
+        held = scratch.get("adaptive_segments")
+        if held is None or held[0] != ratio or held[1] is not segments:
+            held = scratch["adaptive_segments"] = (
+                ratio, segments, Segments(segments.offsets, segments.lengths, segments.numel))
+        return topk_segments(flat, held[2], ratio, self.sample_size, zero_sent=zero, scratch=scratch)

@@ -47,17 +47,23 @@ class Segments:
         numel: entries of the whole buffer (the segments need not cover it).
         key_hashes: each tensor's stable key hash (its state's ``key_hash``: seeded codecs
             draw from it), when the segments are tensors with keys.
+        shapes: each tensor's shape, when known (a rule that views a tensor as a matrix,
+            ACP-SGD's, needs it; without it each segment is the 1-D tensor it is).
     """
 
-    __slots__ = ("offsets", "lengths", "numel", "key_hashes", "_cache")
+    __slots__ = ("offsets", "lengths", "numel", "key_hashes", "shapes", "_cache")
 
-    def __init__(self, offsets, lengths, numel: int, key_hashes=None) -> None:
+    def __init__(self, offsets, lengths, numel: int, key_hashes=None, shapes=None) -> None:
         self.offsets = tuple(int(o) for o in offsets)
         self.lengths = tuple(int(n) for n in lengths)
         self.numel = int(numel)
         self.key_hashes = None if key_hashes is None else tuple(int(h) for h in key_hashes)
-        if len(self.offsets) != len(self.lengths):
-            raise ValueError("Segments: one offset per length")
+        self.shapes = tuple(torch.Size([n]) for n in self.lengths) if shapes is None else tuple(
+            torch.Size(s) for s in shapes)
+        if len(self.offsets) != len(self.lengths) or len(self.shapes) != len(self.lengths):
+            raise ValueError("Segments: one offset and one shape per length")
+        if any(s.numel() != n for s, n in zip(self.shapes, self.lengths)):
+            raise ValueError("Segments: a shape of another number of entries than its length")
         self._cache: dict = {}
 
     def __len__(self) -> int:

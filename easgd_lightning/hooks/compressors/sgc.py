@@ -22,9 +22,19 @@ being a good stand-in for the mean. Under ``sync_easgd`` / ``local_sgd`` the exc
 elastic or parameter differences update a center every rank must hold alike, and a skip
 would add each rank's own difference to its copy, so those strategies refuse ``sgc`` when
 they are constructed (before any process starts, for ``easgd-train``).
+Fused exchange (:mod:`easgd_lightning.hooks._fused`, ``rounds_segments``): the summaries of
+every compressed tensor of the exchange's buffer (each its own sample and sum of squares,
+as above) travel in one all-reduce; each tensor then decides with its own state (step,
+skipped, allowed: the group's ``segment_states``), and the tensors that aggregate travel in
+one more all-reduce of their concatenation (none when all skip); a skipped tensor's mean is
+its local value. The numbers are each tensor's own: the per-tensor path's, bitwise on two
+CPU ranks (the samples' sums of squares are summed as the rows of one matrix, which the CPU
+sums as it sums each sample alone; a GPU may order those sums otherwise: S within rounding).
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 
@@ -34,7 +44,12 @@ from easgd_lightning.hooks.compressors.base import (
     Payload,
     check_int,
     check_ratio,
+    scratch_buffer,
+    scratch_of,
+    start_collective,
+    wants_local,
 )
+from easgd_lightning.hooks.compressors.segments import SEGMENT_STATES, Segments
 
 __all__ = ["SGCCompressor", "similarity", "sgc_decision"]
 
@@ -70,6 +85,10 @@ class SGCCompressor(Compressor):
     #: a skipped tensor keeps each rank's own value: right for a gradient (SGC's rule), not
     #: for the elastic strategies' differences, where every rank's center would diverge
     gradients_only = True
+    #: the fused exchange's multi-round form (``rounds_segments``), each tensor with its own
+    #: decision state (the group's ``segment_states``)
+    fused_segments = True
+    segment_state: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -117,3 +136,79 @@ class SGCCompressor(Compressor):
             return local, local
         (total,) = collective.all_reduce_sum([flat])
         return (total / world).view(tensor.shape), tensor.clone()
+
+    def _sample_plan(self, segments: Segments, device):
+        """Cached per segment layout of the fused summaries: (strides, sample entries m_j,
+        the sample positions at offset 0, [(m, segments with m entries, their positions in
+        the samples or None for all)])."""
+        def plan():
+            strides = [max(1, n // self.sample_size) for n in segments.lengths]
+            ms = [min(n, self.sample_size) for n in segments.lengths]  # flat[s::stride][:size]
+            base = torch.cat([off + st * torch.arange(m) for off, st, m in zip(segments.offsets, strides, ms)])
+            starts = [sum(ms[:j]) for j in range(len(ms))]
+            rows = []
+            for m in sorted(set(ms)):
+                js = [j for j, mj in enumerate(ms) if mj == m]
+                sel = None if len(js) == len(ms) else torch.cat([starts[j] + torch.arange(m) for j in js])
+                rows.append((m, torch.tensor(js), sel))
+            return torch.tensor(strides), torch.tensor(ms), base, rows
+
+        strides, ms, base, rows = segments.cached(("sgc", self.sample_size), plan)
+        if torch.device(device).type == "cpu":
+            return strides, ms, base, rows
+        return segments.cached(("sgc", self.sample_size, str(device)), lambda: (
+            strides, ms, base.to(device),
+            [(m, js.to(device), None if sel is None else sel.to(device)) for m, js, sel in rows]))
+
+    @staticmethod
+    def _row_sums(v: torch.Tensor, rows, count: int) -> torch.Tensor:
+        """Per segment, the sum of its entries of ``v`` (its sample's), each segment's as one
+        row of a matrix of the segments with as many entries."""
+        out = v.new_empty(count)
+        for m, js, sel in rows:
+            part = v if sel is None else v.index_select(0, sel)
+            out.index_copy_(0, js, part.view(-1, m).sum(dim=1))
+        return out
+
+    def rounds_segments(self, flat: torch.Tensor, segments: Segments, state: dict, collective, out: torch.Tensor):
+        """The fused exchange as rounds (module docstring): yields after the summaries'
+        all-reduce and after the aggregated segments' one; writes every segment's mean into
+        ``out`` and returns this rank's transmitted buffer (``flat`` copied; None unless
+        :func:`~.base.wants_local`)."""
+        world, count = collective.world_size, len(segments)
+        own = state.setdefault(SEGMENT_STATES, [{} for _ in range(count)])
+        steps = [int(st.get("step", 0)) for st in own]
+        strides, ms, base, rows = self._sample_plan(segments, flat.device)
+        shift = torch.repeat_interleave(torch.tensor(steps) % strides, ms).to(flat.device)
+        x = flat.index_select(0, base + shift).to(torch.float64)
+        summary = torch.cat([x, self._row_sums(x.square(), rows, count)]).to(flat.dtype)
+        handle = start_collective(collective, "all_reduce_sum", [summary])
+        yield
+        (summed,) = handle.wait()
+        norms = self._row_sums(summed[: x.numel()].double().square(), rows, count).tolist()
+        sums = summed[x.numel() :].tolist()
+        go = []
+        for j, st in enumerate(own):
+            sim = 1.0 if sums[j] <= 0.0 else norms[j] / (world * sums[j])  # :func:`similarity`
+            agg, skipped, allowed = sgc_decision(
+                sim, int(st.get("skipped", 0)), int(st.get("allowed", 1)), self.threshold, self.max_skip
+            )
+            st.update(step=steps[j] + 1, skipped=skipped, allowed=allowed, last_similarity=sim, last_aggregated=agg)
+            st["aggregations"] = int(st.get("aggregations", 0)) + int(agg)
+            go.append(agg)
+        index = segments.index(flat.device)
+        if all(go):
+            sel, kept = index, None
+        else:
+            mask = torch.repeat_interleave(torch.tensor(go), segments.arrays()[1]).to(flat.device)
+            sel, kept = index[mask], index[~mask]
+        if kept is not None and out.data_ptr() != flat.data_ptr():  # a skip: the local value
+            out.index_copy_(0, kept, flat.index_select(0, kept))
+        if sel.numel():
+            handle = start_collective(collective, "all_reduce_sum", [flat.index_select(0, sel)])
+            yield
+            (total,) = handle.wait()
+            out.index_copy_(0, sel, total / world)
+        if not wants_local(state):
+            return None
+        return scratch_buffer(scratch_of(state), "local", flat.numel(), flat.dtype, flat.device).copy_(flat)

@@ -280,22 +280,25 @@ FUSED_CASES = {
     # each tensor's own top-k (sampled; exact) and 2-bit code (its median, its two scales)
     "sparseloco": ("sparseloco", {"ratio": 0.05, "sample_size": 500, "min_numel": 100}),
     "sparseloco_exact": ("sparseloco", {"ratio": 0.05, "exact": True, "min_numel": 100}),
+    # each matrix its own factors and step (P and Q alternating); the 1-D (700,) travels dense
+    "acpsgd": ("acpsgd", {"rank": 2, "min_numel": 100}),
 }
 
 #: the state of its own per tensor of each codec that keeps one (per segment when fused)
 OWN_FIELDS = {
     "sidco": ("stages", "scale", "searching", "moved", "prev_ratio", "achieved", "last_threshold"),
     "redsync_reuse": ("thr", "thr_age"),
+    "acpsgd": ("step", "p", "q"),
 }
 
 
 def _own_states(states: dict, keys: list[str], fields) -> list[dict]:
     """Each compressed tensor's own state: per tensor, or its segment's (fused); tensors
-    as floats."""
+    as (nested) lists."""
     group = next((v for k, v in states.items() if k.startswith("fused:")), None)
     big = [key for j, key in enumerate(keys) if math.prod(FUSED_SHAPES[j]) >= 100]
     per = [states[key] for key in big] if group is None else group["segment_states"]
-    plain = lambda v: float(v) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    plain = lambda v: v.tolist() if isinstance(v, torch.Tensor) else v  # noqa: E731
     return [{f: plain(st.get(f)) for f in fields} for st in per]
 
 
