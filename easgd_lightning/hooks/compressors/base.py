@@ -240,7 +240,8 @@ class Compressor(ABC):
     #: True for a codec that runs once over the flat buffer of a whole exchange
     #: (``compress_segments(flat, segments, state)``, :mod:`~easgd_lightning.hooks.
     #: compressors.segments`), each tensor keeping its own rule: the attach points then make
-    #: one codec call and one message per exchange (:mod:`easgd_lightning.hooks._fused`)
+    #: one codec call and one message per exchange (:mod:`easgd_lightning.hooks._fused`);
+    #: a multi-round codec writes ``rounds_segments`` instead (one collective per round)
     fused_segments: ClassVar[bool] = False
 
     def compress_segments(self, flat: torch.Tensor, segments, state: dict) -> Payload:

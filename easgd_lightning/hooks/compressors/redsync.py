@@ -9,6 +9,9 @@ Rule: with m = mean |x|, M = max |x| and thr(r) = m + r (M - m):
 Residuals (memory) keep the rest; payloads are all-gathered (allgatherv). Defaults:
 ratio = 0.001, method = auto (bisect for tensors of at least ``bisect_min_numel`` =
 1048576 elements, trimmed otherwise), max_iters = 20, reuse_steps = 1, memory = true.
+Fused exchange (:mod:`easgd_lightning.hooks._fused`): one compensation, payload, message and
+decode per exchange; each tensor's search stays its own (a loop over the tensors), and a
+reused threshold with its age is kept per tensor in the exchange's ``segment_states``.
 
 Cost: m and M come from one fused pass. A strided sample of ``GUIDE_SAMPLE`` entries
 picks the first threshold to try (the bisection, or the trimming ratio, run on the
