@@ -22,7 +22,8 @@ elastic difference of ``sync_easgd`` / ``local_sgd``) cut into tensors of known 
   the dense runs get the rank-order sum of the dense messages over the world size;
 * all-reduce codecs (random-k, fp16 / bf16): the payload is summed by one all-reduce and
   decoded once; the dense message is still all-gathered and summed in rank order;
-* multi-round codecs, whose exchange needs an agreement or several collectives (``sgc``:
+* multi-round codecs, whose exchange needs an agreement or several collectives (``powersgd``:
+  every P, then every Q; ``sgc``:
   every tensor's summary, then the tensors that aggregate; ``adaptive``: the density vote,
   then the payload): ``compressor.rounds_segments(p, segments, state, collective, out)`` is
   a generator with the protocol of the per-tensor ``aggregate_rounds`` -- it launches a
@@ -42,7 +43,7 @@ ranks may round differently: a ring sums in an order of its own; ``adaptive`` pr
 density once per exchange: see its module). It applies where ``compressor.fused_segments``
 is true (``topk``, ``dgc``, ``signsgd``, ``randomk``, ``qsgd`` (s <= 32767), ``fp16``,
 ``bf16``, ``sparse_gc``, ``redsync``, ``sidco``, ``sparseloco``, ``acpsgd``; in the multi-round form,
-:func:`has_fused_rounds`: ``sgc``, ``adaptive``), with no SeCoPa
+:func:`has_fused_rounds`: ``sgc``, ``adaptive``, ``powersgd``), with no SeCoPa
 plan and a collective that batches its all-gathers (:class:`~easgd_lightning.hooks.collective.
 ProcessGroupCollective`); every other codec takes the per-tensor exchange.
 
@@ -58,6 +59,7 @@ same for its residuals, whose checkpoint stays per tensor
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -277,7 +279,8 @@ def _advance(rounds) -> tuple[bool, object]:
 
 
 def _mean_dense(total, rows, layout, world, scratch) -> None:
-    """The dense runs of ``total`` <- the rank-order sum of the dense messages / world."""
+    """The dense runs of ``total`` <- the rank-order sum of the dense messages / world
+    (``rows``: each rank's, or one row holding their all-reduced sum)."""
     summed = scratch_buffer(scratch, f"dense_sum:{layout.dense_group}", layout.dense_numel, total.dtype, total.device)
     summed.copy_(rows[0][0])
     for row in rows[1:]:
@@ -345,6 +348,10 @@ def start_exchange_flat(
         parts = parts[:1] if dense_msg is not None else []
     elif rounds is not None:  # the rounds carry the segments; the dense message is gathered
         parts = parts[:1] if dense_msg is not None else []
+    # with lazy all-reduce buffers (comm.fusion_mb) the dense message rides the rounds' first
+    # buffer, summed, as on the per-tensor path: one message fewer than a gather of its own
+    lazy = rounds is not None and bool(parts) and getattr(collective, "fusion_bytes", None) is not None
+    parts = [] if lazy else parts
     handle = start_collective(collective, "all_gather", parts) if parts else None
     ndense = 0 if dense_msg is None else 1
 
@@ -355,9 +362,11 @@ def start_exchange_flat(
         memory.update(layout.group, p, mine)
         return mine if want_local else None
 
-    ended = False
+    ended, handle_d = False, None
     if rounds is not None:
-        ended, mine = _advance(rounds)
+        with collective.fused() if lazy else nullcontext():
+            handle_d = start_collective(collective, "all_reduce_sum", [dense_msg]) if lazy else None
+            ended, mine = _advance(rounds)
         if ended:
             local = end_rounds(mine)
 
@@ -374,7 +383,7 @@ def start_exchange_flat(
             compressor.mean_segments(received, payload.meta, layout.segments, total, world)
             compressor.finish_segments(total, layout.segments, gstate)
         if dense_msg is not None:
-            _mean_dense(total, rows, layout, world, scratch)
+            _mean_dense(total, rows if handle_d is None else [handle_d.wait()], layout, world, scratch)
         return total, mine
 
     return PendingFlat(collective, finish, local, stats, before, time.perf_counter() - start)

@@ -24,7 +24,7 @@ is a non-blocking all-reduce in place on ``diff`` (leave ``diff`` alone until ``
 compressed, :func:`~easgd_lightning.hooks._exchange.start_exchange_tensors` compresses
 and updates the residual at once and waits, decompresses and sums in ``wait``; a codec
 that runs over whole buffers (``fused_segments``: top-k, DGC, EF-signSGD, random-k, QSGD,
-fp16 / bf16, Sparse GC, RedSync, SIDCo, SparseLoCo, ACP-SGD, adaptive) exchanges ``diff`` as one
+fp16 / bf16, Sparse GC, RedSync, SIDCo, SparseLoCo, ACP-SGD, adaptive, PowerSGD) exchanges ``diff`` as one
 flat buffer instead (:mod:`easgd_lightning.hooks._fused`: one codec call, one message,
 the same numbers).
 """
@@ -195,18 +195,21 @@ def start_exchange_sum(
 def _start_fused_sum(diff, pieces, keys, compressor, memory, state, collective, key, keep_local) -> PendingSum:
     """:func:`start_exchange_sum` over ``diff`` as one flat buffer
     (:func:`~easgd_lightning.hooks._fused.start_exchange_flat`); the sum is the mean times
-    the world size, as the per-tensor path forms it."""
+    the world size, as the per-tensor path forms it. A multi-round codec's local part is
+    known at the finish (PowerSGD's Q round), as on the per-tensor path."""
     layout = layout_for(state, [p.shape for p in pieces], keys, compressor.min_numel)
     pending = start_exchange_flat(diff.reshape(-1), layout, compressor, memory, state, collective, want_local=keep_local)
     world = collective.world_size
 
     def finish() -> torch.Tensor:
-        mean, _, _ = pending.finish()
+        mean, mine, _ = pending.finish()
+        if keep_local and result.local is None:
+            result.local = mine.clone().view_as(diff)
         out = scratch_buffer(scratch_of(state), f"{key}.sum", diff.numel(), diff.dtype, diff.device)
         return torch.mul(mean, world, out=out).view_as(diff)
 
-    local = None if pending.local is None else pending.local.clone().view_as(diff)
-    return PendingSum(finish, local)
+    result = PendingSum(finish, None if pending.local is None else pending.local.clone().view_as(diff))
+    return result
 
 
 def exchange_sum(diff: torch.Tensor, *, return_local: bool = False, **options):

@@ -98,13 +98,15 @@ def test_fused_exchange_equals_the_per_tensor_exchange_bitwise(two_ranks):
     bisected threshold (the reused one carried over from the per-tensor checkpoint too), and
     SparseLoCo (each tensor's own top-k, sampled or exact, and its own 2-bit code), and
     ACP-SGD (each matrix's own factors and step, P and Q alternating, in one all-reduce; a
-    1-D tensor dense in it; the residuals written in place)."""
+    1-D tensor dense in it; the residuals written in place), and PowerSGD in the multi-round
+    form (every P in one all-reduce, then every Q; each matrix its own warm start)."""
     for rank in two_ranks:
         for name, rec in rank["fused"].items():
             assert all(rec["mean_equal"]) and all(rec["state_equal"]), (name, rec)
             # one all-gather per exchange (the first: +1 round, capacity 0); the all-reduce
             # codecs add the all-reduce of their summed payload
             calls = 2 if name in ("randomk", "randomk_unbiased", "fp16", "bf16", "acpsgd") else 1
+            calls = 3 if name == "powersgd" else calls  # P, then Q, and the dense message
             if name in ("sidco", "redsync_reuse"):  # its count moves as its stages adapt (a
                 # reused threshold: with the data): a message may outgrow the capacity the
                 # ranks agreed on (its rest follows in one more round)
@@ -113,7 +115,8 @@ def test_fused_exchange_equals_the_per_tensor_exchange_bitwise(two_ranks):
                 assert rec["calls"][1:] == [calls, calls], (name, rec["calls"])
             assert min(rec["scale"]) > 0.01, (name, rec["scale"])
             memory = name in ("topk", "signsgd", "randomk", "fp16", "qsgd", "redsync", "sidco", "redsync_reuse",
-                              "sparseloco", "sparseloco_exact", "acpsgd")
+                              "sparseloco", "sparseloco_exact", "acpsgd",
+                              "powersgd")
             residuals = ["t1", "t3", "t4"] if memory else []  # per tensor, as before
             assert rec["checkpoint_keys"] == residuals, (name, rec["checkpoint_keys"])
         sidco = rank["fused"]["sidco"]
@@ -131,6 +134,9 @@ def test_fused_exchange_equals_the_per_tensor_exchange_bitwise(two_ranks):
         own = acp["own"]
         assert own[0][0]["p"] is not None and own[0][0]["q"] is None and own[1][0]["q"] is not None, acp
         assert own[2][2]["p"] is None and own[2][2]["q"] is None, acp
+        psgd = rank["fused"]["powersgd"]
+        assert all(psgd["own_state_equal"]), psgd  # each matrix's warm-started Q and step
+        assert [[st["step"] for st in step] for step in psgd["own"]] == [[1, 1, None], [2, 2, None], [3, 3, None]]
         assert "M" in rank["fused"]["sparse_gc_grad"]["group_tensors"]
         assert "M" not in rank["fused"]["sparse_gc"]["group_tensors"]
 

@@ -98,6 +98,7 @@ def test_multi_round_codecs_fuse_their_rounds_across_tensors(two_ranks):
         assert res["powersgd"]["fused"]["messages"] == [2] * 2  # P's (with the small ones), Q's
         assert res["fp16"]["unfused"]["messages"] == [1 + 3] * 2
         assert res["fp16"]["fused"]["messages"] == [2] * 2  # one float16 buffer, one float32
+        # fused (one rounds_segments generator): P's buffer with the small ones, Q's
         assert res["elastic"]["messages"] == 2 and res["elastic"]["local_shape"] == [48 * 16 + 7 + 32 * 24 + 15 + 800 + 9]
         for mode in ("unfused", "fused"):
             assert res["csc"][mode]["independent"] == 0.0, (mode, res["csc"])

@@ -16,6 +16,11 @@ codec serves every attach point: the DDP hook and the elastic exchange (per tens
 stage's matrices in two flat all-reduces, :meth:`PowerSGDCompressor.aggregate_many`) and
 its compressed backpropagation (the single-rank encoding, :meth:`PowerSGDCompressor.compress`,
 sent point-to-point).
+Fused exchange (:mod:`easgd_lightning.hooks._fused`, the multi-round form):
+:meth:`PowerSGDCompressor.rounds_segments` sends every matrix's P of the exchange's flat
+buffer in one all-reduce (the tensors that travel dense in it too), then every Q in one;
+each matrix keeps its own warm-started Q and step (``segment_states``); the matmuls are a
+loop over the matrices (their shapes differ).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from easgd_lightning.hooks.compressors.base import (
     start_collective,
     wants_local,
 )
+from easgd_lightning.hooks.compressors.segments import SEGMENT_STATES, Segments
 
 __all__ = [
     "PowerSGDCompressor",
@@ -141,6 +147,8 @@ class PowerSGDCompressor(Compressor):
     search_knob = "rank"
     aggregation = "allreduce"
     exchange_rounds = 2  # P, then Q
+    fused_segments = True  # in the multi-round form: rounds_segments
+    segment_state = True  # each tensor's warm start and step (the fused exchange's segment_states)
     default_memory = True
 
     def __init__(
@@ -259,6 +267,57 @@ class PowerSGDCompressor(Compressor):
             p, q_local, tensor.shape, out=scratch_buffer(scratch, "local", n, tensor.dtype, tensor.device)
         )
         return mean, local
+
+    def rounds_segments(self, flat: torch.Tensor, segments: Segments, state: dict, collective, out: torch.Tensor):
+        """The fused exchange's rounds: every segment's P = M Q in ONE all-reduce (the
+        segments that travel dense in it too), then every Q_i = M^T P in ONE; each segment's
+        mean P Q^T written into ``out`` with its own warm start and step (``segment_states``);
+        returns this rank's transmitted buffer (None unless :func:`~.base.wants_local`)."""
+        world = collective.world_size
+        own = state.setdefault(SEGMENT_STATES, [{} for _ in range(len(segments))])
+        hashes = segments.key_hashes or (0,) * len(segments)
+        mats, parts = [], []
+        for j, ((off, n), shape) in enumerate(zip(segments, segments.shapes)):
+            own[j]["key_hash"] = hashes[j]
+            if not self.compresses(shape):
+                mats.append(None)
+                parts.append(flat[off : off + n])
+                continue
+            mat = as_matrix(flat[off : off + n].view(shape), self.matrix_view)
+            rows, cols = mat.shape
+            mats.append(mat)
+            parts.append(times_factor(mat, self._initial_q(cols, min(self.rank, rows, cols), own[j], mat)).reshape(-1))
+        handle = start_collective(collective, "all_reduce_sum", [torch.cat(parts)])
+        yield
+        (p_sum,) = handle.wait()
+        ps, q_locals, pos = [], [], 0
+        for (off, n), mat, part in zip(segments, mats, parts):
+            got, pos = p_sum[pos : pos + part.numel()], pos + part.numel()
+            if mat is None:
+                out[off : off + n] = got / world
+                continue
+            ps.append(orthonormalize(got.view(mat.shape[0], -1) / world))
+            q_locals.append(transpose_times_factor(mat, ps[-1]))
+        if q_locals:
+            handle = start_collective(collective, "all_reduce_sum", [torch.cat([q.reshape(-1) for q in q_locals])])
+            yield
+            (q_sum,) = handle.wait()
+        local = scratch_buffer(scratch_of(state), "local", flat.numel(), flat.dtype, flat.device) if wants_local(
+            state) else None
+        pos, k = 0, 0
+        for (off, n), mat, st in zip(segments, mats, own):
+            if mat is None:
+                if local is not None:
+                    local[off : off + n] = flat[off : off + n]
+                continue
+            p, q_local = ps[k], q_locals[k]
+            q_mean, pos, k = q_sum[pos : pos + q_local.numel()].view(q_local.shape) / world, pos + q_local.numel(), k + 1
+            st["q"], st["step"] = q_mean, int(st.get("step", 0)) + 1
+            st["last_payload_bytes"] = (p.numel() + q_local.numel()) * p.element_size()
+            low_rank_product(p, q_mean, (n,), out=out[off : off + n])
+            if local is not None:
+                low_rank_product(p, q_local, (n,), out=local[off : off + n])
+        return local
 
     def aggregate_many(
         self, tensors: Sequence[torch.Tensor], states: Sequence[dict], collective: Collective

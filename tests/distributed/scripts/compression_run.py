@@ -282,6 +282,8 @@ FUSED_CASES = {
     "sparseloco_exact": ("sparseloco", {"ratio": 0.05, "exact": True, "min_numel": 100}),
     # each matrix its own factors and step (P and Q alternating); the 1-D (700,) travels dense
     "acpsgd": ("acpsgd", {"rank": 2, "min_numel": 100}),
+    # the multi-round form: every P in one all-reduce, then every Q; each matrix its warm start
+    "powersgd": ("powersgd", {"rank": 2, "min_numel": 100}),
 }
 
 #: the state of its own per tensor of each codec that keeps one (per segment when fused)
@@ -289,6 +291,7 @@ OWN_FIELDS = {
     "sidco": ("stages", "scale", "searching", "moved", "prev_ratio", "achieved", "last_threshold"),
     "redsync_reuse": ("thr", "thr_age"),
     "acpsgd": ("step", "p", "q"),
+    "powersgd": ("step", "q"),
 }
 
 

@@ -27,16 +27,19 @@ class OwnAdaptive(AdaptiveCompressor):
         return super().select_values(flat, state)
 
 
-def test_sgc_and_adaptive_take_the_rounds_form_and_only_it():
-    sgc, adaptive = build_compressor("sgc"), build_compressor("adaptive")
-    assert has_fused_rounds(sgc) and has_fused_rounds(adaptive)
+def test_sgc_adaptive_and_powersgd_take_the_rounds_form_and_only_it():
+    sgc, adaptive, psgd = build_compressor("sgc"), build_compressor("adaptive"), build_compressor("powersgd")
+    assert has_fused_rounds(sgc) and has_fused_rounds(adaptive) and has_fused_rounds(psgd)
     # no one-call form (compress_segments): the PS codec path and the one-call tests skip them
-    assert not has_fused_form(sgc) and not has_fused_form(adaptive)
+    assert not has_fused_form(sgc) and not has_fused_form(adaptive) and not has_fused_form(psgd)
+    # ACP-SGD, under PowerSGD, replaces its rule: its own one-call form, not its parent's rounds
+    acp = build_compressor("acpsgd")
+    assert has_fused_form(acp) and not has_fused_rounds(acp)
     assert fusable(sgc, ProcessGroupCollective()) and fusable(adaptive, ProcessGroupCollective())
     assert not fusable(sgc, ProcessGroupCollective(), plan={"t": None})
     assert not fusable(sgc, MeteredSoloCollective())  # no batched all-gathers
     assert not has_fused_rounds(OwnSGC()) and not has_fused_rounds(OwnAdaptive())
-    assert not has_fused_rounds(build_compressor("topk")) and not has_fused_rounds(build_compressor("powersgd"))
+    assert not has_fused_rounds(build_compressor("topk"))
     off = build_compressor("sgc")
     off.fused_segments = False  # the per-tensor exchange, as a test or a user asks
     assert not has_fused_rounds(off)
