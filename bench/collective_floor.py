@@ -16,6 +16,17 @@ as two plain processes on 127.0.0.1. The mean is what a training step pays on av
 
 With a limit step L and a floor mean F, no row with one blocking collective per step is more
 efficient than L / (L + F).
+
+``--mode overlap`` times the overlapped exchange of Sync EASGD instead (issue 29 item 4):
+``--hosts`` ranks, each launches a non-blocking all-reduce of ``--sizes`` bytes of float32,
+computes ``--compute-ms`` meanwhile, then waits; and, for reference, the same all-reduce
+alone (no compute) and the compute alone. Against the ring's bandwidth bound
+(``_tables.ring_bound``: max(compute, 2 (p - 1) / p x bytes x 8 / rate)) the overlapped
+step's excess is what the framework cannot remove: the ring's hops and the compute sharing
+the cores.
+
+    sudo .venv/bin/python -m bench.collective_floor --mode overlap --hosts 8 --rate-mbit 150 \
+        --mtu 9000 --sizes 614400 --compute-ms 20
 """
 
 from __future__ import annotations
@@ -50,6 +61,37 @@ def summarize(times_ms: list[float]) -> dict:
             "p90_ms": p90, "calls": len(ordered)}
 
 
+def _overlap_rows(args) -> list[dict]:
+    """Per size: the all-reduce alone, the compute alone and the two overlapped, timed per step
+    (the compute: small products, so a step overshoots ``--compute-ms`` by little on a shared
+    core)."""
+    import torch
+
+    from easgd_lightning.comm import ops
+
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    rows = []
+    for size in [int(s) for s in args.sizes.split(",")]:
+        buf = torch.randn(max(1, size // 4))
+        phases = {}
+        for phase in ("allreduce", "compute", "overlapped"):
+            times = []
+            for i in range(args.repeats):
+                if i == 0:
+                    ops.barrier(kind="floor")
+                start = time.perf_counter()
+                fut = ops.all_reduce_async(buf, kind="floor") if phase != "compute" else None
+                if phase != "allreduce":
+                    busy(args.compute_ms, a, b)
+                if fut is not None:
+                    ops.wait(fut, kind="floor")
+                if i >= args.warmup:
+                    times.append((time.perf_counter() - start) * 1e3)
+            phases[phase] = summarize(times)
+        rows.append({"bytes": buf.numel() * 4, **phases})
+    return rows
+
+
 def _worker(args) -> int:
     """One rank: the timed loop; rank 0 writes ``--out``/floor.json."""
     import torch
@@ -60,8 +102,8 @@ def _worker(args) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout_s))
     a, b = torch.randn(256, 256), torch.randn(256, 256)
-    rows = []
-    for size in [int(s) for s in args.sizes.split(",")]:
+    rows = _overlap_rows(args) if args.mode == "overlap" else []
+    for size in [int(s) for s in args.sizes.split(",")] if args.mode == "gather" else []:
         send = torch.zeros(size, dtype=torch.uint8)
         times, cpu = [], 0.0
         for i in range(args.repeats):
@@ -95,14 +137,16 @@ def _spawn_loopback(argv: list[str], port: int, timeout_s: float) -> list:
     return codes
 
 
-def _spawn_emulated(argv: list[str], rate: float, port: int, timeout_s: float, log_dir: Path) -> list:
+def _spawn_emulated(argv: list[str], rate: float, port: int, timeout_s: float, log_dir: Path,
+                    hosts: int = 2, mtu: int = 1500) -> list:
     from bench._netem import EmulatedCluster, LinkSpec, install_signal_handlers
     from bench._runs import host_rank_env, wait_all
 
     install_signal_handlers()
-    with EmulatedCluster(2, LinkSpec(rate_mbit=rate, latency_ms=0.0)) as cluster:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with EmulatedCluster(hosts, LinkSpec(rate_mbit=rate, latency_ms=0.0), mtu=mtu) as cluster:
         procs = [cluster.spawn(r, [sys.executable, "-m", "bench.collective_floor", "--worker", *argv],
-                               host_rank_env(cluster, r, port), log_dir / f"rank{r}.log") for r in range(2)]
+                               host_rank_env(cluster, r, port), log_dir / f"rank{r}.log") for r in range(hosts)]
         codes, _ = wait_all(procs, timeout_s)
     return codes
 
@@ -118,22 +162,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=29731)
     p.add_argument("--timeout-s", type=float, default=300.0)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "collective_floor")
+    p.add_argument("--mode", choices=("gather", "overlap"), default="gather",
+                   help="gather: a blocking all-gather after compute; overlap: Sync EASGD's overlapped all-reduce")
+    p.add_argument("--hosts", type=int, default=2, help="emulated hosts, one rank each (overlap mode)")
+    p.add_argument("--mtu", type=int, default=1500, help="frame size of the emulated links (bytes)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return _worker(args)
+    if args.hosts < 2 or (args.hosts != 2 and (args.mode != "overlap" or args.loopback)):
+        p.error("--hosts: at least 2, and other than 2 only with --mode overlap on emulated hosts")
     load = os.getloadavg()
     passed = ["--compute-ms", str(args.compute_ms), "--sizes", args.sizes, "--repeats", str(args.repeats),
-              "--warmup", str(args.warmup), "--timeout-s", str(args.timeout_s), "--out", str(args.out)]
+              "--warmup", str(args.warmup), "--timeout-s", str(args.timeout_s), "--out", str(args.out),
+              "--mode", args.mode]
     if args.loopback:
         codes, where = _spawn_loopback(passed, args.port, args.timeout_s), "loopback (127.0.0.1)"
     else:
-        codes = _spawn_emulated(passed, args.rate_mbit, args.port, args.timeout_s, args.out)
-        where = f"2 emulated hosts at {args.rate_mbit:g} Mbit/s"
+        codes = _spawn_emulated(passed, args.rate_mbit, args.port, args.timeout_s, args.out, args.hosts, args.mtu)
+        where = f"{args.hosts} emulated hosts at {args.rate_mbit:g} Mbit/s, {args.mtu}-byte frames"
     if any(c != 0 for c in codes):
         print(f"[floor] a rank failed: {codes}", file=sys.stderr)
         return 1
     rows = json.loads((args.out / "floor.json").read_text())
+    if args.mode == "overlap":
+        return _print_overlap(rows, args, where, load)
     print(f"# gloo all-gather after {args.compute_ms:g} ms of compute, {where}; "
           f"load average before {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print("| bytes per rank | median (ms) | mean (ms) | p90 (ms) | CPU of rank 0 per call (ms, all its threads) | calls |\n"
@@ -144,6 +197,23 @@ def main(argv: list[str] | None = None) -> int:
     best = args.compute_ms / (args.compute_ms + rows[0]["mean_ms"])
     print(f"Efficiency bound of one blocking collective per step at a {args.compute_ms:g} ms limit "
           f"step: {best:.2f} (compute / (compute + mean of the smallest message)).")
+    return 0
+
+
+def _print_overlap(rows: list[dict], args, where: str, load) -> int:
+    """The overlap mode's table: each phase's mean and median per step, the bound, the share."""
+    from bench._tables import ring_bound
+
+    print(f"# Sync EASGD's overlapped all-reduce, {where}, {args.compute_ms:g} ms of compute per step; "
+          f"load average before {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print("| bytes | all-reduce alone (ms) | compute alone (ms) | overlapped (ms) | bound (ms) | excess (ms) "
+          "| bound / overlapped |\n|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        bound = ring_bound(args.hosts, r["bytes"], args.rate_mbit, r["compute"]["mean_ms"] / 1e3, 1.0)["best_step_s"] * 1e3
+        over = r["overlapped"]["mean_ms"]
+        print(f"| {r['bytes']} | {r['allreduce']['mean_ms']:.2f} (median {r['allreduce']['median_ms']:.2f}) "
+              f"| {r['compute']['mean_ms']:.2f} | {over:.2f} (median {r['overlapped']['median_ms']:.2f}) "
+              f"| {bound:.2f} | {over - bound:.2f} | {bound / over:.2f} |")
     return 0
 
 

@@ -99,15 +99,20 @@ def test_fused_exchange_equals_the_per_tensor_exchange_bitwise(two_ranks):
     SparseLoCo (each tensor's own top-k, sampled or exact, and its own 2-bit code), and
     ACP-SGD (each matrix's own factors and step, P and Q alternating, in one all-reduce; a
     1-D tensor dense in it; the residuals written in place), and PowerSGD in the multi-round
-    form (every P in one all-reduce, then every Q; each matrix its own warm start)."""
+    form (every P in one all-reduce, then every Q; each matrix its own warm start), csc (each
+    tensor's own chunks and choice; scores, then chunks, one all-reduce each) and sketch
+    (each tensor's own top-k, seed and width; one OR, one sketch sum), and GComp (each
+    tensor's own Huffman code in one message)."""
     for rank in two_ranks:
         for name, rec in rank["fused"].items():
             assert all(rec["mean_equal"]) and all(rec["state_equal"]), (name, rec)
             # one all-gather per exchange (the first: +1 round, capacity 0); the all-reduce
             # codecs add the all-reduce of their summed payload
             calls = 2 if name in ("randomk", "randomk_unbiased", "fp16", "bf16", "acpsgd") else 1
-            calls = 3 if name == "powersgd" else calls  # P, then Q, and the dense message
-            if name in ("sidco", "redsync_reuse"):  # its count moves as its stages adapt (a
+            calls = 3 if name in ("powersgd", "csc") else calls  # two rounds and the dense message
+            if name == "sketch":  # the OR, the sum, the dense message; a peeling remainder: +1
+                assert all(c in (3, 4) for c in rec["calls"][1:]), (name, rec["calls"])
+            elif name in ("sidco", "redsync_reuse"):  # its count moves as its stages adapt (a
                 # reused threshold: with the data): a message may outgrow the capacity the
                 # ranks agreed on (its rest follows in one more round)
                 assert all(c in (1, 2) for c in rec["calls"][1:]), (name, rec["calls"])
@@ -116,7 +121,7 @@ def test_fused_exchange_equals_the_per_tensor_exchange_bitwise(two_ranks):
             assert min(rec["scale"]) > 0.01, (name, rec["scale"])
             memory = name in ("topk", "signsgd", "randomk", "fp16", "qsgd", "redsync", "sidco", "redsync_reuse",
                               "sparseloco", "sparseloco_exact", "acpsgd",
-                              "powersgd")
+                              "powersgd", "csc", "sketch")
             residuals = ["t1", "t3", "t4"] if memory else []  # per tensor, as before
             assert rec["checkpoint_keys"] == residuals, (name, rec["checkpoint_keys"])
         sidco = rank["fused"]["sidco"]
@@ -137,6 +142,12 @@ def test_fused_exchange_equals_the_per_tensor_exchange_bitwise(two_ranks):
         psgd = rank["fused"]["powersgd"]
         assert all(psgd["own_state_equal"]), psgd  # each matrix's warm-started Q and step
         assert [[st["step"] for st in step] for step in psgd["own"]] == [[1, 1, None], [2, 2, None], [3, 3, None]]
+        csc, sketch = rank["fused"]["csc"], rank["fused"]["sketch"]
+        assert all(csc["own_state_equal"]) and all(sketch["own_state_equal"]), (csc, sketch)
+        # k = ceil(0.25 x chunks) per tensor: 1200 entries -> 19 chunks -> 5; 700 -> 11 -> 3
+        assert [len(st["chosen"]) for st in csc["own"][0]] == [5, 5, 3], csc
+        assert [st["step"] for st in sketch["own"][2]] == [3, 3, 3], sketch
+        assert all(st["last_union"] >= st["last_nnz"] > 0 for step in sketch["own"] for st in step), sketch
         assert "M" in rank["fused"]["sparse_gc_grad"]["group_tensors"]
         assert "M" not in rank["fused"]["sparse_gc"]["group_tensors"]
 

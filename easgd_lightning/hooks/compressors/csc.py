@@ -16,6 +16,10 @@ Rule, for a flat gradient g of n entries split into m = ceil(n / c) chunks of c 
    default): r_i <- g_i + r_i - (the selected chunks of g_i + r_i).
 
 Bytes per step and rank: m scores + k * c selected entries (both in the gradient's dtype).
+Fused exchange (:mod:`easgd_lightning.hooks._fused`, the multi-round form): every tensor's
+chunk scores in one all-reduce, then every tensor's chosen chunks in one; the chunks, k and
+the choice stay each tensor's own (the paper chunks a layer's gradient), the numbers those of
+the per-tensor exchange.
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ from easgd_lightning.hooks.compressors.base import (
     scratch_buffer,
     scratch_of,
     start_collective,
+    wants_local,
 )
+from easgd_lightning.hooks.compressors.segments import SEGMENT_STATES, Segments
 
 __all__ = ["CSCCompressor", "chunk_scores", "select_chunks"]
 
@@ -72,6 +78,8 @@ class CSCCompressor(Compressor):
     aggregation = "allreduce"
     exchange_rounds = 2  # the chunk scores, then the chosen chunks
     default_memory = True
+    fused_segments = True  # in the multi-round form: rounds_segments
+    segment_state = True  # each tensor's last selection (the fused exchange's segment_states)
 
     def __init__(self, ratio: float = 0.1, *, chunk_size: int = 32768,
                  min_numel: int | None = None, memory: bool | None = None) -> None:
@@ -120,6 +128,39 @@ class CSCCompressor(Compressor):
         state["chosen"] = chosen  # the last agreed selection, for inspection
         state["last_payload_bytes"] = (scores.numel() + values.numel()) * values.element_size()
         return mean.view(tensor.shape), local.view(tensor.shape)
+
+    def rounds_segments(self, flat: torch.Tensor, segments: Segments, state: dict, collective, out: torch.Tensor):
+        """The fused exchange's rounds: every segment's chunk scores in ONE all-reduce, then
+        every segment's chosen chunks in ONE; each segment's mean written into ``out``;
+        returns this rank's transmitted buffer (None unless :func:`~.base.wants_local`)."""
+        world = collective.world_size
+        own = state.setdefault(SEGMENT_STATES, [{} for _ in range(len(segments))])
+        segs = [flat[off : off + n] for off, n in segments]
+        scores = [chunk_scores(seg, self.chunk_size) for seg in segs]
+        pending = start_collective(collective, "all_reduce_sum", [torch.cat(scores)])
+        yield
+        (summed,) = pending.wait()
+        chosen, values, pos = [], [], 0
+        for seg, sc, st in zip(segs, scores, own):
+            pick = select_chunks(summed[pos : pos + sc.numel()], self._k(seg.numel()))
+            pos += sc.numel()
+            chosen.append(pick)
+            values.append(self._gather(seg, pick, st))
+        pending = start_collective(collective, "all_reduce_sum", [torch.cat(values)])
+        yield
+        (summed,) = pending.wait()
+        local = scratch_buffer(scratch_of(state), "local", flat.numel(), flat.dtype, flat.device).zero_() if (
+            wants_local(state)) else None
+        pos = 0
+        for (off, n), pick, val, sc, st in zip(segments, chosen, values, scores, own):
+            out[off : off + n].zero_()
+            self._scatter(summed[pos : pos + val.numel()] / world, pick, out[off : off + n])
+            pos += val.numel()
+            if local is not None:
+                self._scatter(val, pick, local[off : off + n])
+            st["chosen"] = pick
+            st["last_payload_bytes"] = (sc.numel() + val.numel()) * val.element_size()
+        return local
 
     # ------------------------------------------------------------------ helpers
     def _k(self, n: int) -> int:

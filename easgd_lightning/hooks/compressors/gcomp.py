@@ -25,6 +25,10 @@ Decoding a prefix code is sequential within a block; all blocks are decoded at o
 symbol per block per round (B rounds of a 2^16-entry table lookup over n / B positions),
 so the work is O(n) tensor ops with B Python-level rounds; encoding is O(n) tensor ops.
 Defaults: mantissa_bits 7 (bfloat16's precision), memory false, min_numel 16384.
+Fused exchange (:mod:`easgd_lightning.hooks._fused`): one payload per exchange -- each
+tensor's own message (its own histogram and code: the code is per tensor), laid end to end
+after their lengths --, one message per rank, each rank's payload decoded and added in
+one pass over the tensors; coding and decoding stay per tensor (a loop over the tensors).
 """
 
 from __future__ import annotations
@@ -34,7 +38,14 @@ import math
 
 import torch
 
-from easgd_lightning.hooks.compressors.base import Compressor, Payload, check_int
+from easgd_lightning.hooks.compressors.base import (
+    Compressor,
+    Payload,
+    check_int,
+    scratch_buffer,
+    scratch_of,
+)
+from easgd_lightning.hooks.compressors.segments import Segments
 
 __all__ = [
     "GCompCompressor",
@@ -266,6 +277,7 @@ class GCompCompressor(Compressor):
     name = "gcomp"
     aggregation = "allgather"
     default_memory = False
+    fused_segments = True
 
     def __init__(self, mantissa_bits: int = 7, *, min_numel: int | None = None, memory: bool | None = None) -> None:
         super().__init__(min_numel=min_numel, memory=memory)
@@ -290,6 +302,40 @@ class GCompCompressor(Compressor):
         if dst is not None and dst.numel() == out.numel() and dst.dtype == out.dtype:
             return dst.view(shape).copy_(out)
         return out
+
+    def compress_segments(self, flat: torch.Tensor, segments: Segments, state: dict) -> Payload:
+        """(each segment's message length, the messages end to end): every segment coded
+        by its own rule, as :meth:`compress` on it alone."""
+        coded_dt = flat.dtype if flat.dtype in FLOAT_LAYOUT else torch.float32
+        work = flat.detach().to("cpu", coded_dt)
+        msgs = [gcomp_encode(work[off : off + n], self.mantissa_bits) for off, n in segments]
+        lengths = torch.tensor([m.numel() for m in msgs], dtype=torch.int64)
+        state["last_payload_bytes"] = int(lengths.sum())
+        return Payload((lengths.to(flat.device), torch.cat(msgs).to(flat.device)),
+                       {"dtype": flat.dtype, "coded_dtype": coded_dt})
+
+    def _add_segments(self, out: torch.Tensor, tensors, meta: dict, segments: Segments) -> None:
+        """out += one rank's decoded payload on every segment."""
+        lengths, msgs = tensors
+        pos = 0
+        for (off, n), size in zip(segments, lengths.tolist()):
+            seg = gcomp_decode(msgs[pos : pos + size], n, meta["coded_dtype"], self.mantissa_bits)
+            out[off : off + n] += seg.to(device=out.device, dtype=out.dtype)
+            pos += size
+
+    def local_segments(self, payload: Payload, segments: Segments, state: dict) -> torch.Tensor:
+        out = scratch_buffer(scratch_of(state), "local", segments.numel, payload.meta["dtype"], payload.tensors[1].device)
+        out.zero_()
+        self._add_segments(out, payload.tensors, payload.meta, segments)
+        return out
+
+    def mean_segments(self, received, meta: dict, segments: Segments, out: torch.Tensor, world: int) -> None:
+        """Every rank's decoded messages added in rank order into ``out``, then / world (the
+        whole buffer: the attach point writes the dense runs afterwards)."""
+        out.zero_()
+        for tensors in received:
+            self._add_segments(out, tensors, meta, segments)
+        out.div_(world)
 
     @staticmethod
     def volume_reduction(dense_bytes: int, coded_bytes: int) -> float:

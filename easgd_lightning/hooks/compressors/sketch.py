@@ -32,9 +32,13 @@ from easgd_lightning.hooks.compressors.base import (
     check_ratio,
     pack_bits,
     run_rounds,
+    scratch_buffer,
+    scratch_of,
     start_collective,
     unpack_bits,
+    wants_local,
 )
+from easgd_lightning.hooks.compressors.segments import SEGMENT_STATES, Segments
 from easgd_lightning.hooks.compressors.topk import topk_indices
 from easgd_lightning.utils.checks import check_float
 
@@ -162,6 +166,8 @@ class SketchCompressor(Compressor):
     aggregation = "allreduce"
     exchange_rounds = 2  # the bitmap OR, then the sketch sum
     default_memory = True
+    fused_segments = True  # in the multi-round form: rounds_segments
+    segment_state = True  # each tensor's step (its hash seed) and counts (segment_states)
 
     def __init__(
         self,
@@ -261,3 +267,66 @@ class SketchCompressor(Compressor):
                 (values[core],) = pending.wait()
             mean[positions] = values / world
         return mean.reshape(tensor.shape), local.reshape(tensor.shape)
+
+    def rounds_segments(self, flat: torch.Tensor, segments: Segments, state: dict, collective, out: torch.Tensor):
+        """The fused exchange's rounds: every segment's bitmap in ONE OR, every segment's
+        sketch of the union in ONE sum, the peeling remainders (when any) in ONE more; each
+        segment with its own top-k, hash seed and width; each segment's mean written into
+        ``out``; returns this rank's transmitted buffer (None unless :func:`~.base.wants_local`)."""
+        world = collective.world_size
+        own = state.setdefault(SEGMENT_STATES, [{} for _ in range(len(segments))])
+        hashes = segments.key_hashes or (0,) * len(segments)
+        local = scratch_buffer(scratch_of(state), "local", flat.numel(), flat.dtype, flat.device).zero_()
+        bits = torch.zeros(segments.total, dtype=torch.bool, device=flat.device)
+        pos = 0
+        for j, (off, n) in enumerate(segments):
+            own[j]["key_hash"] = hashes[j]
+            idx = topk_indices(flat[off : off + n], self.ratio)
+            local[off + idx] = flat[off + idx]
+            bits[pos + idx] = True
+            own[j]["last_nnz"] = int(idx.numel())
+            pos += n
+        finish_or = start_or_reduce_bits(collective, bits)
+        yield
+        union, pos, plans, sketches = finish_or(), 0, [], []
+        for (off, n), st in zip(segments, own):
+            positions = torch.nonzero(union[pos : pos + n]).squeeze(1)
+            pos += n
+            seed = self._seed(st)
+            st["step"] = int(st.get("step", 0)) + 1
+            st["last_union"] = int(positions.numel())
+            out[off : off + n].zero_()
+            if not positions.numel():
+                plans.append(None)
+                continue
+            width = self._width(positions.numel())
+            cols, signs = sketch_hashes(positions, self.rows, width, seed)
+            sketches.append(build_sketch(local[off + positions], cols, signs, width))
+            plans.append((positions, cols, signs, sketches[-1].shape))
+        decoded = []
+        if sketches:
+            pending = start_collective(collective, "all_reduce_sum", [torch.cat([s.reshape(-1) for s in sketches])])
+            yield
+            (summed,) = pending.wait()
+            pos = 0
+            for plan, st in zip(plans, own):
+                if plan is None:
+                    continue
+                positions, cols, signs, shape = plan
+                values, core = peel_decode(summed[pos : pos + shape.numel()].view(shape), cols, signs, 0, return_core=True)
+                pos += shape.numel()
+                st["last_core"] = int(core.numel())
+                decoded.append((positions, values, core))
+        live = [(off, plan) for (off, _), plan in zip(segments, plans) if plan is not None]
+        exact = [local[off + positions[core]] for (off, _), (positions, _, core) in zip(live, decoded)]
+        if any(e.numel() for e in exact):  # the same remainders on every rank: they travel exactly
+            pending = start_collective(collective, "all_reduce_sum", [torch.cat(exact)])
+            yield
+            (summed,) = pending.wait()
+            pos = 0
+            for (_, values, core), e in zip(decoded, exact):
+                values[core] = summed[pos : pos + e.numel()]
+                pos += e.numel()
+        for (off, _), (positions, values, _) in zip(live, decoded):
+            out[off + positions] = values / world
+        return local if wants_local(state) else None

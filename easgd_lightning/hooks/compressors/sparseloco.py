@@ -112,7 +112,7 @@ class SparseLoCoCompressor(TopKCompressor):
         each segment selected and coded by its own rule, as :meth:`compress` on it alone."""
         idx, val = self.select_segments(flat, segments, state, False)
         state["last_nnz"] = int(idx.numel())
-        starts = segments.int64("offsets", segments.offsets)  # idx: segment after segment
+        starts = segments.int64("offsets", segments.offsets).to(idx.device)  # idx: segment after segment
         seg = torch.searchsorted(starts, idx, right=True) - 1
         counts = torch.bincount(seg, minlength=len(segments))
         bounds = [0, *counts.cumsum(0).tolist()]

@@ -284,6 +284,13 @@ FUSED_CASES = {
     "acpsgd": ("acpsgd", {"rank": 2, "min_numel": 100}),
     # the multi-round form: every P in one all-reduce, then every Q; each matrix its warm start
     "powersgd": ("powersgd", {"rank": 2, "min_numel": 100}),
+    # each tensor's own chunks, k and choice: every tensor's scores in one all-reduce, then
+    # every tensor's chosen chunks in one (the last chunk of each tensor shorter)
+    "csc": ("csc", {"ratio": 0.25, "chunk_size": 64, "min_numel": 100}),
+    # each tensor's own top-k, seed and width: one OR, one sketch sum (a remainder: one more)
+    "sketch": ("sketch", {"ratio": 0.05, "min_numel": 100}),
+    # each tensor's own exponent histogram and Huffman code, one message per rank
+    "gcomp": ("gcomp", {"mantissa_bits": 7, "min_numel": 100}),
 }
 
 #: the state of its own per tensor of each codec that keeps one (per segment when fused)
@@ -292,6 +299,8 @@ OWN_FIELDS = {
     "redsync_reuse": ("thr", "thr_age"),
     "acpsgd": ("step", "p", "q"),
     "powersgd": ("step", "q"),
+    "csc": ("chosen", "last_payload_bytes"),
+    "sketch": ("step", "last_nnz", "last_union", "last_core"),
 }
 
 
