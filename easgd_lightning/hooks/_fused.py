@@ -42,8 +42,8 @@ the fused path is a change of speed only (an all-reduce codec's sum over more th
 ranks may round differently: a ring sums in an order of its own; ``adaptive`` proposes its
 density once per exchange: see its module). It applies where ``compressor.fused_segments``
 is true (``topk``, ``dgc``, ``signsgd``, ``randomk``, ``qsgd`` (s <= 32767), ``fp16``,
-``bf16``, ``sparse_gc``, ``redsync``, ``sidco``, ``sparseloco``, ``acpsgd``; in the multi-round form,
-:func:`has_fused_rounds`: ``sgc``, ``adaptive``, ``powersgd``), with no SeCoPa
+``bf16``, ``sparse_gc``, ``redsync``, ``sidco``, ``sparseloco``, ``acpsgd``, ``gcomp``; in the multi-round form,
+:func:`has_fused_rounds`: ``sgc``, ``adaptive``, ``powersgd``, ``csc``, ``sketch``), with no SeCoPa
 plan and a collective that batches its all-gathers (:class:`~easgd_lightning.hooks.collective.
 ProcessGroupCollective`); every other codec takes the per-tensor exchange.
 

@@ -309,7 +309,7 @@ class GCompCompressor(Compressor):
         coded_dt = flat.dtype if flat.dtype in FLOAT_LAYOUT else torch.float32
         work = flat.detach().to("cpu", coded_dt)
         msgs = [gcomp_encode(work[off : off + n], self.mantissa_bits) for off, n in segments]
-        lengths = torch.tensor([m.numel() for m in msgs], dtype=torch.int64)
+        lengths = torch.tensor([m.numel() for m in msgs], dtype=torch.int32)  # bytes of each (< 2 GiB)
         state["last_payload_bytes"] = int(lengths.sum())
         return Payload((lengths.to(flat.device), torch.cat(msgs).to(flat.device)),
                        {"dtype": flat.dtype, "coded_dtype": coded_dt})

@@ -49,7 +49,8 @@ under the Async EASGD rule (Zhang, Choromanska, LeCun, NeurIPS 2015):
 Wire form (one uint8 message each way): an int32 header listing, per payload tensor, its
 dtype code, number of dimensions and sizes; then the tensors' bytes. ``payload.meta`` stays
 local (as on the ring): each side derives it from the compressor and the tensor's size.
-A codec with a fused form (``fused_segments``: ``topk``, ``signsgd``, ``qsgd``, ``redsync``, ``sidco``) encodes the
+A codec with a fused form (``fused_segments``: ``topk``, ``signsgd``, ``qsgd``, ``redsync``, ``sidco``,
+``gcomp``) encodes the
 whole parameter part in one call (each tensor keeping its own rule, the same numbers) and
 its payload tensors come first; the tensors under ``min_numel`` follow, dense.
 Replicas, residuals and compressor states are not checkpointed: a resume restarts every

@@ -1,5 +1,5 @@
 """The parameter server's push messages: a codec with a fused form (top-k, EF-signSGD, QSGD)
-encodes the whole parameter part in one codec call, and the message decodes, on the other
+(and GComp) encodes the whole parameter part in one codec call, and the message decodes, on the other
 side, to what the per-tensor messages decode to -- the same numbers, fewer codec calls."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ CASES = {
     "topk": {"ratio": 0.05, "min_numel": 100},
     "signsgd": {"min_numel": 100},
     "qsgd": {"levels": 7, "bucket_size": 64, "seed": 4, "min_numel": 100},
+    "gcomp": {"mantissa_bits": 7, "min_numel": 100},
 }
 
 
