@@ -37,6 +37,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -81,7 +82,9 @@ def _overlap_rows(args) -> list[dict]:
                     ops.barrier(kind="floor")
                 start = time.perf_counter()
                 fut = ops.all_reduce_async(buf, kind="floor") if phase != "compute" else None
-                if phase != "allreduce":
+                if phase != "allreduce" and args.idle_compute:
+                    time.sleep(args.compute_ms / 1e3)  # the cores left to the exchange
+                elif phase != "allreduce":
                     busy(args.compute_ms, a, b)
                 if fut is not None:
                     ops.wait(fut, kind="floor")
@@ -101,6 +104,8 @@ def _worker(args) -> int:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout_s))
+    if args.compute_nice:  # this thread only: gloo's threads, started above, keep theirs
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), args.compute_nice)
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     rows = _overlap_rows(args) if args.mode == "overlap" else []
     for size in [int(s) for s in args.sizes.split(",")] if args.mode == "gather" else []:
@@ -166,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="gather: a blocking all-gather after compute; overlap: Sync EASGD's overlapped all-reduce")
     p.add_argument("--hosts", type=int, default=2, help="emulated hosts, one rank each (overlap mode)")
     p.add_argument("--mtu", type=int, default=1500, help="frame size of the emulated links (bytes)")
+    p.add_argument("--compute-nice", type=int, default=0,
+                   help="nice value of each rank's main (computing) thread; gloo's threads keep 0")
+    p.add_argument("--idle-compute", action="store_true",
+                   help="overlap mode: sleep instead of computing (does the exchange slow for want of cores?)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -175,12 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()
     passed = ["--compute-ms", str(args.compute_ms), "--sizes", args.sizes, "--repeats", str(args.repeats),
               "--warmup", str(args.warmup), "--timeout-s", str(args.timeout_s), "--out", str(args.out),
-              "--mode", args.mode]
+              "--mode", args.mode, "--compute-nice", str(args.compute_nice)] + (
+                  ["--idle-compute"] if args.idle_compute else [])
     if args.loopback:
         codes, where = _spawn_loopback(passed, args.port, args.timeout_s), "loopback (127.0.0.1)"
     else:
         codes = _spawn_emulated(passed, args.rate_mbit, args.port, args.timeout_s, args.out, args.hosts, args.mtu)
         where = f"{args.hosts} emulated hosts at {args.rate_mbit:g} Mbit/s, {args.mtu}-byte frames"
+    where += f", compute at nice {args.compute_nice}" if args.compute_nice else ""
+    where += ", sleeping instead of computing" if args.idle_compute else ""
     if any(c != 0 for c in codes):
         print(f"[floor] a rank failed: {codes}", file=sys.stderr)
         return 1

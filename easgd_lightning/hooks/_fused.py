@@ -23,7 +23,8 @@ elastic difference of ``sync_easgd`` / ``local_sgd``) cut into tensors of known 
 * all-reduce codecs (random-k, fp16 / bf16): the payload is summed by one all-reduce and
   decoded once; the dense message is still all-gathered and summed in rank order;
 * multi-round codecs, whose exchange needs an agreement or several collectives (``powersgd``:
-  every P, then every Q; ``sgc``:
+  every P, then every Q; ``csc``: every tensor's chunk scores, then its chosen chunks;
+  ``sketch``: every bitmap's OR, then every count sketch's sum; ``sgc``:
   every tensor's summary, then the tensors that aggregate; ``adaptive``: the density vote,
   then the payload): ``compressor.rounds_segments(p, segments, state, collective, out)`` is
   a generator with the protocol of the per-tensor ``aggregate_rounds`` -- it launches a
@@ -34,7 +35,9 @@ elastic difference of ``sync_easgd`` / ``local_sgd``) cut into tensors of known 
   launch and the others at :meth:`PendingFlat.finish`, where the residual is updated (at
   the launch when its rounds end there: adaptive's calls are blocking, measured); it reads
   a private copy of the buffer when the memory hands back the caller's own. The dense
-  message is all-gathered at the launch and summed in rank order.
+  message is all-gathered at the launch and summed in rank order -- with lazy all-reduce
+  buffers (``comm.fusion_mb``) it rides the first round's buffer instead, summed, as on the
+  per-tensor path.
 
 Every number is the one the per-tensor exchange (:mod:`easgd_lightning.hooks._exchange`)
 computes for each tensor alone (the unit and distributed tests compare them bitwise), so
@@ -49,8 +52,9 @@ ProcessGroupCollective`); every other codec takes the per-tensor exchange.
 
 State: the codec's per-exchange state (DGC's u and v, one flat buffer each, and its step
 counter) lives under the exchange's group key (:attr:`FlatLayout.group`) in the attach
-point's ``states`` (a rule with state of each tensor's own, SIDCo's or SGC's, keeps it per
-member: ``segment_states``); per-tensor entries of an older checkpoint (or of the per-tensor path)
+point's ``states`` (a rule with state of each tensor's own -- SIDCo's stages, RedSync's
+reused threshold, SGC's skip counts, PowerSGD's and ACP-SGD's factors and steps, sketch's
+and csc's steps -- keeps it per member: ``segment_states``); per-tensor entries of an older checkpoint (or of the per-tensor path)
 are moved into it on first use (:func:`group_state`), and the residual memory does the
 same for its residuals, whose checkpoint stays per tensor
 (:class:`~easgd_lightning.hooks.memory.ResidualMemory`).
