@@ -101,8 +101,10 @@ def test_fused_exchange_equals_the_per_tensor_exchange_bitwise(two_ranks):
     1-D tensor dense in it; the residuals written in place), and PowerSGD in the multi-round
     form (every P in one all-reduce, then every Q; each matrix its own warm start), csc (each
     tensor's own chunks and choice; scores, then chunks, one all-reduce each) and sketch
-    (each tensor's own top-k, seed and width; one OR, one sketch sum), and GComp (each
-    tensor's own Huffman code in one message)."""
+    (each tensor's own top-k, seed and width; one OR, one sketch sum), GComp (each
+    tensor's own Huffman code in one message) and two-way compression over top-k,
+    EF-signSGD, QSGD and SIDCo (each tensor's shards; every owner's pieces in one inner
+    call, one all-to-all, one all-gather; the owners' second residuals per tensor)."""
     for rank in two_ranks:
         for name, rec in rank["fused"].items():
             assert all(rec["mean_equal"]) and all(rec["state_equal"]), (name, rec)
@@ -112,6 +114,9 @@ def test_fused_exchange_equals_the_per_tensor_exchange_bitwise(two_ranks):
             calls = 3 if name in ("powersgd", "csc") else calls  # two rounds and the dense message
             if name == "sketch":  # the OR, the sum, the dense message; a peeling remainder: +1
                 assert all(c in (3, 4) for c in rec["calls"][1:]), (name, rec["calls"])
+            elif name.startswith("two_way"):  # the all-to-all and the owners' all-gather
+                # (lengths with each), the dense message: one all-to-all, one all-gather
+                assert len(set(rec["calls"][1:])) == 1 and rec["calls"][1] <= 5, (name, rec["calls"])
             elif name in ("sidco", "redsync_reuse"):  # its count moves as its stages adapt (a
                 # reused threshold: with the data): a message may outgrow the capacity the
                 # ranks agreed on (its rest follows in one more round)
@@ -121,7 +126,7 @@ def test_fused_exchange_equals_the_per_tensor_exchange_bitwise(two_ranks):
             assert min(rec["scale"]) > 0.01, (name, rec["scale"])
             memory = name in ("topk", "signsgd", "randomk", "fp16", "qsgd", "redsync", "sidco", "redsync_reuse",
                               "sparseloco", "sparseloco_exact", "acpsgd",
-                              "powersgd", "csc", "sketch")
+                              "powersgd", "csc", "sketch", "two_way_topk", "two_way_signsgd", "two_way_sidco")
             residuals = ["t1", "t3", "t4"] if memory else []  # per tensor, as before
             assert rec["checkpoint_keys"] == residuals, (name, rec["checkpoint_keys"])
         sidco = rank["fused"]["sidco"]
@@ -142,6 +147,9 @@ def test_fused_exchange_equals_the_per_tensor_exchange_bitwise(two_ranks):
         psgd = rank["fused"]["powersgd"]
         assert all(psgd["own_state_equal"]), psgd  # each matrix's warm-started Q and step
         assert [[st["step"] for st in step] for step in psgd["own"]] == [[1, 1, None], [2, 2, None], [3, 3, None]]
+        for name in ("two_way_topk", "two_way_signsgd", "two_way_qsgd", "two_way_sidco"):
+            rec = rank["fused"][name]  # each tensor's piece of the owner's second residual
+            assert all(rec["own_state_equal"]) and any(any(x != 0 for x in st["f"]) for st in rec["own"][2]), name
         csc, sketch = rank["fused"]["csc"], rank["fused"]["sketch"]
         assert all(csc["own_state_equal"]) and all(sketch["own_state_equal"]), (csc, sketch)
         # k = ceil(0.25 x chunks) per tensor: 1200 entries -> 19 chunks -> 5; 700 -> 11 -> 3

@@ -28,6 +28,15 @@ messages, as for every collective (:mod:`easgd_lightning.comm.meter`): sent = th
 for the other owners (each with an 8-byte length per payload tensor, :func:`pack_parts`)
 plus d_j (with the all-gather's header); ``state["last_up_bytes"]`` and
 ``state["last_down_bytes"]`` are the same without the headers (C's ``payload_bytes``).
+Fused exchange (:mod:`easgd_lightning.hooks._fused`, ``rounds_segments``, where C has a fused
+form): the shards stay each tensor's own, and owner j's pieces of every tensor of the
+exchange's buffer are encoded by ONE call of C's fused form (each piece its own rule and
+key), so one all-to-all carries one piece per owner; the owner decodes and averages them
+in one call, compensates its pieces with its second residual (one buffer, its pieces end to
+end), encodes them in one call, and one all-gather brings every owner's payload back: the
+numbers of the per-tensor exchange (its states, ``up`` / ``down`` / ``f`` per tensor, are
+taken over from a per-tensor checkpoint). Should an owner hold no piece at all (every
+tensor shorter than the world), the exchange runs per tensor.
 """
 
 from __future__ import annotations
@@ -40,9 +49,12 @@ from easgd_lightning.hooks.compressors.base import (
     Collective,
     Compressor,
     Payload,
+    has_fused_form,
     scratch_buffer,
     scratch_of,
+    wants_local,
 )
+from easgd_lightning.hooks.compressors.segments import SEGMENT_STATES, Segments
 from easgd_lightning.hooks.memory import ResidualMemory
 
 __all__ = ["TwoWayCompressor", "TWO_WAY_INNER", "shard_bounds", "pack_parts", "unpack_parts"]
@@ -139,6 +151,7 @@ class TwoWayCompressor(Compressor):
     (see the module docstring)."""
 
     exchange_rounds = 3  # the pieces' lengths, the pieces (all-to-all), the owners' shards
+    segment_state = True  # each tensor's up / down states and second residual (segment_states)
 
     def __init__(self, inner: Compressor) -> None:
         if inner.name not in TWO_WAY_INNER:
@@ -154,6 +167,11 @@ class TwoWayCompressor(Compressor):
         self.memory = inner.memory
         self.two_way = True
         self.worker_state = ("f",)  # the second residual, the shard owner's own (TWO_WAY_INNER keep none)
+
+    @property
+    def fused_segments(self) -> bool:
+        """The fused exchange's multi-round form, where the inner codec has a fused form."""
+        return has_fused_form(self.inner)
 
     def compress(self, tensor: torch.Tensor, state: dict) -> Payload:
         return self.inner.compress(tensor, state.setdefault("whole", {}))
@@ -238,3 +256,115 @@ class TwoWayCompressor(Compressor):
             part_meta = dict(meta, numel=b - a) if "numel" in meta else meta
             out[a:b] = self.inner.decompress(Payload(tuple(parts), part_meta), torch.Size([b - a])).to(mean.dtype)
         return out
+
+    # ------------------------------------------------------------ fused exchange
+    def _owners(self, segments: Segments, world: int) -> list[tuple[Segments, Segments, list[int]]]:
+        """Per owner j: its pieces (shard j of every tensor) as segments of the flat buffer,
+        with the per-tensor path's keys of each piece's up state; the same pieces end to end
+        (its compact buffer), with the keys of each tensor's down state; the tensors with a
+        piece (cached)."""
+
+        def make():
+            hashes = segments.key_hashes or (0,) * len(segments)
+            owners = []
+            for j in range(world):
+                members = [t for t, n in enumerate(segments.lengths) if shard_bounds(n, world, j)[1] > shard_bounds(n, world, j)[0]]
+                bounds = [shard_bounds(segments.lengths[t], world, j) for t in members]
+                lens = [b - a for a, b in bounds]
+                up = Segments([segments.offsets[t] + a for t, (a, _) in zip(members, bounds)], lens, segments.numel,
+                              [zlib.crc32(f"{hashes[t]}:up{j}".encode()) & 0x7FFFFFFF for t in members])
+                down = Segments([sum(lens[:q]) for q in range(len(lens))], lens, sum(lens),
+                                [hashes[t] + 1 for t in members])
+                owners.append((up, down, members))
+            return owners
+
+        return segments.cached(("two_way", world), make)
+
+    def _inner_state(self, state: dict, name: str, own: list[dict], members: list[int], pick) -> dict:
+        """The inner codec's group state ``state[name]`` for the pieces of ``members``; on
+        first use built from their per-tensor states (``pick(own[t])``: a per-tensor
+        checkpoint's), per piece where the inner rule keeps state per tensor."""
+        st = state.get(name)
+        if st is None:
+            olds = [pick(own[t]) or {} for t in members]
+            st = state[name] = {k: v for k, v in (olds[0] if olds else {}).items()
+                                if not k.startswith("_") and k != "key_hash"}
+            if getattr(self.inner, "segment_state", False):
+                st[SEGMENT_STATES] = [{k: v for k, v in o.items() if not k.startswith("_")} for o in olds]
+        return st
+
+    def rounds_segments(self, flat: torch.Tensor, segments: Segments, state: dict, collective, out: torch.Tensor):
+        """Both directions over the whole buffer (module docstring); every segment's doubly
+        compressed mean written into ``out``; returns this rank's transmitted buffer (the
+        decoded pieces it sent; None unless :func:`~.base.wants_local`). Its collectives
+        block, so the generator ends at its first advance."""
+        world, rank = collective.world_size, collective_rank(collective)
+        own = state.setdefault(SEGMENT_STATES, [{} for _ in range(len(segments))])
+        owners = self._owners(segments, world)
+        if any(not len(up) for up, _, _ in owners):
+            return self._per_tensor(flat, segments, own, collective, out, state)
+        view = flat.view(-1)  # not the memory's offered buffer: e = p - local, as per tensor
+        local = scratch_buffer(scratch_of(state), "two_way:local", flat.numel(), flat.dtype, flat.device).zero_()
+        pieces = []
+        for j, (up, _, members) in enumerate(owners):
+            st = self._inner_state(state, f"up{j}", own, members, lambda o, j=j: (o.get("up") or [None] * world)[j])
+            piece = self.inner.compress_segments(view, up, st)
+            index = up.index(flat.device)
+            local.index_copy_(0, index, self.inner.local_segments(piece, up, st).index_select(0, index))
+            pieces.append(piece)
+        received = collective.all_to_all([pack_parts(p.tensors) for p in pieces])
+        state["last_up_bytes"] = sum(self.inner.payload_bytes(p) for j, p in enumerate(pieces) if j != rank)
+        up, down, members = owners[rank]
+        mine = pieces[rank]
+        dtypes = [t.dtype for t in mine.tensors]
+        rows = [mine.tensors if i == rank else tuple(unpack_parts(m.to(flat.device), dtypes))
+                for i, m in enumerate(received)]
+        whole = scratch_buffer(scratch_of(state), "two_way:m", flat.numel(), flat.dtype, flat.device)
+        self.inner.mean_segments(rows, mine.meta, up, whole, world)
+        self._send_back_segments(whole.index_select(0, up.index(flat.device)), state, own, owners, rank,
+                                 collective, out)
+        return local if wants_local(state) else None
+        yield  # a generator (the fused rounds' protocol), with no round left for finish
+
+    def _send_back_segments(self, mean, state: dict, own, owners, rank: int, collective, out) -> None:
+        """q = m + f, d = C(q), f <- q - d over this owner's pieces end to end; every owner's
+        d all-gathered and decoded into its pieces' places in ``out``."""
+        up, down, members = owners[rank]
+        memory = scratch_of(state).setdefault(_DOWN, ResidualMemory())
+        fs = [own[t].get("f") for t in members]  # each tensor's piece of f, as per tensor
+        f = torch.cat([x.reshape(-1) for x in fs]) if all(isinstance(x, torch.Tensor) for x in fs) else None
+        if f is not None and f.shape == mean.shape and f.dtype == mean.dtype:
+            memory.adopt(_DOWN, f)
+        else:
+            memory.reset()
+        q = memory.compensate(_DOWN, mean)
+        dst = self._inner_state(state, "down", own, members, lambda o: o.get("down"))
+        payload = self.inner.compress_segments(q, down, dst)
+        sent = self.inner.local_segments(payload, down, dst)
+        out.index_copy_(0, up.index(out.device), sent[: down.numel].to(out.dtype))
+        memory.update(_DOWN, q, sent)
+        f, pos = memory.residual(_DOWN), 0
+        for t, n in zip(members, down.lengths):  # kept per tensor: a regrouped or per-tensor exchange reads it
+            own[t]["f"] = f[pos : pos + n]
+            pos += n
+        state["last_down_bytes"] = self.inner.payload_bytes(payload)
+        meta = _local_meta(payload.meta)
+        spare = scratch_of(state).setdefault("two_way:decode", {})
+        for j, parts in enumerate(collective.all_gather(list(payload.tensors))):
+            if j == rank:
+                continue
+            up_j, down_j, _ = owners[j]
+            part_meta = dict(meta, numel=down_j.numel) if "numel" in meta else meta
+            got = self.inner.local_segments(Payload(tuple(parts), part_meta), down_j, spare)
+            out.index_copy_(0, up_j.index(out.device), got[: down_j.numel].to(out.dtype))
+
+    def _per_tensor(self, flat, segments: Segments, own, collective, out, state):
+        """Each segment through :meth:`aggregate` with its own state (an owner without a
+        piece: every tensor shorter than the world)."""
+        local = scratch_buffer(scratch_of(state), "two_way:local", flat.numel(), flat.dtype, flat.device).zero_()
+        for (off, n), st, h in zip(segments, own, segments.key_hashes or (0,) * len(segments)):
+            st["key_hash"] = h
+            mean, mine = self.aggregate(flat[off : off + n].clone(), st, collective)
+            out[off : off + n] = mean.reshape(-1)
+            local[off : off + n] = mine.reshape(-1)
+        return local if wants_local(state) else None

@@ -291,6 +291,12 @@ FUSED_CASES = {
     "sketch": ("sketch", {"ratio": 0.05, "min_numel": 100}),
     # each tensor's own exponent histogram and Huffman code, one message per rank
     "gcomp": ("gcomp", {"mantissa_bits": 7, "min_numel": 100}),
+    # both ways: each tensor's shards, every owner's pieces in one inner call; the owner's
+    # second residual f per tensor (carried over from the per-tensor checkpoint)
+    "two_way_topk": ("topk", {"ratio": 0.05, "sample_size": 500, "min_numel": 100, "two_way": True}),
+    "two_way_signsgd": ("signsgd", {"min_numel": 100, "two_way": True}),
+    "two_way_qsgd": ("qsgd", {"levels": 7, "bucket_size": 64, "seed": 5, "min_numel": 100, "two_way": True}),
+    "two_way_sidco": ("sidco", {"ratio": 0.05, "adapt_every": 1, "min_numel": 100, "two_way": True}),
 }
 
 #: the state of its own per tensor of each codec that keeps one (per segment when fused)
@@ -301,6 +307,10 @@ OWN_FIELDS = {
     "powersgd": ("step", "q"),
     "csc": ("chosen", "last_payload_bytes"),
     "sketch": ("step", "last_nnz", "last_union", "last_core"),
+    "two_way_topk": ("f",),
+    "two_way_signsgd": ("f",),
+    "two_way_qsgd": ("f",),
+    "two_way_sidco": ("f",),
 }
 
 
