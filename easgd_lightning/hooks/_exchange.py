@@ -32,7 +32,7 @@ launched before any is waited for, so with ``fused`` the exchange sends one lazy
 all-reduce buffer per round (and dtype), not one message per tensor and round; their
 ``locals`` are known at finish. The others that override ``aggregate`` (adaptive, lgc,
 sgc, two-way) run it whole at launch (one message per tensor and round) on this path;
-adaptive and sgc take the fused exchange's multi-round form where it applies
+every codec but QSGD above 32767 levels takes the fused exchange where it applies
 (:mod:`easgd_lightning.hooks._fused`). Both halves run
 every rank's arithmetic in the same order
 whether they are called back to back or far apart, so an overlapped exchange gives

@@ -46,7 +46,7 @@ ranks may round differently: a ring sums in an order of its own; ``adaptive`` pr
 density once per exchange: see its module). It applies where ``compressor.fused_segments``
 is true (``topk``, ``dgc``, ``signsgd``, ``randomk``, ``qsgd`` (s <= 32767), ``fp16``,
 ``bf16``, ``sparse_gc``, ``redsync``, ``sidco``, ``sparseloco``, ``acpsgd``, ``gcomp``; in the multi-round form,
-:func:`has_fused_rounds`: ``sgc``, ``adaptive``, ``powersgd``, ``csc``, ``sketch``, two-way
+:func:`has_fused_rounds`: ``sgc``, ``adaptive``, ``powersgd``, ``csc``, ``sketch``, ``lgc``, two-way
 compression over a codec with a fused form), with no SeCoPa
 plan and a collective that batches its all-gathers (:class:`~easgd_lightning.hooks.collective.
 ProcessGroupCollective`); every other codec takes the per-tensor exchange.

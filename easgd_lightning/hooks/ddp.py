@@ -13,7 +13,7 @@ calls :func:`register_compression_hook` itself, so the hook runs on CPU/gloo as 
   the hook, writes the averaged gradients into the bucket and returns a completed
   future. With a codec that runs over whole buffers (``fused_segments``: top-k, DGC, EF-signSGD, random-k, QSGD, Sparse GC,
   RedSync, SIDCo, SparseLoCo, ACP-SGD, GComp, SGC, adaptive, PowerSGD, csc, sketch,
-  two-way; :mod:`~easgd_lightning.hooks._fused`) and
+  LGC, two-way; :mod:`~easgd_lightning.hooks._fused`) and
   no SeCoPa plan, the bucket buffer itself is the exchange's flat buffer
   (:mod:`easgd_lightning.hooks._fused`): one codec call, one message, the mean written
   back into the bucket in place. The first ``warmup_steps`` iterations are dense (DDP rebuilds its buckets after

@@ -24,7 +24,7 @@ is a non-blocking all-reduce in place on ``diff`` (leave ``diff`` alone until ``
 compressed, :func:`~easgd_lightning.hooks._exchange.start_exchange_tensors` compresses
 and updates the residual at once and waits, decompresses and sums in ``wait``; a codec
 that runs over whole buffers (``fused_segments``: top-k, DGC, EF-signSGD, random-k, QSGD,
-fp16 / bf16, Sparse GC, RedSync, SIDCo, SparseLoCo, ACP-SGD, GComp, adaptive, PowerSGD, csc, sketch, two-way) exchanges ``diff`` as one
+fp16 / bf16, Sparse GC, RedSync, SIDCo, SparseLoCo, ACP-SGD, GComp, adaptive, PowerSGD, csc, sketch, LGC, two-way) exchanges ``diff`` as one
 flat buffer instead (:mod:`easgd_lightning.hooks._fused`: one codec call, one message,
 the same numbers).
 """

@@ -104,7 +104,9 @@ def test_fused_exchange_equals_the_per_tensor_exchange_bitwise(two_ranks):
     (each tensor's own top-k, seed and width; one OR, one sketch sum), GComp (each
     tensor's own Huffman code in one message) and two-way compression over top-k,
     EF-signSGD, QSGD and SIDCo (each tensor's shards; every owner's pieces in one inner
-    call, one all-to-all, one all-gather; the owners' second residuals per tensor)."""
+    call, one all-to-all, one all-gather; the owners' second residuals per tensor) and LGC,
+    ring and ps (each tensor's own leader mask, samples, coder and phase; the masks in one
+    all-gather, the codes in one all-reduce)."""
     for rank in two_ranks:
         for name, rec in rank["fused"].items():
             assert all(rec["mean_equal"]) and all(rec["state_equal"]), (name, rec)
@@ -114,6 +116,9 @@ def test_fused_exchange_equals_the_per_tensor_exchange_bitwise(two_ranks):
             calls = 3 if name in ("powersgd", "csc") else calls  # two rounds and the dense message
             if name == "sketch":  # the OR, the sum, the dense message; a peeling remainder: +1
                 assert all(c in (3, 4) for c in rec["calls"][1:]), (name, rec["calls"])
+            elif name.startswith("lgc"):  # coding: the masks, the codes, the dense message
+                # (the training step before adds each coder's weights' all-reduce)
+                assert rec["calls"][2] == 3, (name, rec["calls"])
             elif name.startswith("two_way"):  # the all-to-all and the owners' all-gather
                 # (lengths with each), the dense message: one all-to-all, one all-gather
                 assert len(set(rec["calls"][1:])) == 1 and rec["calls"][1] <= 5, (name, rec["calls"])
@@ -126,7 +131,8 @@ def test_fused_exchange_equals_the_per_tensor_exchange_bitwise(two_ranks):
             assert min(rec["scale"]) > 0.01, (name, rec["scale"])
             memory = name in ("topk", "signsgd", "randomk", "fp16", "qsgd", "redsync", "sidco", "redsync_reuse",
                               "sparseloco", "sparseloco_exact", "acpsgd",
-                              "powersgd", "csc", "sketch", "two_way_topk", "two_way_signsgd", "two_way_sidco")
+                              "powersgd", "csc", "sketch", "two_way_topk", "two_way_signsgd", "two_way_sidco",
+                              "lgc", "lgc_ps")
             residuals = ["t1", "t3", "t4"] if memory else []  # per tensor, as before
             assert rec["checkpoint_keys"] == residuals, (name, rec["checkpoint_keys"])
         sidco = rank["fused"]["sidco"]
@@ -150,6 +156,10 @@ def test_fused_exchange_equals_the_per_tensor_exchange_bitwise(two_ranks):
         for name in ("two_way_topk", "two_way_signsgd", "two_way_qsgd", "two_way_sidco"):
             rec = rank["fused"][name]  # each tensor's piece of the owner's second residual
             assert all(rec["own_state_equal"]) and any(any(x != 0 for x in st["f"]) for st in rec["own"][2]), name
+        for name in ("lgc", "lgc_ps"):  # each tensor's coder trained after its two top-k steps
+            rec = rank["fused"][name]
+            assert all(rec["own_state_equal"]), name
+            assert [[st["last_phase"] for st in step] for step in rec["own"]] == [[1] * 3, [1] * 3, [2] * 3], name
         csc, sketch = rank["fused"]["csc"], rank["fused"]["sketch"]
         assert all(csc["own_state_equal"]) and all(sketch["own_state_equal"]), (csc, sketch)
         # k = ceil(0.25 x chunks) per tensor: 1200 entries -> 19 chunks -> 5; 700 -> 11 -> 3

@@ -32,6 +32,11 @@ Defaults: ratio 0.01, code_ratio 0.25, coder_warmup_steps 50, max_error 0.8 (ben
 compression_digits.py, 20 epochs: codes in 48% of the exchanges, the rest shared-mask top-k;
 error feedback carries what the code loses), hidden 64, block 256, train_iters 300, style
 ring, memory true, min_numel 16384.
+Fused exchange (:mod:`easgd_lightning.hooks._fused`, ``rounds_segments``): every tensor keeps
+its own leader's mask, samples, coder and phase (the group's ``segment_states``); the masks
+travel in one all-gather, the phase-1 tensors' values in one all-gather and the phase-2
+tensors' codes in one all-reduce (``ps``: all-gather) per exchange; a coder's training
+(its weights' all-reduce) stays per tensor, on the steps it happens.
 """
 
 from __future__ import annotations
@@ -51,8 +56,12 @@ from easgd_lightning.hooks.compressors.base import (
     check_positive,
     check_ratio,
     num_selected,
+    scratch_buffer,
     scratch_of,
+    start_collective,
+    wants_local,
 )
+from easgd_lightning.hooks.compressors.segments import SEGMENT_STATES, Segments
 from easgd_lightning.utils.renames import accepts_renamed
 
 __all__ = ["LGCCompressor", "BlockAutoencoder", "train_autoencoder", "sum_decode_error"]
@@ -148,6 +157,8 @@ class LGCCompressor(Compressor):
     name = "lgc"
     aggregation = "allreduce"
     default_memory = True
+    fused_segments = True  # in the multi-round form: rounds_segments
+    segment_state = True  # each tensor's coder, samples and phase (the fused exchange's segment_states)
 
     @accepts_renamed("lgc", "compression")
     def __init__(
@@ -221,19 +232,26 @@ class LGCCompressor(Compressor):
         out[meta["idx"]] = vals
         return out.reshape(shape)
 
+    @staticmethod
+    def _leader_pick(flat: torch.Tensor, k: int) -> torch.Tensor:
+        """What the leader sends: its k largest |g| (indices, int32) and its scale s (float32
+        bits as one int32 more)."""
+        mine = torch.topk(flat.abs(), k, sorted=True).indices
+        s = torch.linalg.norm(flat[mine].float()).reshape(1) / math.sqrt(k)
+        return torch.cat([mine.to(torch.int32), s.view(torch.int32)])
+
+    @staticmethod
+    def _read_pick(got: torch.Tensor, device) -> tuple[torch.Tensor, float]:
+        """(the shared mask, s) of a leader's :meth:`_leader_pick`."""
+        s = float(got[-1:].view(torch.float32))
+        return got[:-1].to(device=device, dtype=torch.int64), max(s, 1e-30)
+
     def _shared_mask(self, flat: torch.Tensor, step: int, k: int, collective: Collective):
         """The leader's k indices and its scale s (float32 bits appended as one int32)."""
         leader = step % collective.world_size
         rank = getattr(collective, "rank", 0)
-        if rank == leader:
-            mine = torch.topk(flat.abs(), k, sorted=True).indices
-            s = torch.linalg.norm(flat[mine].float()).reshape(1) / math.sqrt(k)
-            send = torch.cat([mine.to(torch.int32), s.view(torch.int32)])
-        else:
-            send = torch.empty(0, dtype=torch.int32, device=flat.device)
-        got = collective.all_gather([send])[leader][0]
-        s = float(got[-1:].view(torch.float32))
-        return got[:-1].to(device=flat.device, dtype=torch.int64), max(s, 1e-30)
+        send = self._leader_pick(flat, k) if rank == leader else torch.empty(0, dtype=torch.int32, device=flat.device)
+        return self._read_pick(collective.all_gather([send])[leader][0], flat.device)
 
     def _train(self, state: dict, k: int, collective: Collective) -> None:
         groups = state.get("samples")
@@ -279,36 +297,110 @@ class LGCCompressor(Compressor):
         if ae is None:  # phase 1: top-k with the shared mask; every worker's x kept
             parts = collective.all_gather([x])
             xs = torch.stack([p[0].to(flat.device, flat.dtype) for p in parts])
-            old = state.get("samples")
-            new = (xs / s).float().unsqueeze(0)
-            state["samples"] = new if old is None or old.shape[2] != k else torch.cat([old, new])[-MAX_GROUPS:]
-            local[idx] = x
-            mean[idx] = xs.sum(0) / world
-            state["last_phase"] = 1
-            state["phase1_steps"] = int(state.get("phase1_steps", 0)) + 1
-            if state["phase1_steps"] % self.coder_warmup_steps == 0:
-                self._train(state, k, collective)
+            self._phase1_end(state, k, x, xs, s, idx, local, mean, collective)
         else:
-            with torch.no_grad():
-                z = ae.encode((x / s).float())
-                mine = ae.decode(z).to(flat.dtype) * s
-                xn = float(torch.linalg.norm(x))
-                err = float(torch.linalg.norm(x - mine)) / xn if xn > 0 else 0.0
-                zt = torch.cat([z, z.new_tensor([err])])
-                if self.style == "ring":
-                    (zt_sum,) = collective.all_reduce_sum([zt])
-                else:  # every rank plays the server: the gathered codes summed, decoded once
-                    zt_sum = torch.stack([p[0].to(z.device, z.dtype) for p in collective.all_gather([zt])]).sum(0)
-                local[idx] = mine
-                mean[idx] = ae.decode(zt_sum[:-1]).to(flat.dtype) * (s / world)
-            ema = state["ema_error"] = EMA * float(state.get("ema_error", 0.0)) + (1 - EMA) * float(zt_sum[-1]) / world
-            state["last_phase"] = 2
-            if ema > self.max_error:
-                log.warning(
-                    "compression=lgc: running reconstruction error %.3f > compression.max_error %.3f; "
-                    "back to top-k with the shared mask to retrain", ema, self.max_error,
-                )
-                state["coder_weights"] = None
-                state["phase1_steps"] = 0
-        self.phase_steps[state["last_phase"]] += 1
+            zt, mine = self._phase2_code(ae, x, s)
+            if self.style == "ring":
+                (zt_sum,) = collective.all_reduce_sum([zt])
+            else:  # every rank plays the server: the gathered codes summed, decoded once
+                zt_sum = torch.stack([p[0].to(zt.device, zt.dtype) for p in collective.all_gather([zt])]).sum(0)
+            self._phase2_end(state, ae, zt_sum, mine, s, idx, local, mean, world)
         return mean.view(tensor.shape), local.view(tensor.shape)
+
+    def _phase1_end(self, state: dict, k: int, x, xs, s: float, idx, local, mean, collective) -> None:
+        """Phase 1 of one tensor, its workers' masked values ``xs`` gathered: kept as
+        training data, sent as they are (``local``, ``mean`` at the mask); the coder trained
+        every ``coder_warmup_steps`` such steps."""
+        old = state.get("samples")
+        new = (xs / s).float().unsqueeze(0)
+        state["samples"] = new if old is None or old.shape[2] != k else torch.cat([old, new])[-MAX_GROUPS:]
+        local[idx] = x
+        mean[idx] = xs.sum(0) / collective.world_size
+        state["last_phase"] = 1
+        state["phase1_steps"] = int(state.get("phase1_steps", 0)) + 1
+        if state["phase1_steps"] % self.coder_warmup_steps == 0:
+            self._train(state, k, collective)
+        self.phase_steps[1] += 1
+
+    @staticmethod
+    def _phase2_code(ae, x, s: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(code and relative error, what it decodes to) of one tensor's masked values."""
+        with torch.no_grad():
+            z = ae.encode((x / s).float())
+            mine = ae.decode(z).to(x.dtype) * s
+        xn = float(torch.linalg.norm(x))
+        err = float(torch.linalg.norm(x - mine)) / xn if xn > 0 else 0.0
+        return torch.cat([z, z.new_tensor([err])]), mine
+
+    def _phase2_end(self, state: dict, ae, zt_sum, mine, s: float, idx, local, mean, world: int) -> None:
+        """Phase 2 of one tensor, its codes summed: decoded once; the running error, and
+        back to phase 1 when it passes ``max_error``."""
+        with torch.no_grad():
+            local[idx] = mine
+            mean[idx] = ae.decode(zt_sum[:-1]).to(mean.dtype) * (s / world)
+        ema = state["ema_error"] = EMA * float(state.get("ema_error", 0.0)) + (1 - EMA) * float(zt_sum[-1]) / world
+        state["last_phase"] = 2
+        if ema > self.max_error:
+            log.warning(
+                "compression=lgc: running reconstruction error %.3f > compression.max_error %.3f; "
+                "back to top-k with the shared mask to retrain", ema, self.max_error,
+            )
+            state["coder_weights"] = None
+            state["phase1_steps"] = 0
+        self.phase_steps[2] += 1
+
+    def rounds_segments(self, flat: torch.Tensor, segments: Segments, state: dict, collective, out: torch.Tensor):
+        """The fused exchange's rounds: every tensor's shared mask in ONE all-gather (each
+        from its own leader), then the tensors in phase 1 their masked values in ONE
+        all-gather and those in phase 2 their codes in ONE all-reduce (``ps``: all-gather);
+        each tensor its own coder, samples and phase (``segment_states``); every segment's
+        mean written into ``out``; returns this rank's transmitted buffer (None unless
+        :func:`~.base.wants_local`). A coder's training (its weights' all-reduce) stays per
+        tensor, on the rare steps it happens."""
+        world, rank = collective.world_size, getattr(collective, "rank", 0)
+        own = state.setdefault(SEGMENT_STATES, [{} for _ in range(len(segments))])
+        hashes = segments.key_hashes or (0,) * len(segments)
+        ks = [num_selected(n, self.ratio) for n in segments.lengths]
+        leaders = []
+        for st, h in zip(own, hashes):
+            step = int(st.get("step", 0))
+            st["key_hash"], st["step"] = h, step + 1
+            leaders.append(step % world)
+        picks = [self._leader_pick(flat[off : off + n], k)
+                 for (off, n), k, lead in zip(segments, ks, leaders) if lead == rank]
+        rows = collective.all_gather([torch.cat(picks) if picks else torch.empty(0, dtype=torch.int32, device=flat.device)])
+        at = [0] * world
+        masks = []
+        for k, lead in zip(ks, leaders):  # each leader's message: its tensors' picks in order
+            masks.append(self._read_pick(rows[lead][0][at[lead] : at[lead] + k + 1], flat.device))
+            at[lead] += k + 1
+        xs = [flat[off : off + n][idx] for (off, n), (idx, _) in zip(segments, masks)]
+        coders = [self.coder(st, k) for st, k in zip(own, ks)]
+        ones = [j for j, ae in enumerate(coders) if ae is None]
+        twos = [(j, *self._phase2_code(coders[j], xs[j], masks[j][1])) for j in range(len(segments)) if coders[j] is not None]
+        h1 = start_collective(collective, "all_gather", [torch.cat([xs[j] for j in ones])]) if ones else None
+        zts = [torch.cat([zt for _, zt, _ in twos])] if twos else []
+        h2 = None if not twos else start_collective(
+            collective, "all_reduce_sum" if self.style == "ring" else "all_gather", zts)
+        yield
+        local = scratch_buffer(scratch_of(state), "local", flat.numel(), flat.dtype, flat.device).zero_()
+        for off, n in segments:
+            out[off : off + n].zero_()
+        if h1 is not None:
+            gathered, pos = h1.wait(), 0
+            for j in ones:
+                off, n, k, (idx, s) = segments.offsets[j], segments.lengths[j], ks[j], masks[j]
+                xs_j = torch.stack([row[0][pos : pos + k].to(flat.device, flat.dtype) for row in gathered])
+                pos += k
+                self._phase1_end(own[j], k, xs[j], xs_j, s, idx, local[off : off + n], out[off : off + n], collective)
+        if h2 is not None:
+            got = h2.wait()
+            summed = got[0] if self.style == "ring" else torch.stack([row[0].to(zts[0].device, zts[0].dtype) for row in got]).sum(0)
+            pos = 0
+            for j, zt, mine in twos:
+                off, n = segments.offsets[j], segments.lengths[j]
+                idx, s = masks[j]
+                self._phase2_end(own[j], coders[j], summed[pos : pos + zt.numel()], mine, s, idx,
+                                 local[off : off + n], out[off : off + n], world)
+                pos += zt.numel()
+        return local if wants_local(state) else None

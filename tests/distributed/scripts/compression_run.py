@@ -297,6 +297,11 @@ FUSED_CASES = {
     "two_way_signsgd": ("signsgd", {"min_numel": 100, "two_way": True}),
     "two_way_qsgd": ("qsgd", {"levels": 7, "bucket_size": 64, "seed": 5, "min_numel": 100, "two_way": True}),
     "two_way_sidco": ("sidco", {"ratio": 0.05, "adapt_every": 1, "min_numel": 100, "two_way": True}),
+    # each tensor its own leader's mask, samples and coder: trained after 2 phase-1 steps
+    # (the first two), codes at the third (from the per-tensor side's checkpoint)
+    "lgc": ("lgc", {"ratio": 0.1, "coder_warmup_steps": 2, "max_error": 100.0, "train_iters": 5, "min_numel": 100}),
+    "lgc_ps": ("lgc", {"ratio": 0.1, "coder_warmup_steps": 2, "max_error": 100.0, "train_iters": 5, "style": "ps",
+                       "min_numel": 100}),
 }
 
 #: the state of its own per tensor of each codec that keeps one (per segment when fused)
@@ -311,6 +316,8 @@ OWN_FIELDS = {
     "two_way_signsgd": ("f",),
     "two_way_qsgd": ("f",),
     "two_way_sidco": ("f",),
+    "lgc": ("step", "last_phase", "phase1_steps", "ema_error", "coder_weights"),
+    "lgc_ps": ("step", "last_phase", "phase1_steps", "ema_error", "coder_weights"),
 }
 
 

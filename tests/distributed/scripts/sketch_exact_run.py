@@ -28,6 +28,15 @@ def sparse(rank: int, draw: int, k: int) -> torch.Tensor:
     return v
 
 
+def last_core(state: dict) -> int:
+    """The largest remainder of the exchange: per tensor, or per segment of the fused one."""
+    cores = [0]
+    for s in state.values():
+        if isinstance(s, dict):
+            cores += [int(m.get("last_core", 0)) for m in [s, *s.get("segment_states", [])]]
+    return max(cores)
+
+
 def main() -> None:
     out = sys.argv[1]
     dist.init_process_group("gloo")
@@ -40,7 +49,7 @@ def main() -> None:
         got = exchange_sum(sparse(rank, draw, k), compressor=comp, state=state, key=f"d{draw}")
         record["got"].append(got.clone())
         record["exact"].append(sum(sparse(r, draw, k) for r in range(world)))
-        record["core"].append(max(int(s.get("last_core", 0)) for s in state.values() if isinstance(s, dict)))
+        record["core"].append(last_core(state))
     torch.save(record, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
