@@ -234,17 +234,23 @@ class AdaptiveCompressor(SparseCompressor):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         world = collective.world_size
         self._numels[int(state.get("key_hash", 0))] = tensor.numel()
-        index_bytes = torch.empty((), dtype=index_dtype_for(tensor.numel())).element_size()
-        proposal = self.choose_ratio(world, tensor.element_size(), index_bytes)
-        vote = torch.tensor([proposal], dtype=torch.float64, device=tensor.device)
-        (agreed,) = collective.all_reduce_max([vote])
-        ratio = float(agreed[0])
-        state["ratio"] = ratio
-        self.last_ratio = ratio
+        ratio = self._agree(tensor, tensor.numel(), state, collective)
         if ratio >= 1.0:
             (summed,) = collective.all_reduce_sum([tensor.reshape(-1)])
             return summed.reshape(tensor.shape) / world, tensor.clone()
         return super().aggregate(tensor, state, collective)
+
+    def _agree(self, like: torch.Tensor, numel: int, state: dict, collective) -> float:
+        """The ratio every rank uses: each proposes from its measurements, for indices into
+        ``numel`` entries, and the largest wins (one 4-byte max all-reduce)."""
+        index_bytes = torch.empty((), dtype=index_dtype_for(numel)).element_size()
+        proposal = self.choose_ratio(collective.world_size, like.element_size(), index_bytes)
+        vote = torch.tensor([proposal], dtype=torch.float64, device=like.device)
+        (agreed,) = collective.all_reduce_max([vote])
+        ratio = float(agreed[0])
+        state["ratio"] = ratio
+        self.last_ratio = ratio
+        return ratio
 
     # ------------------------------------------------------------ fused exchange
     def rounds_segments(self, flat: torch.Tensor, segments: Segments, state: dict, collective, out: torch.Tensor):
@@ -260,13 +266,7 @@ class AdaptiveCompressor(SparseCompressor):
     def _agree_and_exchange_segments(self, flat, segments: Segments, state: dict, collective, out):
         world = collective.world_size
         self._numels.update(zip(segments.key_hashes, segments.lengths))
-        index_bytes = torch.empty((), dtype=index_dtype_for(segments.numel)).element_size()
-        proposal = self.choose_ratio(world, flat.element_size(), index_bytes)
-        vote = torch.tensor([proposal], dtype=torch.float64, device=flat.device)
-        (agreed,) = collective.all_reduce_max([vote])
-        ratio = float(agreed[0])
-        state["ratio"] = ratio
-        self.last_ratio = ratio
+        ratio = self._agree(flat, segments.numel, state, collective)
         if ratio >= 1.0:
             index = segments.index(flat.device)
             (summed,) = collective.all_reduce_sum([flat.index_select(0, index)])

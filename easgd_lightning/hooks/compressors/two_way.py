@@ -268,8 +268,9 @@ class TwoWayCompressor(Compressor):
             hashes = segments.key_hashes or (0,) * len(segments)
             owners = []
             for j in range(world):
-                members = [t for t, n in enumerate(segments.lengths) if shard_bounds(n, world, j)[1] > shard_bounds(n, world, j)[0]]
-                bounds = [shard_bounds(segments.lengths[t], world, j) for t in members]
+                shards = [shard_bounds(n, world, j) for n in segments.lengths]
+                members = [t for t, (a, b) in enumerate(shards) if b > a]
+                bounds = [shards[t] for t in members]
                 lens = [b - a for a, b in bounds]
                 up = Segments([segments.offsets[t] + a for t, (a, _) in zip(members, bounds)], lens, segments.numel,
                               [zlib.crc32(f"{hashes[t]}:up{j}".encode()) & 0x7FFFFFFF for t in members])
