@@ -71,6 +71,7 @@ import torch
 from easgd_lightning.hooks._exchange import ExchangeStats, _kind_totals, key_hash
 from easgd_lightning.hooks.compressors.base import (
     _PER_TENSOR_RULE,
+    defining_depth,
     has_fused_form,
     may_write_residual,
     scratch_buffer,
@@ -135,12 +136,7 @@ def has_fused_rounds(compressor) -> bool:
     has_fused_form`)."""
     if not getattr(compressor, "fused_segments", False):
         return False
-    mro = type(compressor).__mro__
-
-    def depth(names) -> int:
-        return min((i for i, c in enumerate(mro) for n in names if n in vars(c)), default=len(mro))
-
-    return depth(("rounds_segments",)) <= depth(_PER_TENSOR_RULE)
+    return defining_depth(compressor, ("rounds_segments",)) <= defining_depth(compressor, _PER_TENSOR_RULE)
 
 
 def fusable(compressor, collective, plan=None) -> bool:

@@ -390,23 +390,25 @@ _FUSED_RULE = ("compress_segments", "select_segments", "local_segments", "mean_s
 def has_fused_form(compressor) -> bool:
     """Whether ``compressor`` runs the fused exchange: it says ``fused_segments`` and no
     method of its per-tensor rule is overridden below the class that wrote its fused form
-    (a subclass that changes ``compress`` or ``select_values`` -- SparseLoCo under top-k, a
-    user's own codec under a shipped one -- would otherwise be bypassed by its parent's
+    (a subclass that changes ``compress`` or ``select_values`` -- a user's own codec under a
+    shipped one, unless it writes its own fused form as SparseLoCo does under top-k -- would otherwise be bypassed by its parent's
     ``compress_segments`` and send the parent's payload). A ``select_segments`` marked
     ``follows_select_values`` (the sparse base's loop: each segment through the codec's own
     :meth:`select_values`) bypasses no selection rule, so overriding ``select`` /
     ``select_values`` does not count against it."""
     if not getattr(compressor, "fused_segments", False):
         return False
-    mro = type(compressor).__mro__
     rule = _PER_TENSOR_RULE
     if getattr(getattr(type(compressor), "select_segments", None), "follows_select_values", False):
         rule = tuple(n for n in rule if n not in ("select", "select_values"))
+    return defining_depth(compressor, _FUSED_RULE) <= defining_depth(compressor, rule)
 
-    def depth(names) -> int:
-        return min((i for i, c in enumerate(mro) for n in names if n in vars(c)), default=len(mro))
 
-    return depth(_FUSED_RULE) <= depth(rule)
+def defining_depth(compressor, names) -> int:
+    """How far up ``compressor``'s class chain the nearest class defining one of ``names``
+    is (0: its own class; the chain's length: none does)."""
+    mro = type(compressor).__mro__
+    return min((i for i, c in enumerate(mro) for n in names if n in vars(c)), default=len(mro))
 
 
 def start_collective(collective: Collective, name: str, tensors: list[torch.Tensor]):
