@@ -58,7 +58,12 @@ def similarity(sum_of_samples: torch.Tensor, sum_of_squares: float, world: int) 
     """S = ||sum_i x_i||^2 / (p sum_i ||x_i||^2) (1.0 for an all-zero sample)."""
     if sum_of_squares <= 0.0:
         return 1.0
-    return float(sum_of_samples.double().square().sum()) / (world * sum_of_squares)
+    return similarity_of(float(sum_of_samples.double().square().sum()), sum_of_squares, world)
+
+
+def similarity_of(norm_of_sum: float, sum_of_squares: float, world: int) -> float:
+    """:func:`similarity` from ||sum_i x_i||^2 already summed (1.0 for an all-zero sample)."""
+    return norm_of_sum / (world * sum_of_squares) if sum_of_squares > 0.0 else 1.0
 
 
 def sgc_decision(sim: float, skipped: int, allowed: int, threshold: float, max_skip: int) -> tuple[bool, int, int]:
@@ -189,7 +194,7 @@ class SGCCompressor(Compressor):
         sums = summed[x.numel() :].tolist()
         go = []
         for j, st in enumerate(own):
-            sim = 1.0 if sums[j] <= 0.0 else norms[j] / (world * sums[j])  # :func:`similarity`
+            sim = similarity_of(norms[j], sums[j], world)
             agg, skipped, allowed = sgc_decision(
                 sim, int(st.get("skipped", 0)), int(st.get("allowed", 1)), self.threshold, self.max_skip
             )
